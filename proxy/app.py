@@ -1,0 +1,90 @@
+"""Build the aiohttp Application from a Config: routes, middlewares, and what opens and closes with it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from .config import Config
+from .dispatcher import ServerDispatcher
+from .tasks.service import TaskService
+from .tasks.store import TaskStore
+from .transport import ServerEndpoint, default_allowed_hosts, host_guard
+from .upstream.http import UpstreamPool
+
+log = structlog.get_logger("proxy.app")
+
+CONFIG_KEY = web.AppKey("config", Config)
+TASKS_KEY = web.AppKey("tasks", TaskService)
+ENDPOINTS_KEY = web.AppKey("endpoints", dict)
+
+
+def build_app(config: Config) -> web.Application:
+    """The proxy as an aiohttp Application.
+
+    Routes: `/servers/<name>/mcp` for each enabled server, `/mcp` too when exactly one is configured,
+    `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context).
+    """
+    allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
+    app = web.Application(middlewares=[host_guard(allowed)], client_max_size=config.listen.max_body_bytes)
+    app[CONFIG_KEY] = config
+    app[ENDPOINTS_KEY] = {}
+    app.cleanup_ctx.append(_lifecycle)
+
+    def endpoint_handler(name: str):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await request.app[ENDPOINTS_KEY][name].handle(request)
+
+        return handler
+
+    servers = config.servers
+    for name in servers:
+        app.router.add_route("*", f"/servers/{name}/mcp", endpoint_handler(name))
+    if len(servers) == 1:
+        app.router.add_route("*", "/mcp", endpoint_handler(next(iter(servers))))
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG_KEY]
+    store = TaskStore(config.store.path, durable=config.store.durable)
+    tasks = TaskService(store)
+    app[TASKS_KEY] = tasks
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
+    pools = []
+    for name, entry in config.servers.items():
+        if entry.url is None:
+            raise RuntimeError(f"server {name!r}: stdio upstreams (`command`) are not supported yet")
+        pool = UpstreamPool(http, name, entry.url, entry.headers)
+        pools.append(pool)
+        dispatcher = ServerDispatcher(name=name, config=config, pool=pool, tasks=tasks, keepalive_s=config.listen.sse_keepalive)
+        app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher)
+    log.info("proxy_started", servers=list(config.servers), store=config.store.path, boot=tasks.boot)
+    try:
+        yield
+    finally:
+        tasks.abandon_all()
+        for pool in pools:
+            await pool.close()
+        await http.close()
+        store.close()
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    checks: dict[str, str] = {}
+    try:
+        request.app[TASKS_KEY].store.check_writable()
+        checks["store"] = "ok"
+    except Exception as exc:  # any store fault means not ready
+        checks["store"] = f"failed: {exc}"
+    ready = all(v == "ok" for v in checks.values())
+    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

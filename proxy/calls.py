@@ -1,0 +1,287 @@
+"""One in-flight upstream `tools/call`, owned by the proxy rather than by the client's HTTP handler.
+
+A call is *attached* while its client waits on the original request (notifications are relayed to
+that request's stream), and *detached* once it became a task: from then on it writes its status,
+input requests and outcome to the task store (design.md "The path of one request").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from .protocol import jsonrpc
+from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId
+from .protocol.translate import modern_error, modern_result
+from .tasks.model import TaskStatus, TerminalTaskError
+from .tasks.store import TaskNotFoundError, TaskStore
+from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
+
+log = structlog.get_logger("proxy.calls")
+
+INPUT_METHODS = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
+
+
+@dataclass
+class PendingInput:
+    """A server→client request the upstream is waiting on: its upstream id and the 2026 `{method, params}` value."""
+
+    upstream_id: RequestId
+    request: JsonObject
+
+
+def input_request_value(message: JsonObject) -> JsonObject:
+    """The 2026-07-28 `{method, params}` value of a legacy server→client request.
+
+    Drops `jsonrpc`/`id`, the params' `_meta` (related-task key included), the v1 `task` param and
+    URL-mode `elicitationId` (protocol.md §3.4 step 3).
+    """
+    value: JsonObject = {"method": message["method"]}
+    params = message.get("params")
+    if isinstance(params, dict):
+        value["params"] = {k: v for k, v in params.items() if k not in ("_meta", "task", "elicitationId")}
+    elif message["method"] != "roots/list":
+        value["params"] = {}
+    return value
+
+
+class Call:
+    """An upstream `tools/call` running in its own asyncio task.
+
+    `params` are the params to send upstream (envelope already stripped), `capabilities` the
+    legacy client capabilities for the upstream session, `timeout` the hard limit in seconds.
+    `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
+    `events` carries `("notification", msg)` and `("input", key)` items for the attached client.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: UpstreamPool,
+        server: str,
+        tool: str,
+        params: JsonObject,
+        capabilities: JsonObject,
+        timeout: float,
+        store: TaskStore,
+        client_progress_token: str | int | None = None,
+        relay_logs: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.server = server
+        self.tool = tool
+        self.params = params
+        self.capabilities = capabilities
+        self.timeout = timeout
+        self.store = store
+        self.client_progress_token = client_progress_token
+        self.relay_logs = relay_logs
+        self.progress_token = "mtp-" + secrets.token_urlsafe(12)
+        self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.task_id: str | None = None
+        self.session: UpstreamSession | None = None
+        self.upstream_request_id: RequestId | None = None
+        self.pending: dict[str, PendingInput] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        self._on_done: list[Callable[[Call], None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the upstream request in a task of its own."""
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"call {self.server}/{self.tool}")
+
+    def add_done_callback(self, fn: Callable[[Call], None]) -> None:
+        """Call `fn(call)` once, when the outcome is known."""
+        self._on_done.append(fn)
+
+    @property
+    def done(self) -> bool:
+        """True once the outcome is known."""
+        return self.outcome.done()
+
+    async def _run(self) -> None:
+        params = dict(self.params)
+        meta = dict(params.get("_meta") or {})
+        meta["progressToken"] = self.progress_token
+        params["_meta"] = meta
+        try:
+            async with asyncio.timeout(self.timeout):
+                reply = await self._request(params, retry_expired=True)
+        except TimeoutError:
+            self._spawn(self._send_cancelled("hard timeout"))
+            reply = {"error": {"code": INTERNAL_ERROR, "message": f"upstream {self.server} hard timeout: no answer within {self.timeout:g} s"}}
+        except UpstreamError as exc:
+            reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
+        except asyncio.CancelledError:
+            if not self.outcome.done():
+                self._finish({"error": {"code": REQUEST_CANCELLED, "message": "the call was cancelled"}})
+            raise
+        except Exception as exc:  # a bug or a garbage upstream must not kill the proxy
+            log.exception("call_crashed", server=self.server, tool=self.tool)
+            reply = {"error": {"code": INTERNAL_ERROR, "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}"}}
+        self._finish(reply)
+
+    async def _request(self, params: JsonObject, *, retry_expired: bool) -> JsonObject:
+        session = await self.pool.session(self.capabilities)
+        self.session = session
+        self.upstream_request_id = session.next_id()
+        try:
+            return await session.request("tools/call", params, handler=self._on_message, request_id=self.upstream_request_id)
+        except SessionExpiredError:
+            self.pool.discard(session)
+            if not retry_expired:
+                raise
+            return await self._request(params, retry_expired=False)
+
+    def _finish(self, reply: JsonObject) -> None:
+        if self.outcome.done():
+            return
+        self.outcome.set_result(reply)
+        if self.task_id is not None:
+            self._record_outcome(reply)
+        for fn in self._on_done:
+            fn(self)
+
+    def _record_outcome(self, reply: JsonObject) -> None:
+        assert self.task_id is not None
+        try:
+            if "result" in reply:
+                self.store.update(self.task_id, status=TaskStatus.COMPLETED, result=modern_result("tools/call", reply["result"]), input_requests={})
+            else:
+                error = modern_error(reply.get("error"))
+                self.store.update(
+                    self.task_id,
+                    status=TaskStatus.FAILED,
+                    error=error,
+                    status_message=f"{error['message']}" if error["code"] == INTERNAL_ERROR else f"upstream {self.server} answered with a JSON-RPC error: {error['message']}",
+                    input_requests={},
+                )
+        except (TerminalTaskError, TaskNotFoundError) as exc:
+            log.info("late_outcome_discarded", task_id=self.task_id, reason=str(exc))
+
+    # -- messages from the upstream --------------------------------------------------------
+
+    async def _on_message(self, msg: JsonObject) -> None:
+        method = msg.get("method")
+        if jsonrpc.is_request(msg):
+            if method in INPUT_METHODS:
+                self._on_input_request(msg)
+            else:
+                self._spawn(self._respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"the proxy does not relay {method}"}))
+            return
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        if method == "notifications/progress" and params.get("progressToken") == self.progress_token:
+            self._on_progress(params)
+        elif method == "notifications/message":
+            if self.relay_logs and self.task_id is None:
+                self.events.put_nowait(("notification", msg))
+        elif method == "notifications/cancelled":
+            self._on_upstream_cancelled(params.get("requestId"))
+
+    def _on_progress(self, params: JsonObject) -> None:
+        if self.task_id is not None:
+            progress, total, message = params.get("progress"), params.get("total"), params.get("message")
+            text = f"{progress:g}/{total:g}" if isinstance(progress, (int, float)) and isinstance(total, (int, float)) else f"{progress}"
+            if message:
+                text = f"{text}: {message}"
+            try:
+                self.store.update(self.task_id, status_message=text)
+            except (TerminalTaskError, TaskNotFoundError):
+                pass
+        elif self.client_progress_token is not None:
+            relayed = dict(params, progressToken=self.client_progress_token)
+            self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
+
+    def _on_input_request(self, msg: JsonObject) -> None:
+        key = "in_" + secrets.token_urlsafe(9)
+        self.pending[key] = PendingInput(upstream_id=msg["id"], request=input_request_value(msg))
+        if self.task_id is not None:
+            self._write_inputs()
+        else:
+            self.events.put_nowait(("input", key))
+
+    def _on_upstream_cancelled(self, request_id: Any) -> None:
+        for key, pending in list(self.pending.items()):
+            if pending.upstream_id == request_id:
+                del self.pending[key]
+                if self.task_id is not None:
+                    self._write_inputs()
+
+    def input_requests(self) -> dict[str, JsonObject]:
+        """The outstanding upstream questions as a 2026 `inputRequests` map."""
+        return {key: pending.request for key, pending in self.pending.items()}
+
+    def _write_inputs(self) -> None:
+        assert self.task_id is not None
+        status = TaskStatus.INPUT_REQUIRED if self.pending else TaskStatus.WORKING
+        try:
+            self.store.update(self.task_id, status=status, input_requests=self.input_requests())
+        except (TerminalTaskError, TaskNotFoundError):
+            pass
+
+    # -- actions from the proxy ------------------------------------------------------------
+
+    def detach(self, task_id: str) -> None:
+        """Hand the call over to the task `task_id` (already committed to the store)."""
+        self.task_id = task_id
+        if self.pending:
+            self._write_inputs()
+
+    def answer(self, responses: JsonObject) -> list[str]:
+        """Deliver input responses by key; unknown or already-answered keys are ignored.
+
+        The answered keys leave the stored task before this returns; the JSON-RPC responses go
+        upstream in the background under the upstream's own request ids. Returns the keys used.
+        """
+        used = []
+        for key, value in responses.items():
+            pending = self.pending.pop(key, None)
+            if pending is None:
+                continue
+            used.append(key)
+            if isinstance(value, dict):
+                self._spawn(self._respond(pending.upstream_id, result=value))
+            else:
+                self._spawn(self._respond(pending.upstream_id, error={"code": jsonrpc.INVALID_PARAMS, "message": "the client sent a malformed input response"}))
+        if used and self.task_id is not None:
+            self._write_inputs()
+        return used
+
+    def cancel(self, reason: str) -> None:
+        """Abandon the call: release pending input requests, tell the upstream, stop reading."""
+        for pending in self.pending.values():
+            self._spawn(self._respond(pending.upstream_id, error={"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"}))
+        self.pending.clear()
+        if self._runner is not None and not self._runner.done():
+            self._spawn(self._send_cancelled(reason))
+            self._runner.cancel()
+
+    async def _send_cancelled(self, reason: str) -> None:
+        if self.session is None or self.upstream_request_id is None:
+            return
+        try:
+            await self.session.notify("notifications/cancelled", {"requestId": self.upstream_request_id, "reason": reason})
+        except UpstreamError as exc:
+            log.info("upstream_cancel_not_delivered", server=self.server, reason=str(exc))
+
+    async def _respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
+        if self.session is None:
+            return
+        try:
+            await self.session.respond(request_id, result=result, error=error)
+        except UpstreamError as exc:
+            log.info("upstream_answer_not_delivered", server=self.server, reason=str(exc))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,267 @@
+"""The config file as pydantic models: loading (YAML or JSON), `${VAR}` interpolation, durations.
+
+Contract (design.md "Config contract"): one file; `mcpServers` accepts Claude Desktop / `.mcp.json`
+entries; proxy concerns (`listen`, `store`, `tasks`) sit beside it; durations are strings with
+units (`500ms`, `30s`, `10m`, `1h`); unknown keys are errors that name the key's path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import expandvars
+import pytimeparse2
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class ConfigError(Exception):
+    """The config file cannot be used; the message names the file and the key path."""
+
+
+def parse_duration(value: Any) -> float:
+    """Parse a duration string with a unit (`500ms`, `30s`, `10m`, `1h`, `1h30m`) into seconds (float).
+
+    Bare numbers are refused because they are ambiguous (ms or s). Raises ValueError.
+    """
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(f"durations are strings with a unit, like '500ms', '30s' or '10m' (got {value!r})")
+    text = value.strip()
+    if re.fullmatch(r"[0-9.]+", text):
+        raise ValueError(f"duration {value!r} has no unit; write '{text}s' or '{text}ms'")
+    seconds = pytimeparse2.parse(text)
+    if seconds is None or seconds < 0:
+        raise ValueError(f"cannot read {value!r} as a duration; use forms like '500ms', '30s', '10m', '1h'")
+    return float(seconds)
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ListenConfig(_Strict):
+    """Where the proxy listens. `port` 0 picks a free port."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any"
+    )
+    max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
+    sse_keepalive: Duration = Field(15.0, description="SSE comment interval on long synchronous calls (s)")
+
+    @property
+    def max_body_bytes(self) -> int:
+        """`max_body` in bytes."""
+        return self.max_body
+
+
+class StoreConfig(_Strict):
+    """The task store: a diskcache directory. `durable` fsyncs every write."""
+
+    path: str = "./var/tasks"
+    durable: bool = True
+
+
+class ToolMode(StrEnum):
+    """How a tool may become a task."""
+
+    OPTIONAL = "optional"  # a task when still running after detach_after and the request declared the extension
+    REQUIRED = "required"  # always a task; requests without the extension get -32021
+    FORBIDDEN = "forbidden"  # never a task
+
+
+class TaskPolicy(_Strict):
+    """Task settings; every field may be left out to inherit from the level above.
+
+    `detach_after` (s): how long a call runs synchronously before it becomes a task.
+    `ttl` (s): retention of a task, counted from its creation. `poll_interval` (s): the poll
+    interval suggested to clients.
+    """
+
+    detach_after: Duration | None = None
+    ttl: Duration | None = None
+    poll_interval: Duration | None = None
+
+
+class ToolTasks(TaskPolicy):
+    """Per-tool task settings."""
+
+    mode: ToolMode = ToolMode.OPTIONAL
+
+
+class ServerTasks(TaskPolicy):
+    """Per-server task settings and per-tool overrides."""
+
+    tools: dict[str, ToolTasks] = Field(default_factory=dict)
+
+
+class DefaultTasks(_Strict):
+    """Defaults for every server."""
+
+    detach_after: Duration = 10.0
+    ttl: Duration = 3600.0
+    poll_interval: Duration = 2.0
+
+
+_CLIENT_ONLY_KEYS = ("disabled", "enabled", "alwaysAllow", "autoApprove", "trust", "description", "disabledTools", "timeout_ms")
+
+
+class ServerEntry(_Strict):
+    """One upstream MCP server, in the Claude Desktop / `.mcp.json` shape plus proxy keys.
+
+    Remote: `url` (Streamable HTTP), `headers`. Stdio: `command`, `args`, `env`, `cwd`.
+    `timeout` (s) is the hard limit of one upstream call.
+    """
+
+    url: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    command: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    type: str | None = None
+    transport: str | None = None
+    transportType: str | None = None
+    timeout: Duration = 1800.0
+    tasks: ServerTasks = Field(default_factory=ServerTasks)
+    disabled: bool = False
+    enabled: bool = True
+    alwaysAllow: list[str] | None = None
+    autoApprove: list[str] | None = None
+    trust: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> ServerEntry:
+        if bool(self.url) == bool(self.command):
+            raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
+        kind = (self.type or self.transport or self.transportType or "").lower()
+        if self.url and kind in ("sse",):
+            raise ValueError("the legacy HTTP+SSE transport is not supported; use a Streamable HTTP url")
+        return self
+
+    @property
+    def active(self) -> bool:
+        """False when the entry is switched off with `disabled: true` or `enabled: false`."""
+        return self.enabled and not self.disabled
+
+
+class ResolvedPolicy(BaseModel):
+    """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s)."""
+
+    mode: ToolMode
+    detach_after: float
+    ttl: float
+    poll_interval: float
+    timeout: float
+
+
+class Config(_Strict):
+    """The whole config file."""
+
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    tasks: DefaultTasks = Field(default_factory=DefaultTasks)
+    mcpServers: dict[str, ServerEntry] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _names(self) -> Config:
+        for name in self.mcpServers:
+            if not _NAME.match(name):
+                raise ValueError(f"server name {name!r} must match {_NAME.pattern} (it becomes a URL path)")
+        if not self.servers:
+            raise ValueError("mcpServers must configure at least one enabled server")
+        return self
+
+    @property
+    def servers(self) -> dict[str, ServerEntry]:
+        """The enabled servers by name."""
+        return {name: entry for name, entry in self.mcpServers.items() if entry.active}
+
+    def policy(self, server: str, tool: str) -> ResolvedPolicy:
+        """Resolve tool → server → defaults for one tool of one server."""
+        entry = self.mcpServers[server]
+        tool_cfg = entry.tasks.tools.get(tool, ToolTasks())
+        layers: list[TaskPolicy] = [tool_cfg, entry.tasks]
+
+        def pick(field: str) -> float:
+            for layer in layers:
+                value = getattr(layer, field)
+                if value is not None:
+                    return value
+            return getattr(self.tasks, field)
+
+        return ResolvedPolicy(
+            mode=tool_cfg.mode,
+            detach_after=pick("detach_after"),
+            ttl=pick("ttl"),
+            poll_interval=pick("poll_interval"),
+            timeout=entry.timeout,
+        )
+
+
+def _interpolate(node: Any, path: str) -> Any:
+    if isinstance(node, str):
+        try:
+            return expandvars.expandvars(node, nounset=True)
+        except expandvars.ExpandvarsException as exc:
+            raise ConfigError(f"{path or '<root>'}: {exc}") from None
+    if isinstance(node, dict):
+        return {k: _interpolate(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    return node
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc or '<root>'}: {msg}")
+    return "\n".join(lines)
+
+
+def config_from_data(data: Any, *, source: str = "<config>") -> Config:
+    """Validate an already-parsed config tree (after `${VAR}` interpolation). Raises ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    data = _interpolate(data, "")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid config\n{_format_errors(exc)}") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read a YAML or JSON config file (by content: JSON is valid YAML) and validate it.
+
+    Relative `store.path` values are taken relative to the config file's folder.
+    Raises ConfigError naming the file and, for invalid values, each key's path.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid {'JSON' if file.suffix == '.json' else 'YAML'}: {exc}") from None
+    config = config_from_data(data, source=str(file))
+    if not os.path.isabs(config.store.path):
+        config.store.path = str((file.parent / config.store.path).resolve())
+    return config

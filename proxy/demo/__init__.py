@@ -1,0 +1,1 @@
+"""Bundled demo legacy (handshake-era) MCP server."""

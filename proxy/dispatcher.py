@@ -1,0 +1,230 @@
+"""Modern-era (2026-07-28) method dispatch for one configured upstream server.
+
+The proxy answers `server/discover` and `tasks/*` itself, runs `tools/call` as a proxy-owned
+call that may become a task, and forwards everything else to the upstream session that matches
+the request's client capabilities, translating results on the way back (protocol.md §1.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from . import __version__
+from .calls import Call
+from .config import Config, ToolMode
+from .protocol.era import (
+    LEGACY_VERSIONS,
+    META_SERVER_INFO,
+    MODERN_VERSIONS,
+    TASKS_EXTENSION,
+    Envelope,
+    strip_envelope,
+    upstream_capabilities,
+)
+from .protocol.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonObject,
+    JsonRpcError,
+)
+from .protocol.translate import modern_error, modern_result
+from .tasks.service import TaskService
+from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool
+
+log = structlog.get_logger("proxy.dispatch")
+
+# Methods the 2026-07-28 core removed; the proxy answers -32601 (HTTP 404) itself.
+REMOVED_METHODS = frozenset(
+    {
+        "initialize",
+        "ping",
+        "logging/setLevel",
+        "resources/subscribe",
+        "resources/unsubscribe",
+        "tasks/result",
+        "tasks/list",
+        "subscriptions/listen",
+    }
+)
+TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+
+
+class Reply:
+    """How a handler talks back on one request's HTTP response while it is still running.
+
+    `notify(msg)` sends a JSON-RPC notification (switching the response to SSE), `keepalive()`
+    sends an SSE comment so idle-timeout intermediaries keep the connection.
+    """
+
+    notify: Callable[[JsonObject], Awaitable[None]]
+    keepalive: Callable[[], Awaitable[None]]
+
+
+class ServerDispatcher:
+    """Dispatches modern requests for one upstream server (`name`), sharing the TaskService."""
+
+    def __init__(self, *, name: str, config: Config, pool: UpstreamPool, tasks: TaskService, keepalive_s: float = 15.0) -> None:
+        self.name = name
+        self.config = config
+        self.pool = pool
+        self.tasks = tasks
+        self.keepalive_s = keepalive_s
+
+    async def dispatch(self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
+        """Answer one request; return the `result` object. Raises JsonRpcError for error replies."""
+        method = body["method"]
+        params = body.get("params") or {}
+        if method in REMOVED_METHODS:
+            raise JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire")
+        if method == "server/discover":
+            return await self.discover(envelope)
+        if method == "tasks/get":
+            return self.tasks.get(params, envelope, principal=principal, server=self.name)
+        if method == "tasks/update":
+            return self.tasks.update(params, envelope, principal=principal, server=self.name)
+        if method == "tasks/cancel":
+            return self.tasks.cancel(params, envelope, principal=principal, server=self.name)
+        if method.startswith("tasks/"):
+            raise JsonRpcError(METHOD_NOT_FOUND, f"unknown tasks method {method!r}")
+        if method == "tools/call":
+            return await self.call_tool(params, envelope, principal=principal, reply=reply)
+        return await self.forward(method, params, envelope)
+
+    # -- server/discover ---------------------------------------------------------------------
+
+    async def discover(self, envelope: Envelope) -> JsonObject:
+        """`server/discover`, built from the upstream's `initialize` result plus the tasks extension."""
+        session = await self._session(envelope)
+        init = session.initialize_result
+        caps = {k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")}
+        for key in ("tools", "prompts", "resources"):
+            if isinstance(caps.get(key), dict):
+                caps[key] = {k: v for k, v in caps[key].items() if k not in ("listChanged", "subscribe")}
+        extensions = dict(caps.get("extensions") or {})
+        extensions[TASKS_EXTENSION] = {}
+        caps["extensions"] = extensions
+        result: JsonObject = {
+            "resultType": "complete",
+            "supportedVersions": [*MODERN_VERSIONS, *LEGACY_VERSIONS],
+            "capabilities": caps,
+            "ttlMs": 0,
+            "cacheScope": "private",
+            "_meta": {META_SERVER_INFO: {"name": "mcp-tasks-proxy", "version": __version__, "upstream": init.get("serverInfo")}},
+        }
+        if init.get("instructions"):
+            result["instructions"] = init["instructions"]
+        return result
+
+    # -- tools/call --------------------------------------------------------------------------
+
+    async def call_tool(self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
+        """Run `tools/call` upstream; return its result, or a CreateTaskResult once it detaches."""
+        tool = params.get("name")
+        if not isinstance(tool, str) or not tool:
+            raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
+        if "arguments" in params and not isinstance(params["arguments"], dict):
+            raise JsonRpcError(INVALID_PARAMS, "tools/call params.arguments must be an object")
+        policy = self.config.policy(self.name, tool)
+        if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
+            raise JsonRpcError(
+                MISSING_REQUIRED_CLIENT_CAPABILITY,
+                f"tool {tool!r} always runs as a task; declare the {TASKS_EXTENSION} extension",
+                {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+            )
+        may_detach = envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        call = Call(
+            pool=self.pool,
+            server=self.name,
+            tool=tool,
+            params=strip_envelope(params),
+            capabilities=upstream_capabilities(envelope.capabilities),
+            timeout=policy.timeout,
+            store=self.tasks.store,
+            client_progress_token=meta.get("progressToken"),
+            relay_logs=envelope.log_level is not None,
+        )
+        call.start()
+
+        def detach(why: str) -> JsonObject:
+            record = self.tasks.detach(call, principal=principal, ttl_s=policy.ttl, poll_interval_s=policy.poll_interval, status_message=why)
+            return record.create_task_result()
+
+        if policy.mode is ToolMode.REQUIRED:
+            return detach(f"running upstream on {self.name} as a task")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + policy.detach_after if may_detach else None
+        try:
+            while True:
+                if call.done:
+                    return self._call_result(call)
+                wait = self.keepalive_s
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - loop.time()))
+                try:
+                    kind, item = await asyncio.wait_for(call.events.get(), timeout=wait)
+                except TimeoutError:
+                    if call.done:
+                        continue
+                    if deadline is not None and loop.time() >= deadline:
+                        return detach(f"still running upstream after {policy.detach_after:g} s; continuing in the background")
+                    await reply.keepalive()
+                    continue
+                if kind == "notification":
+                    await reply.notify(item)
+                elif kind == "input" and not call.done:
+                    if may_detach:
+                        return detach("the upstream asked for input; answer it with tasks/update")
+                    call.answer({item: None})
+        except asyncio.CancelledError:
+            if call.task_id is None:
+                call.cancel("the client closed the request stream")
+            raise
+
+    def _call_result(self, call: Call) -> JsonObject:
+        outcome = call.outcome.result()
+        if "result" in outcome:
+            return modern_result("tools/call", outcome["result"])
+        error = modern_error(outcome.get("error"))
+        raise JsonRpcError(error["code"], error["message"], error.get("data"))
+
+    # -- everything else ---------------------------------------------------------------------
+
+    async def _session(self, envelope: Envelope):
+        try:
+            return await self.pool.session(upstream_capabilities(envelope.capabilities))
+        except UpstreamError as exc:
+            raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
+
+    async def forward(self, method: str, params: JsonObject, envelope: Envelope) -> JsonObject:
+        """Forward a request upstream on the matching session and translate its result."""
+        upstream_params = strip_envelope(params)
+        for attempt in (1, 2):
+            session = await self._session(envelope)
+            try:
+                reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session))
+                break
+            except SessionExpiredError:
+                self.pool.discard(session)
+                if attempt == 2:
+                    raise JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session") from None
+            except UpstreamError as exc:
+                raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
+        if "error" in reply:
+            error = modern_error(reply["error"])
+            raise JsonRpcError(error["code"], error["message"], error.get("data"))
+        return modern_result(method, reply["result"])
+
+
+def _ignore_messages(session: Any):
+    async def handler(msg: JsonObject) -> None:
+        if "id" in msg and "method" in msg:
+            await session.respond(msg["id"], error={"code": METHOD_NOT_FOUND, "message": f"the proxy does not relay {msg['method']} here"})
+
+    return handler

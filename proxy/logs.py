@@ -1,0 +1,27 @@
+"""structlog set-up: JSON lines by default, a readable renderer on a TTY."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info") -> None:
+    """Route structlog and stdlib logging to stderr; JSON lines unless stderr is a terminal."""
+    renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,192 @@
+"""Eras of the MCP wire and the 2026-07-28 per-request envelope.
+
+Legacy era: revisions with an `initialize` handshake and `Mcp-Session-Id` (2024-11-05 … 2025-11-25).
+Modern era: 2026-07-28, every request carries `params._meta` with the protocol version and the
+client capabilities, plus the routing headers `MCP-Protocol-Version`, `Mcp-Method`, `Mcp-Name`
+(protocol.md §1.4.1, §4.2; SEP-2243, SEP-2575).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .jsonrpc import (
+    HEADER_MISMATCH,
+    INVALID_PARAMS,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    JsonObject,
+    JsonRpcError,
+)
+
+MODERN_VERSION = "2026-07-28"
+MODERN_VERSIONS = (MODERN_VERSION,)
+LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+UPSTREAM_VERSION = "2025-11-25"
+
+META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
+META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+META_RELATED_TASK = "io.modelcontextprotocol/related-task"
+ENVELOPE_META_KEYS = (META_PROTOCOL_VERSION, META_CLIENT_CAPABILITIES, META_CLIENT_INFO, META_LOG_LEVEL)
+
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+
+# Methods whose `Mcp-Name` header mirrors a body field (SEP-2243 core table, plus the tasks extension).
+NAME_FIELDS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
+TASK_NAME_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
+
+
+def is_modern_request(headers: Mapping[str, str], body: Any) -> bool:
+    """Decide whether an HTTP POST belongs to the modern (2026-07-28) era.
+
+    Rule (conformance.md §9.5): no `Mcp-Session-Id`, and either a `params._meta` or an
+    `MCP-Protocol-Version` header that does not name a legacy revision. A bare `initialize`
+    is legacy.
+    """
+    if headers.get("Mcp-Session-Id"):
+        return False
+    params = body.get("params") if isinstance(body, dict) else None
+    has_meta = isinstance(params, dict) and isinstance(params.get("_meta"), dict)
+    if isinstance(body, dict) and body.get("method") == "initialize" and not has_meta:
+        return False
+    version = (headers.get("MCP-Protocol-Version") or "").strip()
+    if has_meta:
+        return True
+    return bool(version) and version not in LEGACY_VERSIONS
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The per-request envelope of a modern request.
+
+    `protocol_version` is the declared revision, `capabilities` the client capabilities object,
+    `log_level` the optional requested log level (None: send no `notifications/message`).
+    """
+
+    protocol_version: str
+    capabilities: JsonObject
+    client_info: JsonObject | None
+    log_level: str | None
+
+    @property
+    def declares_tasks(self) -> bool:
+        """True when this request declared the `io.modelcontextprotocol/tasks` extension."""
+        extensions = self.capabilities.get("extensions")
+        return isinstance(extensions, dict) and isinstance(extensions.get(TASKS_EXTENSION), dict)
+
+
+def parse_envelope(params: Any) -> Envelope:
+    """Read the modern envelope from `params._meta`.
+
+    Raises JsonRpcError(-32602) when `_meta`, its protocol version or its client capabilities are
+    missing or of the wrong type (2026-07-28 basic/index, "Statelessness").
+    """
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    if not isinstance(meta, dict):
+        raise JsonRpcError(INVALID_PARAMS, "missing params._meta: a 2026-07-28 request must carry the envelope")
+    version = meta.get(META_PROTOCOL_VERSION)
+    if not isinstance(version, str) or not version:
+        raise JsonRpcError(INVALID_PARAMS, f"missing _meta[{META_PROTOCOL_VERSION!r}]")
+    caps = meta.get(META_CLIENT_CAPABILITIES)
+    if not isinstance(caps, dict):
+        raise JsonRpcError(INVALID_PARAMS, f"missing or invalid _meta[{META_CLIENT_CAPABILITIES!r}]")
+    info = meta.get(META_CLIENT_INFO)
+    level = meta.get(META_LOG_LEVEL)
+    return Envelope(
+        protocol_version=version,
+        capabilities=caps,
+        client_info=info if isinstance(info, dict) else None,
+        log_level=level if isinstance(level, str) else None,
+    )
+
+
+def decode_header_value(raw: str) -> str:
+    """Decode one routing header value: strip optional whitespace, undo `=?base64?…?=` (SEP-2243)."""
+    value = raw.strip(" \t")
+    if value.startswith("=?base64?") and value.endswith("?="):
+        try:
+            return base64.b64decode(value[len("=?base64?") : -2], validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError) as exc:
+            raise JsonRpcError(HEADER_MISMATCH, f"malformed base64 routing header value: {exc}") from None
+    return value
+
+
+def _single_header(headers: Any, name: str) -> str | None:
+    values = headers.getall(name, []) if hasattr(headers, "getall") else ([headers[name]] if name in headers else [])
+    if len(values) > 1:
+        raise JsonRpcError(HEADER_MISMATCH, f"duplicate {name} header")
+    return decode_header_value(values[0]) if values else None
+
+
+def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
+    """Validate the 2026-07-28 routing headers against the body, in the order the spec's probes expect.
+
+    `headers` is a case-insensitive multi-dict (aiohttp's `CIMultiDictProxy`).
+    Raises JsonRpcError -32020 on a missing or mismatched header and -32022 on an unserved version.
+    `Mcp-Name` is required for tools/call, prompts/get, resources/read; for tasks/* it is checked
+    only when present (protocol.md §5 item 14).
+    """
+    header_version = _single_header(headers, "MCP-Protocol-Version")
+    if header_version is not None and header_version != envelope.protocol_version:
+        raise JsonRpcError(
+            HEADER_MISMATCH,
+            f"MCP-Protocol-Version header {header_version!r} does not match _meta protocol version "
+            f"{envelope.protocol_version!r}",
+        )
+    if envelope.protocol_version not in MODERN_VERSIONS:
+        raise JsonRpcError(
+            UNSUPPORTED_PROTOCOL_VERSION,
+            f"protocol version {envelope.protocol_version!r} is not served here",
+            {"supported": list(MODERN_VERSIONS), "requested": envelope.protocol_version},
+        )
+    if header_version is None:
+        raise JsonRpcError(HEADER_MISMATCH, "missing MCP-Protocol-Version header")
+    method = body["method"]
+    header_method = _single_header(headers, "Mcp-Method")
+    if header_method is None:
+        raise JsonRpcError(HEADER_MISMATCH, "missing Mcp-Method header")
+    if header_method != method:
+        raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Method header {header_method!r} does not match method {method!r}")
+    params = body.get("params") or {}
+    header_name = _single_header(headers, "Mcp-Name")
+    if method in NAME_FIELDS:
+        expected = params.get(NAME_FIELDS[method])
+        if header_name is None:
+            raise JsonRpcError(HEADER_MISMATCH, f"missing Mcp-Name header for {method}")
+        if header_name != expected:
+            raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match {expected!r}")
+    elif method in TASK_NAME_METHODS and header_name is not None:
+        expected = params.get("taskId")
+        if header_name != expected:
+            raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match params.taskId {expected!r}")
+
+
+def upstream_capabilities(capabilities: JsonObject) -> JsonObject:
+    """The legacy `initialize` client capabilities that mirror a modern request's capabilities.
+
+    Keeps `elicitation`, `sampling` and `roots` (legacy servers decide what to offer from these);
+    never declares `tasks` or extensions upstream (protocol.md §3.4).
+    """
+    return {key: capabilities[key] for key in ("elicitation", "sampling", "roots") if isinstance(capabilities.get(key), dict)}
+
+
+def strip_envelope(params: JsonObject) -> JsonObject:
+    """Copy of request params without the modern envelope keys, the v1 `task` param and MRTR fields.
+
+    Other `_meta` keys and unknown params are kept (faithful relay).
+    """
+    out = {k: v for k, v in params.items() if k not in ("task", "inputResponses", "requestState")}
+    meta = params.get("_meta")
+    if isinstance(meta, dict):
+        rest = {k: v for k, v in meta.items() if k not in ENVELOPE_META_KEYS}
+        if rest:
+            out["_meta"] = rest
+        else:
+            out.pop("_meta", None)
+    return out

@@ -1,0 +1,132 @@
+"""JSON-RPC 2.0 envelopes and the MCP error codes the proxy emits.
+
+Spec: JSON-RPC 2.0 §4-5; MCP 2026-07-28 basic/index "Error Codes" (protocol.md §1.4.4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+JsonObject = dict[str, Any]
+RequestId = str | int
+
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+# Legacy (2025-11-25) codes that must never reach a 2026-07-28 client.
+RESOURCE_NOT_FOUND_LEGACY = -32002
+URL_ELICITATION_REQUIRED_LEGACY = -32042
+# 2026-07-28 codes.
+HEADER_MISMATCH = -32020
+MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+
+_HTTP_STATUS = {
+    PARSE_ERROR: 400,
+    INVALID_REQUEST: 400,
+    METHOD_NOT_FOUND: 404,
+    INVALID_PARAMS: 400,
+    HEADER_MISMATCH: 400,
+    MISSING_REQUIRED_CLIENT_CAPABILITY: 400,
+    UNSUPPORTED_PROTOCOL_VERSION: 400,
+}
+
+
+class JsonRpcError(Exception):
+    """A JSON-RPC error to send to the downstream client.
+
+    `code` is a JSON-RPC error code (ints above), `message` a human sentence naming the layer
+    that gave up, `data` the optional structured detail.
+    """
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
+
+    def to_error(self) -> JsonObject:
+        """Return the JSON-RPC `error` member: `{code, message, data?}`."""
+        return error_object(self.code, self.message, self.data)
+
+    @property
+    def http_status(self) -> int:
+        """HTTP status for this error on the 2026-07-28 transport (400/404, else 200)."""
+        return http_status_for(self.code)
+
+
+def http_status_for(code: int) -> int:
+    """Map a JSON-RPC error code to the HTTP status the 2026-07-28 transport prescribes."""
+    return _HTTP_STATUS.get(code, 200)
+
+
+def error_object(code: int, message: str, data: Any = None) -> JsonObject:
+    """Build a JSON-RPC error object `{code, message, data?}`."""
+    err: JsonObject = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    return err
+
+
+def response(request_id: RequestId | None, result: JsonObject) -> JsonObject:
+    """Build a JSON-RPC success response."""
+    return {"jsonrpc": "2.0", "id": request_id, "result": result}
+
+
+def error_response(request_id: RequestId | None, error: JsonObject) -> JsonObject:
+    """Build a JSON-RPC error response from an error object."""
+    return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+
+def request(request_id: RequestId, method: str, params: JsonObject | None = None) -> JsonObject:
+    """Build a JSON-RPC request."""
+    msg: JsonObject = {"jsonrpc": "2.0", "id": request_id, "method": method}
+    if params is not None:
+        msg["params"] = params
+    return msg
+
+
+def notification(method: str, params: JsonObject | None = None) -> JsonObject:
+    """Build a JSON-RPC notification (a request without `id`)."""
+    msg: JsonObject = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        msg["params"] = params
+    return msg
+
+
+def is_request(msg: Any) -> bool:
+    """True for a JSON-RPC request object (has `method` and `id`)."""
+    return isinstance(msg, dict) and "method" in msg and "id" in msg
+
+
+def is_notification(msg: Any) -> bool:
+    """True for a JSON-RPC notification (has `method`, no `id`)."""
+    return isinstance(msg, dict) and "method" in msg and "id" not in msg
+
+
+def is_response(msg: Any) -> bool:
+    """True for a JSON-RPC response (has `id` and `result` or `error`, no `method`)."""
+    return isinstance(msg, dict) and "method" not in msg and "id" in msg and ("result" in msg or "error" in msg)
+
+
+def validate_request(msg: Any) -> None:
+    """Check that `msg` is a single JSON-RPC 2.0 request or notification.
+
+    Raises JsonRpcError(-32600) for batches, responses and malformed envelopes.
+    """
+    if isinstance(msg, list):
+        raise JsonRpcError(INVALID_REQUEST, "JSON-RPC batches are not supported")
+    if not isinstance(msg, dict):
+        raise JsonRpcError(INVALID_REQUEST, "the body must be one JSON-RPC object")
+    if msg.get("jsonrpc") != "2.0":
+        raise JsonRpcError(INVALID_REQUEST, 'the body must carry "jsonrpc": "2.0"')
+    if "method" not in msg:
+        raise JsonRpcError(INVALID_REQUEST, "a client may send requests and notifications only, not responses")
+    if not isinstance(msg["method"], str) or not msg["method"]:
+        raise JsonRpcError(INVALID_REQUEST, "`method` must be a non-empty string")
+    if "id" in msg and (isinstance(msg["id"], bool) or not isinstance(msg["id"], (str, int))):
+        raise JsonRpcError(INVALID_REQUEST, "`id` must be a string or an integer")
+    if "params" in msg and not isinstance(msg["params"], dict):
+        raise JsonRpcError(INVALID_REQUEST, "`params` must be an object")

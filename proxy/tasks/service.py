@@ -1,0 +1,158 @@
+"""The proxy's own `tasks/get`, `tasks/update` and `tasks/cancel` (ext-tasks SEP-2663, protocol.md §1.5.3-1.5.5).
+
+Capability gating comes before any lookup (-32021); unknown, expired, foreign-principal and
+other-server ids all get the same -32602, so a task's existence never leaks.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import structlog
+
+from ..calls import Call
+from ..protocol.era import TASKS_EXTENSION, Envelope
+from ..protocol.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonObject,
+    JsonRpcError,
+)
+from .model import TaskRecord, TaskStatus, TerminalTaskError, new_task_id, now_ms
+from .store import TaskNotFoundError, TaskStore
+
+log = structlog.get_logger("proxy.tasks")
+
+ACK: JsonObject = {"resultType": "complete"}
+RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
+SHUTDOWN_MESSAGE = "the proxy shut down while this call was running; the upstream call was abandoned"
+
+
+def require_tasks_extension(envelope: Envelope, what: str) -> None:
+    """Raise -32021 (with `data.requiredCapabilities`) unless the request declared the tasks extension."""
+    if not envelope.declares_tasks:
+        raise JsonRpcError(
+            MISSING_REQUIRED_CLIENT_CAPABILITY,
+            f"{what} needs the {TASKS_EXTENSION} extension declared in this request's client capabilities",
+            {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+        )
+
+
+class TaskService:
+    """Owns the store and the live detached calls of this proxy process.
+
+    `boot` identifies this process: a non-terminal task written by another boot lost its upstream
+    call with that process and is reported `failed` when next read.
+    """
+
+    def __init__(self, store: TaskStore) -> None:
+        self.store = store
+        self.boot = secrets.token_hex(8)
+        self.live: dict[str, Call] = {}
+
+    # -- creation ----------------------------------------------------------------------------
+
+    def detach(self, call: Call, *, principal: str, ttl_s: float, poll_interval_s: float, status_message: str) -> TaskRecord:
+        """Commit a task for a running call, hand the call over to it, and return the record.
+
+        The record is on disk before this returns (the caller then sends the CreateTaskResult).
+        """
+        record = TaskRecord(
+            task_id=new_task_id(),
+            principal=principal,
+            server=call.server,
+            tool=call.tool,
+            created_ms=now_ms(),
+            ttl_ms=int(ttl_s * 1000),
+            poll_interval_ms=max(1, int(poll_interval_s * 1000)),
+            boot=self.boot,
+            status_message=status_message,
+        )
+        self.store.create(record)
+        self.live[record.task_id] = call
+        call.add_done_callback(lambda c: self.live.pop(record.task_id, None))
+        call.detach(record.task_id)
+        log.info("task_created", task_id=record.task_id, server=call.server, tool=call.tool)
+        return record
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def _lookup(self, params: Any, *, principal: str, server: str) -> TaskRecord:
+        task_id = params.get("taskId") if isinstance(params, dict) else None
+        if not isinstance(task_id, str) or not task_id:
+            raise JsonRpcError(INVALID_PARAMS, "params.taskId must be a non-empty string")
+        record = self.store.get(task_id)
+        if record is None or record.principal != principal or record.server != server:
+            if record is not None:
+                log.warning("task_access_denied", task_id=task_id, server=server)
+            raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
+        if not record.status.terminal and record.boot != self.boot and task_id not in self.live:
+            record = self._fail_orphan(record)
+        return record
+
+    def _fail_orphan(self, record: TaskRecord) -> TaskRecord:
+        try:
+            return self.store.update(
+                record.task_id,
+                status=TaskStatus.FAILED,
+                status_message=RESTART_MESSAGE,
+                error={"code": INTERNAL_ERROR, "message": RESTART_MESSAGE},
+                input_requests={},
+            )
+        except (TerminalTaskError, TaskNotFoundError):
+            return self.store.get(record.task_id) or record
+
+    # -- methods -----------------------------------------------------------------------------
+
+    def get(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
+        """`tasks/get` → DetailedTask with `resultType: "complete"`."""
+        require_tasks_extension(envelope, "tasks/get")
+        return self._lookup(params, principal=principal, server=server).detailed_task()
+
+    def update(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
+        """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack."""
+        require_tasks_extension(envelope, "tasks/update")
+        record = self._lookup(params, principal=principal, server=server)
+        responses = params.get("inputResponses")
+        if not isinstance(responses, dict):
+            raise JsonRpcError(INVALID_PARAMS, "params.inputResponses must be an object")
+        call = self.live.get(record.task_id)
+        if call is not None and not record.status.terminal:
+            call.answer(responses)
+        return dict(ACK)
+
+    def cancel(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
+        """`tasks/cancel` → empty ack. Sticky: a cancelled task stays cancelled; terminal tasks are untouched."""
+        require_tasks_extension(envelope, "tasks/cancel")
+        record = self._lookup(params, principal=principal, server=server)
+        if record.status.terminal:
+            return dict(ACK)
+        try:
+            self.store.update(
+                record.task_id, status=TaskStatus.CANCELLED, status_message="cancelled by client request", input_requests={}
+            )
+        except (TerminalTaskError, TaskNotFoundError):
+            return dict(ACK)
+        call = self.live.pop(record.task_id, None)
+        if call is not None:
+            call.cancel("task cancelled by client request")
+        log.info("task_cancelled", task_id=record.task_id)
+        return dict(ACK)
+
+    def abandon_all(self) -> None:
+        """On shutdown: record a `failed` outcome for every detached call still running, then cancel it."""
+        for task_id, call in list(self.live.items()):
+            try:
+                self.store.update(
+                    task_id,
+                    status=TaskStatus.FAILED,
+                    status_message=SHUTDOWN_MESSAGE,
+                    error={"code": INTERNAL_ERROR, "message": SHUTDOWN_MESSAGE},
+                    input_requests={},
+                )
+            except (TerminalTaskError, TaskNotFoundError):
+                pass
+            call.cancel("proxy shutdown")
+        self.live.clear()

@@ -1,0 +1,117 @@
+"""The disk-backed task store (diskcache over SQLite).
+
+Rules it enforces itself, whoever calls it:
+- a record is committed (SQLite `synchronous=FULL`, so fsync'd) before `create` returns;
+- a terminal status never changes, nor does the result or error of a terminal task;
+- retention: each record expires `ttl_ms` after its `created_ms` (diskcache drops it; then it is unknown).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import diskcache
+
+from .model import TaskRecord, TaskStatus, TerminalTaskError, check_transition, now_ms
+
+_UNSET: Any = object()
+_PREFIX = "task:"
+
+
+class TaskNotFoundError(KeyError):
+    """Raised when a task id is unknown or expired."""
+
+
+class TaskStore:
+    """Task records in a diskcache directory.
+
+    `path` is the directory (created if missing). `durable=True` makes every write fsync
+    (SQLite `synchronous=FULL`); `False` keeps SQLite's `NORMAL`, which survives a process kill
+    but not a power cut. All methods are synchronous and cheap (one SQLite transaction).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.path = os.fspath(path)
+        self._cache = diskcache.Cache(self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none")
+
+    def close(self) -> None:
+        """Close the SQLite connections."""
+        self._cache.close()
+
+    @staticmethod
+    def _expire_s(record: TaskRecord) -> float | None:
+        expires = record.expires_ms
+        if expires is None:
+            return None
+        return max(0.001, (expires - now_ms()) / 1000)
+
+    def create(self, record: TaskRecord) -> None:
+        """Commit a new record. Raises ValueError if the id already exists."""
+        added = self._cache.add(_PREFIX + record.task_id, record.to_dict(), expire=self._expire_s(record))
+        if not added:
+            raise ValueError(f"task {record.task_id} already exists")
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        """The record for `task_id`, or None when unknown or expired."""
+        data = self._cache.get(_PREFIX + task_id)
+        return None if data is None else TaskRecord.from_dict(data)
+
+    def update(
+        self,
+        task_id: str,
+        *,
+        status: TaskStatus | None = None,
+        status_message: str | None = _UNSET,
+        result: dict[str, Any] | None = _UNSET,
+        error: dict[str, Any] | None = _UNSET,
+        input_requests: dict[str, Any] = _UNSET,
+    ) -> TaskRecord:
+        """Change a record in one transaction and bump `last_updated_ms`; return the new record.
+
+        Raises TaskNotFoundError for an unknown or expired id, and TerminalTaskError when the
+        task is already terminal (nothing is written then).
+        """
+        key = _PREFIX + task_id
+        with self._cache.transact():
+            data = self._cache.get(key)
+            if data is None:
+                raise TaskNotFoundError(task_id)
+            record = TaskRecord.from_dict(data)
+            if record.status.terminal:
+                raise TerminalTaskError(f"task {task_id} is {record.status.value}; it can no longer change")
+            if status is not None:
+                check_transition(record.status, status)
+                record.status = status
+            if status_message is not _UNSET:
+                record.status_message = status_message
+            if result is not _UNSET:
+                record.result = result
+            if error is not _UNSET:
+                record.error = error
+            if input_requests is not _UNSET:
+                record.input_requests = input_requests
+            record.last_updated_ms = max(now_ms(), record.last_updated_ms)
+            self._cache.set(key, record.to_dict(), expire=self._expire_s(record))
+        return record
+
+    def ids(self) -> Iterator[str]:
+        """Iterate over the ids of all stored (unexpired) tasks."""
+        for key in self._cache.iterkeys():
+            if isinstance(key, str) and key.startswith(_PREFIX):
+                yield key[len(_PREFIX) :]
+
+    def count(self) -> int:
+        """Number of records on disk (expired ones may count until culled)."""
+        return len(self._cache)
+
+    def purge_expired(self) -> int:
+        """Drop expired records now; return how many were removed."""
+        return self._cache.expire()
+
+    def check_writable(self) -> None:
+        """Write and delete a probe key; raises on a read-only or broken store."""
+        self._cache.set("probe:", now_ms())
+        self._cache.delete("probe:")

@@ -1,0 +1,251 @@
+"""Client-facing Streamable HTTP: body parsing, era detection, modern validation, legacy pass-through.
+
+Modern era (2026-07-28, transports §"Streamable HTTP"): POST only, per-request envelope and routing
+headers, JSON reply or an SSE stream scoped to the request. Legacy era (2025-06-18 / 2025-11-25):
+a transparent relay to the upstream with the upstream session mapped to a proxy session id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import secrets
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from .dispatcher import ServerDispatcher
+from .protocol import jsonrpc
+from .protocol.era import check_headers, is_modern_request, parse_envelope
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
+from .upstream.sse import KEEPALIVE, encode_message
+
+log = structlog.get_logger("proxy.transport")
+
+_FORWARD_REQUEST_HEADERS = ("Accept", "Content-Type", "MCP-Protocol-Version", "Last-Event-ID")
+_FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
+
+
+def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:
+    return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status)
+
+
+class ModernReply:
+    """The response of one modern request: plain JSON unless something must be streamed first."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.stream: web.StreamResponse | None = None
+
+    async def _start_sse(self) -> web.StreamResponse:
+        if self.stream is None:
+            stream = web.StreamResponse(
+                status=200,
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+            await stream.prepare(self.request)
+            self.stream = stream
+        return self.stream
+
+    async def notify(self, message: JsonObject) -> None:
+        """Send a notification ahead of the response (switches to SSE)."""
+        stream = await self._start_sse()
+        await stream.write(encode_message(message))
+
+    async def keepalive(self) -> None:
+        """Send an SSE comment (switches to SSE) so idle-timeout intermediaries keep the connection."""
+        stream = await self._start_sse()
+        await stream.write(KEEPALIVE)
+
+    async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
+        """Send the final JSON-RPC message, as JSON or as the last SSE event."""
+        if self.stream is None:
+            return web.json_response(message, status=status, dumps=_dumps)
+        await self.stream.write(encode_message(message))
+        await self.stream.write_eof()
+        return self.stream
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+class LegacySessions:
+    """Downstream legacy sessions: the proxy's session id → the upstream's session id (in memory)."""
+
+    def __init__(self) -> None:
+        self._upstream: dict[str, str] = {}
+
+    def open(self, upstream_session_id: str) -> str:
+        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session."""
+        sid = secrets.token_urlsafe(24)
+        self._upstream[sid] = upstream_session_id
+        return sid
+
+    def upstream(self, sid: str) -> str | None:
+        """The upstream session id behind `sid`, or None when unknown or ended."""
+        return self._upstream.get(sid)
+
+    def end(self, sid: str) -> None:
+        """Forget `sid` (DELETE, or the upstream expired it)."""
+        self._upstream.pop(sid, None)
+
+
+class ServerEndpoint:
+    """The MCP endpoint of one upstream server: modern dispatch plus legacy relay.
+
+    `url` and `headers` address the upstream; `http` is the proxy's shared client session.
+    """
+
+    def __init__(self, *, name: str, url: str, headers: dict[str, str], http: aiohttp.ClientSession, dispatcher: ServerDispatcher) -> None:
+        self.name = name
+        self.url = url
+        self.headers = headers
+        self.http = http
+        self.dispatcher = dispatcher
+        self.legacy = LegacySessions()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """aiohttp handler for POST, GET and DELETE on the endpoint."""
+        if request.method == "POST":
+            return await self._post(request)
+        if request.headers.get("Mcp-Session-Id"):
+            return await self._relay_legacy(request, body=None, raw=b"")
+        # GET/DELETE without a session: modern clients have no GET stream (2026-07-28 §4.2).
+        raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            err = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit is {request._client_max_size} bytes")
+            return _json_error(None, err, status=exc.status)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _json_error(None, JsonRpcError(PARSE_ERROR, f"the body is not valid JSON: {exc}"))
+        if is_modern_request(request.headers, body):
+            return await self._modern(request, body)
+        return await self._relay_legacy(request, body=body, raw=raw)
+
+    # -- modern ------------------------------------------------------------------------------
+
+    async def _modern(self, request: web.Request, body: Any) -> web.StreamResponse:
+        request_id = body.get("id") if isinstance(body, dict) else None
+        reply = ModernReply(request)
+        try:
+            jsonrpc.validate_request(body)
+            if "id" not in body:
+                return web.Response(status=202)  # 2026-07-28 defines no client→server notifications on HTTP
+            envelope = parse_envelope(body.get("params"))
+            check_headers(request.headers, body, envelope)
+            result = await self.dispatcher.dispatch(body, envelope, principal=principal_of(request), reply=reply)
+        except JsonRpcError as exc:
+            return await reply.finish(jsonrpc.error_response(request_id, exc.to_error()), status=exc.http_status)
+        except Exception:
+            log.exception("request_failed", server=self.name, method=body.get("method") if isinstance(body, dict) else None)
+            err = JsonRpcError(INTERNAL_ERROR, "internal proxy error; see the proxy log")
+            return await reply.finish(jsonrpc.error_response(request_id, err.to_error()), status=500)
+        return await reply.finish(jsonrpc.response(request_id, result))
+
+    # -- legacy relay ------------------------------------------------------------------------
+
+    async def _relay_legacy(self, request: web.Request, *, body: Any, raw: bytes) -> web.StreamResponse:
+        request_id = body.get("id") if isinstance(body, dict) else None
+        if request.method == "POST":
+            try:
+                jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
+            except JsonRpcError as exc:
+                return _json_error(request_id, exc)
+        headers = {**self.headers}
+        for name in _FORWARD_REQUEST_HEADERS:
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        for name, value in request.headers.items():
+            if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
+                headers[name] = value
+        sid = request.headers.get("Mcp-Session-Id")
+        if sid:
+            upstream_sid = self.legacy.upstream(sid.strip())
+            if upstream_sid is None:
+                err = JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one")
+                return _json_error(request_id, err, status=404)
+            headers["Mcp-Session-Id"] = upstream_sid
+        try:
+            upstream = await self.http.request(
+                request.method,
+                self.url,
+                data=raw if request.method == "POST" else None,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            )
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {exc.__class__.__name__}: {exc}")
+            return _json_error(request_id, err, status=502)
+        async with upstream:
+            out_headers = {n: upstream.headers[n] for n in _FORWARD_RESPONSE_HEADERS if n in upstream.headers}
+            upstream_new_sid = upstream.headers.get("Mcp-Session-Id")
+            if sid:
+                if upstream.status == 404 or (request.method == "DELETE" and upstream.status < 300):
+                    self.legacy.end(sid.strip())
+                out_headers["Mcp-Session-Id"] = sid.strip()
+            elif upstream_new_sid:
+                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            if out_headers.get("Content-Type", "").startswith("text/event-stream"):
+                response.headers["X-Accel-Buffering"] = "no"
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, OSError) as exc:
+                log.info("legacy_relay_broken", server=self.name, reason=str(exc))
+            await response.write_eof()
+            return response
+
+
+def _validate_legacy_response(body: Any) -> None:
+    if not jsonrpc.is_response(body):
+        jsonrpc.validate_request(body)
+
+
+def principal_of(request: web.Request) -> str:
+    """Who is calling. Without inbound auth every caller is the single principal `anonymous`."""
+    return request.get("principal", "anonymous")
+
+
+def _host_name(value: str) -> str:
+    host = urlsplit(value if "//" in value else f"//{value}").hostname or ""
+    return host.lower()
+
+
+def host_guard(allowed: set[str] | None):
+    """Middleware factory: reject a `Host` or `Origin` outside `allowed` with 403 (DNS-rebinding guard).
+
+    `allowed` None accepts any host.
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if allowed is not None:
+            for header in ("Host", "Origin"):
+                value = request.headers.get(header)
+                if value and value != "null" and _host_name(value) not in allowed:
+                    err = JsonRpcError(INVALID_REQUEST, f"{header} {value!r} is not allowed here")
+                    return _json_error(None, err, status=403)
+        return await handler(request)
+
+    return middleware
+
+
+def default_allowed_hosts(listen_host: str) -> set[str] | None:
+    """Localhost names when bound to loopback, else None (any host)."""
+    try:
+        loopback = listen_host == "localhost" or ipaddress.ip_address(listen_host).is_loopback
+    except ValueError:
+        loopback = False
+    return {"localhost", "127.0.0.1", "::1", "[::1]"} if loopback else None

@@ -1,0 +1,268 @@
+"""Streamable HTTP connector to a legacy (handshake-era) MCP server.
+
+Implements the client side of MCP 2025-11-25 basic/transports "Streamable HTTP" (protocol.md §4.1):
+one POST per message, JSON or SSE replies, `Mcp-Session-Id` and `MCP-Protocol-Version` on every
+request after `initialize`, server→client requests answered with a new POST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+
+from .. import __version__
+from ..protocol import jsonrpc
+from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
+from ..protocol.jsonrpc import JsonObject, RequestId
+from .sse import iter_events
+
+log = structlog.get_logger("proxy.upstream")
+
+# Called with every message that arrives on a request's stream before its response:
+# notifications and server→client requests. Returns nothing; answers go through `respond`.
+MessageHandler = Callable[[JsonObject], Awaitable[None]]
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or broke the transport; the message names the cause."""
+
+
+class SessionExpiredError(UpstreamError):
+    """The upstream answered 404 for our session id: it must be initialized again."""
+
+
+class UpstreamSession:
+    """One initialized legacy session with an upstream server, multiplexing concurrent requests.
+
+    `url` is the upstream MCP endpoint, `headers` extra headers from the config (credentials: never
+    logged or stored), `capabilities` the client capabilities declared in `initialize`.
+    """
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        *,
+        server: str,
+        headers: dict[str, str] | None = None,
+        capabilities: JsonObject | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.http = http
+        self.url = url
+        self.server = server
+        self.extra_headers = dict(headers or {})
+        self.capabilities = dict(capabilities or {})
+        self.connect_timeout = connect_timeout
+        self.session_id: str | None = None
+        self.protocol_version: str = UPSTREAM_VERSION
+        self.initialize_result: JsonObject = {}
+        self._ids = itertools.count(1)
+        self.closed = False
+
+    def next_id(self) -> int:
+        """A fresh upstream JSON-RPC request id for this session."""
+        return next(self._ids)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {
+            **self.extra_headers,
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+        }
+        if self.session_id:
+            headers["Mcp-Session-Id"] = self.session_id
+            headers["MCP-Protocol-Version"] = self.protocol_version
+        return headers
+
+    async def open(self) -> JsonObject:
+        """Run the `initialize` handshake; return the upstream's InitializeResult.
+
+        Raises UpstreamError when the upstream is unreachable or answers with an error.
+        """
+        params = {
+            "protocolVersion": UPSTREAM_VERSION,
+            "capabilities": self.capabilities,
+            "clientInfo": {"name": "mcp-tasks-proxy", "version": __version__},
+        }
+        self.session_id = None
+        reply = await self.request("initialize", params, handler=None, request_id=0)
+        if "error" in reply:
+            err = reply["error"]
+            raise UpstreamError(f"upstream {self.server} refused initialize: {err.get('message')}")
+        result = reply.get("result") or {}
+        version = result.get("protocolVersion")
+        if version not in LEGACY_VERSIONS:
+            raise UpstreamError(f"upstream {self.server} negotiated unsupported protocol version {version!r}")
+        self.protocol_version = version
+        self.initialize_result = result
+        await self.notify("notifications/initialized")
+        return result
+
+    async def _post(self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+        try:
+            resp = await self.http.post(
+                self.url,
+                data=json.dumps(message, separators=(",", ":")),
+                headers=self._headers(),
+                timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+            )
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise UpstreamError(f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}") from exc
+        if resp.status == 404 and self.session_id and message.get("method") != "initialize":
+            resp.release()
+            raise SessionExpiredError(f"upstream {self.server} no longer knows session {self.session_id}")
+        return resp
+
+    async def notify(self, method: str, params: JsonObject | None = None) -> None:
+        """Send a notification; the upstream answers 202. Raises UpstreamError."""
+        await self._send_no_reply(jsonrpc.notification(method, params))
+
+    async def respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
+        """Answer a server→client request under the upstream's own id. Raises UpstreamError."""
+        msg = jsonrpc.error_response(request_id, error) if error is not None else jsonrpc.response(request_id, result or {})
+        await self._send_no_reply(msg)
+
+    async def _send_no_reply(self, message: JsonObject) -> None:
+        resp = await self._post(message, timeout=aiohttp.ClientTimeout(total=30, sock_connect=self.connect_timeout))
+        async with resp:
+            if resp.status >= 400:
+                body = await resp.text(errors="replace")
+                raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status} to {message.get('method') or 'a response'}: {body[:200]}")
+
+    async def request(
+        self,
+        method: str,
+        params: JsonObject | None,
+        *,
+        handler: MessageHandler | None,
+        request_id: RequestId | None = None,
+    ) -> JsonObject:
+        """Send one request and return its JSON-RPC response message (`result` or `error`).
+
+        Messages arriving before the response go to `handler`; `ping` requests are answered here.
+        Raises UpstreamError on transport faults (unreachable, bad status, invalid JSON, stream
+        closed before the response) and SessionExpiredError on a 404 for the session.
+        Cancel the awaiting task to abandon the request (the caller sends `notifications/cancelled`).
+        """
+        rid = self.next_id() if request_id is None else request_id
+        message = jsonrpc.request(rid, method, params)
+        resp = await self._post(message)
+        async with resp:
+            if method == "initialize":
+                sid = resp.headers.get("Mcp-Session-Id")
+                if sid:
+                    self.session_id = sid
+            ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if ctype == "text/event-stream" and resp.status < 400:
+                return await self._read_stream(resp, rid, handler)
+            raw = await resp.read()
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                if resp.status >= 400:
+                    raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
+                raise UpstreamError(f"upstream {self.server} sent invalid JSON: {raw[:200]!r}") from None
+            if isinstance(body, dict) and "error" in body and isinstance(body["error"], dict):
+                return {"jsonrpc": "2.0", "id": rid, "error": body["error"]}
+            if resp.status >= 400:
+                raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}")
+            if not jsonrpc.is_response(body) or ("result" in body and not isinstance(body["result"], dict)):
+                raise UpstreamError(f"upstream {self.server} sent something that is not a JSON-RPC response")
+            return body
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None) -> JsonObject:
+        try:
+            async for event in iter_events(resp.content.iter_any()):
+                if event.event != "message" or not event.data.strip():
+                    continue
+                try:
+                    msg = json.loads(event.data)
+                except ValueError:
+                    log.warning("upstream_invalid_sse_data", server=self.server, sample=event.data[:120])
+                    continue
+                if jsonrpc.is_response(msg) and msg.get("id") == rid:
+                    if "result" in msg and not isinstance(msg["result"], dict):
+                        raise UpstreamError(f"upstream {self.server} sent a non-object result")
+                    return msg
+                if jsonrpc.is_request(msg) and msg.get("method") == "ping":
+                    asyncio.get_running_loop().create_task(self._answer_ping(msg["id"]))
+                    continue
+                if handler is not None and isinstance(msg, dict) and "method" in msg:
+                    await handler(msg)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"upstream {self.server} broke the stream mid-call: {exc.__class__.__name__}: {exc}") from exc
+        raise UpstreamError(f"upstream {self.server} closed the stream before answering")
+
+    async def _answer_ping(self, request_id: RequestId) -> None:
+        try:
+            await self.respond(request_id, result={})
+        except UpstreamError:
+            log.info("upstream_ping_answer_failed", server=self.server)
+
+    async def close(self) -> None:
+        """End the upstream session with DELETE (best effort)."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.session_id:
+            return
+        try:
+            async with self.http.delete(self.url, headers=self._headers(), timeout=aiohttp.ClientTimeout(total=2)):
+                pass
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
+
+
+def _caps_key(capabilities: JsonObject) -> str:
+    return json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
+
+
+class UpstreamPool:
+    """The upstream sessions of one server, one per distinct client-capability set.
+
+    Legacy servers decide what they offer from the `initialize` capabilities (protocol.md §3.4),
+    so each capability set gets its own session, opened on first use.
+    """
+
+    def __init__(self, http: aiohttp.ClientSession, server: str, url: str, headers: dict[str, str]) -> None:
+        self.http = http
+        self.server = server
+        self.url = url
+        self.headers = headers
+        self._sessions: dict[str, UpstreamSession] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def session(self, capabilities: JsonObject) -> UpstreamSession:
+        """The open session for `capabilities`, initializing it if needed. Raises UpstreamError."""
+        key = _caps_key(capabilities)
+        existing = self._sessions.get(key)
+        if existing is not None and not existing.closed:
+            return existing
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            existing = self._sessions.get(key)
+            if existing is not None and not existing.closed:
+                return existing
+            session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities)
+            await session.open()
+            self._sessions[key] = session
+            return session
+
+    def discard(self, session: UpstreamSession) -> None:
+        """Forget a session the upstream expired, so the next use initializes a new one."""
+        session.closed = True
+        key = _caps_key(session.capabilities)
+        if self._sessions.get(key) is session:
+            del self._sessions[key]
+
+    async def close(self) -> None:
+        """Close every session."""
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
