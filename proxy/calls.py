@@ -146,6 +146,7 @@ class Call:
         if self.outcome.done():
             return
         self.outcome.set_result(reply)
+        self.events.put_nowait(("done", None))
         if self.task_id is not None:
             self._record_outcome(reply)
         for fn in self._on_done:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -163,7 +164,7 @@ def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
             raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match {expected!r}")
     elif method in TASK_NAME_METHODS and header_name is not None:
         expected = params.get("taskId")
-        if header_name != expected:
+        if header_name != (expected if isinstance(expected, str) else json.dumps(expected)):
             raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match params.taskId {expected!r}")
 
 

@@ -1,0 +1,296 @@
+"""Modern-era (2026-07-28) tools/call through the proxy: sync results, detach into tasks, tasks/* rules.
+
+Raw HTTP against a real legacy upstream (tests/fixtures/legacy_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from conftest import ModernClient, RunningProxy, make_config, running_proxy
+
+from proxy.config import config_from_data
+
+ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
+
+
+async def cancelled_labels(client: ModernClient) -> list[str]:
+    """Labels of slow_compute calls the upstream saw cancelled."""
+    reply = await client.call("cancelled_log")
+    return [entry.get("label") for entry in json.loads(reply.result["content"][0]["text"])]
+
+
+async def test_fast_call_returns_plain_result(client: ModernClient) -> None:
+    reply = await client.call("greet", {"name": "World"})
+    assert reply.status == 200
+    assert reply.result["resultType"] == "complete"
+    assert reply.result["content"][0]["text"] == "Hello, World!"
+    assert "taskId" not in reply.result
+
+
+async def test_slow_call_becomes_task_and_completes(client: ModernClient, proxy: RunningProxy) -> None:
+    reply = await client.call("slow_compute", {"seconds": 0.5, "label": "lifecycle"})
+    created = reply.result
+    assert created["resultType"] == "task"
+    for key in ("taskId", "status", "createdAt", "lastUpdatedAt", "ttlMs", "pollIntervalMs", "statusMessage"):
+        assert key in created, key
+    assert ISO.match(created["createdAt"]) and ISO.match(created["lastUpdatedAt"])
+    assert created["ttlMs"] == 600_000 and created["pollIntervalMs"] == 100
+    assert not {"task", "result", "error", "inputRequests", "ttl", "pollInterval", "requestState"} & created.keys()
+    assert len(created["taskId"]) >= 22  # >= 128 bits of urlsafe base64
+    # The record is committed before the handle is sent: an immediate poll resolves.
+    first = (await client.get(created["taskId"])).result
+    assert first["taskId"] == created["taskId"] and first["resultType"] == "complete"
+    done = await client.wait_terminal(created["taskId"])
+    assert done["status"] == "completed"
+    assert done["result"]["content"][0]["text"] == "computed lifecycle after 0.5s"
+    assert done["result"]["resultType"] == "complete"
+    assert proxy.store.get(created["taskId"]).status == "completed"
+
+
+async def test_without_extension_slow_call_stays_synchronous(proxy: RunningProxy) -> None:
+    plain = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await plain.call("slow_compute", {"seconds": 0.3, "label": "sync"})
+        assert reply.result["resultType"] == "complete"
+        assert reply.result["content"][0]["text"] == "computed sync after 0.3s"
+    finally:
+        await plain.close()
+
+
+async def test_progress_updates_status_message_of_detached_call(client: ModernClient) -> None:
+    created = (await client.call("slow_compute", {"seconds": 1, "label": "progress"})).result
+    async with asyncio.timeout(5):
+        while True:
+            task = (await client.get(created["taskId"])).result
+            if re.match(r"^\d+/10: tick \d+$", task.get("statusMessage", "")):
+                break
+            await asyncio.sleep(0.05)
+    await client.wait_terminal(created["taskId"])
+
+
+async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningProxy) -> None:
+    plain = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await plain.call("slow_compute", {"seconds": 0.3, "label": "sse"}, meta={"progressToken": "p-1"})
+        assert reply.content_type.startswith("text/event-stream")
+        progress = [n for n in reply.notifications if n["method"] == "notifications/progress"]
+        assert len(progress) >= 2
+        assert all(n["params"]["progressToken"] == "p-1" for n in progress)
+        assert reply.result["content"][0]["text"] == "computed sse after 0.3s"
+    finally:
+        await plain.close()
+
+
+async def test_tool_error_ends_completed_with_is_error(client: ModernClient) -> None:
+    created = (await client.call("failing_job")).result
+    assert created["resultType"] == "task"
+    done = await client.wait_terminal(created["taskId"])
+    assert done["status"] == "completed"
+    assert done["result"]["isError"] is True
+
+
+async def test_upstream_jsonrpc_error_ends_failed_with_error_inlined(client: ModernClient) -> None:
+    created = (await client.call("protocol_error_job")).result
+    done = await client.wait_terminal(created["taskId"])
+    assert done["status"] == "failed"
+    assert done["error"] == {"code": -32603, "message": "protocol_error_job exploded"}
+    assert "result" not in done
+    assert "protocol_error_job exploded" in done["statusMessage"]
+
+
+async def test_fast_upstream_error_is_a_synchronous_jsonrpc_error(client: ModernClient) -> None:
+    await client.call("greet", {"name": "warm-up"})  # the upstream session is open: only the call counts
+    reply = await client.call("instant_error")
+    assert reply.error["code"] == -32603
+    assert "instant_error exploded" in reply.error["message"]
+
+
+async def test_cancel_is_sticky_and_reaches_upstream(client: ModernClient) -> None:
+    created = (await client.call("slow_compute", {"seconds": 0.6, "label": "cancel-sticky"})).result
+    ack = await client.request("tasks/cancel", {"taskId": created["taskId"]})
+    assert ack.result == {"resultType": "complete"}
+    assert (await client.get(created["taskId"])).result["status"] == "cancelled"
+    async with asyncio.timeout(5):
+        while "cancel-sticky" not in await cancelled_labels(client):
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.8)  # past the time the upstream call would have completed
+    assert (await client.get(created["taskId"])).result["status"] == "cancelled"
+
+
+async def test_cancel_of_terminal_task_is_an_idempotent_ack(client: ModernClient) -> None:
+    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "done-first"})).result
+    await client.wait_terminal(created["taskId"])
+    for _ in range(2):
+        ack = await client.request("tasks/cancel", {"taskId": created["taskId"]})
+        assert ack.result == {"resultType": "complete"}
+    assert (await client.get(created["taskId"])).result["status"] == "completed"
+
+
+async def test_late_upstream_completion_after_cancel_stays_cancelled(legacy_url: str, tmp_path) -> None:
+    # The upstream ignores nothing here: we cancel, and the upstream's own late answer must be discarded.
+    async with running_proxy(make_config(legacy_url, tmp_path / "s")) as proxy:
+        client = ModernClient(proxy.url())
+        created = (await client.call("slow_compute", {"seconds": 0.3, "label": "late"})).result
+        await client.request("tasks/cancel", {"taskId": created["taskId"]})
+        await asyncio.sleep(0.5)
+        record = proxy.store.get(created["taskId"])
+        assert record.status == "cancelled" and record.result is None
+        await client.close()
+
+
+async def test_tasks_methods_require_the_extension_on_that_request(client: ModernClient) -> None:
+    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "gate"})).result
+    for method, params in (
+        ("tasks/get", {"taskId": created["taskId"]}),
+        ("tasks/update", {"taskId": created["taskId"], "inputResponses": {}}),
+        ("tasks/cancel", {"taskId": created["taskId"]}),
+        ("tasks/get", {"taskId": "no-such-task"}),
+    ):
+        reply = await client.request(method, params, capabilities={})
+        assert reply.status == 400
+        assert reply.error["code"] == -32021
+        assert reply.error["data"] == {"requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}}
+    assert (await client.get(created["taskId"])).status == 200
+
+
+async def test_unknown_task_id_is_invalid_params(client: ModernClient) -> None:
+    for method, params in (
+        ("tasks/get", {"taskId": "tasks-nonexistent"}),
+        ("tasks/update", {"taskId": "tasks-nonexistent", "inputResponses": {}}),
+        ("tasks/cancel", {"taskId": "tasks-nonexistent"}),
+        ("tasks/get", {"taskId": 42}),
+    ):
+        reply = await client.request(method, params)
+        assert reply.error["code"] == -32602, (method, reply.message)
+
+
+async def test_removed_task_methods_are_method_not_found(client: ModernClient) -> None:
+    for method in ("tasks/result", "tasks/list"):
+        reply = await client.request(method, {"taskId": "x"} if method == "tasks/result" else {}, headers={"Mcp-Name": ""})
+        assert reply.status == 404
+        assert reply.error["code"] == -32601
+
+
+async def test_tasks_update_acknowledges_and_ignores_unknown_keys(client: ModernClient) -> None:
+    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "update"})).result
+    ack = await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {"nope": {"action": "accept"}}})
+    assert ack.result == {"resultType": "complete"}
+    assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
+
+
+async def test_mcp_name_header_on_tasks_get_is_optional_but_checked(client: ModernClient) -> None:
+    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "hdr"})).result
+    headers = client.headers_for("tasks/get", {})
+    body = {"jsonrpc": "2.0", "id": 9, "method": "tasks/get", "params": {"taskId": created["taskId"], "_meta": {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}}}}
+    without = await client.post_raw(json.dumps(body).encode(), headers)
+    assert without.result["taskId"] == created["taskId"]
+    mismatch = await client.post_raw(json.dumps(body).encode(), {**headers, "Mcp-Name": "someone-else"})
+    assert mismatch.status == 400 and mismatch.error["code"] == -32020
+
+
+async def test_client_that_drops_after_the_handle_finds_the_result_from_a_new_connection(proxy: RunningProxy) -> None:
+    first = ModernClient(proxy.url())
+    created = (await first.call("slow_compute", {"seconds": 0.3, "label": "reconnect"})).result
+    await first.close()
+    second = ModernClient(proxy.url())
+    try:
+        done = await second.wait_terminal(created["taskId"])
+        assert done["result"]["content"][0]["text"] == "computed reconnect after 0.3s"
+    finally:
+        await second.close()
+
+
+async def test_client_disconnect_before_detach_cancels_upstream(legacy_url: str, tmp_path) -> None:
+    config = make_config(legacy_url, tmp_path / "s", tasks={"detach_after": "10s"})
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            call = asyncio.create_task(client.call("slow_compute", {"seconds": 5, "label": "hangup"}))
+            await asyncio.sleep(0.3)
+            call.cancel()
+            async with asyncio.timeout(5):
+                while "hangup" not in await cancelled_labels(client):
+                    await asyncio.sleep(0.05)
+        finally:
+            await client.close()
+
+
+async def test_required_tool_is_a_task_at_once_and_refused_without_extension(legacy_url: str, tmp_path) -> None:
+    server = {"tasks": {"tools": {"greet": {"mode": "required"}}}}
+    async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            created = (await client.call("greet", {"name": "Req"})).result
+            assert created["resultType"] == "task"
+            done = await client.wait_terminal(created["taskId"])
+            assert done["result"]["content"][0]["text"] == "Hello, Req!"
+            refused = await client.call("greet", {"name": "Req"}, capabilities={})
+            assert refused.status == 400
+            assert refused.error["code"] == -32021
+            assert refused.error["data"]["requiredCapabilities"]["extensions"]["io.modelcontextprotocol/tasks"] == {}
+        finally:
+            await client.close()
+
+
+async def test_forbidden_tool_never_becomes_a_task(legacy_url: str, tmp_path) -> None:
+    server = {"tasks": {"tools": {"slow_compute": {"mode": "forbidden"}}}}
+    async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            reply = await client.call("slow_compute", {"seconds": 0.3, "label": "forbidden"})
+            assert reply.result["resultType"] == "complete"
+        finally:
+            await client.close()
+
+
+async def test_per_tool_detach_after_overrides_server_default(legacy_url: str, tmp_path) -> None:
+    server = {"tasks": {"detach_after": "5s", "tools": {"slow_compute": {"detach_after": "20ms"}}}}
+    async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            assert (await client.call("slow_compute", {"seconds": 0.3})).result["resultType"] == "task"
+            assert (await client.call("greet", {"name": "x"})).result["resultType"] == "complete"
+        finally:
+            await client.close()
+
+
+async def test_tasks_survive_a_restart_and_orphans_fail_with_a_restart_message(legacy_url: str, tmp_path) -> None:
+    config = make_config(legacy_url, tmp_path / "s")
+    config.store.durable = True
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        done_id = (await client.call("slow_compute", {"seconds": 0.1, "label": "before"})).result["taskId"]
+        await client.wait_terminal(done_id)
+        orphan_id = (await client.call("slow_compute", {"seconds": 5, "label": "orphan"})).result["taskId"]
+        await client.close()
+    config2 = make_config(legacy_url, tmp_path / "s")
+    async with running_proxy(config2) as proxy2:
+        client = ModernClient(proxy2.url())
+        try:
+            done = (await client.get(done_id)).result
+            assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "computed before after 0.1s"
+            orphan = (await client.get(orphan_id)).result
+            assert orphan["status"] == "failed"
+            assert "shut down" in orphan["error"]["message"] or "restarted" in orphan["error"]["message"]
+        finally:
+            await client.close()
+
+
+async def test_upstream_unreachable_names_the_cause(tmp_path) -> None:
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "s"), "durable": False},
+        "mcpServers": {"down": {"url": "http://127.0.0.1:9/mcp"}},
+    })
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            reply = await client.call("anything")
+            assert reply.error["code"] == -32603
+            assert "unreachable" in reply.error["message"] and "down" in reply.error["message"]
+        finally:
+            await client.close()
