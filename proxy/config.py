@@ -142,6 +142,14 @@ class ServerEntry(_Strict):
     trust: bool | None = None
     description: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_client_only(cls, data: Any) -> Any:
+        """Accept (and ignore) client-only keys that have no field here, like `disabledTools`."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k in cls.model_fields or k not in _CLIENT_ONLY_KEYS}
+        return data
+
     @model_validator(mode="after")
     def _one_transport(self) -> ServerEntry:
         if bool(self.url) == bool(self.command):
@@ -211,12 +219,24 @@ class Config(_Strict):
         )
 
 
+def _interpolation_message(exc: Exception) -> str:
+    """A readable sentence for an expandvars failure (its KeyError-based messages print quoted)."""
+    text = str(exc.args[0]) if exc.args else str(exc)
+    name, _, detail = text.partition(": ")
+    if isinstance(exc, expandvars.UnboundVariable):
+        return f"environment variable {name} is not set (use ${{{name}:-default}} for a fallback, or \\$ for a literal $)"
+    if isinstance(exc, expandvars.ParameterNullOrNotSet):
+        return f"environment variable {name} is not set or empty" + ("" if detail == "parameter null or not set" else f": {detail}")
+    return f"cannot interpolate environment variables: {text}"
+
+
 def _interpolate(node: Any, path: str) -> Any:
     if isinstance(node, str):
         try:
-            return expandvars.expandvars(node, nounset=True)
+            # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
+            return expandvars.expand(node, nounset=True, environ=dict(os.environ))
         except expandvars.ExpandvarsException as exc:
-            raise ConfigError(f"{path or '<root>'}: {exc}") from None
+            raise ConfigError(f"{path or '<root>'}: {_interpolation_message(exc)}") from None
     if isinstance(node, dict):
         return {k: _interpolate(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
     if isinstance(node, list):

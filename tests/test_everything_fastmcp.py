@@ -1,0 +1,72 @@
+"""Acceptance: a real third-party upstream (server-everything from npm) behind the proxy, driven by
+FastMCP's client with the tasks extension (fastmcp-tasks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, ServerProcess, running_proxy
+from fastmcp import Client
+
+import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
+from proxy.config import config_from_data
+from proxy.tasks.model import TaskStatus
+
+EVERYTHING = "@modelcontextprotocol/server-everything@2026.8.31"
+NODE_DIR = ROOT / ".node" / "everything"
+
+
+def _install_everything() -> Path:
+    entry = NODE_DIR / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
+    if not entry.exists():
+        npm = shutil.which("npm")
+        assert npm, "npm is needed to install server-everything for this test"
+        NODE_DIR.mkdir(parents=True, exist_ok=True)
+        (NODE_DIR / "package.json").write_text('{"private": true}\n')
+        subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", EVERYTHING], cwd=NODE_DIR, check=True, timeout=300)
+    return entry
+
+
+@pytest.fixture(scope="module")
+def everything_url() -> Iterator[str]:
+    """server-everything over Streamable HTTP on a free port (a thin wrapper prints the ready line)."""
+    entry = _install_everything()
+    wrapper = ROOT / "tests" / "fixtures" / "run_node_server.py"
+    server = ServerProcess([sys.executable, str(wrapper), "node", str(entry), "streamableHttp"], env={"NODE_NO_WARNINGS": "1"})
+    yield server.url
+    server.stop()
+
+
+async def test_long_operation_becomes_a_task_and_returns_the_direct_content(everything_url: str, tmp_path: Path) -> None:
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store")},
+        "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+        "mcpServers": {"everything": {"url": everything_url}},
+    })
+    args = {"duration": 4, "steps": 4}
+    async with running_proxy(config) as proxy:
+        async def direct() -> object:
+            async with Client(everything_url) as client:
+                return await client.call_tool("trigger-long-running-operation", args)
+
+        async def proxied() -> object:
+            async with Client(proxy.url()) as client:
+                assert client.protocol_version == "2026-07-28"
+                result = await client.call_tool("trigger-long-running-operation", args)
+                echo = await client.call_tool("echo", {"message": "hello"})
+                return result, echo
+
+        direct_result, (proxied_result, echo) = await asyncio.gather(direct(), proxied())
+        assert [c.model_dump() for c in proxied_result.content] == [c.model_dump() for c in direct_result.content]
+        assert "hello" in echo.content[0].text
+        records = [proxy.store.get(task_id) for task_id in proxy.store.ids()]
+        long_ops = [r for r in records if r.tool == "trigger-long-running-operation"]
+        assert len(long_ops) == 1 and long_ops[0].status is TaskStatus.COMPLETED
+        assert not [r for r in records if r.tool == "echo"], "echo must stay synchronous"
