@@ -35,11 +35,24 @@ class ServerProcess:
             argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}, cwd=ROOT, text=True
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        if not line.startswith(ready_prefix):
-            self.stop()
-            raise RuntimeError(f"{argv} did not start: {line!r}")
-        self.url = line.removeprefix(ready_prefix)
+        self.lines: list[str] = []
+        for _ in range(50):
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.strip())
+            if line.startswith(ready_prefix):
+                self.url = line.strip().removeprefix(ready_prefix)
+                return
+        self.stop()
+        raise RuntimeError(f"{argv} did not start: {self.lines!r}")
+
+    def kill(self) -> None:
+        """SIGKILL the child (no cleanup runs) and reap it."""
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
 
     def stop(self) -> None:
         """Terminate (then kill) the child and reap it."""

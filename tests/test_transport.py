@@ -1,0 +1,131 @@
+"""Bad input of every kind gets a clear JSON-RPC error with the right code and HTTP status,
+and the proxy keeps serving (2026-07-28 transport rules, conformance.md §6.6)."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+from conftest import ModernClient, RunningProxy, envelope
+
+BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+def modern_headers(method: str, **extra: str) -> dict[str, str]:
+    return {**BASE_HEADERS, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": method, **extra}
+
+
+async def test_malformed_json_is_a_parse_error(client: ModernClient) -> None:
+    reply = await client.post_raw(b"{not json", modern_headers("tools/list"))
+    assert reply.status == 400 and reply.error["code"] == -32700 and reply.message["id"] is None
+
+
+async def test_batch_and_wrong_shapes_are_invalid_requests(client: ModernClient) -> None:
+    for body in ([{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}], {"jsonrpc": "2.0", "id": 1, "result": {}},
+                 {"jsonrpc": "1.0", "id": 1, "method": "tools/list", "params": {"_meta": envelope()}},
+                 {"jsonrpc": "2.0", "id": {"x": 1}, "method": "tools/list", "params": {"_meta": envelope()}},
+                 {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": ["not", "an", "object"]}):
+        reply = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
+        assert reply.status == 400 and reply.error["code"] == -32600, body
+
+
+async def test_missing_envelope_is_invalid_params(client: ModernClient) -> None:
+    for meta in (None, {"io.modelcontextprotocol/clientCapabilities": {}}, {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}):
+        params = {} if meta is None else {"_meta": meta}
+        body = {"jsonrpc": "2.0", "id": 5, "method": "tools/list", "params": params}
+        reply = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
+        assert reply.status == 400 and reply.error["code"] == -32602 and reply.message["id"] == 5
+
+
+async def test_version_header_mismatch_then_unsupported_version(client: ModernClient) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": envelope() | {"io.modelcontextprotocol/protocolVersion": "v999.0.0"}}}
+    mismatch = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
+    assert mismatch.status == 400 and mismatch.error["code"] == -32020
+    unsupported = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list", **{"MCP-Protocol-Version": "v999.0.0"}))
+    assert unsupported.status == 400 and unsupported.error["code"] == -32022
+    assert unsupported.error["data"]["requested"] == "v999.0.0"
+    discover = (await client.request("server/discover")).result
+    assert set(unsupported.error["data"]["supported"]) <= set(discover["supportedVersions"])
+
+
+async def test_routing_header_rules(client: ModernClient) -> None:
+    params = {"name": "greet", "arguments": {"name": "h"}, "_meta": envelope()}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}).encode()
+    assert (await client.post_raw(body, modern_headers("tasks/get", **{"Mcp-Name": "greet"}))).error["code"] == -32020
+    assert (await client.post_raw(body, modern_headers("TOOLS/CALL", **{"Mcp-Name": "greet"}))).error["code"] == -32020
+    assert (await client.post_raw(body, modern_headers("tools/call"))).error["code"] == -32020  # Mcp-Name missing
+    assert (await client.post_raw(body, modern_headers("tools/call", **{"Mcp-Name": "other"}))).error["code"] == -32020
+    ok = await client.post_raw(body, modern_headers(" tools/call ", **{"Mcp-Name": "=?base64?Z3JlZXQ=?="}))
+    assert ok.result["content"][0]["text"] == "Hello, h!"
+
+
+async def test_unknown_and_removed_methods_are_404(client: ModernClient) -> None:
+    for method in ("initialize", "ping", "logging/setLevel", "resources/subscribe", "no/such/method"):
+        reply = await client.request(method, {})
+        assert reply.status == 404 and reply.error["code"] == -32601, method
+
+
+async def test_oversized_body_is_refused_and_the_proxy_keeps_serving(client: ModernClient, proxy: RunningProxy) -> None:
+    limit = proxy.config.listen.max_body
+    params = {"name": "greet", "arguments": {"name": "x" * (limit + 10)}}
+    reply = await client.request("tools/call", params, headers={"Mcp-Name": "greet"})
+    assert reply.status == 413 and reply.error["code"] == -32600 and "too large" in reply.error["message"]
+    assert (await client.call("greet", {"name": "after"})).result["content"][0]["text"] == "Hello, after!"
+
+
+async def test_hostile_host_and_origin_are_rejected(proxy: RunningProxy) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": envelope()}}
+    async with aiohttp.ClientSession() as http:
+        for extra in ({"Host": "evil.example.com"}, {"Origin": "http://evil.example.com"}):
+            async with http.post(proxy.url(), json=body, headers={**modern_headers("server/discover"), **extra}) as resp:
+                assert resp.status == 403
+                assert (await resp.json())["error"]["code"] == -32600
+        async with http.post(proxy.url(), json=body, headers={**modern_headers("server/discover"), "Origin": "http://localhost:3000"}) as resp:
+            assert resp.status == 200
+
+
+async def test_notification_is_accepted_with_202(client: ModernClient) -> None:
+    body = {"jsonrpc": "2.0", "method": "notifications/whatever", "params": {"_meta": envelope()}}
+    async with client.http.post(client.url, json=body, headers=modern_headers("notifications/whatever")) as resp:
+        assert resp.status == 202
+
+
+async def test_get_and_delete_without_session_are_405(proxy: RunningProxy) -> None:
+    async with aiohttp.ClientSession() as http:
+        for method in ("GET", "DELETE"):
+            async with http.request(method, proxy.url(), headers={"Accept": "text/event-stream"}) as resp:
+                assert resp.status == 405
+
+
+async def test_discover_advertises_tasks_and_caching_fields(client: ModernClient) -> None:
+    result = (await client.request("server/discover")).result
+    assert result["resultType"] == "complete"
+    assert "2026-07-28" in result["supportedVersions"]
+    assert result["capabilities"]["extensions"]["io.modelcontextprotocol/tasks"] == {}
+    assert "tasks" not in result["capabilities"]
+    assert isinstance(result["ttlMs"], int) and result["cacheScope"] in ("public", "private")
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "mcp-tasks-proxy"
+
+
+async def test_forwarded_lists_are_stamped(client: ModernClient) -> None:
+    for method, key in (("tools/list", "tools"), ("prompts/list", "prompts"), ("resources/list", "resources")):
+        result = (await client.request(method)).result
+        assert result["resultType"] == "complete" and "ttlMs" in result and "cacheScope" in result and key in result
+    read = await client.request("resources/read", {"uri": "test://static-text"})
+    assert read.result["contents"][0]["text"].startswith("This is static text")
+    missing = await client.request("resources/read", {"uri": "test://nope"})
+    assert missing.error["code"] != -32002
+
+
+async def test_envelope_is_not_forwarded_but_other_meta_is(client: ModernClient) -> None:
+    reply = await client.call("echo_meta", {}, meta={"acme/trace": "t-1", "progressToken": "p-9"})
+    seen = json.loads(reply.result["content"][0]["text"])
+    assert seen["meta"]["acme/trace"] == "t-1"
+    assert not any(k.startswith("io.modelcontextprotocol/") for k in seen["meta"])
+    assert seen["meta"]["progressToken"] != "p-9"  # the proxy's own token, mapped back on relay
+
+
+async def test_legacy_task_param_is_stripped(client: ModernClient) -> None:
+    reply = await client.request("tools/call", {"name": "echo_meta", "arguments": {}, "task": {"ttl": 60000}}, capabilities={})
+    assert reply.result["resultType"] == "complete"
+    assert "taskId" not in reply.result
