@@ -100,7 +100,8 @@ class TaskStore:
     def ids(self) -> Iterator[str]:
         """Iterate over the ids of all stored (unexpired) tasks."""
         for key in self._cache.iterkeys():
-            if isinstance(key, str) and key.startswith(_PREFIX):
+            # iterkeys() also lists expired rows that are not culled yet; `in` checks the expiry.
+            if isinstance(key, str) and key.startswith(_PREFIX) and key in self._cache:
                 yield key[len(_PREFIX) :]
 
     def count(self) -> int:
