@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -10,6 +11,7 @@ from aiohttp import web
 
 from .config import Config
 from .dispatcher import ServerDispatcher
+from .mrtr import ParkedCalls, load_or_create_key
 from .tasks.service import TaskService
 from .tasks.store import TaskStore
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
@@ -20,6 +22,7 @@ log = structlog.get_logger("proxy.app")
 CONFIG_KEY = web.AppKey("config", Config)
 TASKS_KEY = web.AppKey("tasks", TaskService)
 ENDPOINTS_KEY = web.AppKey("endpoints", dict)
+POOLS_KEY = web.AppKey("pools", dict)
 
 
 def build_app(config: Config) -> web.Application:
@@ -55,19 +58,26 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     store = TaskStore(config.store.path, durable=config.store.durable)
     tasks = TaskService(store)
     app[TASKS_KEY] = tasks
+    parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     pools = []
     for name, entry in config.servers.items():
-        if entry.url is None:
-            raise RuntimeError(f"server {name!r}: stdio upstreams (`command`) are not supported yet")
+        assert entry.url is not None  # the config refuses stdio entries for now
         pool = UpstreamPool(http, name, entry.url, entry.headers)
         pools.append(pool)
-        dispatcher = ServerDispatcher(name=name, config=config, pool=pool, tasks=tasks, keepalive_s=config.listen.sse_keepalive)
+        dispatcher = ServerDispatcher(
+            name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive
+        )
         app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher)
+    app[POOLS_KEY] = {pool.server: pool for pool in pools}
+    # Open each upstream session early (in the background) so the first call does not pay for initialize.
+    warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
     log.info("proxy_started", servers=list(config.servers), store=config.store.path, boot=tasks.boot)
     try:
         yield
     finally:
+        for warmup in warmups:
+            warmup.cancel()
         tasks.abandon_all()
         for pool in pools:
             await pool.close()
@@ -86,5 +96,9 @@ async def _readyz(request: web.Request) -> web.Response:
         checks["store"] = "ok"
     except Exception as exc:  # any store fault means not ready
         checks["store"] = f"failed: {exc}"
+    pools = request.app[POOLS_KEY]
+    problems = await asyncio.gather(*(pool.check(timeout_s=2.0) for pool in pools.values()))
+    for name, problem in zip(pools, problems, strict=True):
+        checks[f"upstream:{name}"] = problem or "ok"
     ready = all(v == "ok" for v in checks.values())
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

@@ -24,7 +24,9 @@ from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, Ups
 
 log = structlog.get_logger("proxy.calls")
 
-INPUT_METHODS = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
+INPUT_METHODS = frozenset(INPUT_CAPABILITY)
+INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"  # optional upstream hint for the key of its question
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
 
@@ -52,12 +54,15 @@ def input_request_value(message: JsonObject) -> JsonObject:
 
 
 class Call:
-    """An upstream `tools/call` running in its own asyncio task.
+    """An upstream request (`tools/call`, or `prompts/get` / `resources/read`) in its own asyncio task.
 
     `params` are the params to send upstream (envelope already stripped), `capabilities` the
-    legacy client capabilities for the upstream session, `timeout` the hard limit in seconds.
+    legacy client capabilities for the upstream session, `timeout` the hard limit in seconds,
+    `input_timeout` how long (s) one upstream question may stay unanswered, `prefilled` input
+    responses supplied before the question was asked (answered at once when their key comes up).
     `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
-    `events` carries `("notification", msg)` and `("input", key)` items for the attached client.
+    `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)` and
+    `("done", None)` items for the attached client.
     """
 
     def __init__(
@@ -70,13 +75,22 @@ class Call:
         capabilities: JsonObject,
         timeout: float,
         store: TaskStore,
+        method: str = "tools/call",
         client_progress_token: str | int | None = None,
         relay_logs: bool = False,
+        input_timeout: float = 600.0,
+        prefilled: JsonObject | None = None,
     ) -> None:
+        self.call_id = secrets.token_urlsafe(16)
         self.pool = pool
         self.server = server
+        self.method = method
         self.tool = tool
         self.params = params
+        self.input_timeout = input_timeout
+        self.prefilled = dict(prefilled or {})
+        self._used_keys: set[str] = set()
+        self._input_timers: dict[str, asyncio.TimerHandle] = {}
         self.capabilities = capabilities
         self.timeout = timeout
         self.store = store
@@ -97,7 +111,7 @@ class Call:
 
     def start(self) -> None:
         """Start the upstream request in a task of its own."""
-        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"call {self.server}/{self.tool}")
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.method} {self.server}/{self.tool}")
 
     def add_done_callback(self, fn: Callable[[Call], None]) -> None:
         """Call `fn(call)` once, when the outcome is known."""
@@ -135,7 +149,7 @@ class Call:
         self.session = session
         self.upstream_request_id = session.next_id()
         try:
-            return await session.request("tools/call", params, handler=self._on_message, request_id=self.upstream_request_id)
+            return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id)
         except SessionExpiredError:
             self.pool.discard(session)
             if not retry_expired:
@@ -146,6 +160,9 @@ class Call:
         if self.outcome.done():
             return
         self.outcome.set_result(reply)
+        for timer in self._input_timers.values():
+            timer.cancel()
+        self._input_timers.clear()
         self.events.put_nowait(("done", None))
         if self.task_id is not None:
             self._record_outcome(reply)
@@ -156,7 +173,7 @@ class Call:
         assert self.task_id is not None
         try:
             if "result" in reply:
-                self.store.update(self.task_id, status=TaskStatus.COMPLETED, result=modern_result("tools/call", reply["result"]), input_requests={})
+                self.store.update(self.task_id, status=TaskStatus.COMPLETED, result=modern_result(self.method, reply["result"]), input_requests={})
             else:
                 error = modern_error(reply.get("error"))
                 self.store.update(
@@ -203,17 +220,41 @@ class Call:
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
 
     def _on_input_request(self, msg: JsonObject) -> None:
-        key = "in_" + secrets.token_urlsafe(9)
+        capability = INPUT_CAPABILITY[msg["method"]]
+        if capability not in self.capabilities:
+            # The client of this call never declared it can answer this kind of question.
+            self._spawn(self._respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": f"the client did not declare the {capability} capability"}))
+            if self.task_id is None:
+                self.events.put_nowait(("unsupported", capability))
+            return
+        key = self._key_for(msg)
+        if key in self.prefilled:
+            self._spawn(self._respond(msg["id"], result=self.prefilled.pop(key)))
+            return
         self.pending[key] = PendingInput(upstream_id=msg["id"], request=input_request_value(msg))
+        self._input_timers[key] = asyncio.get_running_loop().call_later(self.input_timeout, self.fail_input_timeout, self.input_timeout)
         if self.task_id is not None:
             self._write_inputs()
         else:
             self.events.put_nowait(("input", key))
 
+    def _key_for(self, msg: JsonObject) -> str:
+        """A key unique for the call's whole life: the upstream's hint (`_meta["mcp-tasks-proxy/inputKey"]`) if unused, else random."""
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        hint = meta.get(INPUT_KEY_HINT)
+        if isinstance(hint, str) and 0 < len(hint) <= 64 and hint not in self._used_keys:
+            key = hint
+        else:
+            key = "in_" + secrets.token_urlsafe(9)
+        self._used_keys.add(key)
+        return key
+
     def _on_upstream_cancelled(self, request_id: Any) -> None:
         for key, pending in list(self.pending.items()):
             if pending.upstream_id == request_id:
                 del self.pending[key]
+                self._cancel_timer(key)
                 if self.task_id is not None:
                     self._write_inputs()
 
@@ -248,6 +289,7 @@ class Call:
             pending = self.pending.pop(key, None)
             if pending is None:
                 continue
+            self._cancel_timer(key)
             used.append(key)
             if isinstance(value, dict):
                 self._spawn(self._respond(pending.upstream_id, result=value))
@@ -257,9 +299,34 @@ class Call:
             self._write_inputs()
         return used
 
+    def _cancel_timer(self, key: str) -> None:
+        timer = self._input_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def resume(self, client_progress_token: str | int | None) -> None:
+        """A client picks the call up again (MRTR retry): drop what was queued for the old request."""
+        self.client_progress_token = client_progress_token
+        while not self.events.empty():
+            self.events.get_nowait()
+
+    def fail_input_timeout(self, timeout_s: float) -> None:
+        """No answer arrived in time: release the upstream's questions, end the call (and its task) failed."""
+        if self.done:
+            return
+        message = f"input timed out: the client did not answer within {timeout_s:g} s"
+        for pending in self.pending.values():
+            self._spawn(self._respond(pending.upstream_id, error={"code": INTERNAL_ERROR, "message": message}))
+        self.pending.clear()
+        self._finish({"error": {"code": INTERNAL_ERROR, "message": message}})
+        if self._runner is not None and not self._runner.done():
+            self._spawn(self._send_cancelled(message))
+            self._runner.cancel()
+
     def cancel(self, reason: str) -> None:
         """Abandon the call: release pending input requests, tell the upstream, stop reading."""
-        for pending in self.pending.values():
+        for key, pending in self.pending.items():
+            self._cancel_timer(key)
             self._spawn(self._respond(pending.upstream_id, error={"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"}))
         self.pending.clear()
         if self._runner is not None and not self._runner.done():

@@ -86,12 +86,14 @@ class TaskPolicy(_Strict):
 
     `detach_after` (s): how long a call runs synchronously before it becomes a task.
     `ttl` (s): retention of a task, counted from its creation. `poll_interval` (s): the poll
-    interval suggested to clients.
+    interval suggested to clients. `input_timeout` (s): how long a question from the upstream
+    (elicitation, sampling, roots) may stay unanswered before the call fails.
     """
 
     detach_after: Duration | None = None
     ttl: Duration | None = None
     poll_interval: Duration | None = None
+    input_timeout: Duration | None = None
 
 
 class ToolTasks(TaskPolicy):
@@ -112,6 +114,7 @@ class DefaultTasks(_Strict):
     detach_after: Duration = 10.0
     ttl: Duration = 3600.0
     poll_interval: Duration = 2.0
+    input_timeout: Duration = 600.0
 
 
 _CLIENT_ONLY_KEYS = ("disabled", "enabled", "alwaysAllow", "autoApprove", "trust", "description", "disabledTools", "timeout_ms")
@@ -172,13 +175,22 @@ class ResolvedPolicy(BaseModel):
     detach_after: float
     ttl: float
     poll_interval: float
+    input_timeout: float
     timeout: float
+
+
+class RequestStateConfig(_Strict):
+    """Signing of MRTR `requestState` (HMAC-SHA256). Without `secret`, a key is generated once and
+    kept beside the store (`<store.path>/request_state.key`)."""
+
+    secret: str | None = Field(None, min_length=32)
 
 
 class Config(_Strict):
     """The whole config file."""
 
     listen: ListenConfig = Field(default_factory=ListenConfig)
+    request_state: RequestStateConfig = Field(default_factory=RequestStateConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     tasks: DefaultTasks = Field(default_factory=DefaultTasks)
     mcpServers: dict[str, ServerEntry] = Field(default_factory=dict)
@@ -190,6 +202,9 @@ class Config(_Strict):
                 raise ValueError(f"server name {name!r} must match {_NAME.pattern} (it becomes a URL path)")
         if not self.servers:
             raise ValueError("mcpServers must configure at least one enabled server")
+        for name, entry in self.servers.items():
+            if entry.command:
+                raise ValueError(f"mcpServers.{name}: stdio upstreams (`command`) are not served yet; give a Streamable HTTP `url`")
         return self
 
     @property
@@ -215,6 +230,7 @@ class Config(_Strict):
             detach_after=pick("detach_after"),
             ttl=pick("ttl"),
             poll_interval=pick("poll_interval"),
+            input_timeout=pick("input_timeout"),
             timeout=entry.timeout,
         )
 

@@ -15,7 +15,8 @@ import structlog
 
 from . import __version__
 from .calls import Call
-from .config import Config, ToolMode
+from .config import Config, ResolvedPolicy, ToolMode
+from .mrtr import ParkedCalls, request_digest, validate_input_responses
 from .protocol.era import (
     LEGACY_VERSIONS,
     META_SERVER_INFO,
@@ -53,6 +54,7 @@ REMOVED_METHODS = frozenset(
     }
 )
 TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
 
 
 class Reply:
@@ -69,8 +71,11 @@ class Reply:
 class ServerDispatcher:
     """Dispatches modern requests for one upstream server (`name`), sharing the TaskService."""
 
-    def __init__(self, *, name: str, config: Config, pool: UpstreamPool, tasks: TaskService, keepalive_s: float = 15.0) -> None:
+    def __init__(
+        self, *, name: str, config: Config, pool: UpstreamPool, tasks: TaskService, parked: ParkedCalls, keepalive_s: float = 15.0
+    ) -> None:
         self.name = name
+        self.parked = parked
         self.config = config
         self.pool = pool
         self.tasks = tasks
@@ -94,6 +99,12 @@ class ServerDispatcher:
             raise JsonRpcError(METHOD_NOT_FOUND, f"unknown tasks method {method!r}")
         if method == "tools/call":
             return await self.call_tool(params, envelope, principal=principal, reply=reply)
+        if method in ("prompts/get", "resources/read"):
+            name = params.get("name") if method == "prompts/get" else params.get("uri")
+            if not isinstance(name, str) or not name:
+                raise JsonRpcError(INVALID_PARAMS, f"{method} needs params.{'name' if method == 'prompts/get' else 'uri'} (a string)")
+            policy = self.config.policy(self.name, name).model_copy(update={"mode": ToolMode.FORBIDDEN})
+            return await self._run_call(method, name, params, envelope, principal=principal, reply=reply, policy=policy)
         return await self.forward(method, params, envelope)
 
     # -- server/discover ---------------------------------------------------------------------
@@ -121,10 +132,10 @@ class ServerDispatcher:
             result["instructions"] = init["instructions"]
         return result
 
-    # -- tools/call --------------------------------------------------------------------------
+    # -- tools/call, prompts/get, resources/read (MRTR-capable) ------------------------------
 
     async def call_tool(self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
-        """Run `tools/call` upstream; return its result, or a CreateTaskResult once it detaches."""
+        """Run `tools/call` upstream; return its result, an InputRequiredResult, or a CreateTaskResult."""
         tool = params.get("name")
         if not isinstance(tool, str) or not tool:
             raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
@@ -137,26 +148,46 @@ class ServerDispatcher:
                 f"tool {tool!r} always runs as a task; declare the {TASKS_EXTENSION} extension",
                 {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
             )
-        may_detach = envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
+        return await self._run_call("tools/call", tool, params, envelope, principal=principal, reply=reply, policy=policy)
+
+    async def _run_call(
+        self, method: str, name: str, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply, policy: ResolvedPolicy
+    ) -> JsonObject:
+        """Start (or, on an MRTR retry, resume) a proxy-owned upstream call and wait for what comes first:
+        its outcome, a question for the client (MRTR round), or the detach deadline (task)."""
+        may_detach = method == "tools/call" and envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-        call = Call(
-            pool=self.pool,
-            server=self.name,
-            tool=tool,
-            params=strip_envelope(params),
-            capabilities=upstream_capabilities(envelope.capabilities),
-            timeout=policy.timeout,
-            store=self.tasks.store,
-            client_progress_token=meta.get("progressToken"),
-            relay_logs=envelope.log_level is not None,
-        )
-        call.start()
+        digest = request_digest(method, name, params.get("arguments") if method != "resources/read" else None)
+        responses = params.get("inputResponses")
+        if responses is not None:
+            validate_input_responses(responses)
+        if "requestState" in params:
+            call = self.parked.resume(params["requestState"], principal=principal, server=self.name, digest=digest)
+            call.resume(meta.get("progressToken"))
+            call.answer(responses or {})
+        else:
+            call = Call(
+                pool=self.pool,
+                server=self.name,
+                tool=name,
+                method=method,
+                params=strip_envelope(params),
+                capabilities=upstream_capabilities(envelope.capabilities),
+                timeout=policy.timeout,
+                store=self.tasks.store,
+                client_progress_token=meta.get("progressToken"),
+                relay_logs=envelope.log_level is not None,
+                input_timeout=policy.input_timeout,
+                prefilled=responses,
+            )
+            call.start()
 
         def detach(why: str) -> JsonObject:
+            self.parked.release(call)
             record = self.tasks.detach(call, principal=principal, ttl_s=policy.ttl, poll_interval_s=policy.poll_interval, status_message=why)
             return record.create_task_result()
 
-        if policy.mode is ToolMode.REQUIRED:
+        if method == "tools/call" and policy.mode is ToolMode.REQUIRED and not call.pending:
             return detach(f"running upstream on {self.name} as a task")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.detach_after if may_detach else None
@@ -164,13 +195,15 @@ class ServerDispatcher:
             while True:
                 if call.done:
                     return self._call_result(call)
+                if call.pending:
+                    return await self._ask_client(call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply)
                 wait = self.keepalive_s
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - loop.time()))
                 try:
                     kind, item = await asyncio.wait_for(call.events.get(), timeout=wait)
                 except TimeoutError:
-                    if call.done:
+                    if call.done or call.pending:
                         continue
                     if deadline is not None and loop.time() >= deadline:
                         return detach(f"still running upstream after {policy.detach_after:g} s; continuing in the background")
@@ -178,19 +211,48 @@ class ServerDispatcher:
                     continue
                 if kind == "notification":
                     await reply.notify(item)
-                elif kind == "input" and not call.done:
-                    if may_detach:
-                        return detach("the upstream asked for input; answer it with tasks/update")
-                    call.answer({item: None})
+                elif kind == "unsupported" and not call.done:
+                    call.cancel(f"the upstream needs the {item} capability")
+                    raise JsonRpcError(
+                        MISSING_REQUIRED_CLIENT_CAPABILITY,
+                        f"upstream {self.name} needs the {item} client capability for this request",
+                        {"requiredCapabilities": {item: {}}},
+                    )
         except asyncio.CancelledError:
             if call.task_id is None:
+                self.parked.release(call)
                 call.cancel("the client closed the request stream")
             raise
 
+    async def _ask_client(self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply) -> JsonObject:
+        """Answer with an InputRequiredResult for every outstanding question (SEP-2322), parking the call.
+
+        Questions that arrive within a short window of each other (concurrent upstream requests)
+        go out in the same round.
+        """
+        quiet_until = asyncio.get_running_loop().time() + INPUT_GATHER_S
+        while not call.done:
+            remaining = quiet_until - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            try:
+                kind, item = await asyncio.wait_for(call.events.get(), timeout=remaining)
+            except TimeoutError:
+                break
+            if kind == "notification":
+                await reply.notify(item)
+            elif kind == "input":
+                quiet_until = asyncio.get_running_loop().time() + INPUT_GATHER_S
+        if call.done:
+            return self._call_result(call)
+        state = self.parked.park(call, principal=principal, server=self.name, digest=digest, timeout_s=timeout_s)
+        return {"resultType": "input_required", "inputRequests": call.input_requests(), "requestState": state}
+
     def _call_result(self, call: Call) -> JsonObject:
+        self.parked.release(call)
         outcome = call.outcome.result()
         if "result" in outcome:
-            return modern_result("tools/call", outcome["result"])
+            return modern_result(call.method, outcome["result"])
         error = modern_error(outcome.get("error"))
         raise JsonRpcError(error["code"], error["message"], error.get("data"))
 

@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import json
 import secrets
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,8 +22,8 @@ from aiohttp import web
 from .dispatcher import ServerDispatcher
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
-from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
-from .upstream.sse import KEEPALIVE, encode_message
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError, RequestId
+from .upstream.sse import KEEPALIVE, SseEvent, encode_event, encode_message, iter_events
 
 log = structlog.get_logger("proxy.transport")
 
@@ -74,25 +75,48 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+@dataclass
+class LegacySession:
+    """One downstream legacy session: the upstream's session id and the server→client request ids
+    the proxy rewrote (proxy id → upstream id), so two clients' ids never cross."""
+
+    upstream_id: str | None
+    request_ids: dict[str, RequestId] = field(default_factory=dict)
+
+
 class LegacySessions:
-    """Downstream legacy sessions: the proxy's session id → the upstream's session id (in memory)."""
+    """Downstream legacy sessions by the proxy's session id (in memory; lost on restart, then 404)."""
 
     def __init__(self) -> None:
-        self._upstream: dict[str, str] = {}
+        self._sessions: dict[str, LegacySession] = {}
+        self.sessionless = LegacySession(upstream_id=None)
 
     def open(self, upstream_session_id: str) -> str:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session."""
         sid = secrets.token_urlsafe(24)
-        self._upstream[sid] = upstream_session_id
+        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id)
         return sid
 
-    def upstream(self, sid: str) -> str | None:
-        """The upstream session id behind `sid`, or None when unknown or ended."""
-        return self._upstream.get(sid)
+    def get(self, sid: str) -> LegacySession | None:
+        """The session behind `sid`, or None when unknown or ended."""
+        return self._sessions.get(sid)
 
     def end(self, sid: str) -> None:
         """Forget `sid` (DELETE, or the upstream expired it)."""
-        self._upstream.pop(sid, None)
+        self._sessions.pop(sid, None)
+
+
+def rewrite_server_request(event: SseEvent, session: LegacySession) -> bytes:
+    """Re-encode one upstream SSE event; a server→client request gets a proxy-minted id."""
+    try:
+        msg = json.loads(event.data) if event.data.strip() else None
+    except ValueError:
+        msg = None
+    if jsonrpc.is_request(msg):
+        proxy_id = "mtp-" + secrets.token_urlsafe(9)
+        session.request_ids[proxy_id] = msg["id"]
+        event = SseEvent(event.event, _dumps({**msg, "id": proxy_id}), event.id, event.retry)
+    return encode_event(event)
 
 
 class ServerEndpoint:
@@ -169,12 +193,17 @@ class ServerEndpoint:
             if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
                 headers[name] = value
         sid = request.headers.get("Mcp-Session-Id")
+        session = self.legacy.sessionless
         if sid:
-            upstream_sid = self.legacy.upstream(sid.strip())
-            if upstream_sid is None:
+            found = self.legacy.get(sid.strip())
+            if found is None:
                 err = JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one")
                 return _json_error(request_id, err, status=404)
-            headers["Mcp-Session-Id"] = upstream_sid
+            session = found
+            if found.upstream_id:
+                headers["Mcp-Session-Id"] = found.upstream_id
+        if request.method == "POST" and jsonrpc.is_response(body) and body["id"] in session.request_ids:
+            raw = _dumps({**body, "id": session.request_ids.pop(body["id"])}).encode()
         try:
             upstream = await self.http.request(
                 request.method,
@@ -199,9 +228,15 @@ class ServerEndpoint:
             if out_headers.get("Content-Type", "").startswith("text/event-stream"):
                 response.headers["X-Accel-Buffering"] = "no"
             await response.prepare(request)
+            if upstream_new_sid and not sid:
+                session = self.legacy.get(out_headers["Mcp-Session-Id"]) or session
             try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                if response.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    async for event in iter_events(upstream.content.iter_any()):
+                        await response.write(rewrite_server_request(event, session))
+                else:
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
             except (aiohttp.ClientError, OSError) as exc:
                 log.info("legacy_relay_broken", server=self.name, reason=str(exc))
             await response.write_eof()

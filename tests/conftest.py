@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import TASKS_KEY, build_app
+from proxy.app import POOLS_KEY, TASKS_KEY, build_app
 from proxy.config import Config, config_from_data
 from proxy.protocol.era import META_CLIENT_CAPABILITIES, META_PROTOCOL_VERSION, MODERN_VERSION, TASKS_EXTENSION
 from proxy.upstream.sse import iter_events
@@ -109,6 +109,8 @@ async def running_proxy(config: Config) -> AsyncIterator[RunningProxy]:
     await site.start()
     host, port = runner.addresses[0][:2]
     proxy = RunningProxy(base=f"http://{host}:{port}", config=config, app=app, runner=runner)
+    # Wait (briefly) until the upstream sessions are open, so test timings count calls only.
+    await asyncio.gather(*(pool.check(timeout_s=5) for pool in app[POOLS_KEY].values()))
     try:
         yield proxy
     finally:

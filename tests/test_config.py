@@ -363,10 +363,9 @@ def test_legacy_sse_transport_refused(key: str):
     assert "mcpServers.a:" in message and "SSE" in message
 
 
-def test_claude_desktop_stdio_entry_is_accepted():
-    config = cfg({"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"], "env": {"A": "1"}}})
-    entry = config.servers["files"]
-    assert entry.command == "npx" and entry.args[-1] == "/srv" and entry.env == {"A": "1"}
+def test_claude_desktop_stdio_entry_is_refused_clearly_until_stdio_is_served():
+    error = config_error({"mcpServers": {"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"]}}})
+    assert "mcpServers.files: stdio upstreams" in error
 
 
 def test_exactly_one_of_url_and_command():

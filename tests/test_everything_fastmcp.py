@@ -70,3 +70,23 @@ async def test_long_operation_becomes_a_task_and_returns_the_direct_content(ever
         long_ops = [r for r in records if r.tool == "trigger-long-running-operation"]
         assert len(long_ops) == 1 and long_ops[0].status is TaskStatus.COMPLETED
         assert not [r for r in records if r.tool == "echo"], "echo must stay synchronous"
+
+
+async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: str, tmp_path: Path) -> None:
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store")},
+        "tasks": {"detach_after": "1s"},
+        "mcpServers": {"everything": {"url": everything_url}},
+    })
+    asked: list[str] = []
+
+    async def on_elicit(message, response_type, params, context):
+        asked.append(message)
+        return {"name": "Ada Lovelace", "check": True, "email": "ada@example.com"}
+
+    async with running_proxy(config) as proxy:
+        async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
+            result = await client.call_tool("trigger-elicitation-request", {})
+    text = "\n".join(c.text for c in result.content if getattr(c, "text", None))
+    assert asked == ["Please provide inputs for the following fields:"]
+    assert "Ada Lovelace" in text and "ada@example.com" in text

@@ -12,6 +12,7 @@ from typing import Any
 import structlog
 
 from ..calls import Call
+from ..mrtr import validate_input_responses
 from ..protocol.era import TASKS_EXTENSION, Envelope
 from ..protocol.jsonrpc import (
     INTERNAL_ERROR,
@@ -115,9 +116,7 @@ class TaskService:
         """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack."""
         require_tasks_extension(envelope, "tasks/update")
         record = self._lookup(params, principal=principal, server=server)
-        responses = params.get("inputResponses")
-        if not isinstance(responses, dict):
-            raise JsonRpcError(INVALID_PARAMS, "params.inputResponses must be an object")
+        responses = validate_input_responses(params.get("inputResponses"))
         call = self.live.get(record.task_id)
         if call is not None and not record.status.terminal:
             call.answer(responses)

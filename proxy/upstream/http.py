@@ -255,6 +255,17 @@ class UpstreamPool:
             self._sessions[key] = session
             return session
 
+    async def check(self, timeout_s: float = 5.0) -> str | None:
+        """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.session({})
+        except TimeoutError:
+            return f"upstream {self.server} did not finish initialize within {timeout_s:g} s"
+        except UpstreamError as exc:
+            return str(exc)
+        return None
+
     def discard(self, session: UpstreamSession) -> None:
         """Forget a session the upstream expired, so the next use initializes a new one."""
         session.closed = True

@@ -56,6 +56,21 @@ async def iter_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
         yield SseEvent(event or "message", "\n".join(data), last_id, retry)
 
 
+def encode_event(event: SseEvent) -> bytes:
+    """Serialize an event again (name, id and retry kept; multi-line data split into lines)."""
+    out = []
+    if event.event != "message":
+        out.append(f"event: {event.event}")
+    else:
+        out.append("event: message")
+    if event.id is not None:
+        out.append(f"id: {event.id}")
+    if event.retry is not None:
+        out.append(f"retry: {event.retry}")
+    out.extend(f"data: {line}" for line in event.data.split("\n"))
+    return ("\n".join(out) + "\n\n").encode()
+
+
 def encode_message(message: dict) -> bytes:
     """One SSE `message` event carrying a JSON-RPC message."""
     return b"event: message\ndata: " + json.dumps(message, separators=(",", ":")).encode() + b"\n\n"

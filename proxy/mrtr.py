@@ -1,0 +1,159 @@
+"""Multi round-trip requests (SEP-2322, 2026-07-28 basic/patterns/mrtr) for calls not yet detached.
+
+When a legacy upstream asks its client something (elicitation, sampling, roots) while a modern
+client still waits on the original request, the proxy answers that request with an
+`InputRequiredResult` and parks the live upstream call. The `requestState` it hands out is a
+signed token (HS256 JWT) that names the parked call, binds it to the principal, the server and a
+digest of the request, expires, and is single-use: each round mints a fresh nonce and a retry
+must present the current one. Anything else is refused with -32602 before anything is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jwt
+
+from .calls import Call
+from .protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError
+
+KEY_FILE = "request_state.key"
+
+
+def load_or_create_key(store_path: str, configured: str | None) -> bytes:
+    """The HMAC key for `requestState`: the configured secret, else one generated once and kept
+    beside the store (`<store>/request_state.key`, mode 0600), so states survive restarts of the
+    key but never leave the machine."""
+    if configured:
+        return configured.encode()
+    path = Path(store_path) / KEY_FILE
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (OSError, ValueError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, key.hex().encode())
+    finally:
+        os.close(fd)
+    return key
+
+
+def request_digest(method: str, name: Any, arguments: Any) -> str:
+    """SHA-256 over the canonical JSON of what identifies a request across MRTR rounds."""
+    canonical = json.dumps({"m": method, "n": name, "a": arguments}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def principal_digest(principal: str) -> str:
+    """A short hash of the principal (the token is signed, not encrypted)."""
+    return hashlib.sha256(principal.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Parked:
+    """A call waiting for its client's retry; `nonce` is the one state that may resume it."""
+
+    call: Call
+    nonce: str
+    principal: str
+    server: str
+    digest: str
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class ParkedCalls:
+    """The calls of this proxy process waiting for an MRTR retry.
+
+    `key` signs the states; `timeout_s` is how long a parked call waits for its retry before it is
+    cancelled upstream (the `input_timeout` of its tool).
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._parked: dict[str, Parked] = {}
+
+    def park(self, call: Call, *, principal: str, server: str, digest: str, timeout_s: float) -> str:
+        """Park `call` (or re-park it for a new round) and return the new `requestState`."""
+        pid = call.call_id
+        entry = self._parked.get(pid)
+        nonce = secrets.token_urlsafe(12)
+        if entry is None:
+            entry = Parked(call=call, nonce=nonce, principal=principal, server=server, digest=digest)
+            self._parked[pid] = entry
+            call.add_done_callback(lambda c: self._forget(pid))
+        entry.nonce = nonce
+        if entry.timer is not None:
+            entry.timer.cancel()
+        entry.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, pid, timeout_s)
+        claims = {"pid": pid, "n": nonce, "p": principal_digest(principal), "s": server, "d": digest, "exp": int(time.time() + timeout_s)}
+        return jwt.encode(claims, self._key, algorithm="HS256")
+
+    def resume(self, state: Any, *, principal: str, server: str, digest: str) -> Call:
+        """Verify a retry's `requestState` and take its call out of the parked set.
+
+        Raises JsonRpcError(-32602) for a malformed, tampered, expired, foreign or replayed state;
+        nothing changes then.
+        """
+        if not isinstance(state, str):
+            raise JsonRpcError(INVALID_PARAMS, "requestState must be the string this server sent")
+        try:
+            claims = jwt.decode(state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]})
+        except jwt.ExpiredSignatureError:
+            raise JsonRpcError(INVALID_PARAMS, "requestState has expired; send the request again without it") from None
+        except jwt.InvalidTokenError:
+            raise JsonRpcError(INVALID_PARAMS, "requestState is not valid (it was altered or not issued here)") from None
+        entry = self._parked.get(claims.get("pid"))
+        if (
+            entry is None
+            or claims.get("p") != principal_digest(principal)
+            or claims.get("s") != server
+            or claims.get("d") != digest
+            or entry.principal != principal
+            or entry.server != server
+            or entry.digest != digest
+        ):
+            raise JsonRpcError(INVALID_PARAMS, "requestState does not belong to this request")
+        if entry.nonce != claims.get("n"):
+            raise JsonRpcError(INVALID_PARAMS, "requestState was already used; retry with the latest one")
+        entry.nonce = ""  # single use: the next round mints a new one
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        return entry.call
+
+    def release(self, call: Call) -> None:
+        """Stop tracking a call that left the MRTR flow (it finished or became a task)."""
+        self._forget(call.call_id)
+
+    def _forget(self, pid: str) -> None:
+        entry = self._parked.pop(pid, None)
+        if entry is not None and entry.timer is not None:
+            entry.timer.cancel()
+
+    def _expire(self, pid: str, timeout_s: float) -> None:
+        entry = self._parked.get(pid)
+        if entry is None or entry.nonce == "":
+            return  # resumed in the meantime
+        self._forget(pid)
+        entry.call.fail_input_timeout(timeout_s)
+
+
+def validate_input_responses(responses: Any) -> JsonObject:
+    """`inputResponses` must be an object of objects (ElicitResult, CreateMessageResult, ListRootsResult). Raises -32602."""
+    if not isinstance(responses, dict):
+        raise JsonRpcError(INVALID_PARAMS, "inputResponses must be an object keyed by input request key")
+    for key, value in responses.items():
+        if not isinstance(value, dict):
+            raise JsonRpcError(INVALID_PARAMS, f"inputResponses[{key!r}] must be an object")
+    return responses
