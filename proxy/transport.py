@@ -8,6 +8,7 @@ a transparent relay to the upstream with the upstream session mapped to a proxy 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import secrets
@@ -35,12 +36,39 @@ def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -
     return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status)
 
 
+def prefers_sse(accept: str | None) -> bool:
+    """True when an `Accept` header ranks `text/event-stream` above `application/json`.
+
+    Higher q-value wins; on equal q the type listed first wins (RFC 9110 leaves ties to the
+    server; the listing order is the client's stated preference). Both types must be acceptable.
+    """
+    ranks: dict[str, tuple[float, int]] = {}
+    for index, item in enumerate((accept or "").split(",")):
+        media, *params = [part.strip() for part in item.split(";")]
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        media = media.lower()
+        if media in ("text/event-stream", "application/json") and media not in ranks:
+            ranks[media] = (q, -index)
+    sse, json_ = ranks.get("text/event-stream"), ranks.get("application/json")
+    return sse is not None and json_ is not None and sse[0] > 0 and sse > json_
+
+
 class ModernReply:
-    """The response of one modern request: plain JSON unless something must be streamed first."""
+    """The response of one modern request: plain JSON unless something must be streamed first,
+    or the client's `Accept` prefers an SSE stream (then a successful result is one SSE event)."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
+        self.headers = request.headers
         self.stream: web.StreamResponse | None = None
+        self.prefer_sse = prefers_sse(request.headers.get("Accept"))
 
     async def _start_sse(self) -> web.StreamResponse:
         if self.stream is None:
@@ -63,7 +91,12 @@ class ModernReply:
         await stream.write(KEEPALIVE)
 
     async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
-        """Send the final JSON-RPC message, as JSON or as the last SSE event."""
+        """Send the final JSON-RPC message, as JSON or as the last SSE event.
+
+        An error with a non-200 status goes out as JSON unless the stream already started (the
+        2026-07-28 transport's status codes must stay visible)."""
+        if self.stream is None and self.prefer_sse and status == 200:
+            await self._start_sse()
         if self.stream is None:
             return web.json_response(message, status=status, dumps=_dumps)
         await self.stream.write(encode_message(message))
@@ -239,7 +272,8 @@ class ServerEndpoint:
                         await response.write(chunk)
             except (aiohttp.ClientError, OSError) as exc:
                 log.info("legacy_relay_broken", server=self.name, reason=str(exc))
-            await response.write_eof()
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                await response.write_eof()  # the client may already be gone (a GET stream it closed)
             return response
 
 

@@ -129,3 +129,24 @@ async def test_legacy_task_param_is_stripped(client: ModernClient) -> None:
     reply = await client.request("tools/call", {"name": "echo_meta", "arguments": {}, "task": {"ttl": 60000}}, capabilities={})
     assert reply.result["resultType"] == "complete"
     assert "taskId" not in reply.result
+
+
+def test_accept_preference_for_sse() -> None:
+    from proxy.transport import prefers_sse
+
+    assert prefers_sse("text/event-stream, application/json")
+    assert not prefers_sse("application/json, text/event-stream")
+    assert prefers_sse("application/json;q=0.5, text/event-stream")
+    assert not prefers_sse("text/event-stream;q=0, application/json")
+    assert not prefers_sse("text/event-stream") and not prefers_sse(None)  # both must be acceptable
+
+
+async def test_a_client_that_prefers_sse_gets_its_result_as_one_sse_event(client: ModernClient) -> None:
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/list", "params": {"_meta": envelope()}}).encode()
+    headers = {**modern_headers("tools/list"), "Accept": "text/event-stream, application/json"}
+    reply = await client.post_raw(body, headers)
+    assert reply.status == 200 and reply.content_type.startswith("text/event-stream")
+    assert reply.message["id"] == 7 and reply.result["resultType"] == "complete" and reply.result["tools"]
+    # Errors keep their HTTP status (and so go out as JSON) whatever the client prefers.
+    unknown = await client.post_raw(body.replace(b"tools/list", b"nope/nope"), {**headers, "Mcp-Method": "nope/nope"})
+    assert unknown.status == 404 and unknown.content_type.startswith("application/json")
