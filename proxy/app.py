@@ -9,13 +9,15 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from .config import Config
+from .config import Config, ServerEntry
 from .dispatcher import ServerDispatcher
+from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key
 from .tasks.service import TaskService
 from .tasks.store import TaskStore
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
 from .upstream.http import UpstreamPool
+from .upstream.stdio import StdioCommand, StdioPool
 
 log = structlog.get_logger("proxy.app")
 
@@ -62,13 +64,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     pools = []
     for name, entry in config.servers.items():
-        assert entry.url is not None  # the config refuses stdio entries for now
-        pool = UpstreamPool(http, name, entry.url, entry.headers)
+        pool = make_pool(name, entry, http)
         pools.append(pool)
         dispatcher = ServerDispatcher(
             name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive
         )
-        app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher)
+        bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None
+        app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
     app[POOLS_KEY] = {pool.server: pool for pool in pools}
     # Open each upstream session early (in the background) so the first call does not pay for initialize.
     warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
@@ -83,6 +85,23 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await pool.close()
         await http.close()
         store.close()
+
+
+def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> UpstreamPool | StdioPool:
+    """The upstream connector of one server: Streamable HTTP sessions or stdio children."""
+    if entry.url:
+        return UpstreamPool(http, name, entry.url, entry.headers)
+    assert entry.command is not None
+    return StdioPool(
+        name,
+        StdioCommand(entry.command, list(entry.args), dict(entry.env), entry.cwd),
+        instances=entry.instances,
+        max_concurrency=entry.max_concurrency,
+        per_principal=entry.isolation == "per_principal",
+        idle_timeout=entry.idle_timeout,
+        init_timeout=entry.init_timeout,
+        max_restarts=entry.max_restarts,
+    )
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -21,6 +21,7 @@ from .protocol.translate import modern_error, modern_result
 from .tasks.model import TaskStatus, TerminalTaskError
 from .tasks.store import TaskNotFoundError, TaskStore
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
+from .upstream.stdio import StdioPool, StdioSession
 
 log = structlog.get_logger("proxy.calls")
 
@@ -68,7 +69,7 @@ class Call:
     def __init__(
         self,
         *,
-        pool: UpstreamPool,
+        pool: UpstreamPool | StdioPool,
         server: str,
         tool: str,
         params: JsonObject,
@@ -80,8 +81,10 @@ class Call:
         relay_logs: bool = False,
         input_timeout: float = 600.0,
         prefilled: JsonObject | None = None,
+        principal: str | None = None,
     ) -> None:
         self.call_id = secrets.token_urlsafe(16)
+        self.principal = principal
         self.pool = pool
         self.server = server
         self.method = method
@@ -100,7 +103,7 @@ class Call:
         self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.task_id: str | None = None
-        self.session: UpstreamSession | None = None
+        self.session: UpstreamSession | StdioSession | None = None
         self.upstream_request_id: RequestId | None = None
         self.pending: dict[str, PendingInput] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -145,7 +148,7 @@ class Call:
         self._finish(reply)
 
     async def _request(self, params: JsonObject, *, retry_expired: bool) -> JsonObject:
-        session = await self.pool.session(self.capabilities)
+        session = await self.pool.session(self.capabilities, self.principal)
         self.session = session
         self.upstream_request_id = session.next_id()
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from . import __version__
 from .app import build_app
-from .config import Config, ConfigError, config_from_data, load_config
+from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
 
 
@@ -28,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy",
         description="Reverse proxy that turns slow tools/call on legacy MCP servers into durable MCP tasks.",
+        epilog="Other commands: `mcp-tasks-proxy check-config FILE` validates a config and prints what it will serve; "
+        "`mcp-tasks-proxy schema` prints the config file's JSON Schema.",
     )
     parser.add_argument("--config", "-c", help="YAML or JSON config file; without it, the bundled demo runs")
     parser.add_argument("--host", help="listen host (overrides listen.host)")
@@ -126,8 +129,55 @@ def _override(config: Config, args: argparse.Namespace) -> None:
         config.listen.port = args.port
 
 
+def describe(config: Config, source: str) -> str:
+    """What a config will serve, as text: listen address, store, and per server its upstream,
+    routes and task policy (durations in seconds)."""
+    base = f"http://{config.listen.host}:{config.listen.port}"
+    lines = [f"{source}: valid", f"listen {base}  store {config.store.path}  (durable: {config.store.durable})"]
+    d = config.tasks
+    lines.append(f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s")
+    for name, entry in config.mcpServers.items():
+        if not entry.active:
+            lines.append(f"- {name}: disabled")
+            continue
+        upstream = entry.url if entry.url else "stdio: " + " ".join([entry.command or "", *entry.args])
+        routes = f"{base}/servers/{name}/mcp" + (f" and {base}/mcp" if len(config.servers) == 1 else "")
+        lines.append(f"- {name}: {upstream}")
+        lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")
+        tasks = entry.tasks
+        overrides = {k: getattr(tasks, k) for k in ("detach_after", "ttl", "poll_interval", "input_timeout") if getattr(tasks, k) is not None}
+        if overrides:
+            lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
+        for tool in tasks.tools:
+            policy = config.policy(name, tool)
+            lines.append(f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl {policy.ttl:g}s")
+    return "\n".join(lines)
+
+
+def _check_config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mcp-tasks-proxy check-config", description="Validate a config file and say what it will serve.")
+    parser.add_argument("file")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 2
+    print(describe(config, args.file))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `mcp-tasks-proxy` console script; returns the exit status."""
+    """Entry point of the `mcp-tasks-proxy` console script; returns the exit status.
+
+    Subcommands: `check-config FILE`, `schema` (print the config's JSON Schema); otherwise serve.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check-config"]:
+        return _check_config(argv[1:])
+    if argv[:1] == ["schema"]:
+        print(json.dumps(config_json_schema(), indent=2, sort_keys=True))
+        return 0
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:

@@ -12,12 +12,12 @@ import os
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import expandvars
 import pytimeparse2
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -42,7 +42,11 @@ def parse_duration(value: Any) -> float:
     return float(seconds)
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration)]
+Duration = Annotated[
+    float,
+    BeforeValidator(parse_duration),
+    WithJsonSchema({"type": "string", "pattern": r"^\s*[0-9.]+\s*(ms|s|m|h|d)", "examples": ["500ms", "30s", "10m", "1h"]}),
+]
 
 
 class _Strict(BaseModel):
@@ -58,7 +62,7 @@ class ListenConfig(_Strict):
         None, description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any"
     )
     max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
-    sse_keepalive: Duration = Field(15.0, description="SSE comment interval on long synchronous calls (s)")
+    sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls")
 
     @property
     def max_body_bytes(self) -> int:
@@ -111,23 +115,29 @@ class ServerTasks(TaskPolicy):
 class DefaultTasks(_Strict):
     """Defaults for every server."""
 
-    detach_after: Duration = 10.0
-    ttl: Duration = 3600.0
-    poll_interval: Duration = 2.0
-    input_timeout: Duration = 600.0
+    detach_after: Duration = Field("10s", validate_default=True)
+    ttl: Duration = Field("1h", validate_default=True)
+    poll_interval: Duration = Field("2s", validate_default=True)
+    input_timeout: Duration = Field("10m", validate_default=True)
 
 
+_TRANSPORT_KINDS = ("stdio", "http", "streamable-http", "streamablehttp", "sse")
 _CLIENT_ONLY_KEYS = ("disabled", "enabled", "alwaysAllow", "autoApprove", "trust", "description", "disabledTools", "timeout_ms")
 
 
 class ServerEntry(_Strict):
     """One upstream MCP server, in the Claude Desktop / `.mcp.json` shape plus proxy keys.
 
-    Remote: `url` (Streamable HTTP), `headers`. Stdio: `command`, `args`, `env`, `cwd`.
-    `timeout` (s) is the hard limit of one upstream call.
+    Remote: `url` (Streamable HTTP; Gemini's `httpUrl` too), `headers`. Stdio: `command`, `args`,
+    `env` (added to the proxy's environment), `cwd`. `timeout` (s) is the hard limit of one upstream
+    call. Stdio only: `instances` children per capability set, `max_concurrency` requests in flight,
+    `isolation: per_principal` for a child per principal, `idle_timeout` (s) to stop an unused
+    child, `init_timeout` (s) for its `initialize`, `max_restarts` quick exits in a row before the
+    server counts as crash-looping.
     """
 
     url: str | None = None
+    httpUrl: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     command: str | None = None
     args: list[str] = Field(default_factory=list)
@@ -136,8 +146,14 @@ class ServerEntry(_Strict):
     type: str | None = None
     transport: str | None = None
     transportType: str | None = None
-    timeout: Duration = 1800.0
+    timeout: Duration = Field("30m", validate_default=True)
     tasks: ServerTasks = Field(default_factory=ServerTasks)
+    instances: int = Field(1, ge=1, le=64)
+    max_concurrency: int | None = Field(None, ge=1)
+    isolation: Literal["shared", "per_principal"] = "shared"
+    idle_timeout: Duration | None = None
+    init_timeout: Duration = Field("30s", validate_default=True)
+    max_restarts: int = Field(5, ge=1)
     disabled: bool = False
     enabled: bool = True
     alwaysAllow: list[str] | None = None
@@ -155,11 +171,19 @@ class ServerEntry(_Strict):
 
     @model_validator(mode="after")
     def _one_transport(self) -> ServerEntry:
+        if self.httpUrl and not self.url:
+            self.url = self.httpUrl
         if bool(self.url) == bool(self.command):
             raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
-        kind = (self.type or self.transport or self.transportType or "").lower()
-        if self.url and kind in ("sse",):
+        kind = (self.type or self.transport or self.transportType or "").lower().replace("_", "-")
+        if kind and kind not in _TRANSPORT_KINDS:
+            raise ValueError(f"unknown transport {kind!r}; use stdio or http (streamable-http)")
+        if kind == "sse":
             raise ValueError("the legacy HTTP+SSE transport is not supported; use a Streamable HTTP url")
+        if kind == "stdio" and not self.command:
+            raise ValueError("transport stdio needs `command`")
+        if kind and kind != "stdio" and not self.url:
+            raise ValueError(f"transport {kind} needs `url`")
         return self
 
     @property
@@ -202,9 +226,6 @@ class Config(_Strict):
                 raise ValueError(f"server name {name!r} must match {_NAME.pattern} (it becomes a URL path)")
         if not self.servers:
             raise ValueError("mcpServers must configure at least one enabled server")
-        for name, entry in self.servers.items():
-            if entry.command:
-                raise ValueError(f"mcpServers.{name}: stdio upstreams (`command`) are not served yet; give a Streamable HTTP `url`")
         return self
 
     @property
@@ -301,3 +322,17 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     if not os.path.isabs(config.store.path):
         config.store.path = str((file.parent / config.store.path).resolve())
     return config
+
+
+
+SCHEMA_FILE = Path(__file__).with_name("config.schema.json")
+
+
+def config_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the config file, generated from the pydantic models.
+
+    The package ships it as `proxy/config.schema.json` so editors can validate config files
+    (`# yaml-language-server: $schema=…`); a test keeps the file equal to this function's output.
+    """
+    schema = Config.model_json_schema(mode="validation")
+    return {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "mcp-tasks-proxy config"}

@@ -88,7 +88,7 @@ class ServerDispatcher:
         if method in REMOVED_METHODS:
             raise JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire")
         if method == "server/discover":
-            return await self.discover(envelope)
+            return await self.discover(envelope, principal)
         if method == "tasks/get":
             return self.tasks.get(params, envelope, principal=principal, server=self.name)
         if method == "tasks/update":
@@ -105,13 +105,13 @@ class ServerDispatcher:
                 raise JsonRpcError(INVALID_PARAMS, f"{method} needs params.{'name' if method == 'prompts/get' else 'uri'} (a string)")
             policy = self.config.policy(self.name, name).model_copy(update={"mode": ToolMode.FORBIDDEN})
             return await self._run_call(method, name, params, envelope, principal=principal, reply=reply, policy=policy)
-        return await self.forward(method, params, envelope)
+        return await self.forward(method, params, envelope, principal)
 
     # -- server/discover ---------------------------------------------------------------------
 
-    async def discover(self, envelope: Envelope) -> JsonObject:
+    async def discover(self, envelope: Envelope, principal: str | None = None) -> JsonObject:
         """`server/discover`, built from the upstream's `initialize` result plus the tasks extension."""
-        session = await self._session(envelope)
+        session = await self._session(envelope, principal)
         init = session.initialize_result
         caps = {k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")}
         for key in ("tools", "prompts", "resources"):
@@ -179,6 +179,7 @@ class ServerDispatcher:
                 relay_logs=envelope.log_level is not None,
                 input_timeout=policy.input_timeout,
                 prefilled=responses,
+                principal=principal,
             )
             call.start()
 
@@ -258,17 +259,17 @@ class ServerDispatcher:
 
     # -- everything else ---------------------------------------------------------------------
 
-    async def _session(self, envelope: Envelope):
+    async def _session(self, envelope: Envelope, principal: str | None = None):
         try:
-            return await self.pool.session(upstream_capabilities(envelope.capabilities))
+            return await self.pool.session(upstream_capabilities(envelope.capabilities), principal)
         except UpstreamError as exc:
             raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
 
-    async def forward(self, method: str, params: JsonObject, envelope: Envelope) -> JsonObject:
+    async def forward(self, method: str, params: JsonObject, envelope: Envelope, principal: str | None = None) -> JsonObject:
         """Forward a request upstream on the matching session and translate its result."""
         upstream_params = strip_envelope(params)
         for attempt in (1, 2):
-            session = await self._session(envelope)
+            session = await self._session(envelope, principal)
             try:
                 reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session))
                 break

@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from .dispatcher import ServerDispatcher
+from .legacy_bridge import LegacyBridge
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError, RequestId
@@ -158,7 +159,17 @@ class ServerEndpoint:
     `url` and `headers` address the upstream; `http` is the proxy's shared client session.
     """
 
-    def __init__(self, *, name: str, url: str, headers: dict[str, str], http: aiohttp.ClientSession, dispatcher: ServerDispatcher) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        url: str | None,
+        headers: dict[str, str],
+        http: aiohttp.ClientSession,
+        dispatcher: ServerDispatcher,
+        bridge: LegacyBridge | None = None,
+    ) -> None:
+        self.bridge = bridge
         self.name = name
         self.url = url
         self.headers = headers
@@ -213,6 +224,13 @@ class ServerEndpoint:
 
     async def _relay_legacy(self, request: web.Request, *, body: Any, raw: bytes) -> web.StreamResponse:
         request_id = body.get("id") if isinstance(body, dict) else None
+        if self.bridge is not None:  # a stdio upstream: the proxy is the legacy server itself
+            if request.method == "POST":
+                try:
+                    jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
+                except JsonRpcError as exc:
+                    return _json_error(request_id, exc)
+            return await self.bridge.handle(request, body, principal_of(request))
         if request.method == "POST":
             try:
                 jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)

@@ -309,3 +309,27 @@ def test_demo_serves_and_stops_cleanly(demo_proxy: DemoProxy):
     while _alive(demo_children[0]) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not _alive(demo_children[0]), "the demo child outlived the proxy"
+
+
+def test_shipped_json_schema_is_generated_from_the_models():
+    from proxy.config import SCHEMA_FILE, config_json_schema
+
+    assert json.loads(SCHEMA_FILE.read_text()) == config_json_schema(), "run: mcp-tasks-proxy schema > proxy/config.schema.json"
+
+
+def test_schema_command_prints_the_schema():
+    out = subprocess.run([sys.executable, "-m", "proxy", "schema"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert out.returncode == 0
+    schema = json.loads(out.stdout)
+    assert schema["title"] == "mcp-tasks-proxy config" and "mcpServers" in schema["properties"]
+
+
+def test_check_config_prints_what_it_will_serve(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", "config/claude_desktop.json"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "config/claude_desktop.json: valid" in out.stdout
+    assert "- time: stdio: mcp-server-time" in out.stdout and "/servers/demo/mcp" in out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mcpServers:\n  a:\n    url: http://x/mcp\n    tasks: {tools: {t: {mode: sometimes}}}\n")
+    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(bad)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr

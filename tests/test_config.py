@@ -48,7 +48,7 @@ def test_every_example_config_loads(path: Path, monkeypatch: pytest.MonkeyPatch)
     config = load_config(path)
     assert config.servers, f"{path.name} serves no server"
     for name, entry in config.servers.items():
-        assert entry.url, f"{path.name}: server {name} has no url (stdio is not served yet)"
+        assert bool(entry.url) != bool(entry.command), f"{path.name}: server {name} needs a url or a command"
         # Every tool listed resolves to a full policy.
         for tool in [*entry.tasks.tools, "some_other_tool"]:
             policy = config.policy(name, tool)
@@ -363,9 +363,25 @@ def test_legacy_sse_transport_refused(key: str):
     assert "mcpServers.a:" in message and "SSE" in message
 
 
-def test_claude_desktop_stdio_entry_is_refused_clearly_until_stdio_is_served():
-    error = config_error({"mcpServers": {"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"]}}})
-    assert "mcpServers.files: stdio upstreams" in error
+def test_claude_desktop_stdio_entry_is_accepted():
+    config = cfg({"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"], "env": {"A": "1"}}})
+    entry = config.servers["files"]
+    assert entry.command == "npx" and entry.args[-1] == "/srv" and entry.env == {"A": "1"}
+
+
+@pytest.mark.parametrize("spelling", [{"type": "stdio"}, {"transport": "stdio"}, {"transportType": "stdio"}])
+def test_stdio_transport_spellings(spelling: dict):
+    assert cfg({"s": {"command": "x", **spelling}}).servers["s"].command == "x"
+
+
+def test_transport_kind_must_match_the_entry():
+    assert "needs `url`" in config_error({"mcpServers": {"a": {"command": "x", "type": "http"}}})
+    assert "needs `command`" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "type": "stdio"}}})
+    assert "unknown transport" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "type": "carrier-pigeon"}}})
+
+
+def test_gemini_http_url_spelling():
+    assert cfg({"g": {"httpUrl": "http://h/mcp"}}).servers["g"].url == "http://h/mcp"
 
 
 def test_exactly_one_of_url_and_command():

@@ -302,12 +302,26 @@ def serve(host: str = "127.0.0.1", port: int = 9001, **app_kwargs: Any) -> None:
         asyncio.run(serve_async(host, port, **app_kwargs))
 
 
+async def serve_stdio() -> None:
+    """Serve the demo over stdin/stdout (newline-delimited JSON-RPC)."""
+    from mcp.server.stdio import stdio_server
+
+    server = build_server()
+    async with stdio_server() as (read_stream, write_stream):
+        await server.run(read_stream, write_stream, server.create_initialization_options())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Demo legacy (handshake-era) MCP server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9001, help="0 = pick a free port (printed)")
     parser.add_argument("--json-response", action="store_true", help="answer POSTs with JSON instead of SSE")
+    parser.add_argument("--stdio", action="store_true", help="serve over stdin/stdout instead of HTTP")
     args = parser.parse_args(argv)
+    if args.stdio:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_stdio())
+        return
     try:
         serve(args.host, args.port, json_response=args.json_response)
     except OSError as exc:

@@ -239,8 +239,9 @@ class UpstreamPool:
         self._sessions: dict[str, UpstreamSession] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def session(self, capabilities: JsonObject) -> UpstreamSession:
-        """The open session for `capabilities`, initializing it if needed. Raises UpstreamError."""
+    async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
+        """The open session for `capabilities`, initializing it if needed (`principal` is not used:
+        HTTP sessions are shared). Raises UpstreamError."""
         key = _caps_key(capabilities)
         existing = self._sessions.get(key)
         if existing is not None and not existing.closed:
@@ -264,6 +265,10 @@ class UpstreamPool:
             return f"upstream {self.server} did not finish initialize within {timeout_s:g} s"
         except UpstreamError as exc:
             return str(exc)
+        return None
+
+    def crash_loop(self) -> str | None:
+        """Always None: only stdio children crash-loop."""
         return None
 
     def discard(self, session: UpstreamSession) -> None:

@@ -1,0 +1,161 @@
+"""Legacy-era clients (2025-06-18 / 2025-11-25) in front of a stdio upstream.
+
+With an HTTP upstream the proxy relays legacy sessions byte for byte; a stdio child has no URL,
+so here the proxy is itself the legacy Streamable HTTP server (2025-11-25 basic/transports): it
+answers `initialize` from the child's own InitializeResult, mints session ids, forwards requests
+over the pooled child with ids and progress tokens of its own, and relays the child's
+notifications and server→client requests on the request's SSE stream (requests get proxy ids).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .protocol import jsonrpc
+from .protocol.era import LEGACY_VERSIONS, upstream_capabilities
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId
+from .upstream.http import UpstreamError
+from .upstream.sse import encode_message
+from .upstream.stdio import StdioPool, StdioSession
+
+
+@dataclass
+class BridgeSession:
+    """One downstream legacy session: its capabilities, principal, negotiated version, and the
+    server→client requests relayed to it (proxy id → child and the child's own id)."""
+
+    capabilities: JsonObject
+    principal: str
+    version: str
+    questions: dict[str, tuple[StdioSession, RequestId]] = field(default_factory=dict)
+    calls: dict[RequestId, tuple[StdioSession, RequestId]] = field(default_factory=dict)
+
+
+def _error(request_id: Any, code: int, message: str, status: int) -> web.Response:
+    return web.json_response(jsonrpc.error_response(request_id, jsonrpc.error_object(code, message)), status=status)
+
+
+class LegacyBridge:
+    """Serves legacy-era sessions for one stdio server (`pool`)."""
+
+    def __init__(self, name: str, pool: StdioPool) -> None:
+        self.name = name
+        self.pool = pool
+        self.sessions: dict[str, BridgeSession] = {}
+
+    async def handle(self, request: web.Request, body: Any, principal: str) -> web.StreamResponse:
+        """Answer one legacy-era HTTP request (POST, GET or DELETE)."""
+        sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        session = self.sessions.get(sid) if sid else None
+        if sid and session is None:
+            return _error(body.get("id") if isinstance(body, dict) else None, INVALID_REQUEST, "unknown or expired session; initialize a new one", 404)
+        if request.method == "DELETE":
+            self.sessions.pop(sid, None)
+            return web.Response(status=200 if sid else 400)
+        if request.method == "GET":
+            raise web.HTTPMethodNotAllowed("GET", ["POST", "DELETE"])
+        if jsonrpc.is_response(body):
+            return await self._answer_question(session, body)
+        if not isinstance(body, dict) or "method" not in body:
+            return _error(None, INVALID_REQUEST, "expected a JSON-RPC request, notification or response", 400)
+        if body["method"] == "initialize":
+            return await self._initialize(body, principal)
+        if session is None:
+            return _error(body.get("id"), INVALID_REQUEST, "missing Mcp-Session-Id: initialize first", 400)
+        if "id" not in body:
+            await self._notification(session, body)
+            return web.Response(status=202)
+        if body["method"] == "ping":
+            return web.json_response(jsonrpc.response(body["id"], {}))
+        return await self._request(request, session, body)
+
+    async def _initialize(self, body: JsonObject, principal: str) -> web.StreamResponse:
+        params = body.get("params") if isinstance(body.get("params"), dict) else {}
+        caps = upstream_capabilities(params.get("capabilities") if isinstance(params.get("capabilities"), dict) else {})
+        try:
+            child = await self.pool.session(caps, principal)
+        except UpstreamError as exc:
+            return _error(body.get("id"), INTERNAL_ERROR, str(exc), 502)
+        wanted = params.get("protocolVersion")
+        version = wanted if wanted in LEGACY_VERSIONS else child.protocol_version
+        sid = secrets.token_urlsafe(24)
+        self.sessions[sid] = BridgeSession(capabilities=caps, principal=principal, version=version)
+        result = {**child.initialize_result, "protocolVersion": version}
+        return web.json_response(jsonrpc.response(body.get("id"), result), headers={"Mcp-Session-Id": sid})
+
+    async def _notification(self, session: BridgeSession, body: JsonObject) -> None:
+        if body["method"] == "notifications/initialized":
+            return
+        params = body.get("params") if isinstance(body.get("params"), dict) else {}
+        if body["method"] == "notifications/cancelled":
+            target = session.calls.get(params.get("requestId"))
+            if target is not None:
+                child, upstream_id = target
+                await _quiet(child.notify("notifications/cancelled", {**params, "requestId": upstream_id}))
+            return
+        try:
+            child = await self.pool.session(session.capabilities, session.principal)
+            await child.notify(body["method"], params or None)
+        except UpstreamError:
+            pass
+
+    async def _answer_question(self, session: BridgeSession | None, body: JsonObject) -> web.Response:
+        target = session.questions.pop(body["id"], None) if session is not None else None
+        if target is None:
+            return _error(body.get("id"), INVALID_REQUEST, "no pending request has this id", 400)
+        child, upstream_id = target
+        await _quiet(child.respond(upstream_id, result=body.get("result"), error=body.get("error")))
+        return web.Response(status=202)
+
+    async def _request(self, request: web.Request, session: BridgeSession, body: JsonObject) -> web.StreamResponse:
+        try:
+            child = await self.pool.session(session.capabilities, session.principal)
+        except UpstreamError as exc:
+            return _error(body["id"], INTERNAL_ERROR, str(exc), 502)
+        params = dict(body.get("params") or {})
+        meta = dict(params.get("_meta") or {}) if isinstance(params.get("_meta"), dict) else {}
+        client_token = meta.get("progressToken")
+        if client_token is not None:
+            meta["progressToken"] = "mtp-" + secrets.token_urlsafe(9)
+            params["_meta"] = meta
+        upstream_id = child.next_id()
+        session.calls[body["id"]] = (child, upstream_id)
+        stream: web.StreamResponse | None = None
+
+        async def relay(msg: JsonObject) -> None:
+            nonlocal stream
+            if stream is None:
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await stream.prepare(request)
+            if jsonrpc.is_request(msg):
+                proxy_id = "mtp-" + secrets.token_urlsafe(9)
+                session.questions[proxy_id] = (child, msg["id"])
+                msg = {**msg, "id": proxy_id}
+            elif msg.get("method") == "notifications/progress" and client_token is not None:
+                msg = {**msg, "params": {**msg.get("params", {}), "progressToken": client_token}}
+            await stream.write(encode_message(msg))
+
+        try:
+            reply = await child.request(body["method"], params or None, handler=relay, request_id=upstream_id)
+            out = {**reply, "id": body["id"]}
+        except UpstreamError as exc:
+            out = jsonrpc.error_response(body["id"], jsonrpc.error_object(INTERNAL_ERROR, str(exc)))
+        finally:
+            session.calls.pop(body["id"], None)
+        if stream is None:
+            return web.json_response(out, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+        await stream.write(encode_message(out))
+        await stream.write_eof()
+        return stream
+
+
+async def _quiet(coro: Any) -> None:
+    try:
+        await coro
+    except (UpstreamError, JsonRpcError):
+        pass
