@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from .protocol import jsonrpc
+from .protocol.era import LIST_CHANGED_NOTIFICATIONS
 from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId
 from .protocol.translate import modern_error, modern_result
 from .tasks.model import TaskStatus, TerminalTaskError
@@ -109,6 +110,8 @@ class Call:
         self._background: set[asyncio.Task[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._on_done: list[Callable[[Call], None]] = []
+        # Server-wide notifications (list changes) that arrive on this call's stream go here.
+        self.server_notifications: Callable[[JsonObject], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -207,6 +210,8 @@ class Call:
                 self.events.put_nowait(("notification", msg))
         elif method == "notifications/cancelled":
             self._on_upstream_cancelled(params.get("requestId"))
+        elif method in LIST_CHANGED_NOTIFICATIONS and self.server_notifications is not None:
+            self.server_notifications(msg)
 
     def _on_progress(self, params: JsonObject) -> None:
         if self.task_id is not None:

@@ -8,7 +8,8 @@ the request's client capabilities, translating results on the way back (protocol
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -19,7 +20,9 @@ from .config import Config, ResolvedPolicy, ToolMode
 from .mrtr import ParkedCalls, request_digest, validate_input_responses
 from .protocol.era import (
     LEGACY_VERSIONS,
+    LIST_CHANGED_NOTIFICATIONS,
     META_SERVER_INFO,
+    META_SUBSCRIPTION_ID,
     MODERN_VERSIONS,
     TASKS_EXTENSION,
     Envelope,
@@ -33,6 +36,8 @@ from .protocol.jsonrpc import (
     MISSING_REQUIRED_CLIENT_CAPABILITY,
     JsonObject,
     JsonRpcError,
+    RequestId,
+    notification,
 )
 from .protocol.translate import modern_error, modern_result
 from .tasks.service import TaskService
@@ -50,7 +55,6 @@ REMOVED_METHODS = frozenset(
         "resources/unsubscribe",
         "tasks/result",
         "tasks/list",
-        "subscriptions/listen",
     }
 )
 TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
@@ -68,6 +72,30 @@ class Reply:
     keepalive: Callable[[], Awaitable[None]]
 
 
+class ListenHub:
+    """The open `subscriptions/listen` streams of one server; upstream list-changed notifications
+    are fanned out to every one of them (each stream then applies its own filter)."""
+
+    def __init__(self) -> None:
+        self._queues: set[asyncio.Queue[JsonObject]] = set()
+
+    def publish(self, message: JsonObject) -> None:
+        """Offer one upstream notification to every open stream (others than list changes are ignored)."""
+        if message.get("method") in LIST_CHANGED_NOTIFICATIONS:
+            for queue in list(self._queues):
+                queue.put_nowait(message)
+
+    @contextlib.contextmanager
+    def subscribe(self) -> Iterator[asyncio.Queue[JsonObject]]:
+        """A queue that receives what is published while the block runs."""
+        queue: asyncio.Queue[JsonObject] = asyncio.Queue()
+        self._queues.add(queue)
+        try:
+            yield queue
+        finally:
+            self._queues.discard(queue)
+
+
 class ServerDispatcher:
     """Dispatches modern requests for one upstream server (`name`), sharing the TaskService."""
 
@@ -80,6 +108,7 @@ class ServerDispatcher:
         self.pool = pool
         self.tasks = tasks
         self.keepalive_s = keepalive_s
+        self.listeners = ListenHub()
 
     async def dispatch(self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
         """Answer one request; return the `result` object. Raises JsonRpcError for error replies."""
@@ -99,6 +128,8 @@ class ServerDispatcher:
             raise JsonRpcError(METHOD_NOT_FOUND, f"unknown tasks method {method!r}")
         if method == "tools/call":
             return await self.call_tool(params, envelope, principal=principal, reply=reply)
+        if method == "subscriptions/listen":
+            return await self.listen(body["id"], params, envelope, principal=principal, reply=reply)
         if method in ("prompts/get", "resources/read"):
             name = params.get("name") if method == "prompts/get" else params.get("uri")
             if not isinstance(name, str) or not name:
@@ -116,7 +147,8 @@ class ServerDispatcher:
         caps = {k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")}
         for key in ("tools", "prompts", "resources"):
             if isinstance(caps.get(key), dict):
-                caps[key] = {k: v for k, v in caps[key].items() if k not in ("listChanged", "subscribe")}
+                # listChanged stays: the proxy relays the upstream's list changes on subscriptions/listen.
+                caps[key] = {k: v for k, v in caps[key].items() if k != "subscribe"}
         extensions = dict(caps.get("extensions") or {})
         extensions[TASKS_EXTENSION] = {}
         caps["extensions"] = extensions
@@ -131,6 +163,45 @@ class ServerDispatcher:
         if init.get("instructions"):
             result["instructions"] = init["instructions"]
         return result
+
+    # -- subscriptions/listen ----------------------------------------------------------------
+
+    async def listen(self, request_id: RequestId, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
+        """`subscriptions/listen` (2026-07-28 basic/patterns/subscriptions): acknowledge the subset of the
+        filter the proxy honours, then relay the upstream's list-changed notifications until the
+        client closes the stream. Resource subscriptions and task ids are not honoured (left out of
+        the acknowledgement); asking for task ids without the tasks extension is -32021."""
+        wanted = params.get("notifications")
+        if not isinstance(wanted, dict):
+            raise JsonRpcError(INVALID_PARAMS, "subscriptions/listen needs params.notifications (a SubscriptionFilter object)")
+        if "taskIds" in wanted and not envelope.declares_tasks:
+            raise JsonRpcError(
+                MISSING_REQUIRED_CLIENT_CAPABILITY,
+                f"subscribing to taskIds needs the {TASKS_EXTENSION} extension declared in this request",
+                {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+            )
+        session = await self._session(envelope, principal)
+        upstream_caps = session.initialize_result.get("capabilities") or {}
+        agreed: JsonObject = {}
+        methods = set()
+        for method, (capability, flag) in LIST_CHANGED_NOTIFICATIONS.items():
+            cap = upstream_caps.get(capability)
+            if wanted.get(flag) is True and isinstance(cap, dict) and cap.get("listChanged") is True:
+                agreed[flag] = True
+                methods.add(method)
+        tag = {META_SUBSCRIPTION_ID: request_id}
+        with self.listeners.subscribe() as queue:
+            await reply.notify(notification("notifications/subscriptions/acknowledged", {"notifications": agreed, "_meta": tag}))
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), timeout=self.keepalive_s)
+                except TimeoutError:
+                    await reply.keepalive()
+                    continue
+                if message["method"] in methods:
+                    relayed = dict(message.get("params") or {})
+                    relayed["_meta"] = {**(relayed.get("_meta") or {}), **tag}
+                    await reply.notify(notification(message["method"], relayed))
 
     # -- tools/call, prompts/get, resources/read (MRTR-capable) ------------------------------
 
@@ -181,6 +252,7 @@ class ServerDispatcher:
                 prefilled=responses,
                 principal=principal,
             )
+            call.server_notifications = self.listeners.publish
             call.start()
 
         def detach(why: str) -> JsonObject:
@@ -271,7 +343,7 @@ class ServerDispatcher:
         for attempt in (1, 2):
             session = await self._session(envelope, principal)
             try:
-                reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session))
+                reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session, self.listeners))
                 break
             except SessionExpiredError:
                 self.pool.discard(session)
@@ -285,9 +357,14 @@ class ServerDispatcher:
         return modern_result(method, reply["result"])
 
 
-def _ignore_messages(session: Any):
+def _ignore_messages(session: Any, listeners: ListenHub):
+    """Message handler for a forwarded request: list changes go to the listen streams, upstream
+    questions are refused (only tools/call, prompts/get and resources/read run MRTR rounds)."""
+
     async def handler(msg: JsonObject) -> None:
-        if "id" in msg and "method" in msg:
+        if "id" not in msg:
+            listeners.publish(msg)
+        elif "method" in msg:
             await session.respond(msg["id"], error={"code": METHOD_NOT_FOUND, "message": f"the proxy does not relay {msg['method']} here"})
 
     return handler

@@ -6,12 +6,17 @@ Raw HTTP against a real legacy upstream (tests/fixtures/legacy_server.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import sys
+from collections.abc import Iterator
 
-from conftest import ModernClient, RunningProxy, make_config, running_proxy
+import pytest
+from conftest import ModernClient, RunningProxy, ServerProcess, envelope, make_config, running_proxy
 
 from proxy.config import config_from_data
+from proxy.upstream.sse import iter_events
 
 ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
 
@@ -294,3 +299,64 @@ async def test_upstream_unreachable_names_the_cause(tmp_path) -> None:
             assert "unreachable" in reply.error["message"] and "down" in reply.error["message"]
         finally:
             await client.close()
+
+
+# --- subscriptions/listen ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conformance_url() -> Iterator[str]:
+    """The conformance fixture server: advertises listChanged and has list-changing tools."""
+    server = ServerProcess([sys.executable, "tests/fixtures/conformance_server.py", "--port", "0"])
+    yield server.url
+    server.stop()
+
+
+async def read_listen_stream(client: ModernClient, notifications: dict, *, until: int, trigger=None, timeout: float = 3.0) -> list[dict]:
+    """Open a subscriptions/listen stream, run `trigger()` after the first frame, return the first `until` frames."""
+    params = {"notifications": notifications, "_meta": envelope({})}
+    body = json.dumps({"jsonrpc": "2.0", "id": "listen-1", "method": "subscriptions/listen", "params": params})
+    frames: list[dict] = []
+    async with client.http.post(client.url, data=body, headers=client.headers_for("subscriptions/listen", params)) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                async for event in iter_events(resp.content.iter_any()):
+                    if event.data:
+                        frames.append(json.loads(event.data))
+                        if len(frames) == 1 and trigger is not None:
+                            await trigger()
+                        if len(frames) >= until:
+                            break
+    return frames
+
+
+async def test_listen_acknowledges_then_relays_the_upstream_list_changes_it_asked_for(conformance_url: str, tmp_path) -> None:
+    async with running_proxy(make_config(conformance_url, tmp_path / "store")) as proxy:
+        client = ModernClient(proxy.url(), capabilities={})
+        try:
+            discover = (await client.request("server/discover")).result
+            assert discover["capabilities"]["tools"]["listChanged"] is True  # relayed, so advertised
+            assert "subscribe" not in discover["capabilities"]["resources"]  # resource subscriptions are not
+
+            async def change_tools() -> None:
+                await client.call("test_trigger_tool_change")
+
+            frames = await read_listen_stream(client, {"toolsListChanged": True, "resourceSubscriptions": ["test://x"]}, until=2, trigger=change_tools)
+            ack, change = frames
+            assert ack["method"] == "notifications/subscriptions/acknowledged"
+            assert ack["params"] == {"notifications": {"toolsListChanged": True}, "_meta": {"io.modelcontextprotocol/subscriptionId": "listen-1"}}
+            assert change["method"] == "notifications/tools/list_changed"
+            assert change["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == "listen-1"
+            # A stream that asked for prompt changes only never sees a tool change.
+            frames = await read_listen_stream(client, {"promptsListChanged": True}, until=3, trigger=change_tools, timeout=1.0)
+            assert [f["method"] for f in frames] == ["notifications/subscriptions/acknowledged"]
+        finally:
+            await client.close()
+
+
+async def test_listen_for_task_ids_needs_the_extension_and_a_filter(client: ModernClient) -> None:
+    refused = await client.request("subscriptions/listen", {"notifications": {"taskIds": ["t"]}}, capabilities={})
+    assert refused.status == 400 and refused.error["code"] == -32021
+    assert refused.error["data"]["requiredCapabilities"] == {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    assert (await client.request("subscriptions/listen", {})).error["code"] == -32602

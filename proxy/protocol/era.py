@@ -34,9 +34,18 @@ META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 META_RELATED_TASK = "io.modelcontextprotocol/related-task"
+META_SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 ENVELOPE_META_KEYS = (META_PROTOCOL_VERSION, META_CLIENT_CAPABILITIES, META_CLIENT_INFO, META_LOG_LEVEL)
 
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+
+# Server notifications a `subscriptions/listen` stream may carry, by the capability that announces
+# them (`capabilities.<key>.listChanged`) and the SubscriptionFilter flag that opts in to them.
+LIST_CHANGED_NOTIFICATIONS = {
+    "notifications/tools/list_changed": ("tools", "toolsListChanged"),
+    "notifications/prompts/list_changed": ("prompts", "promptsListChanged"),
+    "notifications/resources/list_changed": ("resources", "resourcesListChanged"),
+}
 
 # Methods whose `Mcp-Name` header mirrors a body field (SEP-2243 core table, plus the tasks extension).
 NAME_FIELDS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
