@@ -26,6 +26,8 @@ from .protocol.era import (
     MODERN_VERSIONS,
     TASKS_EXTENSION,
     Envelope,
+    check_param_headers,
+    param_header_names,
     strip_envelope,
     upstream_capabilities,
 )
@@ -109,6 +111,8 @@ class ServerDispatcher:
         self.tasks = tasks
         self.keepalive_s = keepalive_s
         self.listeners = ListenHub()
+        # principal → tool → {argument: Mcp-Param header name}, from the upstream's tools/list.
+        self._param_headers: dict[str, dict[str, dict[str, str]]] = {}
 
     async def dispatch(self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
         """Answer one request; return the `result` object. Raises JsonRpcError for error replies."""
@@ -212,6 +216,9 @@ class ServerDispatcher:
             raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
         if "arguments" in params and not isinstance(params["arguments"], dict):
             raise JsonRpcError(INVALID_PARAMS, "tools/call params.arguments must be an object")
+        names = await self.param_headers(tool, envelope, principal)
+        if names:
+            check_param_headers(getattr(reply, "headers", {}), params.get("arguments"), names)
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise JsonRpcError(
@@ -252,7 +259,7 @@ class ServerDispatcher:
                 prefilled=responses,
                 principal=principal,
             )
-            call.server_notifications = self.listeners.publish
+            call.server_notifications = self.server_notification
             call.start()
 
         def detach(why: str) -> JsonObject:
@@ -343,7 +350,7 @@ class ServerDispatcher:
         for attempt in (1, 2):
             session = await self._session(envelope, principal)
             try:
-                reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session, self.listeners))
+                reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session, self.server_notification))
                 break
             except SessionExpiredError:
                 self.pool.discard(session)
@@ -354,16 +361,60 @@ class ServerDispatcher:
         if "error" in reply:
             error = modern_error(reply["error"])
             raise JsonRpcError(error["code"], error["message"], error.get("data"))
-        return modern_result(method, reply["result"])
+        result = modern_result(method, reply["result"])
+        if method == "tools/list" and not params.get("cursor") and not result.get("nextCursor"):
+            self._param_headers[principal or ""] = _param_headers_of(result)
+        return result
+
+    # -- Mcp-Param-* headers (SEP-2243) and server notifications -----------------------------
+
+    async def param_headers(self, tool: str, envelope: Envelope, principal: str | None) -> dict[str, str]:
+        """`{argument: header name}` of `tool`'s `x-mcp-header` arguments, from the upstream's tools/list
+        (fetched once per principal, again after the upstream announced a tool list change)."""
+        key = principal or ""
+        tools = self._param_headers.get(key)
+        if tools is None:
+            tools = {}
+            params: JsonObject = {}
+            try:
+                for _ in range(100):  # pages
+                    page = await self.forward("tools/list", params, envelope, principal)
+                    tools.update(_param_headers_of(page))
+                    if not page.get("nextCursor"):
+                        break
+                    params = {"cursor": page["nextCursor"]}
+            except JsonRpcError as exc:
+                log.info("tools_list_unavailable", server=self.name, reason=exc.message)
+                return {}  # the call itself will report what is wrong with the upstream
+            self._param_headers[key] = tools
+        return tools.get(tool, {})
+
+    def server_notification(self, message: JsonObject) -> None:
+        """An upstream server-wide notification seen on some request's stream: forget cached tool
+        annotations on a tool list change, and offer it to the listen streams."""
+        if message.get("method") == "notifications/tools/list_changed":
+            self._param_headers.clear()
+        self.listeners.publish(message)
 
 
-def _ignore_messages(session: Any, listeners: ListenHub):
+def _param_headers_of(tools_list: JsonObject) -> dict[str, dict[str, str]]:
+    tools = tools_list.get("tools") if isinstance(tools_list.get("tools"), list) else []
+    found = {}
+    for tool in tools:
+        if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+            names = param_header_names(tool.get("inputSchema"))
+            if names:
+                found[tool["name"]] = names
+    return found
+
+
+def _ignore_messages(session: Any, on_notification: Callable[[JsonObject], None]):
     """Message handler for a forwarded request: list changes go to the listen streams, upstream
     questions are refused (only tools/call, prompts/get and resources/read run MRTR rounds)."""
 
     async def handler(msg: JsonObject) -> None:
         if "id" not in msg:
-            listeners.publish(msg)
+            on_notification(msg)
         elif "method" in msg:
             await session.respond(msg["id"], error={"code": METHOD_NOT_FOUND, "message": f"the proxy does not relay {msg['method']} here"})
 

@@ -360,3 +360,37 @@ async def test_listen_for_task_ids_needs_the_extension_and_a_filter(client: Mode
     assert refused.status == 400 and refused.error["code"] == -32021
     assert refused.error["data"]["requiredCapabilities"] == {"extensions": {"io.modelcontextprotocol/tasks": {}}}
     assert (await client.request("subscriptions/listen", {})).error["code"] == -32602
+
+
+async def test_mcp_param_headers_must_mirror_annotated_arguments(conformance_url: str, tmp_path) -> None:
+    """SEP-2243: for a tool whose inputSchema marks `region` with x-mcp-header "Region", the
+    Mcp-Param-Region header must be present exactly when the argument is, and equal it."""
+    async with running_proxy(make_config(conformance_url, tmp_path / "store")) as proxy:
+        client = ModernClient(proxy.url(), capabilities={})
+        try:
+            def call(region, header=None):
+                headers = {"Mcp-Param-Region": header} if header is not None else None
+                return client.call("test_header_param", {} if region is None else {"region": region}, headers=headers)
+
+            assert (await call("eu", "eu")).result["content"][0]["text"] == "region=eu"
+            assert (await call("Hello", "=?base64?SGVsbG8=?=")).result["content"][0]["text"] == "region=Hello"
+            assert (await call("=?base64?SGVsbG8=", "=?base64?SGVsbG8=")).status == 200  # no suffix: a literal
+            for region, header in (("eu", None), ("eu", "us"), ("Hello", "=?base64?SGVsbG8?="), ("Hello", "=?base64?SG!!bG8=?="), (None, "eu")):
+                refused = await call(region, header)
+                assert refused.status == 400 and refused.error["code"] == -32020, (region, header)
+            # Tools without annotations ignore stray Mcp-Param-* headers.
+            assert (await client.call("greet", {"name": "x"}, headers={"Mcp-Param-Region": "eu"})).status == 200
+        finally:
+            await client.close()
+
+
+def test_param_header_names_follow_the_annotation_rules() -> None:
+    from proxy.protocol.era import param_header_names
+
+    schema = {"properties": {
+        "a": {"type": "string", "x-mcp-header": "A"}, "n": {"type": "integer", "x-mcp-header": "N"},
+        "obj": {"type": "object", "x-mcp-header": "O"}, "bad": {"type": "string", "x-mcp-header": "no spaces"},
+        "plain": {"type": "string"},
+    }}
+    assert param_header_names(schema) == {"a": "A", "n": "N"}
+    assert param_header_names(None) == {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -200,3 +201,50 @@ def strip_envelope(params: JsonObject) -> JsonObject:
         else:
             out.pop("_meta", None)
     return out
+
+
+_HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
+
+
+def param_header_names(input_schema: Any) -> dict[str, str]:
+    """`{argument: header name}` for a tool's top-level arguments annotated with `x-mcp-header`
+    (SEP-2243: only string, integer and boolean properties, the name an RFC 9110 token)."""
+    properties = input_schema.get("properties") if isinstance(input_schema, dict) else None
+    names: dict[str, str] = {}
+    if isinstance(properties, dict):
+        for argument, schema in properties.items():
+            header = schema.get("x-mcp-header") if isinstance(schema, dict) else None
+            if isinstance(header, str) and _HEADER_TOKEN.match(header) and schema.get("type") in ("string", "integer", "boolean"):
+                names[argument] = header
+    return names
+
+
+def _param_matches(header: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return header == ("true" if value else "false")
+    if isinstance(value, int):
+        try:
+            return int(header) == value  # integers compare numerically
+        except ValueError:
+            return False
+    return isinstance(value, str) and header == value
+
+
+def check_param_headers(headers: Any, arguments: Any, names: dict[str, str]) -> None:
+    """Validate the `Mcp-Param-{Name}` headers of a tools/call against its arguments (SEP-2243).
+
+    `names` comes from `param_header_names`. A header must be present exactly when the argument is,
+    decode (`=?base64?…?=`) cleanly and equal the argument. Raises JsonRpcError -32020.
+    """
+    arguments = arguments if isinstance(arguments, dict) else {}
+    for argument, name in names.items():
+        header = _single_header(headers, f"Mcp-Param-{name}")
+        value = arguments.get(argument)
+        if value is None:
+            if header is not None:
+                raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Param-{name} header given but arguments.{argument} is absent")
+            continue
+        if header is None:
+            raise JsonRpcError(HEADER_MISMATCH, f"missing Mcp-Param-{name} header for arguments.{argument}")
+        if not _param_matches(header, value):
+            raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Param-{name} header {header!r} does not match arguments.{argument}")
