@@ -9,7 +9,10 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from .auth import Authenticator, auth_middleware
+from .calls import Call
 from .config import Config, ServerEntry
+from .tasks.model import TaskRecord
 from .dispatcher import ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key
@@ -34,7 +37,8 @@ def build_app(config: Config) -> web.Application:
     `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context).
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
-    app = web.Application(middlewares=[host_guard(allowed)], client_max_size=config.listen.max_body_bytes)
+    middlewares = [host_guard(allowed), auth_middleware(Authenticator(config.auth))]
+    app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
     app.cleanup_ctx.append(_lifecycle)
@@ -57,8 +61,8 @@ def build_app(config: Config) -> web.Application:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    store = TaskStore(config.store.path, durable=config.store.durable)
-    tasks = TaskService(store)
+    store = TaskStore(config.store.path, durable=config.store.durable, max_result_bytes=config.limits.max_result_bytes)
+    tasks = TaskService(store, config.limits)
     app[TASKS_KEY] = tasks
     parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
@@ -72,6 +76,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None
         app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
     app[POOLS_KEY] = {pool.server: pool for pool in pools}
+    tasks.recover(lambda record: _rerun(config, app[POOLS_KEY], store, record))
     # Open each upstream session early (in the background) so the first call does not pay for initialize.
     warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
     log.info("proxy_started", servers=list(config.servers), store=config.store.path, boot=tasks.boot)
@@ -85,6 +90,28 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await pool.close()
         await http.close()
         store.close()
+
+
+def _rerun(config: Config, pools: dict, store: TaskStore, record: TaskRecord) -> Call | None:
+    """Start again, after a restart, the upstream call of a task configured `on_restart: rerun`."""
+    pool = pools.get(record.server)
+    if pool is None or record.rerun is None:
+        return None
+    policy = config.policy(record.server, record.tool)
+    call = Call(
+        pool=pool,
+        server=record.server,
+        tool=record.tool,
+        method=record.rerun["method"],
+        params=record.rerun["params"],
+        capabilities=record.rerun["capabilities"],
+        timeout=policy.timeout,
+        input_timeout=policy.input_timeout,
+        store=store,
+        principal=record.principal,
+    )
+    call.start()
+    return call
 
 
 def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> UpstreamPool | StdioPool:

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from . import __version__
 from .app import build_app
+from .auth import hash_token
 from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
 
@@ -30,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="mcp-tasks-proxy",
         description="Reverse proxy that turns slow tools/call on legacy MCP servers into durable MCP tasks.",
         epilog="Other commands: `mcp-tasks-proxy check-config FILE` validates a config and prints what it will serve; "
-        "`mcp-tasks-proxy schema` prints the config file's JSON Schema.",
+        "`mcp-tasks-proxy schema` prints the config file's JSON Schema; "
+        "`mcp-tasks-proxy hash-token` prints the hash to put in auth.tokens.",
     )
     parser.add_argument("--config", "-c", help="YAML or JSON config file; without it, the bundled demo runs")
     parser.add_argument("--host", help="listen host (overrides listen.host)")
@@ -79,7 +81,7 @@ def demo_config(upstream_url: str, store_path: str) -> Config:
 async def serve(config: Config, *, announce: bool = True, demo: bool = False) -> None:
     """Serve `config` until SIGINT/SIGTERM. Prints the listening URL(s) on stdout."""
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.listen.drain_timeout)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port)
     await site.start()
@@ -170,11 +172,16 @@ def _check_config(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mcp-tasks-proxy` console script; returns the exit status.
 
-    Subcommands: `check-config FILE`, `schema` (print the config's JSON Schema); otherwise serve.
+    Subcommands: `check-config FILE`, `schema` (print the config's JSON Schema), `hash-token
+    [TOKEN]` (the `sha256:…` form for `auth.tokens`; reads stdin without an argument); otherwise serve.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-config"]:
         return _check_config(argv[1:])
+    if argv[:1] == ["hash-token"]:
+        token = argv[1] if len(argv) > 1 else sys.stdin.readline().strip()
+        print(hash_token(token))
+        return 0
     if argv[:1] == ["schema"]:
         print(json.dumps(config_json_schema(), indent=2, sort_keys=True))
         return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import expandvars
+import limits
 import pytimeparse2
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
@@ -63,6 +64,7 @@ class ListenConfig(_Strict):
     )
     max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
     sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls")
+    drain_timeout: Duration = Field("30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish")
 
     @property
     def max_body_bytes(self) -> int:
@@ -101,9 +103,13 @@ class TaskPolicy(_Strict):
 
 
 class ToolTasks(TaskPolicy):
-    """Per-tool task settings."""
+    """Per-tool task settings. `on_restart`: what happens to a detached call of this tool that was
+    running when the proxy died: `fail` (the task fails, naming the restart) or `rerun` (the call
+    is sent again after the restart; for idempotent tools only, since the first run may have had
+    effects; its arguments are then kept in the store)."""
 
     mode: ToolMode = ToolMode.OPTIONAL
+    on_restart: Literal["fail", "rerun"] = "fail"
 
 
 class ServerTasks(TaskPolicy):
@@ -196,6 +202,7 @@ class ResolvedPolicy(BaseModel):
     """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s)."""
 
     mode: ToolMode
+    on_restart: Literal["fail", "rerun"] = "fail"
     detach_after: float
     ttl: float
     poll_interval: float
@@ -210,9 +217,85 @@ class RequestStateConfig(_Strict):
     secret: str | None = Field(None, min_length=32)
 
 
+class JwtConfig(_Strict):
+    """JWT verification: keys from `jwks_file` (relative to the config file) or `jwks_url`;
+    `issuer`/`audience` checked when given; the principal is the `principal_claim` claim."""
+
+    jwks_file: str | None = None
+    jwks_url: str | None = None
+    issuer: str | None = None
+    audience: str | None = None
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
+    principal_claim: str = "sub"
+    leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JwtConfig:
+        if bool(self.jwks_file) == bool(self.jwks_url):
+            raise ValueError("give exactly one of `jwks_file` and `jwks_url`")
+        return self
+
+
+class TrustedHeaderConfig(_Strict):
+    """A header set by a fronting auth proxy; `trusted_peers` limits which peer addresses may set it."""
+
+    name: str = "X-Forwarded-User"
+    trusted_peers: list[str] = Field(default_factory=list)
+
+
+class AuthConfig(_Strict):
+    """Inbound authentication. `tokens` maps principal names to `sha256:<hex>` token hashes
+    (`mcp-tasks-proxy hash-token` prints one); plain tokens are never written in the config."""
+
+    mode: Literal["none", "bearer", "jwt", "header"] = "none"
+    tokens: dict[str, str] = Field(default_factory=dict)
+    jwt: JwtConfig | None = None
+    header: TrustedHeaderConfig | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> AuthConfig:
+        if self.mode == "bearer":
+            if not self.tokens:
+                raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")
+            for name, digest in self.tokens.items():
+                if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
+                    raise ValueError(f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself")
+        if self.mode == "jwt" and self.jwt is None:
+            raise ValueError("mode jwt needs a `jwt` section")
+        if self.mode == "header" and self.header is None:
+            self.header = TrustedHeaderConfig()
+        return self
+
+
+class LimitsConfig(_Strict):
+    """Limits; each refusal is a JSON-RPC error naming the limit (HTTP 429 for rates and counts).
+
+    `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
+    bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
+    largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
+    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window).
+    """
+
+    max_tasks_per_principal: int | None = Field(None, ge=1)
+    max_ttl: Duration | None = None
+    max_result_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    tasks_rate: str | None = Field(None, description="tasks/* calls per principal, like `20/second` or `600/minute`")
+
+    @model_validator(mode="after")
+    def _rate(self) -> LimitsConfig:
+        if self.tasks_rate is not None:
+            try:
+                limits.parse(self.tasks_rate)
+            except ValueError:
+                raise ValueError(f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`") from None
+        return self
+
+
 class Config(_Strict):
     """The whole config file."""
 
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     listen: ListenConfig = Field(default_factory=ListenConfig)
     request_state: RequestStateConfig = Field(default_factory=RequestStateConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
@@ -246,10 +329,14 @@ class Config(_Strict):
                     return value
             return getattr(self.tasks, field)
 
+        ttl = pick("ttl")
+        if self.limits.max_ttl is not None:
+            ttl = min(ttl, self.limits.max_ttl)
         return ResolvedPolicy(
             mode=tool_cfg.mode,
+            on_restart=tool_cfg.on_restart,
             detach_after=pick("detach_after"),
-            ttl=pick("ttl"),
+            ttl=ttl,
             poll_interval=pick("poll_interval"),
             input_timeout=pick("input_timeout"),
             timeout=entry.timeout,
@@ -306,7 +393,7 @@ def config_from_data(data: Any, *, source: str = "<config>") -> Config:
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read a YAML or JSON config file (by content: JSON is valid YAML) and validate it.
 
-    Relative `store.path` values are taken relative to the config file's folder.
+    Relative `store.path` and `auth.jwt.jwks_file` values are taken relative to the config file's folder.
     Raises ConfigError naming the file and, for invalid values, each key's path.
     """
     file = Path(path)
@@ -321,6 +408,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     config = config_from_data(data, source=str(file))
     if not os.path.isabs(config.store.path):
         config.store.path = str((file.parent / config.store.path).resolve())
+    jwt_cfg = config.auth.jwt
+    if jwt_cfg is not None and jwt_cfg.jwks_file and not os.path.isabs(jwt_cfg.jwks_file):
+        jwt_cfg.jwks_file = str((file.parent / jwt_cfg.jwks_file).resolve())
     return config
 
 

@@ -20,6 +20,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from .auth import ANONYMOUS, PRINCIPAL_KEY
 from .dispatcher import ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .protocol import jsonrpc
@@ -301,8 +302,8 @@ def _validate_legacy_response(body: Any) -> None:
 
 
 def principal_of(request: web.Request) -> str:
-    """Who is calling. Without inbound auth every caller is the single principal `anonymous`."""
-    return request.get("principal", "anonymous")
+    """Who is calling (set by the auth middleware; `anonymous` without inbound auth)."""
+    return request.get(PRINCIPAL_KEY, ANONYMOUS)
 
 
 def _host_name(value: str) -> str:

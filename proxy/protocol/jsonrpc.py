@@ -41,11 +41,12 @@ class JsonRpcError(Exception):
     that gave up, `data` the optional structured detail.
     """
 
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
+    def __init__(self, code: int, message: str, data: Any = None, *, status: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.data = data
+        self._status = status
 
     def to_error(self) -> JsonObject:
         """Return the JSON-RPC `error` member: `{code, message, data?}`."""
@@ -53,8 +54,17 @@ class JsonRpcError(Exception):
 
     @property
     def http_status(self) -> int:
-        """HTTP status for this error on the 2026-07-28 transport (400/404, else 200)."""
-        return http_status_for(self.code)
+        """HTTP status for this error: the one given (e.g. 429 for a limit), else what the
+        2026-07-28 transport prescribes for the code (400/404, else 200)."""
+        return self._status or http_status_for(self.code)
+
+
+def limit_error(limit: str, message: str, **data: Any) -> JsonRpcError:
+    """A refusal by a configured limit: -32603 with `data.limit` naming it, HTTP 429.
+
+    (The spec defines no rate-limit code, and -32020…-32099 are reserved for the spec.)
+    """
+    return JsonRpcError(INTERNAL_ERROR, f"limit {limit}: {message}", {"limit": limit, **data}, status=429)
 
 
 def http_status_for(code: int) -> int:

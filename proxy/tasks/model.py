@@ -70,7 +70,9 @@ class TaskRecord:
     `principal` is who created it (only they may see it); `boot` the proxy boot id that ran the
     upstream call (a different boot means the call died with an earlier process); `result` the
     upstream `CallToolResult` when completed; `error` the JSON-RPC error object when failed;
-    `input_requests` the outstanding upstream questions by key (`{method, params}` values).
+    `input_requests` the outstanding upstream questions by key (`{method, params}` values);
+    `rerun` what is needed to send the call again after a restart (`{method, params,
+    capabilities}`), kept only for tools configured `on_restart: rerun` and dropped once terminal.
     """
 
     task_id: str
@@ -87,6 +89,7 @@ class TaskRecord:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     input_requests: dict[str, Any] = field(default_factory=dict)
+    rerun: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)

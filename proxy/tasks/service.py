@@ -7,7 +7,12 @@ other-server ids all get the same -32602, so a task's existence never leaks.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
+
+import limits as limits_lib
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 
 import structlog
 
@@ -21,6 +26,9 @@ from ..protocol.jsonrpc import (
     JsonObject,
     JsonRpcError,
 )
+from ..auth import principal_hash
+from ..config import LimitsConfig
+from ..protocol.jsonrpc import limit_error
 from .model import TaskRecord, TaskStatus, TerminalTaskError, new_task_id, now_ms
 from .store import TaskNotFoundError, TaskStore
 
@@ -48,18 +56,33 @@ class TaskService:
     call with that process and is reported `failed` when next read.
     """
 
-    def __init__(self, store: TaskStore) -> None:
+    def __init__(self, store: TaskStore, limits: LimitsConfig | None = None) -> None:
         self.store = store
         self.boot = secrets.token_hex(8)
         self.live: dict[str, Call] = {}
+        self.limits = limits or LimitsConfig()
+        self._rate = limits_lib.parse(self.limits.tasks_rate) if self.limits.tasks_rate else None
+        self._limiter = MovingWindowRateLimiter(MemoryStorage()) if self._rate else None
 
     # -- creation ----------------------------------------------------------------------------
 
-    def detach(self, call: Call, *, principal: str, ttl_s: float, poll_interval_s: float, status_message: str) -> TaskRecord:
+    def check_capacity(self, principal: str) -> None:
+        """Raise a limit error (HTTP 429) when `principal` already has `max_tasks_per_principal` live tasks."""
+        cap = self.limits.max_tasks_per_principal
+        if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
+            log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
+            raise limit_error("max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap)
+
+    def detach(
+        self, call: Call, *, principal: str, ttl_s: float, poll_interval_s: float, status_message: str, rerun: bool = False
+    ) -> TaskRecord:
         """Commit a task for a running call, hand the call over to it, and return the record.
 
         The record is on disk before this returns (the caller then sends the CreateTaskResult).
+        With `rerun`, what is needed to send the call again after a restart is stored with it.
+        Raises a limit error when the principal has too many live tasks (the caller cancels the call).
         """
+        self.check_capacity(principal)
         record = TaskRecord(
             task_id=new_task_id(),
             principal=principal,
@@ -70,6 +93,7 @@ class TaskService:
             poll_interval_ms=max(1, int(poll_interval_s * 1000)),
             boot=self.boot,
             status_message=status_message,
+            rerun={"method": call.method, "params": call.params, "capabilities": call.capabilities} if rerun else None,
         )
         self.store.create(record)
         self.live[record.task_id] = call
@@ -87,7 +111,7 @@ class TaskService:
         record = self.store.get(task_id)
         if record is None or record.principal != principal or record.server != server:
             if record is not None:
-                log.warning("task_access_denied", task_id=task_id, server=server)
+                log.warning("security_foreign_task_access", task_id=task_id, server=server, principal=principal_hash(principal))
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
         if not record.status.terminal and record.boot != self.boot and task_id not in self.live:
             record = self._fail_orphan(record)
@@ -107,14 +131,21 @@ class TaskService:
 
     # -- methods -----------------------------------------------------------------------------
 
+    def _check_rate(self, principal: str) -> None:
+        if self._limiter is not None and self._rate is not None and not self._limiter.hit(self._rate, principal):
+            log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
+            raise limit_error("tasks_rate", f"more than {self.limits.tasks_rate} tasks/* calls", rate=self.limits.tasks_rate)
+
     def get(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
         """`tasks/get` → DetailedTask with `resultType: "complete"`."""
         require_tasks_extension(envelope, "tasks/get")
+        self._check_rate(principal)
         return self._lookup(params, principal=principal, server=server).detailed_task()
 
     def update(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
         """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack."""
         require_tasks_extension(envelope, "tasks/update")
+        self._check_rate(principal)
         record = self._lookup(params, principal=principal, server=server)
         responses = validate_input_responses(params.get("inputResponses"))
         call = self.live.get(record.task_id)
@@ -125,6 +156,7 @@ class TaskService:
     def cancel(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
         """`tasks/cancel` → empty ack. Sticky: a cancelled task stays cancelled; terminal tasks are untouched."""
         require_tasks_extension(envelope, "tasks/cancel")
+        self._check_rate(principal)
         record = self._lookup(params, principal=principal, server=server)
         if record.status.terminal:
             return dict(ACK)
@@ -139,6 +171,43 @@ class TaskService:
             call.cancel("task cancelled by client request")
         log.info("task_cancelled", task_id=record.task_id)
         return dict(ACK)
+
+    def recover(self, rerun: Callable[[TaskRecord], Call | None]) -> tuple[int, int]:
+        """After a restart: every task an earlier process left running is either re-run (tools
+        configured `on_restart: rerun`; `rerun(record)` starts the call) or failed, naming the restart.
+
+        Reads only the side index of live tasks. Returns (re-run, failed) counts.
+        """
+        rerun_count = failed = 0
+        for task_id in self.store.live_ids():
+            record = self.store.get(task_id)
+            if record is None or record.status.terminal:
+                self.store.forget_live(task_id)
+                continue
+            if record.boot == self.boot:
+                continue
+            call = rerun(record) if record.rerun else None
+            if call is None:
+                self._fail_orphan(record)
+                failed += 1
+                continue
+            try:
+                self.store.update(
+                    task_id, status=TaskStatus.WORKING, status_message="re-running after a proxy restart", input_requests={}, boot=self.boot
+                )
+            except (TerminalTaskError, TaskNotFoundError):
+                call.cancel("the task ended meanwhile")
+                continue
+            self._adopt(record, call)
+            rerun_count += 1
+        if rerun_count or failed:
+            log.info("tasks_recovered", rerun=rerun_count, failed=failed)
+        return rerun_count, failed
+
+    def _adopt(self, record: TaskRecord, call: Call) -> None:
+        self.live[record.task_id] = call
+        call.add_done_callback(lambda c: self.live.pop(record.task_id, None))
+        call.detach(record.task_id)
 
     def abandon_all(self) -> None:
         """On shutdown: record a `failed` outcome for every detached call still running, then cancel it."""

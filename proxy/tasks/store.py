@@ -3,17 +3,22 @@
 Rules it enforces itself, whoever calls it:
 - a record is committed (SQLite `synchronous=FULL`, so fsync'd) before `create` returns;
 - a terminal status never changes, nor does the result or error of a terminal task;
-- retention: each record expires `ttl_ms` after its `created_ms` (diskcache drops it; then it is unknown).
+- retention: each record expires `ttl_ms` after its `created_ms` (diskcache drops it; then it is unknown);
+- a result larger than `max_result_bytes` is not stored: the task fails with an error naming the limit;
+- the ids of non-terminal tasks are also kept in a small side index (`<path>/live`), so a restart
+  finds the calls it lost without reading every record.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import diskcache
 
+from ..protocol.jsonrpc import INTERNAL_ERROR
 from .model import TaskRecord, TaskStatus, TerminalTaskError, check_transition, now_ms
 
 _UNSET: Any = object()
@@ -32,14 +37,18 @@ class TaskStore:
     but not a power cut. All methods are synchronous and cheap (one SQLite transaction).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True, max_result_bytes: int = 16 * 1024 * 1024) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = os.fspath(path)
-        self._cache = diskcache.Cache(self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none")
+        self.max_result_bytes = max_result_bytes
+        sync = 2 if durable else 1
+        self._cache = diskcache.Cache(self.path, sqlite_synchronous=sync, eviction_policy="none")
+        self._live = diskcache.Cache(os.path.join(self.path, "live"), sqlite_synchronous=sync, eviction_policy="none")
 
     def close(self) -> None:
         """Close the SQLite connections."""
         self._cache.close()
+        self._live.close()
 
     @staticmethod
     def _expire_s(record: TaskRecord) -> float | None:
@@ -50,6 +59,8 @@ class TaskStore:
 
     def create(self, record: TaskRecord) -> None:
         """Commit a new record. Raises ValueError if the id already exists."""
+        if not record.status.terminal:
+            self._live.set(record.task_id, record.created_ms, expire=self._expire_s(record))
         added = self._cache.add(_PREFIX + record.task_id, record.to_dict(), expire=self._expire_s(record))
         if not added:
             raise ValueError(f"task {record.task_id} already exists")
@@ -68,6 +79,7 @@ class TaskStore:
         result: dict[str, Any] | None = _UNSET,
         error: dict[str, Any] | None = _UNSET,
         input_requests: dict[str, Any] = _UNSET,
+        boot: str = _UNSET,
     ) -> TaskRecord:
         """Change a record in one transaction and bump `last_updated_ms`; return the new record.
 
@@ -82,6 +94,12 @@ class TaskStore:
             record = TaskRecord.from_dict(data)
             if record.status.terminal:
                 raise TerminalTaskError(f"task {task_id} is {record.status.value}; it can no longer change")
+            if status is TaskStatus.COMPLETED and result is not _UNSET and result is not None:
+                size = len(json.dumps(result, separators=(",", ":")))
+                if size > self.max_result_bytes:
+                    status, result = TaskStatus.FAILED, None
+                    message = f"the result ({size} bytes) exceeds the limit max_result_bytes ({self.max_result_bytes} bytes)"
+                    error, status_message = {"code": INTERNAL_ERROR, "message": message, "data": {"limit": "max_result_bytes"}}, message
             if status is not None:
                 check_transition(record.status, status)
                 record.status = status
@@ -93,9 +111,23 @@ class TaskStore:
                 record.error = error
             if input_requests is not _UNSET:
                 record.input_requests = input_requests
+            if boot is not _UNSET:
+                record.boot = boot
             record.last_updated_ms = max(now_ms(), record.last_updated_ms)
+            if record.status.terminal:
+                record.rerun = None
             self._cache.set(key, record.to_dict(), expire=self._expire_s(record))
+        if record.status.terminal:
+            self._live.delete(task_id)
         return record
+
+    def live_ids(self) -> list[str]:
+        """Ids of tasks that were not terminal when last written (the side index; cheap to read)."""
+        return [key for key in self._live.iterkeys() if isinstance(key, str)]
+
+    def forget_live(self, task_id: str) -> None:
+        """Drop an id from the side index (its record is terminal or gone)."""
+        self._live.delete(task_id)
 
     def ids(self) -> Iterator[str]:
         """Iterate over the ids of all stored (unexpired) tasks."""

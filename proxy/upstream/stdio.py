@@ -320,6 +320,12 @@ class StdioSession:
             await coro
 
 
+def _touch(session: StdioSession) -> StdioSession:
+    """Mark a child as just used, so the idle reaper leaves it alone until the caller's request is in."""
+    session.last_used = time.monotonic()
+    return session
+
+
 @dataclass
 class _Slot:
     """The children of one (capability set, principal) key, plus its crash bookkeeping."""
@@ -399,11 +405,11 @@ class StdioPool:
         slot = self._slots.setdefault(self._key(capabilities, principal), _Slot())
         live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
         if len(live) >= self.instances:
-            return min(live, key=lambda s: s.in_flight)
+            return _touch(min(live, key=lambda s: s.in_flight))
         async with slot.lock:
             live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
             if len(live) >= self.instances:
-                return min(live, key=lambda s: s.in_flight)
+                return _touch(min(live, key=lambda s: s.in_flight))
             if slot.quick_exits >= self.max_restarts:
                 if time.monotonic() - slot.last_exit < self.crash_cooloff:
                     raise UpstreamError(self.crash_loop() or f"upstream {self.server} is in a crash loop")
@@ -412,7 +418,7 @@ class StdioPool:
                 wait = min(10.0, 0.1 * 2 ** (slot.quick_exits - 1)) - (time.monotonic() - slot.last_exit)
                 if wait > 0:
                     await asyncio.sleep(wait)
-            return await self._start(slot, capabilities)
+            return _touch(await self._start(slot, capabilities))
 
     async def _start(self, slot: _Slot, capabilities: JsonObject) -> StdioSession:
         session: StdioSession | None = None
