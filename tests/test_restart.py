@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from conftest import ModernClient, ServerProcess
+from conftest import ROOT, ModernClient, ServerProcess
 
 
 def _start(config_file: Path) -> ServerProcess:
@@ -41,5 +45,94 @@ async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: 
         assert "restarted" in orphan["error"]["message"]
         assert orphan == (await client.get(orphan_id)).result  # stable on later polls
         await client.close()
+    finally:
+        proxy.stop()
+
+
+def _write_config(tmp_path: Path, legacy_url: str, **extra) -> Path:
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "store": {"path": str(tmp_path / "store")},
+        "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+        "mcpServers": {"legacy": {"url": legacy_url, "tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}},
+        **extra,
+    }))
+    return config_file
+
+
+async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(legacy_url: str, tmp_path: Path) -> None:
+    config_file = _write_config(tmp_path, legacy_url)
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        rerun_id = (await client.call("slow_compute", {"seconds": 1.0, "label": "rerun-me"})).result["taskId"]
+        failed_id = (await client.call("confirm_delete", {"filename": "f.txt", "delay": 5})).result["taskId"]
+        await client.close()
+    finally:
+        proxy.kill()
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        first = (await client.get(rerun_id)).result
+        assert first["status"] == "working" and "re-running" in first["statusMessage"]
+        done = await client.wait_terminal(rerun_id)
+        assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "computed rerun-me after 1s"
+        assert (await client.get(failed_id)).result["status"] == "failed"
+        await client.close()
+    finally:
+        proxy.stop()
+
+
+async def test_sigterm_drains_synchronous_calls_and_records_detached_ones(legacy_url: str, tmp_path: Path) -> None:
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "5s"})
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        plain = ModernClient(proxy.url, capabilities={})
+        detached_id = (await client.call("confirm_delete", {"filename": "d.txt", "delay": 30})).result["taskId"]
+        sync_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 1.0, "label": "drained"}))
+        await asyncio.sleep(0.3)
+        proxy.proc.send_signal(signal.SIGTERM)
+        reply = await sync_call
+        assert reply.result["content"][0]["text"] == "computed drained after 1s"
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        await client.close()
+        await plain.close()
+    finally:
+        proxy.stop()
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        task = (await client.get(detached_id)).result
+        assert task["status"] == "failed" and "shut down" in task["error"]["message"]
+        await client.close()
+    finally:
+        proxy.stop()
+
+
+POLLER = """
+import asyncio, json, sys
+sys.path.insert(0, "tests")
+from conftest import ModernClient
+async def main():
+    client = ModernClient(sys.argv[1])
+    print(json.dumps(await client.wait_terminal(sys.argv[2])))
+    await client.close()
+asyncio.run(main())
+"""
+
+
+async def test_a_new_process_resumes_polling_after_the_client_dropped(legacy_url: str, tmp_path: Path) -> None:
+    proxy = _start(_write_config(tmp_path, legacy_url))
+    try:
+        client = ModernClient(proxy.url)
+        task_id = (await client.call("slow_compute", {"seconds": 0.5, "label": "handoff"})).result["taskId"]
+        await client.close()  # the first client is gone
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", POLLER, proxy.url, task_id], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        assert out.returncode == 0, out.stderr
+        final = json.loads(out.stdout)
+        assert final["status"] == "completed" and final["result"]["content"][0]["text"] == "computed handoff after 0.5s"
     finally:
         proxy.stop()
