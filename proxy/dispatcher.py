@@ -226,6 +226,8 @@ class ServerDispatcher:
                 f"tool {tool!r} always runs as a task; declare the {TASKS_EXTENSION} extension",
                 {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
             )
+        if policy.mode is ToolMode.REQUIRED:
+            self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
         return await self._run_call("tools/call", tool, params, envelope, principal=principal, reply=reply, policy=policy)
 
     async def _run_call(
@@ -264,7 +266,18 @@ class ServerDispatcher:
 
         def detach(why: str) -> JsonObject:
             self.parked.release(call)
-            record = self.tasks.detach(call, principal=principal, ttl_s=policy.ttl, poll_interval_s=policy.poll_interval, status_message=why)
+            try:
+                record = self.tasks.detach(
+                    call,
+                    principal=principal,
+                    ttl_s=policy.ttl,
+                    poll_interval_s=policy.poll_interval,
+                    status_message=why,
+                    rerun=policy.on_restart == "rerun",
+                )
+            except JsonRpcError:  # a limit: the call cannot become a task, so it must not go on unseen
+                call.cancel("refused by a limit")
+                raise
             return record.create_task_result()
 
         if method == "tools/call" and policy.mode is ToolMode.REQUIRED and not call.pending:
