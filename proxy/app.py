@@ -16,6 +16,7 @@ from .tasks.model import TaskRecord
 from .dispatcher import ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key
+from .observability import access_log, metrics_handler
 from .tasks.service import TaskService
 from .tasks.store import TaskStore
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
@@ -37,7 +38,7 @@ def build_app(config: Config) -> web.Application:
     `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context).
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
-    middlewares = [host_guard(allowed), auth_middleware(Authenticator(config.auth))]
+    middlewares = [access_log(payloads=config.logging.payloads), host_guard(allowed), auth_middleware(Authenticator(config.auth))]
     app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
@@ -56,6 +57,7 @@ def build_app(config: Config) -> web.Application:
         app.router.add_route("*", "/mcp", endpoint_handler(next(iter(servers))))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", metrics_handler)
     return app
 
 
@@ -73,6 +75,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         dispatcher = ServerDispatcher(
             name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive
         )
+        pool.on_notification = dispatcher.server_notification
         bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None
         app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
     app[POOLS_KEY] = {pool.server: pool for pool in pools}

@@ -138,6 +138,7 @@ def auth_middleware(authenticator: Authenticator):
             return await handler(request)
         try:
             request[PRINCIPAL_KEY] = await authenticator.principal(request)
+            structlog.contextvars.bind_contextvars(principal=principal_hash(request[PRINCIPAL_KEY]))
         except AuthError as exc:
             log.warning("security_auth_failed", reason=str(exc), remote=request.remote, path=request.path)
             body = jsonrpc.error_response(None, jsonrpc.error_object(INVALID_REQUEST, f"authentication required: {exc}"))

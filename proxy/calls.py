@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from . import observability as obs
 from .protocol import jsonrpc
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS
 from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId
@@ -38,6 +40,7 @@ class PendingInput:
 
     upstream_id: RequestId
     request: JsonObject
+    asked: float = field(default_factory=time.monotonic)
 
 
 def input_request_value(message: JsonObject) -> JsonObject:
@@ -85,6 +88,7 @@ class Call:
         principal: str | None = None,
     ) -> None:
         self.call_id = secrets.token_urlsafe(16)
+        self.started = time.monotonic()
         self.principal = principal
         self.pool = pool
         self.server = server
@@ -166,6 +170,7 @@ class Call:
         if self.outcome.done():
             return
         self.outcome.set_result(reply)
+        obs.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
         for timer in self._input_timers.values():
             timer.cancel()
         self._input_timers.clear()
@@ -222,7 +227,8 @@ class Call:
             try:
                 self.store.update(self.task_id, status_message=text)
             except (TerminalTaskError, TaskNotFoundError):
-                pass
+                # Ended from outside this call (an operator's cancel, expiry): stop the upstream work too.
+                self.cancel("the task ended outside this call")
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
@@ -298,6 +304,7 @@ class Call:
             if pending is None:
                 continue
             self._cancel_timer(key)
+            obs.INPUT_WAIT.observe(time.monotonic() - pending.asked)
             used.append(key)
             if isinstance(value, dict):
                 self._spawn(self._respond(pending.upstream_id, result=value))

@@ -24,6 +24,8 @@ from .app import build_app
 from .auth import hash_token
 from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
+from .tasks.model import TaskStatus, TerminalTaskError, iso
+from .tasks.store import TaskNotFoundError, TaskStore
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,12 +34,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Reverse proxy that turns slow tools/call on legacy MCP servers into durable MCP tasks.",
         epilog="Other commands: `mcp-tasks-proxy check-config FILE` validates a config and prints what it will serve; "
         "`mcp-tasks-proxy schema` prints the config file's JSON Schema; "
-        "`mcp-tasks-proxy hash-token` prints the hash to put in auth.tokens.",
+        "`mcp-tasks-proxy hash-token` prints the hash to put in auth.tokens; "
+        "`mcp-tasks-proxy tasks --store DIR list|show ID|cancel ID` inspects a task store.",
     )
     parser.add_argument("--config", "-c", help="YAML or JSON config file; without it, the bundled demo runs")
     parser.add_argument("--host", help="listen host (overrides listen.host)")
     parser.add_argument("--port", type=int, help="listen port (overrides listen.port; 0 picks a free one)")
-    parser.add_argument("--log-level", default=os.environ.get("MCP_TASKS_PROXY_LOG_LEVEL", "info"))
+    parser.add_argument("--log-level", default=os.environ.get("MCP_TASKS_PROXY_LOG_LEVEL"), help="debug, info, warning or error (overrides logging.level)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -169,6 +172,61 @@ def _check_config(argv: list[str]) -> int:
     return 0
 
 
+def _tasks_command(argv: list[str]) -> int:
+    """`mcp-tasks-proxy tasks [--store DIR | --config FILE] list|show ID|cancel ID` on a store directory."""
+    parser = argparse.ArgumentParser(prog="mcp-tasks-proxy tasks", description="Inspect or cancel tasks in a store directory.")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="the store directory (store.path)")
+    where.add_argument("--config", help="a config file; its store.path is used")
+    sub = parser.add_subparsers(dest="action", required=True)
+    listing = sub.add_parser("list", help="one line per task, newest first")
+    listing.add_argument("--status", choices=[s.value for s in TaskStatus])
+    listing.add_argument("--limit", type=int, default=100)
+    sub.add_parser("show", help="one task as JSON").add_argument("task_id")
+    sub.add_parser("cancel", help="mark a task cancelled (sticky)").add_argument("task_id")
+    args = parser.parse_args(argv)
+    try:
+        path = args.store or load_config(args.config).store.path
+    except ConfigError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 2
+    if not os.path.isdir(path):
+        print(f"mcp-tasks-proxy: no store at {path}", file=sys.stderr)
+        return 2
+    store = TaskStore(path)
+    try:
+        if args.action == "list":
+            records = [r for r in (store.get(i) for i in store.ids()) if r is not None and (args.status is None or r.status.value == args.status)]
+            records.sort(key=lambda r: r.created_ms, reverse=True)
+            print(f"{'TASK ID':44} {'STATUS':15} {'SERVER':12} {'TOOL':24} CREATED")
+            for r in records[: args.limit]:
+                print(f"{r.task_id:44} {r.status.value:15} {r.server[:12]:12} {r.tool[:24]:24} {iso(r.created_ms)}")
+            print(f"{len(records)} task(s)" + (f", {args.limit} shown" if len(records) > args.limit else ""))
+            return 0
+        record = store.get(args.task_id)
+        if record is None:
+            print(f"mcp-tasks-proxy: unknown or expired task {args.task_id}", file=sys.stderr)
+            return 1
+        if args.action == "show":
+            out = {"server": record.server, "tool": record.tool, "principal": record.principal, **record.detailed_task()}
+            out.pop("resultType", None)
+            print(json.dumps(out, indent=2))
+            return 0
+        if record.status.terminal:
+            print(f"task {record.task_id} is already {record.status.value}")
+            return 0
+        try:
+            store.update(record.task_id, status=TaskStatus.CANCELLED, status_message="cancelled by an operator", input_requests={})
+        except (TerminalTaskError, TaskNotFoundError):
+            print(f"task {record.task_id} ended meanwhile")
+            return 0
+        print(f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress update, "
+              "and discards any later result)")
+        return 0
+    finally:
+        store.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mcp-tasks-proxy` console script; returns the exit status.
 
@@ -178,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["check-config"]:
         return _check_config(argv[1:])
+    if argv[:1] == ["tasks"]:
+        return _tasks_command(argv[1:])
     if argv[:1] == ["hash-token"]:
         token = argv[1] if len(argv) > 1 else sys.stdin.readline().strip()
         print(hash_token(token))
@@ -186,13 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config_json_schema(), indent=2, sort_keys=True))
         return 0
     args = _parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level or "info")
     try:
         if args.config is None:
             asyncio.run(_run_demo(args))
             return 0
         config = load_config(args.config)
         _override(config, args)
+        if args.log_level is None:
+            configure_logging(config.logging.level)
         asyncio.run(serve(config))
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)

@@ -291,9 +291,18 @@ class LimitsConfig(_Strict):
         return self
 
 
+class LoggingConfig(_Strict):
+    """Logs: JSON lines on stderr (a readable renderer on a terminal). `payloads: true` also logs
+    request bodies at debug level (they may contain personal data; off by default)."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    payloads: bool = False
+
+
 class Config(_Strict):
     """The whole config file."""
 
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     listen: ListenConfig = Field(default_factory=ListenConfig)

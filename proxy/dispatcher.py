@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from . import __version__
+from . import observability as obs
 from .calls import Call
 from .config import Config, ResolvedPolicy, ToolMode
 from .mrtr import ParkedCalls, request_digest, validate_input_responses
@@ -118,6 +119,7 @@ class ServerDispatcher:
         """Answer one request; return the `result` object. Raises JsonRpcError for error replies."""
         method = body["method"]
         params = body.get("params") or {}
+        structlog.contextvars.bind_contextvars(rpc_method=method, server=self.name)
         if method in REMOVED_METHODS:
             raise JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire")
         if method == "server/discover":
@@ -219,6 +221,7 @@ class ServerDispatcher:
         names = await self.param_headers(tool, envelope, principal)
         if names:
             check_param_headers(getattr(reply, "headers", {}), params.get("arguments"), names)
+        structlog.contextvars.bind_contextvars(tool=tool)
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise JsonRpcError(
@@ -278,6 +281,9 @@ class ServerDispatcher:
             except JsonRpcError:  # a limit: the call cannot become a task, so it must not go on unseen
                 call.cancel("refused by a limit")
                 raise
+            if method == "tools/call":
+                obs.CALLS.labels(self.name, name, "detached").inc()
+            structlog.contextvars.bind_contextvars(task_id=record.task_id)
             return record.create_task_result()
 
         if method == "tools/call" and policy.mode is ToolMode.REQUIRED and not call.pending:
@@ -299,7 +305,9 @@ class ServerDispatcher:
                     if call.done or call.pending:
                         continue
                     if deadline is not None and loop.time() >= deadline:
-                        return detach(f"still running upstream after {policy.detach_after:g} s; continuing in the background")
+                        handle = detach(f"still running upstream after {policy.detach_after:g} s; continuing in the background")
+                        obs.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))
+                        return handle
                     await reply.keepalive()
                     continue
                 if kind == "notification":
@@ -344,6 +352,8 @@ class ServerDispatcher:
     def _call_result(self, call: Call) -> JsonObject:
         self.parked.release(call)
         outcome = call.outcome.result()
+        if call.method == "tools/call":
+            obs.CALLS.labels(self.name, call.tool, "sync" if "result" in outcome else "error").inc()
         if "result" in outcome:
             return modern_result(call.method, outcome["result"])
         error = modern_error(outcome.get("error"))

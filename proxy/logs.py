@@ -22,6 +22,6 @@ def configure_logging(level: str = "info") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=False,  # so tests (and reconfiguration) can swap the output
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from .auth import ANONYMOUS, PRINCIPAL_KEY
+from . import observability as obs
 from .dispatcher import ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .protocol import jsonrpc
@@ -191,7 +192,8 @@ class ServerEndpoint:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            err = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit is {request._client_max_size} bytes")
+            err = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes")
+            obs.LIMIT_REJECTIONS.labels("max_body").inc()
             return _json_error(None, err, status=exc.status)
         try:
             body = json.loads(raw)

@@ -333,3 +333,29 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
     bad.write_text("mcpServers:\n  a:\n    url: http://x/mcp\n    tasks: {tools: {t: {mode: sometimes}}}\n")
     out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(bad)], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
+
+
+def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
+    from proxy.tasks.model import TaskRecord, now_ms
+    from proxy.tasks.store import TaskStore
+
+    store = TaskStore(tmp_path / "store", durable=False)
+    for i, status in enumerate(("working", "completed")):
+        store.create(TaskRecord(task_id=f"task-{i}", principal="p", server="s", tool=f"tool{i}", created_ms=now_ms() + i,
+                                ttl_ms=60_000, poll_interval_ms=500, boot="b", status=status,
+                                result={"content": [], "isError": False} if status == "completed" else None))
+    store.close()
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store"), *args],
+                              capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+    listing = run("list")
+    assert listing.returncode == 0 and "task-0" in listing.stdout and "task-1" in listing.stdout and "2 task(s)" in listing.stdout
+    assert "task-1" not in run("list", "--status", "working").stdout
+    shown = json.loads(run("show", "task-1").stdout)
+    assert shown["status"] == "completed" and shown["tool"] == "tool1" and shown["result"] == {"content": [], "isError": False}
+    assert "cancelled" in run("cancel", "task-0").stdout
+    assert json.loads(run("show", "task-0").stdout)["status"] == "cancelled"
+    assert "already completed" in run("cancel", "task-1").stdout
+    assert run("show", "nope").returncode == 1

@@ -355,6 +355,19 @@ async def test_listen_acknowledges_then_relays_the_upstream_list_changes_it_aske
             await client.close()
 
 
+async def test_listen_relays_changes_the_upstream_sends_on_its_standalone_stream(conformance_url: str, tmp_path) -> None:
+    async with running_proxy(make_config(conformance_url, tmp_path / "store")) as proxy:
+        client = ModernClient(proxy.url(), capabilities={})
+        try:
+            async def change_tools_later() -> None:
+                await client.call("announce_tool_change_later")
+
+            frames = await read_listen_stream(client, {"toolsListChanged": True}, until=2, trigger=change_tools_later)
+            assert [f["method"] for f in frames] == ["notifications/subscriptions/acknowledged", "notifications/tools/list_changed"]
+        finally:
+            await client.close()
+
+
 async def test_listen_for_task_ids_needs_the_extension_and_a_filter(client: ModernClient) -> None:
     refused = await client.request("subscriptions/listen", {"notifications": {"taskIds": ["t"]}}, capabilities={})
     assert refused.status == 400 and refused.error["code"] == -32021

@@ -26,6 +26,7 @@ from ..protocol.jsonrpc import (
     JsonObject,
     JsonRpcError,
 )
+from .. import observability as obs
 from ..auth import principal_hash
 from ..config import LimitsConfig
 from ..protocol.jsonrpc import limit_error
@@ -71,6 +72,7 @@ class TaskService:
         cap = self.limits.max_tasks_per_principal
         if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
             log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
+            obs.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
             raise limit_error("max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap)
 
     def detach(
@@ -118,6 +120,7 @@ class TaskService:
         return record
 
     def _fail_orphan(self, record: TaskRecord) -> TaskRecord:
+        obs.ORPHANED.labels("failed").inc()
         try:
             return self.store.update(
                 record.task_id,
@@ -134,6 +137,7 @@ class TaskService:
     def _check_rate(self, principal: str) -> None:
         if self._limiter is not None and self._rate is not None and not self._limiter.hit(self._rate, principal):
             log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
+            obs.LIMIT_REJECTIONS.labels("tasks_rate").inc()
             raise limit_error("tasks_rate", f"more than {self.limits.tasks_rate} tasks/* calls", rate=self.limits.tasks_rate)
 
     def get(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
@@ -199,6 +203,7 @@ class TaskService:
                 call.cancel("the task ended meanwhile")
                 continue
             self._adopt(record, call)
+            obs.ORPHANED.labels("rerun").inc()
             rerun_count += 1
         if rerun_count or failed:
             log.info("tasks_recovered", rerun=rerun_count, failed=failed)

@@ -17,11 +17,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import diskcache
+import structlog
 
+from .. import observability as obs
+from ..auth import principal_hash
 from ..protocol.jsonrpc import INTERNAL_ERROR
 from .model import TaskRecord, TaskStatus, TerminalTaskError, check_transition, now_ms
 
 _UNSET: Any = object()
+log = structlog.get_logger("proxy.tasks")
 _PREFIX = "task:"
 
 
@@ -64,6 +68,9 @@ class TaskStore:
         added = self._cache.add(_PREFIX + record.task_id, record.to_dict(), expire=self._expire_s(record))
         if not added:
             raise ValueError(f"task {record.task_id} already exists")
+        obs.TASKS.labels(record.status.value).inc()
+        log.info("task_transition", task_id=record.task_id, server=record.server, tool=record.tool,
+                 principal=principal_hash(record.principal), to=record.status.value, age_ms=0)
 
     def get(self, task_id: str) -> TaskRecord | None:
         """The record for `task_id`, or None when unknown or expired."""
@@ -92,6 +99,7 @@ class TaskStore:
             if data is None:
                 raise TaskNotFoundError(task_id)
             record = TaskRecord.from_dict(data)
+            before = record.status
             if record.status.terminal:
                 raise TerminalTaskError(f"task {task_id} is {record.status.value}; it can no longer change")
             if status is TaskStatus.COMPLETED and result is not _UNSET and result is not None:
@@ -99,6 +107,7 @@ class TaskStore:
                 if size > self.max_result_bytes:
                     status, result = TaskStatus.FAILED, None
                     message = f"the result ({size} bytes) exceeds the limit max_result_bytes ({self.max_result_bytes} bytes)"
+                    obs.LIMIT_REJECTIONS.labels("max_result_bytes").inc()
                     error, status_message = {"code": INTERNAL_ERROR, "message": message, "data": {"limit": "max_result_bytes"}}, message
             if status is not None:
                 check_transition(record.status, status)
@@ -119,6 +128,13 @@ class TaskStore:
             self._cache.set(key, record.to_dict(), expire=self._expire_s(record))
         if record.status.terminal:
             self._live.delete(task_id)
+        if record.status is not before:
+            age_s = (record.last_updated_ms - record.created_ms) / 1000
+            obs.TASKS.labels(record.status.value).inc()
+            if record.status.terminal:
+                obs.TASK_AGE.labels(record.status.value).observe(age_s)
+            log.info("task_transition", task_id=task_id, server=record.server, tool=record.tool,
+                     principal=principal_hash(record.principal), **{"from": before.value}, to=record.status.value, age_ms=int(age_s * 1000))
         return record
 
     def live_ids(self) -> list[str]:
@@ -135,6 +151,10 @@ class TaskStore:
             # iterkeys() also lists expired rows that are not culled yet; `in` checks the expiry.
             if isinstance(key, str) and key.startswith(_PREFIX) and key in self._cache:
                 yield key[len(_PREFIX) :]
+
+    def volume(self) -> int:
+        """Bytes the store takes on disk."""
+        return self._cache.volume() + self._live.volume()
 
     def count(self) -> int:
         """Number of records on disk (expired ones may count until culled)."""

@@ -8,6 +8,7 @@ request after `initialize`, server→client requests answered with a new POST.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import structlog
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from .. import __version__
 from ..protocol import jsonrpc
@@ -65,6 +67,8 @@ class UpstreamSession:
         self.initialize_result: JsonObject = {}
         self._ids = itertools.count(1)
         self.closed = False
+        self.on_notification: Callable[[JsonObject], None] | None = None
+        self._listener: asyncio.Task[None] | None = None
 
     def next_id(self) -> int:
         """A fresh upstream JSON-RPC request id for this session."""
@@ -103,7 +107,48 @@ class UpstreamSession:
         self.protocol_version = version
         self.initialize_result = result
         await self.notify("notifications/initialized")
+        if self.session_id:
+            self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"upstream GET stream {self.server}")
         return result
+
+    async def _listen(self) -> None:
+        """Keep the standalone GET stream open (2025-11-25 transports, "Listening for Messages"):
+        server-wide notifications (list changes) go to `on_notification`; `ping` is answered; other
+        requests are refused. Reconnects with exponential backoff; stops on 405 or close."""
+        async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.5, max=30), retry=retry_if_exception_type(UpstreamError)):
+            with attempt:
+                if self.closed:
+                    return
+                headers = {k: v for k, v in self._headers().items() if k != "Content-Type"}
+                headers["Accept"] = "text/event-stream"
+                try:
+                    resp = await self.http.get(self.url, headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                    raise UpstreamError(f"upstream {self.server} GET stream: {exc}") from exc
+                async with resp:
+                    if resp.status in (404, 405) or resp.status >= 400:
+                        return  # the upstream offers no standalone stream (or forgot the session)
+                    try:
+                        async for event in iter_events(resp.content.iter_any()):
+                            await self._on_stream_message(event.data)
+                    except (aiohttp.ClientError, OSError) as exc:
+                        raise UpstreamError(f"upstream {self.server} GET stream broke: {exc}") from exc
+                if not self.closed:
+                    raise UpstreamError(f"upstream {self.server} GET stream ended")
+
+    async def _on_stream_message(self, data: str) -> None:
+        try:
+            msg = json.loads(data) if data.strip() else None
+        except ValueError:
+            return
+        if jsonrpc.is_request(msg):
+            if msg["method"] == "ping":
+                await self._answer_ping(msg["id"])
+            else:
+                with contextlib.suppress(UpstreamError):
+                    await self.respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"{msg['method']} is only answered for a request in flight"})
+        elif jsonrpc.is_notification(msg) and self.on_notification is not None:
+            self.on_notification(msg)
 
     async def _post(self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
         try:
@@ -211,6 +256,8 @@ class UpstreamSession:
         if self.closed:
             return
         self.closed = True
+        if self._listener is not None:
+            self._listener.cancel()
         if not self.session_id:
             return
         try:
@@ -238,6 +285,7 @@ class UpstreamPool:
         self.headers = headers
         self._sessions: dict[str, UpstreamSession] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
 
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
         """The open session for `capabilities`, initializing it if needed (`principal` is not used:
@@ -252,6 +300,7 @@ class UpstreamPool:
             if existing is not None and not existing.closed:
                 return existing
             session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities)
+            session.on_notification = self.on_notification
             await session.open()
             self._sessions[key] = session
             return session

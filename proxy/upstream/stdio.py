@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -84,6 +85,7 @@ class StdioSession:
         self._write_lock = asyncio.Lock()
         self._readers: list[asyncio.Task[None]] = []
         self.exited = asyncio.Event()
+        self.on_notification: Callable[[JsonObject], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -291,9 +293,12 @@ class StdioSession:
         if jsonrpc.is_request(msg) and msg["method"] == "ping":
             asyncio.get_running_loop().create_task(self._quiet(self.respond(msg["id"], result={})))
             return
-        for pending in self._targets(msg):
+        targets = self._targets(msg)
+        for pending in targets:
             if pending.handler is not None:
                 await pending.handler(msg)
+        if not targets and jsonrpc.is_notification(msg) and self.on_notification is not None:
+            self.on_notification(msg)  # server-wide (list changes) with no request in flight
 
     def _targets(self, msg: JsonObject) -> list[_Pending]:
         """Which waiting requests a message from the child belongs to.
@@ -372,6 +377,7 @@ class StdioPool:
         self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         self._slots: dict[str, _Slot] = {}
         self._starting: set[StdioSession] = set()
+        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
         self._reaper: asyncio.Task[None] | None = None
 
     def _key(self, capabilities: JsonObject, principal: str | None) -> str:
@@ -427,6 +433,7 @@ class StdioPool:
         ):
             with attempt:
                 session = StdioSession(self.server, self.command, capabilities=capabilities, limit=self.limit, init_timeout=self.init_timeout)
+                session.on_notification = self.on_notification
                 try:
                     self._starting.add(session)
                     await session.open()

@@ -1,0 +1,77 @@
+"""Metrics (prometheus-client) and request logging (structlog with contextvars).
+
+Metrics are process-wide (the default registry) and served at `/metrics`. Names start with
+`mcp_tasks_proxy_`; durations are in seconds (Prometheus convention), sizes in bytes.
+Logs: one line per HTTP request (request id, JSON-RPC method, server, tool, principal hash,
+status, duration in ms) and one per task transition (see `TaskStore.update`). Payloads and
+secrets are never logged unless `logging.payloads: true`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+log = structlog.get_logger("proxy.access")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+
+CALLS = Counter("mcp_tasks_proxy_calls_total", "tools/call by outcome: sync (answered on the request), detached (became a task), error", ["server", "tool", "outcome"])
+DETACH_LATENCY = Histogram(
+    "mcp_tasks_proxy_detach_latency_seconds", "from detach_after expiring to the CreateTaskResult being handed to the transport", buckets=_LATENCY_BUCKETS
+)
+UPSTREAM_LATENCY = Histogram("mcp_tasks_proxy_upstream_latency_seconds", "upstream request duration until its response", ["server", "method"], buckets=_LATENCY_BUCKETS)
+TASKS = Counter("mcp_tasks_proxy_tasks_total", "tasks reaching each status (created = working)", ["status"])
+LIVE_TASKS = Gauge("mcp_tasks_proxy_live_tasks", "detached calls running in this process")
+TASK_AGE = Histogram("mcp_tasks_proxy_task_age_seconds", "task age when it reached a terminal status", ["status"], buckets=_LATENCY_BUCKETS)
+INPUT_WAIT = Histogram("mcp_tasks_proxy_input_wait_seconds", "time an upstream question waited for its answer", buckets=_LATENCY_BUCKETS)
+ORPHANED = Counter("mcp_tasks_proxy_tasks_orphaned_total", "tasks whose upstream call died with an earlier proxy process, by fate", ["fate"])
+STORE_TASKS = Gauge("mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until culled)")
+STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
+LIMIT_REJECTIONS = Counter("mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"])
+REQUESTS = Counter("mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"])
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """`/metrics` in the Prometheus text format."""
+    from .app import TASKS_KEY  # the app module imports this one
+
+    tasks = request.app[TASKS_KEY]
+    STORE_TASKS.set(tasks.store.count())
+    STORE_BYTES.set(tasks.store.volume())
+    LIVE_TASKS.set(len(tasks.live))
+    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def access_log(*, payloads: bool):
+    """Middleware: bind a request id (and, once known, method/server/tool) to the log context and
+    write one line per request with its status and duration in ms."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path in ("/healthz", "/readyz", "/metrics"):
+            return await handler(request)
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=uuid.uuid4().hex[:16])
+        started = time.perf_counter()
+        status = 500
+        try:
+            if payloads and request.can_read_body:
+                log.debug("request_payload", body=(await request.text())[:65536])
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            REQUESTS.labels("mcp", str(status)).inc()
+            log.info("request", http_method=request.method, path=request.path, status=status,
+                     duration_ms=round((time.perf_counter() - started) * 1000, 2))
+            structlog.contextvars.clear_contextvars()
+
+    return middleware
