@@ -13,10 +13,10 @@ from .auth import Authenticator, auth_middleware
 from .calls import Call
 from .config import Config, ServerEntry
 from .tasks.model import TaskRecord
-from .dispatcher import ServerDispatcher
+from .dispatcher import Drain, ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key
-from .observability import access_log, metrics_handler
+from .observability import access_log, json_errors, metrics_handler
 from .tasks.service import TaskService
 from .tasks.store import TaskStore
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
@@ -29,6 +29,7 @@ CONFIG_KEY = web.AppKey("config", Config)
 TASKS_KEY = web.AppKey("tasks", TaskService)
 ENDPOINTS_KEY = web.AppKey("endpoints", dict)
 POOLS_KEY = web.AppKey("pools", dict)
+DRAIN_KEY = web.AppKey("drain", Drain)
 
 
 def build_app(config: Config) -> web.Application:
@@ -38,10 +39,16 @@ def build_app(config: Config) -> web.Application:
     `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context).
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
-    middlewares = [access_log(payloads=config.logging.payloads), host_guard(allowed), auth_middleware(Authenticator(config.auth))]
+    middlewares = [
+        access_log(payloads=config.logging.payloads),
+        json_errors(),
+        host_guard(allowed),
+        auth_middleware(Authenticator(config.auth)),
+    ]
     app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
+    app[DRAIN_KEY] = Drain()
     app.cleanup_ctx.append(_lifecycle)
 
     def endpoint_handler(name: str):
@@ -73,7 +80,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         pool = make_pool(name, entry, http)
         pools.append(pool)
         dispatcher = ServerDispatcher(
-            name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive
+            name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive, drain=app[DRAIN_KEY]
         )
         pool.on_notification = dispatcher.server_notification
         bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from . import __version__
-from .app import build_app
+from .app import DRAIN_KEY, build_app
 from .auth import hash_token
 from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
@@ -84,7 +84,8 @@ def demo_config(upstream_url: str, store_path: str) -> Config:
 async def serve(config: Config, *, announce: bool = True, demo: bool = False) -> None:
     """Serve `config` until SIGINT/SIGTERM. Prints the listening URL(s) on stdout."""
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.listen.drain_timeout)
+    # aiohttp waits a little longer than the drain, so handlers end with their own shutdown error.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.listen.drain_timeout + 1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port)
     await site.start()
@@ -104,6 +105,7 @@ async def serve(config: Config, *, announce: bool = True, demo: bool = False) ->
     try:
         await stop.wait()
     finally:
+        app[DRAIN_KEY].start(config.listen.drain_timeout)
         await runner.cleanup()
 
 
@@ -184,6 +186,11 @@ def _tasks_command(argv: list[str]) -> int:
     listing.add_argument("--limit", type=int, default=100)
     sub.add_parser("show", help="one task as JSON").add_argument("task_id")
     sub.add_parser("cancel", help="mark a task cancelled (sticky)").add_argument("task_id")
+    # Task ids are base64url and may start with "-": never let argparse read them as options.
+    for i, word in enumerate(argv[:-1]):
+        if word in ("show", "cancel") and argv[i + 1].startswith("-") and argv[i + 1] not in ("-h", "--help", "--"):
+            argv = [*argv[: i + 1], "--", *argv[i + 1 :]]
+            break
     args = parser.parse_args(argv)
     try:
         path = args.store or load_config(args.config).store.path
@@ -239,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["tasks"]:
         return _tasks_command(argv[1:])
     if argv[:1] == ["hash-token"]:
+        if argv[1:2] in (["-h"], ["--help"]):
+            print("usage: mcp-tasks-proxy hash-token [TOKEN]\n\nPrint sha256:<hex> for auth.tokens (reads the token from stdin without an argument).")
+            return 0
         token = argv[1] if len(argv) > 1 else sys.stdin.readline().strip()
+        if not token:
+            print("mcp-tasks-proxy: hash-token needs a non-empty token (argument or stdin)", file=sys.stderr)
+            return 2
         print(hash_token(token))
         return 0
     if argv[:1] == ["schema"]:

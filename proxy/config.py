@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from urllib.parse import urlsplit
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -87,6 +88,11 @@ class ToolMode(StrEnum):
     FORBIDDEN = "forbidden"  # never a task
 
 
+def _positive(value: float | None, field: str) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{field} must be longer than 0s")
+
+
 class TaskPolicy(_Strict):
     """Task settings; every field may be left out to inherit from the level above.
 
@@ -100,6 +106,12 @@ class TaskPolicy(_Strict):
     ttl: Duration | None = None
     poll_interval: Duration | None = None
     input_timeout: Duration | None = None
+
+    @model_validator(mode="after")
+    def _positive_durations(self) -> TaskPolicy:
+        for field in ("ttl", "poll_interval", "input_timeout"):
+            _positive(getattr(self, field), field)
+        return self
 
 
 class ToolTasks(TaskPolicy):
@@ -125,6 +137,12 @@ class DefaultTasks(_Strict):
     ttl: Duration = Field("1h", validate_default=True)
     poll_interval: Duration = Field("2s", validate_default=True)
     input_timeout: Duration = Field("10m", validate_default=True)
+
+    @model_validator(mode="after")
+    def _positive_durations(self) -> DefaultTasks:
+        for field in ("ttl", "poll_interval", "input_timeout"):
+            _positive(getattr(self, field), field)
+        return self
 
 
 _TRANSPORT_KINDS = ("stdio", "http", "streamable-http", "streamablehttp", "sse")
@@ -179,6 +197,10 @@ class ServerEntry(_Strict):
     def _one_transport(self) -> ServerEntry:
         if self.httpUrl and not self.url:
             self.url = self.httpUrl
+        if self.url:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
         if bool(self.url) == bool(self.command):
             raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
         kind = (self.type or self.transport or self.transportType or "").lower().replace("_", "-")

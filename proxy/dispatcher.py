@@ -64,6 +64,44 @@ TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
 
 
+class Drain:
+    """Graceful shutdown (SIGTERM): once started, synchronous calls have `timeout_s` seconds to
+    finish; then their clients get a JSON-RPC error naming the shutdown instead of a cut connection."""
+
+    def __init__(self) -> None:
+        self.timeout_s = 0.0
+        self._deadline: float | None = None
+        self._started = asyncio.Event()
+
+    def start(self, timeout_s: float) -> None:
+        """Begin draining now; `timeout_s` in seconds."""
+        self.timeout_s = timeout_s
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        self._started.set()
+
+    def remaining(self) -> float | None:
+        """Seconds left before the drain deadline (0.0 once passed), or None when not draining."""
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    async def wait_for(self, awaitable: Awaitable[Any], timeout: float) -> Any:
+        """`asyncio.wait_for(awaitable, timeout)`, but a drain that starts meanwhile ends the wait
+        early (TimeoutError), so the caller re-plans against the drain deadline."""
+        if self._started.is_set():
+            return await asyncio.wait_for(awaitable, timeout)
+        getter = asyncio.ensure_future(awaitable)
+        started = asyncio.ensure_future(self._started.wait())
+        try:
+            done, _ = await asyncio.wait({getter, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        raise TimeoutError
+
+
 class Reply:
     """How a handler talks back on one request's HTTP response while it is still running.
 
@@ -103,8 +141,17 @@ class ServerDispatcher:
     """Dispatches modern requests for one upstream server (`name`), sharing the TaskService."""
 
     def __init__(
-        self, *, name: str, config: Config, pool: UpstreamPool, tasks: TaskService, parked: ParkedCalls, keepalive_s: float = 15.0
+        self,
+        *,
+        name: str,
+        config: Config,
+        pool: UpstreamPool,
+        tasks: TaskService,
+        parked: ParkedCalls,
+        keepalive_s: float = 15.0,
+        drain: Drain | None = None,
     ) -> None:
+        self.drain = drain or Drain()
         self.name = name
         self.parked = parked
         self.config = config
@@ -299,11 +346,19 @@ class ServerDispatcher:
                 wait = self.keepalive_s
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - loop.time()))
+                if self.drain.remaining() is not None:
+                    wait = min(wait, self.drain.remaining())
                 try:
-                    kind, item = await asyncio.wait_for(call.events.get(), timeout=wait)
+                    kind, item = await self.drain.wait_for(call.events.get(), timeout=wait)
                 except TimeoutError:
                     if call.done or call.pending:
                         continue
+                    if self.drain.remaining() == 0.0:
+                        call.cancel("the proxy is shutting down")
+                        raise JsonRpcError(
+                            INTERNAL_ERROR,
+                            f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned",
+                        ) from None
                     if deadline is not None and loop.time() >= deadline:
                         handle = detach(f"still running upstream after {policy.detach_after:g} s; continuing in the background")
                         obs.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))

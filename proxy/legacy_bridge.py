@@ -52,13 +52,17 @@ class LegacyBridge:
         """Answer one legacy-era HTTP request (POST, GET or DELETE)."""
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
         session = self.sessions.get(sid) if sid else None
+        if session is not None and session.principal != principal:
+            session = None  # another principal's session does not exist for this caller
         if sid and session is None:
             return _error(body.get("id") if isinstance(body, dict) else None, INVALID_REQUEST, "unknown or expired session; initialize a new one", 404)
         if request.method == "DELETE":
             self.sessions.pop(sid, None)
             return web.Response(status=200 if sid else 400)
         if request.method == "GET":
-            raise web.HTTPMethodNotAllowed("GET", ["POST", "DELETE"])
+            response = _error(None, INVALID_REQUEST, "this server offers no standalone GET stream", 405)
+            response.headers["Allow"] = "POST, DELETE"
+            return response
         if jsonrpc.is_response(body):
             return await self._answer_question(session, body)
         if not isinstance(body, dict) or "method" not in body:

@@ -47,6 +47,29 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def json_errors():
+    """Middleware: whatever goes wrong outside a JSON-RPC handler (unknown path, wrong HTTP method,
+    an unexpected exception) still answers with a JSON-RPC error body, never a plain-text page."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400 or exc.content_type == "application/json":
+                raise
+            code = -32601 if exc.status == 404 else -32600
+            body = {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": f"{exc.status} {exc.reason}: {request.method} {request.path}"}}
+            headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
+            return web.json_response(body, status=exc.status, headers=headers)
+        except Exception:
+            log.exception("unhandled_error", path=request.path)
+            body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "internal proxy error; see the proxy log"}}
+            return web.json_response(body, status=500)
+
+    return middleware
+
+
 def access_log(*, payloads: bool):
     """Middleware: bind a request id (and, once known, method/server/tool) to the log context and
     write one line per request with its status and duration in ms."""

@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from .auth import ANONYMOUS, PRINCIPAL_KEY
+from .auth import ANONYMOUS, PRINCIPAL_KEY, principal_hash
 from . import observability as obs
 from .dispatcher import ServerDispatcher
 from .legacy_bridge import LegacyBridge
@@ -113,10 +113,12 @@ def _dumps(obj: Any) -> str:
 
 @dataclass
 class LegacySession:
-    """One downstream legacy session: the upstream's session id and the server→client request ids
-    the proxy rewrote (proxy id → upstream id), so two clients' ids never cross."""
+    """One downstream legacy session: the upstream's session id, the principal that opened it (only
+    they may use it), and the server→client request ids the proxy rewrote (proxy id → upstream id),
+    so two clients' ids never cross."""
 
     upstream_id: str | None
+    principal: str = ANONYMOUS
     request_ids: dict[str, RequestId] = field(default_factory=dict)
 
 
@@ -127,15 +129,20 @@ class LegacySessions:
         self._sessions: dict[str, LegacySession] = {}
         self.sessionless = LegacySession(upstream_id=None)
 
-    def open(self, upstream_session_id: str) -> str:
-        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session."""
+    def open(self, upstream_session_id: str, principal: str) -> str:
+        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`."""
         sid = secrets.token_urlsafe(24)
-        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id)
+        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal)
         return sid
 
-    def get(self, sid: str) -> LegacySession | None:
-        """The session behind `sid`, or None when unknown or ended."""
-        return self._sessions.get(sid)
+    def get(self, sid: str, principal: str) -> LegacySession | None:
+        """The session behind `sid`, or None when unknown, ended, or opened by another principal
+        (that attempt is logged as a security event)."""
+        session = self._sessions.get(sid)
+        if session is not None and session.principal != principal:
+            log.warning("security_foreign_session_access", principal=principal_hash(principal))
+            return None
+        return session
 
     def end(self, sid: str) -> None:
         """Forget `sid` (DELETE, or the upstream expired it)."""
@@ -186,7 +193,10 @@ class ServerEndpoint:
         if request.headers.get("Mcp-Session-Id"):
             return await self._relay_legacy(request, body=None, raw=b"")
         # GET/DELETE without a session: modern clients have no GET stream (2026-07-28 §4.2).
-        raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        err = JsonRpcError(INVALID_REQUEST, f"{request.method} is not served here without an Mcp-Session-Id; send JSON-RPC with POST")
+        response = _json_error(None, err, status=405)
+        response.headers["Allow"] = "POST"
+        return response
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -199,6 +209,8 @@ class ServerEndpoint:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return _json_error(None, JsonRpcError(PARSE_ERROR, f"the body is not valid JSON: {exc}"))
+        except RecursionError:
+            return _json_error(None, JsonRpcError(PARSE_ERROR, "the body nests JSON too deeply"))
         if is_modern_request(request.headers, body):
             return await self._modern(request, body)
         return await self._relay_legacy(request, body=body, raw=raw)
@@ -249,7 +261,7 @@ class ServerEndpoint:
         sid = request.headers.get("Mcp-Session-Id")
         session = self.legacy.sessionless
         if sid:
-            found = self.legacy.get(sid.strip())
+            found = self.legacy.get(sid.strip(), principal_of(request))
             if found is None:
                 err = JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one")
                 return _json_error(request_id, err, status=404)
@@ -277,13 +289,13 @@ class ServerEndpoint:
                     self.legacy.end(sid.strip())
                 out_headers["Mcp-Session-Id"] = sid.strip()
             elif upstream_new_sid:
-                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid)
+                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request))
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
             if out_headers.get("Content-Type", "").startswith("text/event-stream"):
                 response.headers["X-Accel-Buffering"] = "no"
             await response.prepare(request)
             if upstream_new_sid and not sid:
-                session = self.legacy.get(out_headers["Mcp-Session-Id"]) or session
+                session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
             try:
                 if response.headers.get("Content-Type", "").startswith("text/event-stream"):
                     async for event in iter_events(upstream.content.iter_any()):
@@ -324,7 +336,7 @@ def host_guard(allowed: set[str] | None):
         if allowed is not None:
             for header in ("Host", "Origin"):
                 value = request.headers.get(header)
-                if value and value != "null" and _host_name(value) not in allowed:
+                if value and _host_name(value) not in allowed:  # `Origin: null` (sandboxed pages) too
                     err = JsonRpcError(INVALID_REQUEST, f"{header} {value!r} is not allowed here")
                     return _json_error(None, err, status=403)
         return await handler(request)

@@ -359,3 +359,23 @@ def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
     assert json.loads(run("show", "task-0").stdout)["status"] == "cancelled"
     assert "already completed" in run("cancel", "task-1").stdout
     assert run("show", "nope").returncode == 1
+
+
+def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
+    from proxy.tasks.model import TaskRecord, now_ms
+    from proxy.tasks.store import TaskStore
+
+    store = TaskStore(tmp_path / "store", durable=False)
+    store.create(TaskRecord(task_id="-vNAuJ4MJ9dash", principal="p", server="s", tool="t", created_ms=now_ms(), ttl_ms=60_000, poll_interval_ms=500, boot="b"))
+    store.close()
+    base = [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store")]
+    shown = subprocess.run([*base, "show", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["taskId"] == "-vNAuJ4MJ9dash"
+    cancelled = subprocess.run([*base, "cancel", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    helped = subprocess.run([sys.executable, "-m", "proxy", "hash-token", "--help"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage:")
+    empty = subprocess.run([sys.executable, "-m", "proxy", "hash-token"], input="", capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert empty.returncode == 2
+    hashed = subprocess.run([sys.executable, "-m", "proxy", "hash-token", "s3cret"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert hashed.stdout.strip() == "sha256:" + __import__("hashlib").sha256(b"s3cret").hexdigest()

@@ -451,3 +451,11 @@ def test_listen_port_bounds():
 def test_absolute_store_path_is_kept(tmp_path: Path):
     (tmp_path / "c.yaml").write_text(f"store: {{path: {tmp_path / 'abs'}}}\nmcpServers: {{a: {{url: 'http://h/mcp'}}}}\n")
     assert load_config(tmp_path / "c.yaml").store.path == str(tmp_path / "abs")
+
+
+def test_urls_must_be_http_and_retention_positive():
+    assert "must be an http:// or https:// URL" in config_error({"mcpServers": {"a": {"url": "notaurl"}}})
+    assert "must be an http:// or https:// URL" in config_error({"mcpServers": {"a": {"url": "ftp://h/mcp"}}})
+    assert "ttl must be longer than 0s" in config_error({"tasks": {"ttl": "0s"}, "mcpServers": {"a": {"url": "http://h/mcp"}}})
+    assert "poll_interval must be longer than 0s" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"poll_interval": "0ms"}}}}}})
+    assert cfg(tasks={"detach_after": "0s"}).tasks.detach_after == 0  # detach at once is allowed

@@ -234,3 +234,24 @@ async def test_cancel_racing_completion_has_one_final_state(legacy_url: str, tmp
             assert {f["status"] for f in finals.values()} <= {"cancelled", "completed"}
         finally:
             await client.close()
+
+
+async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(legacy_url: str, tmp_path: Path, capsys) -> None:
+    import aiohttp
+
+    auth = {"mode": "bearer", "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")}}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy, aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=init, headers={**base, "Authorization": "Bearer alice-secret"}) as resp:
+            sid = resp.headers["Mcp-Session-Id"]
+            await resp.read()
+        listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        session = {**base, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+        async with http.post(proxy.url(), json=listing, headers={**session, "Authorization": "Bearer bob-secret"}) as resp:
+            assert resp.status == 404
+        async with http.post(proxy.url(), json=listing, headers={**session, "Authorization": "Bearer alice-secret"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+    assert "security_foreign_session_access" in capsys.readouterr().out

@@ -94,9 +94,16 @@ def test_session_id_is_legacy_even_with_meta():
     assert not is_modern_request(CIMultiDict({"mcp-session-id": "abc", "MCP-Protocol-Version": MODERN_VERSION}), body())
 
 
-def test_meta_present_is_modern():
+def test_modern_envelope_is_modern():
     assert is_modern_request(CIMultiDict(), body("tools/list"))
     assert is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2025-11-25"}), body("tools/list"))
+
+
+def test_legacy_meta_without_the_envelope_stays_legacy():
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "t", "_meta": {"progressToken": "p"}}}
+    assert not is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2025-11-25"}), call)
+    assert not is_modern_request(CIMultiDict(), call)
+    assert is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2026-07-28"}), call)  # then -32602 for the envelope
 
 
 def test_meta_must_be_an_object():

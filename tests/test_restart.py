@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import ROOT, ModernClient, ServerProcess
 
@@ -135,4 +136,30 @@ async def test_a_new_process_resumes_polling_after_the_client_dropped(legacy_url
         final = json.loads(out.stdout)
         assert final["status"] == "completed" and final["result"]["content"][0]["text"] == "computed handoff after 0.5s"
     finally:
+        proxy.stop()
+
+
+async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(legacy_url: str, tmp_path: Path) -> None:
+    import time
+
+    import aiohttp
+
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
+    proxy = _start(config_file)
+    plain = ModernClient(proxy.url, capabilities={})
+    try:
+        long_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 20, "label": "too-long"}))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        proxy.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
+            async with aiohttp.ClientSession() as http, http.get(proxy.url.replace("/mcp", "/healthz")) as resp:
+                await resp.read()
+        reply = await long_call
+        assert reply.error["code"] == -32603 and "drain_timeout" in reply.error["message"]
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        assert time.monotonic() - started < 6  # the drain (1 s) plus clean-up, not a multiple of it
+    finally:
+        await plain.close()
         proxy.stop()

@@ -292,3 +292,49 @@ async def test_legacy_sdk_client_in_front_of_a_stdio_server(tmp_path: Path) -> N
                 with pytest.raises(MCPError) as info:
                     await session.call_tool("instant_error", {})
                 assert info.value.code == -32603
+
+
+async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_several_calls(tmp_path: Path) -> None:
+    async with running_proxy(stdio_config(tmp_path)) as proxy:
+        client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+        try:
+            await client.call("greet", {"name": "warm-up"})
+            slow = asyncio.create_task(client.call("slow_compute", {"seconds": 1.5, "label": "bystander"}))
+            await asyncio.sleep(0.3)
+            asked = await client.call("confirm_delete", {"filename": "ambiguous.txt"})
+            assert "error" in asked.message or asked.result.get("isError"), asked.message  # never shown to a guessed caller
+            log = json.loads((await client.call("cancelled_log")).result["content"][0]["text"])
+            assert any(e["label"] == "confirm_delete:ambiguous.txt" for e in log)
+            assert (await slow).result["content"][0]["text"] == "computed bystander after 1.5s"
+            # One call in flight: the question reaches its caller as an MRTR round.
+            alone = (await client.call("confirm_delete", {"filename": "alone.txt"})).result
+            assert alone["resultType"] == "input_required"
+        finally:
+            await client.close()
+
+
+async def test_per_principal_isolation_gives_each_principal_its_own_child(tmp_path: Path) -> None:
+    from proxy.auth import hash_token
+
+    from test_identity_limits import AuthClient
+
+    config = stdio_config(tmp_path, server={"isolation": "per_principal"})
+    config.auth = type(config.auth).model_validate({"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}})
+    async with running_proxy(config) as proxy:
+        pool = proxy.app[POOLS_KEY]["fx"]
+        alice = AuthClient(proxy.url(), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
+        bob = AuthClient(proxy.url(), {"Authorization": "Bearer b"}, capabilities={"elicitation": {}})
+        try:
+            slow = asyncio.create_task(alice.call("slow_compute", {"seconds": 1.5, "label": "alice-work"}))
+            await asyncio.sleep(0.2)
+            asked = (await bob.call("confirm_delete", {"filename": "bob.txt"})).result
+            assert asked["resultType"] == "input_required"  # bob's own child: no ambiguity
+            assert len(pool.children()) >= 2
+            key = next(iter(asked["inputRequests"]))
+            retry = {"name": "confirm_delete", "arguments": {"filename": "bob.txt"}, "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+                     "requestState": asked["requestState"]}
+            assert (await bob.request("tools/call", retry)).result["content"][0]["text"] == "deleted bob.txt"
+            await slow
+        finally:
+            await alice.close()
+            await bob.close()

@@ -150,3 +150,43 @@ async def test_a_client_that_prefers_sse_gets_its_result_as_one_sse_event(client
     # Errors keep their HTTP status (and so go out as JSON) whatever the client prefers.
     unknown = await client.post_raw(body.replace(b"tools/list", b"nope/nope"), {**headers, "Mcp-Method": "nope/nope"})
     assert unknown.status == 404 and unknown.content_type.startswith("application/json")
+
+
+async def test_deeply_nested_json_is_a_parse_error_not_a_crash(client: ModernClient) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    reply = await client.post_raw(deep, modern_headers("tools/list"))
+    assert reply.status == 400 and reply.error["code"] == -32700
+    assert (await client.call("greet", {"name": "still here"})).result["content"][0]["text"] == "Hello, still here!"
+
+
+async def test_http_level_refusals_are_json_rpc_errors(proxy: RunningProxy) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.url(), headers={"Accept": "text/event-stream"}) as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+            assert (await resp.json())["error"]["code"] == -32600
+        async with http.post(f"{proxy.base}/servers/nope/mcp", json={}) as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == -32601
+        async with http.put(proxy.url(), json={}) as resp:
+            assert resp.status == 405 and "error" in await resp.json()
+
+
+async def test_origin_null_is_rejected_on_loopback(proxy: RunningProxy) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": envelope()}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=body, headers={**modern_headers("server/discover"), "Origin": "null"}) as resp:
+            assert resp.status == 403
+
+
+async def test_max_body_error_names_the_limit(client: ModernClient, proxy: RunningProxy) -> None:
+    params = {"name": "greet", "arguments": {"name": "x" * (proxy.config.listen.max_body + 10)}}
+    reply = await client.request("tools/call", params, headers={"Mcp-Name": "greet"})
+    assert reply.status == 413 and "max_body" in reply.error["message"]
+
+
+async def test_legacy_client_meta_without_envelope_stays_on_the_legacy_path(proxy: RunningProxy) -> None:
+    # A session-less legacy request that carries _meta.progressToken must not be judged by 2026 rules.
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {"progressToken": "p"}}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=body, headers={**BASE_HEADERS, "MCP-Protocol-Version": "2025-11-25"}) as resp:
+            text = await resp.text()
+    assert "-32602" not in text  # the upstream answered (it wants a session), not the 2026 validator

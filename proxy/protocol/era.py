@@ -56,19 +56,21 @@ TASK_NAME_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
 def is_modern_request(headers: Mapping[str, str], body: Any) -> bool:
     """Decide whether an HTTP POST belongs to the modern (2026-07-28) era.
 
-    Rule (conformance.md §9.5): no `Mcp-Session-Id`, and either a `params._meta` or an
-    `MCP-Protocol-Version` header that does not name a legacy revision. A bare `initialize`
-    is legacy.
+    Rule (after conformance.md §9.5): never with an `Mcp-Session-Id`; always when `params._meta`
+    carries `io.modelcontextprotocol/protocolVersion` (the modern envelope); otherwise by the
+    `MCP-Protocol-Version` header: modern unless it names a legacy revision, legacy when absent.
+    A bare `initialize` is legacy. So a legacy client that sends `_meta.progressToken` without a session stays legacy, and a
+    2026 request with a broken envelope still reaches modern validation (-32602).
     """
     if headers.get("Mcp-Session-Id"):
         return False
     params = body.get("params") if isinstance(body, dict) else None
-    has_meta = isinstance(params, dict) and isinstance(params.get("_meta"), dict)
-    if isinstance(body, dict) and body.get("method") == "initialize" and not has_meta:
-        return False
-    version = (headers.get("MCP-Protocol-Version") or "").strip()
-    if has_meta:
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    if isinstance(meta, dict) and META_PROTOCOL_VERSION in meta:
         return True
+    if isinstance(body, dict) and body.get("method") == "initialize":
+        return False  # a bare initialize starts a legacy session, whatever the header says
+    version = (headers.get("MCP-Protocol-Version") or "").strip()
     return bool(version) and version not in LEGACY_VERSIONS
 
 

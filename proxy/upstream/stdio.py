@@ -34,6 +34,7 @@ from .http import MessageHandler, UpstreamError
 log = structlog.get_logger("proxy.upstream.stdio")
 
 _PR_SET_PDEATHSIG = 1
+_ASKING_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})  # requests a server may ask questions for
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
@@ -57,6 +58,7 @@ class _Pending:
     handler: MessageHandler | None
     progress_token: Any
     started: float
+    method: str = ""
 
 
 class StdioSession:
@@ -86,6 +88,7 @@ class StdioSession:
         self._readers: list[asyncio.Task[None]] = []
         self.exited = asyncio.Event()
         self.on_notification: Callable[[JsonObject], None] | None = None
+        self.single_owner = False  # all requests on this child come from one principal
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -217,7 +220,7 @@ class StdioSession:
         rid = self.next_id() if request_id is None else request_id
         meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
         future: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(future, handler, meta.get("progressToken"), time.monotonic())
+        self._pending[rid] = _Pending(future, handler, meta.get("progressToken"), time.monotonic(), method)
         self.last_used = time.monotonic()
         try:
             await self._write(jsonrpc.request(rid, method, params))
@@ -304,20 +307,23 @@ class StdioSession:
         """Which waiting requests a message from the child belongs to.
 
         Progress goes by token; other notifications to every request; a server→client request to
-        the one request in flight that can take it (the newest, when several are: stdio has no
-        per-request stream, so give interactive servers `max_concurrency: 1` or `instances`).
+        the one request in flight that can take it. stdio has no per-request stream, so when several
+        could take it the question is refused upstream rather than guessed (a wrong guess could show
+        one client's question to another); a child owned by one principal (`isolation:
+        per_principal`) gives it to its newest request instead.
         """
         params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
         if msg["method"] == "notifications/progress":
             return [p for p in self._pending.values() if p.progress_token is not None and p.progress_token == params.get("progressToken")]
         candidates = [p for p in self._pending.values() if p.handler is not None]
         if jsonrpc.is_request(msg):
-            if not candidates:
-                asyncio.get_running_loop().create_task(
-                    self._quiet(self.respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": "no request in flight can take this"}))
-                )
-                return []
-            return [max(candidates, key=lambda p: p.started)]
+            candidates = [p for p in candidates if p.method in _ASKING_METHODS]
+            if len(candidates) == 1 or (candidates and self.single_owner):
+                return [max(candidates, key=lambda p: p.started)]
+            reason = "no request in flight can take this" if not candidates else "several requests are in flight on this shared stdio child"
+            asyncio.get_running_loop().create_task(self._quiet(self.respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": reason})))
+            log.warning("upstream_question_refused", server=self.server, method=msg["method"], reason=reason)
+            return []
         return candidates
 
     async def _quiet(self, coro: Any) -> None:
@@ -434,6 +440,7 @@ class StdioPool:
             with attempt:
                 session = StdioSession(self.server, self.command, capabilities=capabilities, limit=self.limit, init_timeout=self.init_timeout)
                 session.on_notification = self.on_notification
+                session.single_owner = self.per_principal
                 try:
                     self._starting.add(session)
                     await session.open()
