@@ -64,3 +64,18 @@ async def test_faults_fail_the_task_naming_the_cause(bad_url: str, tmp_path: Pat
             assert (await client.wait_terminal(ok_task["taskId"]))["result"]["content"][0]["text"] == "ok"
         finally:
             await client.close()
+
+
+async def test_unreachable_upstream_fails_a_required_task_naming_the_cause(tmp_path: Path) -> None:
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "mcpServers": {"gone": {"url": "http://127.0.0.1:9/mcp", "tasks": {"tools": {"job": {"mode": "required"}}}}},
+    })
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            created = (await client.call("job")).result
+            done = await client.wait_terminal(created["taskId"])
+            assert done["status"] == "failed" and "unreachable" in done["error"]["message"] and "gone" in done["error"]["message"]
+        finally:
+            await client.close()

@@ -255,3 +255,34 @@ async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(legacy_u
             assert resp.status == 200
             await resp.read()
     assert "security_foreign_session_access" in capsys.readouterr().out
+
+
+async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path) -> None:
+    from aiohttp import web
+
+    key, jwks = _rsa_jwks(tmp_path)
+    async def serve_jwks(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(jwks)
+
+    app = web.Application()
+    app.router.add_get("/.well-known/jwks.json", serve_jwks)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        auth = {"mode": "jwt", "jwt": {"jwks_url": f"http://127.0.0.1:{port}/.well-known/jwks.json", "issuer": "https://idp.test",
+                                       "audience": "mcp-proxy", "algorithms": ["RS256"]}}
+        async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
+            frank = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='frank')}"})
+            forged = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"})
+            try:
+                created = (await frank.call("slow_compute", {"seconds": 0.1})).result
+                assert proxy.store.get(created["taskId"]).principal == "frank"
+                assert (await forged.get(created["taskId"])).status == 401
+            finally:
+                await frank.close()
+                await forged.close()
+    finally:
+        await runner.cleanup()

@@ -279,3 +279,46 @@ async def test_two_legacy_clients_each_answer_their_own_question(proxy: RunningP
     assert results == ["deleted one.txt", "kept two.txt", "deleted three.txt"]
     # The upstream numbers its questions 1, 2, … per session; clients see distinct proxy-minted ids.
     assert len(set(seen_ids)) == 3 and all(str(i).startswith("mtp-") for i in seen_ids)
+
+
+async def test_request_state_is_bound_to_principal_and_server(legacy_url: str, tmp_path) -> None:
+    from proxy.auth import hash_token
+    from proxy.config import config_from_data
+
+    from test_identity_limits import AuthClient
+
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "auth": {"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}},
+        "mcpServers": {"x": {"url": legacy_url}, "y": {"url": legacy_url}},
+    })
+    async with running_proxy(config) as proxy:
+        alice = AuthClient(proxy.url("x"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
+        bob = AuthClient(proxy.url("x"), {"Authorization": "Bearer b"}, capabilities={"elicitation": {}})
+        alice_on_y = AuthClient(proxy.url("y"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
+        try:
+            args = {"filename": "owned.txt"}
+            first = (await alice.call("confirm_delete", args)).result
+            key = next(iter(first["inputRequests"]))
+            retry = {"name": "confirm_delete", "arguments": args, "inputResponses": {key: ACCEPT}, "requestState": first["requestState"]}
+            assert (await bob.request("tools/call", retry)).error["code"] == -32602  # another principal
+            assert (await alice_on_y.request("tools/call", retry)).error["code"] == -32602  # another server
+            assert (await alice.request("tools/call", retry)).result["content"][0]["text"] == "deleted owned.txt"
+        finally:
+            for c in (alice, bob, alice_on_y):
+                await c.close()
+
+
+async def test_request_state_key_is_generated_once_beside_the_store(legacy_url: str, tmp_path) -> None:
+    import stat
+
+    key_file = tmp_path / "store" / "request_state.key"
+    async with running_proxy(make_config(legacy_url, tmp_path / "store")):
+        first = key_file.read_text()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(bytes.fromhex(first)) == 32
+    async with running_proxy(make_config(legacy_url, tmp_path / "store")):
+        assert key_file.read_text() == first  # kept across restarts
+    config = make_config(legacy_url, tmp_path / "other")
+    config.request_state.secret = "s" * 32
+    async with running_proxy(config):
+        assert not (tmp_path / "other" / "request_state.key").exists()  # the configured secret is used

@@ -102,3 +102,35 @@ async def test_readyz_names_the_failing_check(tmp_path: Path) -> None:
             body = await resp.json()
             assert resp.status == 503 and body["ready"] is False
             assert body["checks"]["store"] == "ok" and "unreachable" in body["checks"]["upstream:down"]
+
+
+async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Path) -> None:
+    config = make_config(legacy_url, tmp_path / "store")
+    async with running_proxy(config) as proxy:
+        before = await scrape(proxy.base)
+        client = ModernClient(proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}})
+        try:
+            await client.call("greet", {"name": "warm-up"})
+            created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
+            task = await client.wait_status(created["taskId"], ("input_required",))
+            key = next(iter(task["inputRequests"]))
+            await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}}})
+            await client.wait_terminal(created["taskId"])
+            orphan = (await client.call("slow_compute", {"seconds": 30, "label": "orphan-metric"})).result
+        finally:
+            await client.close()
+        # Forget the live call as a crashed process would, then read the task: it is failed as an orphan.
+        from proxy.app import TASKS_KEY
+
+        service = proxy.app[TASKS_KEY]
+        call = service.live.pop(orphan["taskId"])
+        service.boot = "a-later-boot"
+        reader = ModernClient(proxy.url())
+        try:
+            assert (await reader.get(orphan["taskId"])).result["status"] == "failed"
+        finally:
+            await reader.close()
+            call.cancel("test over")
+        after = await scrape(proxy.base)
+    assert metric(after, "mcp_tasks_proxy_input_wait_seconds_count") - metric(before, "mcp_tasks_proxy_input_wait_seconds_count") == 1
+    assert metric(after, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed") - metric(before, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed") == 1
