@@ -40,7 +40,7 @@ def build_app(config: Config) -> web.Application:
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
     middlewares = [
-        access_log(payloads=config.logging.payloads),
+        access_log(payloads=config.logging.log_payloads),
         json_errors(),
         host_guard(allowed),
         auth_middleware(Authenticator(config.auth)),

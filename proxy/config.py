@@ -314,11 +314,11 @@ class LimitsConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    """Logs: JSON lines on stderr (a readable renderer on a terminal). `payloads: true` also logs
+    """Logs: JSON lines on stderr (a readable renderer on a terminal). `log_payloads: true` also logs
     request bodies at debug level (they may contain personal data; off by default)."""
 
     level: Literal["debug", "info", "warning", "error"] = "info"
-    payloads: bool = False
+    log_payloads: bool = False
 
 
 class Config(_Strict):

@@ -4,7 +4,7 @@ Metrics are process-wide (the default registry) and served at `/metrics`. Names 
 `mcp_tasks_proxy_`; durations are in seconds (Prometheus convention), sizes in bytes.
 Logs: one line per HTTP request (request id, JSON-RPC method, server, tool, principal hash,
 status, duration in ms) and one per task transition (see `TaskStore.update`). Payloads and
-secrets are never logged unless `logging.payloads: true`.
+secrets are never logged unless `logging.log_payloads: true`.
 """
 
 from __future__ import annotations

@@ -134,3 +134,23 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
         after = await scrape(proxy.base)
     assert metric(after, "mcp_tasks_proxy_input_wait_seconds_count") - metric(before, "mcp_tasks_proxy_input_wait_seconds_count") == 1
     assert metric(after, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed") - metric(before, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed") == 1
+
+
+async def test_log_payloads_true_logs_request_bodies(legacy_url: str, tmp_path: Path, capsys) -> None:
+    configure_logging("debug")
+    marker = "payload-marker-51ab"
+    try:
+        config = make_config(legacy_url, tmp_path / "store")
+        config.logging.log_payloads = True
+        async with running_proxy(config) as proxy:
+            client = ModernClient(proxy.url())
+            try:
+                await client.call("greet", {"name": marker})
+            finally:
+                await client.close()
+        err = capsys.readouterr().err
+    finally:
+        import structlog
+
+        structlog.reset_defaults()
+    assert "request_payload" in err and marker in err
