@@ -259,7 +259,14 @@ class ServerDispatcher:
     # -- tools/call, prompts/get, resources/read (MRTR-capable) ------------------------------
 
     async def call_tool(self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
-        """Run `tools/call` upstream; return its result, an InputRequiredResult, or a CreateTaskResult."""
+        """Run `tools/call` upstream; return its result, an InputRequiredResult (SEP-2322), or a flat
+        CreateTaskResult (ext-tasks, once the call outlives `detach_after`, in seconds).
+
+        Raises JsonRpcError: -32602 for bad params or a bad `requestState`, -32021 for a `required`
+        tool without the tasks extension, a limit error (HTTP 429), the upstream's own error
+        (translated), or -32603 naming the layer that gave up (upstream unreachable, hard timeout,
+        shutdown).
+        """
         tool = params.get("name")
         if not isinstance(tool, str) or not tool:
             raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
@@ -423,7 +430,12 @@ class ServerDispatcher:
             raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
 
     async def forward(self, method: str, params: JsonObject, envelope: Envelope, principal: str | None = None) -> JsonObject:
-        """Forward a request upstream on the matching session and translate its result."""
+        """Forward a request upstream on the session for the request's capabilities; return its result
+        in the 2026-07-28 shape (protocol.md §4.4).
+
+        Raises JsonRpcError: the upstream's error (translated), or -32603 when the upstream is
+        unreachable or keeps expiring its session.
+        """
         upstream_params = strip_envelope(params)
         for attempt in (1, 2):
             session = await self._session(envelope, principal)

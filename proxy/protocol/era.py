@@ -120,7 +120,10 @@ def parse_envelope(params: Any) -> Envelope:
 
 
 def decode_header_value(raw: str) -> str:
-    """Decode one routing header value: strip optional whitespace, undo `=?base64?…?=` (SEP-2243)."""
+    """Decode one routing header value: strip optional whitespace, undo `=?base64?…?=` (SEP-2243).
+
+    Raises JsonRpcError(-32020) for a malformed base64 value.
+    """
     value = raw.strip(" \t")
     if value.startswith("=?base64?") and value.endswith("?="):
         try:

@@ -141,13 +141,22 @@ class TaskService:
             raise limit_error("tasks_rate", f"more than {self.limits.tasks_rate} tasks/* calls", rate=self.limits.tasks_rate)
 
     def get(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
-        """`tasks/get` → DetailedTask with `resultType: "complete"`."""
+        """`tasks/get` → DetailedTask with `resultType: "complete"` (ext-tasks "Task Polling").
+
+        Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
+        an unknown, expired or foreign id.
+        """
         require_tasks_extension(envelope, "tasks/get")
         self._check_rate(principal)
         return self._lookup(params, principal=principal, server=server).detailed_task()
 
     def update(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
-        """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack."""
+        """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack
+        (ext-tasks "Task Update Requests"); unknown or already-answered keys are ignored.
+
+        Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
+        an unknown id or malformed `inputResponses`.
+        """
         require_tasks_extension(envelope, "tasks/update")
         self._check_rate(principal)
         record = self._lookup(params, principal=principal, server=server)
@@ -158,7 +167,12 @@ class TaskService:
         return dict(ACK)
 
     def cancel(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
-        """`tasks/cancel` → empty ack. Sticky: a cancelled task stays cancelled; terminal tasks are untouched."""
+        """`tasks/cancel` → empty ack (ext-tasks "Task Cancellation"). Sticky: a cancelled task stays
+        cancelled; terminal tasks are untouched; the upstream gets `notifications/cancelled`.
+
+        Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
+        an unknown id.
+        """
         require_tasks_extension(envelope, "tasks/cancel")
         self._check_rate(principal)
         record = self._lookup(params, principal=principal, server=server)
