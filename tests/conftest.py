@@ -239,6 +239,32 @@ class ModernClient:
                 await asyncio.sleep(0.02)
 
 
+FIXTURE_STDIO = {"command": sys.executable, "args": [str(ROOT / "tests" / "fixtures" / "legacy_server.py"), "--stdio"]}
+
+
+@pytest.fixture(params=["http", "stdio"])
+async def flow_proxy(request: pytest.FixtureRequest, legacy_url: str, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    """The proxy in front of the legacy fixture server over Streamable HTTP and, as a second run,
+    over stdio (the same server as a child process): the core flows must hold on both."""
+    config = make_config(legacy_url, tmp_path / "store")
+    if request.param == "stdio":
+        config = config_from_data({
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+            "mcpServers": {"legacy": FIXTURE_STDIO},
+        })
+    async with running_proxy(config) as running:
+        yield running
+
+
+@pytest.fixture
+async def flow_client(flow_proxy: RunningProxy) -> AsyncIterator[ModernClient]:
+    """A raw modern client (tasks extension declared) for `flow_proxy`."""
+    c = ModernClient(flow_proxy.url())
+    yield c
+    await c.close()
+
+
 @pytest.fixture
 async def client(proxy: RunningProxy) -> AsyncIterator[ModernClient]:
     """A raw modern client (tasks extension declared) pointed at the test proxy."""

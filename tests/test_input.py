@@ -23,8 +23,8 @@ async def released(client: ModernClient, label: str) -> bool:
 # -- detached calls (v2 task input) -----------------------------------------------------------
 
 
-async def test_detached_call_question_becomes_input_required_and_update_resumes(proxy: RunningProxy) -> None:
-    client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
+async def test_detached_call_question_becomes_input_required_and_update_resumes(flow_proxy: RunningProxy) -> None:
+    client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
         await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
         created = (await client.call("confirm_delete", {"filename": "a.txt", "delay": 0.2})).result
@@ -42,13 +42,13 @@ async def test_detached_call_question_becomes_input_required_and_update_resumes(
         assert (await client.get(created["taskId"])).result["status"] in ("working", "completed")
         done = await client.wait_terminal(created["taskId"])
         assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "deleted a.txt"
-        assert proxy.store.get(created["taskId"]).input_requests == {}
+        assert flow_proxy.store.get(created["taskId"]).input_requests == {}
     finally:
         await client.close()
 
 
-async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(proxy: RunningProxy) -> None:
-    client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
+async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(flow_proxy: RunningProxy) -> None:
+    client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
         await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
         created = (await client.call("multi_input", {"delay": 0.2})).result
@@ -71,8 +71,8 @@ async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(pr
         await client.close()
 
 
-async def test_cancel_while_waiting_for_input_releases_the_upstream(proxy: RunningProxy) -> None:
-    client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
+async def test_cancel_while_waiting_for_input_releases_the_upstream(flow_proxy: RunningProxy) -> None:
+    client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
         await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
         created = (await client.call("confirm_delete", {"filename": "cancel-me.txt", "delay": 0.2})).result
@@ -124,9 +124,9 @@ async def test_input_timeout_fails_the_task_and_releases_the_upstream(legacy_url
 # -- MRTR rounds (call not yet detached) ------------------------------------------------------
 
 
-async def test_mrtr_round_then_retry_finishes_synchronously(proxy: RunningProxy) -> None:
+async def test_mrtr_round_then_retry_finishes_synchronously(flow_proxy: RunningProxy) -> None:
     for caps in ({"elicitation": {}}, ELICIT_CAPS):
-        client = ModernClient(proxy.url(), capabilities=caps)
+        client = ModernClient(flow_proxy.url(), capabilities=caps)
         try:
             await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
             args = {"filename": "mrtr.txt"}
@@ -142,8 +142,8 @@ async def test_mrtr_round_then_retry_finishes_synchronously(proxy: RunningProxy)
             await client.close()
 
 
-async def test_mrtr_then_long_work_becomes_a_task(proxy: RunningProxy) -> None:
-    client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
+async def test_mrtr_then_long_work_becomes_a_task(flow_proxy: RunningProxy) -> None:
+    client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
         await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
         args = {"seconds": 0.4}

@@ -29,16 +29,16 @@ async def cancelled_labels(client: ModernClient) -> list[str]:
     return [entry.get("label") for entry in json.loads(reply.result["content"][0]["text"])]
 
 
-async def test_fast_call_returns_plain_result(client: ModernClient) -> None:
-    reply = await client.call("greet", {"name": "World"})
+async def test_fast_call_returns_plain_result(flow_client: ModernClient) -> None:
+    reply = await flow_client.call("greet", {"name": "World"})
     assert reply.status == 200
     assert reply.result["resultType"] == "complete"
     assert reply.result["content"][0]["text"] == "Hello, World!"
     assert "taskId" not in reply.result
 
 
-async def test_slow_call_becomes_task_and_completes(client: ModernClient, proxy: RunningProxy) -> None:
-    reply = await client.call("slow_compute", {"seconds": 0.5, "label": "lifecycle"})
+async def test_slow_call_becomes_task_and_completes(flow_client: ModernClient, flow_proxy: RunningProxy) -> None:
+    reply = await flow_client.call("slow_compute", {"seconds": 0.5, "label": "lifecycle"})
     created = reply.result
     assert created["resultType"] == "task"
     for key in ("taskId", "status", "createdAt", "lastUpdatedAt", "ttlMs", "pollIntervalMs", "statusMessage"):
@@ -48,13 +48,13 @@ async def test_slow_call_becomes_task_and_completes(client: ModernClient, proxy:
     assert not {"task", "result", "error", "inputRequests", "ttl", "pollInterval", "requestState"} & created.keys()
     assert len(created["taskId"]) >= 22  # >= 128 bits of urlsafe base64
     # The record is committed before the handle is sent: an immediate poll resolves.
-    first = (await client.get(created["taskId"])).result
+    first = (await flow_client.get(created["taskId"])).result
     assert first["taskId"] == created["taskId"] and first["resultType"] == "complete"
-    done = await client.wait_terminal(created["taskId"])
+    done = await flow_client.wait_terminal(created["taskId"])
     assert done["status"] == "completed"
     assert done["result"]["content"][0]["text"] == "computed lifecycle after 0.5s"
     assert done["result"]["resultType"] == "complete"
-    assert proxy.store.get(created["taskId"]).status == "completed"
+    assert flow_proxy.store.get(created["taskId"]).status == "completed"
 
 
 async def test_without_extension_slow_call_stays_synchronous(proxy: RunningProxy) -> None:
@@ -67,15 +67,15 @@ async def test_without_extension_slow_call_stays_synchronous(proxy: RunningProxy
         await plain.close()
 
 
-async def test_progress_updates_status_message_of_detached_call(client: ModernClient) -> None:
-    created = (await client.call("slow_compute", {"seconds": 1, "label": "progress"})).result
+async def test_progress_updates_status_message_of_detached_call(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("slow_compute", {"seconds": 1, "label": "progress"})).result
     async with asyncio.timeout(5):
         while True:
-            task = (await client.get(created["taskId"])).result
+            task = (await flow_client.get(created["taskId"])).result
             if re.match(r"^\d+/10: tick \d+$", task.get("statusMessage", "")):
                 break
             await asyncio.sleep(0.05)
-    await client.wait_terminal(created["taskId"])
+    await flow_client.wait_terminal(created["taskId"])
 
 
 async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningProxy) -> None:
@@ -91,17 +91,17 @@ async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningPro
         await plain.close()
 
 
-async def test_tool_error_ends_completed_with_is_error(client: ModernClient) -> None:
-    created = (await client.call("failing_job")).result
+async def test_tool_error_ends_completed_with_is_error(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("failing_job")).result
     assert created["resultType"] == "task"
-    done = await client.wait_terminal(created["taskId"])
+    done = await flow_client.wait_terminal(created["taskId"])
     assert done["status"] == "completed"
     assert done["result"]["isError"] is True
 
 
-async def test_upstream_jsonrpc_error_ends_failed_with_error_inlined(client: ModernClient) -> None:
-    created = (await client.call("protocol_error_job")).result
-    done = await client.wait_terminal(created["taskId"])
+async def test_upstream_jsonrpc_error_ends_failed_with_error_inlined(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("protocol_error_job")).result
+    done = await flow_client.wait_terminal(created["taskId"])
     assert done["status"] == "failed"
     assert done["error"] == {"code": -32603, "message": "protocol_error_job exploded"}
     assert "result" not in done
@@ -115,25 +115,25 @@ async def test_fast_upstream_error_is_a_synchronous_jsonrpc_error(client: Modern
     assert "instant_error exploded" in reply.error["message"]
 
 
-async def test_cancel_is_sticky_and_reaches_upstream(client: ModernClient) -> None:
-    created = (await client.call("slow_compute", {"seconds": 0.6, "label": "cancel-sticky"})).result
-    ack = await client.request("tasks/cancel", {"taskId": created["taskId"]})
+async def test_cancel_is_sticky_and_reaches_upstream(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("slow_compute", {"seconds": 0.6, "label": "cancel-sticky"})).result
+    ack = await flow_client.request("tasks/cancel", {"taskId": created["taskId"]})
     assert ack.result == {"resultType": "complete"}
-    assert (await client.get(created["taskId"])).result["status"] == "cancelled"
+    assert (await flow_client.get(created["taskId"])).result["status"] == "cancelled"
     async with asyncio.timeout(5):
-        while "cancel-sticky" not in await cancelled_labels(client):
+        while "cancel-sticky" not in await cancelled_labels(flow_client):
             await asyncio.sleep(0.05)
     await asyncio.sleep(0.8)  # past the time the upstream call would have completed
-    assert (await client.get(created["taskId"])).result["status"] == "cancelled"
+    assert (await flow_client.get(created["taskId"])).result["status"] == "cancelled"
 
 
-async def test_cancel_of_terminal_task_is_an_idempotent_ack(client: ModernClient) -> None:
-    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "done-first"})).result
-    await client.wait_terminal(created["taskId"])
+async def test_cancel_of_terminal_task_is_an_idempotent_ack(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("slow_compute", {"seconds": 0.2, "label": "done-first"})).result
+    await flow_client.wait_terminal(created["taskId"])
     for _ in range(2):
-        ack = await client.request("tasks/cancel", {"taskId": created["taskId"]})
+        ack = await flow_client.request("tasks/cancel", {"taskId": created["taskId"]})
         assert ack.result == {"resultType": "complete"}
-    assert (await client.get(created["taskId"])).result["status"] == "completed"
+    assert (await flow_client.get(created["taskId"])).result["status"] == "completed"
 
 
 async def test_late_upstream_completion_after_cancel_stays_cancelled(proxy: RunningProxy, client: ModernClient, capsys) -> None:
@@ -149,29 +149,29 @@ async def test_late_upstream_completion_after_cancel_stays_cancelled(proxy: Runn
     assert "late_outcome_discarded" in capsys.readouterr().out
 
 
-async def test_tasks_methods_require_the_extension_on_that_request(client: ModernClient) -> None:
-    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "gate"})).result
+async def test_tasks_methods_require_the_extension_on_that_request(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("slow_compute", {"seconds": 0.2, "label": "gate"})).result
     for method, params in (
         ("tasks/get", {"taskId": created["taskId"]}),
         ("tasks/update", {"taskId": created["taskId"], "inputResponses": {}}),
         ("tasks/cancel", {"taskId": created["taskId"]}),
         ("tasks/get", {"taskId": "no-such-task"}),
     ):
-        reply = await client.request(method, params, capabilities={})
+        reply = await flow_client.request(method, params, capabilities={})
         assert reply.status == 400
         assert reply.error["code"] == -32021
         assert reply.error["data"] == {"requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}}
-    assert (await client.get(created["taskId"])).status == 200
+    assert (await flow_client.get(created["taskId"])).status == 200
 
 
-async def test_unknown_task_id_is_invalid_params(client: ModernClient) -> None:
+async def test_unknown_task_id_is_invalid_params(flow_client: ModernClient) -> None:
     for method, params in (
         ("tasks/get", {"taskId": "tasks-nonexistent"}),
         ("tasks/update", {"taskId": "tasks-nonexistent", "inputResponses": {}}),
         ("tasks/cancel", {"taskId": "tasks-nonexistent"}),
         ("tasks/get", {"taskId": 42}),
     ):
-        reply = await client.request(method, params)
+        reply = await flow_client.request(method, params)
         assert reply.error["code"] == -32602, (method, reply.message)
 
 
@@ -182,11 +182,11 @@ async def test_removed_task_methods_are_method_not_found(client: ModernClient) -
         assert reply.error["code"] == -32601
 
 
-async def test_tasks_update_acknowledges_and_ignores_unknown_keys(client: ModernClient) -> None:
-    created = (await client.call("slow_compute", {"seconds": 0.2, "label": "update"})).result
-    ack = await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {"nope": {"action": "accept"}}})
+async def test_tasks_update_acknowledges_and_ignores_unknown_keys(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("slow_compute", {"seconds": 0.2, "label": "update"})).result
+    ack = await flow_client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {"nope": {"action": "accept"}}})
     assert ack.result == {"resultType": "complete"}
-    assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
+    assert (await flow_client.wait_terminal(created["taskId"]))["status"] == "completed"
 
 
 async def test_mcp_name_header_on_tasks_get_is_optional_but_checked(client: ModernClient) -> None:
