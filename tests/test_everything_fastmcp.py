@@ -4,7 +4,6 @@ FastMCP's client with the tasks extension (fastmcp-tasks)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 import sys

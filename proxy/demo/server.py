@@ -28,7 +28,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp
 
-from .serving import build_asgi_app, run_cli
+from .serving import build_asgi_app, run_cli, tool_table
 
 MCP_PATH = "/mcp"
 SERVER_NAME = "demo-legacy-server"
@@ -127,20 +127,9 @@ _HANDLERS = {
 }
 
 
-async def _list_tools(ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-    return types.ListToolsResult(tools=TOOLS)
-
-
-async def _call_tool(ctx: ServerRequestContext[Any], params: types.CallToolRequestParams) -> types.CallToolResult:
-    handler = _HANDLERS.get(params.name)
-    if handler is None:
-        raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {params.name}")
-    return await handler(ctx, dict(params.arguments or {}))
-
-
 def build_server() -> Server[Any]:
     """The low-level SDK server object (transport-agnostic)."""
-    server: Server[Any] = Server(SERVER_NAME, version="1.0.0", on_list_tools=_list_tools, on_call_tool=_call_tool)
+    server: Server[Any] = Server(SERVER_NAME, version="1.0.0", **tool_table(TOOLS, _HANDLERS))
     return server
 
 

@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -26,6 +26,27 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 MCP_PATH = "/mcp"
 ServerFactory = Callable[[], Server[Any]]
+
+
+ToolHandler = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+def tool_table(tools: list[Any], handlers: dict[str, ToolHandler]) -> dict[str, Any]:
+    """`on_list_tools` / `on_call_tool` keyword arguments for an SDK `Server` that lists `tools` and
+    runs `handlers[name](ctx, arguments)`; an unknown tool is a JSON-RPC -32602 error."""
+    import mcp.types as types
+    from mcp.shared.exceptions import MCPError
+
+    async def on_list_tools(ctx: Any, params: Any) -> Any:
+        return types.ListToolsResult(tools=tools)
+
+    async def on_call_tool(ctx: Any, params: Any) -> Any:
+        handler = handlers.get(params.name)
+        if handler is None:
+            raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {params.name}")
+        return await handler(ctx, dict(params.arguments or {}))
+
+    return {"on_list_tools": on_list_tools, "on_call_tool": on_call_tool}
 
 
 class HandshakeOnly:
