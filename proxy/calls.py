@@ -30,8 +30,22 @@ log = structlog.get_logger("proxy.calls")
 
 INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
 INPUT_METHODS = frozenset(INPUT_CAPABILITY)
-INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"  # optional upstream hint for the key of its question
+INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"
+PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call  # optional upstream hint for the key of its question
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
+
+
+class _Discard:
+    """Stands in for the event queue of a detached call: events for an attached client go nowhere."""
+
+    def put_nowait(self, item: Any) -> None:
+        pass
+
+    def empty(self) -> bool:
+        return True
+
+
+_DISCARD: Any = _Discard()
 
 
 @dataclass
@@ -88,6 +102,9 @@ class Call:
         principal: str | None = None,
     ) -> None:
         self.call_id = secrets.token_urlsafe(16)
+        self._progress_text: str | None = None
+        self._progress_written = 0.0
+        self._progress_timer: asyncio.TimerHandle | None = None
         self.started = time.monotonic()
         self.principal = principal
         self.pool = pool
@@ -106,7 +123,7 @@ class Call:
         self.relay_logs = relay_logs
         self.progress_token = "mtp-" + secrets.token_urlsafe(12)
         self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
-        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.events: asyncio.Queue[tuple[str, Any]] | _Discard = asyncio.Queue()
         self.task_id: str | None = None
         self.session: UpstreamSession | StdioSession | None = None
         self.upstream_request_id: RequestId | None = None
@@ -176,7 +193,10 @@ class Call:
         self._input_timers.clear()
         self.events.put_nowait(("done", None))
         if self.task_id is not None:
-            self._record_outcome(reply)
+            self._record_outcome(reply)  # with the last progress text, if its write was still pending
+        if self._progress_timer is not None:
+            self._progress_timer.cancel()
+            self._progress_timer = None
         for fn in self._on_done:
             fn(self)
 
@@ -184,7 +204,10 @@ class Call:
         assert self.task_id is not None
         try:
             if "result" in reply:
-                self.store.update(self.task_id, status=TaskStatus.COMPLETED, result=modern_result(self.method, reply["result"]), input_requests={})
+                extra = {"status_message": self._progress_text} if self._progress_timer is not None else {}
+                self.store.update(
+                    self.task_id, status=TaskStatus.COMPLETED, result=modern_result(self.method, reply["result"]), input_requests={}, **extra
+                )
             else:
                 error = modern_error(reply.get("error"))
                 self.store.update(
@@ -224,14 +247,28 @@ class Call:
             text = f"{progress:g}/{total:g}" if isinstance(progress, (int, float)) and isinstance(total, (int, float)) else f"{progress}"
             if message:
                 text = f"{text}: {message}"
-            try:
-                self.store.update(self.task_id, status_message=text)
-            except (TerminalTaskError, TaskNotFoundError):
-                # Ended from outside this call (an operator's cancel, expiry): stop the upstream work too.
-                self.cancel("the task ended outside this call")
+            self._progress_text = text
+            # At most one store write per PROGRESS_WRITE_S: a chatty upstream must not flood the
+            # store (each write is an fsync'd transaction); the latest text always lands.
+            wait = PROGRESS_WRITE_S - (time.monotonic() - self._progress_written)
+            if wait <= 0:
+                self._write_progress()
+            elif self._progress_timer is None:
+                self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
+
+    def _write_progress(self) -> None:
+        self._progress_timer = None
+        self._progress_written = time.monotonic()
+        if self.task_id is None or self.done:
+            return
+        try:
+            self.store.update(self.task_id, status_message=self._progress_text)
+        except (TerminalTaskError, TaskNotFoundError):
+            # Ended from outside this call (an operator's cancel, expiry): stop the upstream work too.
+            self.cancel("the task ended outside this call")
 
     def _on_input_request(self, msg: JsonObject) -> None:
         capability = INPUT_CAPABILITY[msg["method"]]
@@ -289,6 +326,7 @@ class Call:
     def detach(self, task_id: str) -> None:
         """Hand the call over to the task `task_id` (already committed to the store)."""
         self.task_id = task_id
+        self.events = _DISCARD  # nobody is attached any more: keep no queue per detached call
         if self.pending:
             self._write_inputs()
 

@@ -315,7 +315,7 @@ class LimitsConfig(_Strict):
 
 class LoggingConfig(_Strict):
     """Logs: JSON lines on stderr (a readable renderer on a terminal). `log_payloads: true` also logs
-    request bodies at debug level (they may contain personal data; off by default)."""
+    request bodies (they may contain personal data and secrets; off by default)."""
 
     level: Literal["debug", "info", "warning", "error"] = "info"
     log_payloads: bool = False

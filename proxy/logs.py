@@ -8,6 +8,16 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time (so cached loggers follow a swapped stderr)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info") -> None:
     """Route structlog and stdlib logging to stderr; JSON lines unless stderr is a terminal."""
     renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
@@ -21,7 +31,7 @@ def configure_logging(level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,  # so tests (and reconfiguration) can swap the output
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
+        cache_logger_on_first_use=True,
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

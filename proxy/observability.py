@@ -84,7 +84,7 @@ def access_log(*, payloads: bool):
         status = 500
         try:
             if payloads and request.can_read_body:
-                log.debug("request_payload", body=(await request.text())[:65536])
+                log.info("request_payload", body=(await request.text())[:65536])
             response = await handler(request)
             status = response.status
             return response

@@ -254,7 +254,8 @@ async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(legacy_u
         async with http.post(proxy.url(), json=listing, headers={**session, "Authorization": "Bearer alice-secret"}) as resp:
             assert resp.status == 200
             await resp.read()
-    assert "security_foreign_session_access" in capsys.readouterr().out
+    logs = capsys.readouterr()
+    assert "security_foreign_session_access" in logs.out + logs.err
 
 
 async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path) -> None:

@@ -146,7 +146,8 @@ async def test_late_upstream_completion_after_cancel_stays_cancelled(proxy: Runn
             await asyncio.sleep(0.02)  # the upstream call has ended and tried to record its result
     record = proxy.store.get(created["taskId"])
     assert record.status == "cancelled" and record.result is None
-    assert "late_outcome_discarded" in capsys.readouterr().out
+    logs = capsys.readouterr()
+    assert "late_outcome_discarded" in logs.out + logs.err
 
 
 async def test_tasks_methods_require_the_extension_on_that_request(flow_client: ModernClient) -> None:

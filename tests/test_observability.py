@@ -137,7 +137,7 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
 
 
 async def test_log_payloads_true_logs_request_bodies(legacy_url: str, tmp_path: Path, capsys) -> None:
-    configure_logging("debug")
+    configure_logging("info")
     marker = "payload-marker-51ab"
     try:
         config = make_config(legacy_url, tmp_path / "store")
