@@ -97,6 +97,10 @@ async def test_crash_mid_call_fails_the_task_naming_the_exit_status_and_restarts
             assert "exited with status 7" in done["error"]["message"] and "fx" in done["error"]["message"]
             sync = await client.call("crash", {"after": 0, "status": 9}, capabilities={})
             assert "exited with status 9" in sync.error["message"]
+            pool = proxy.app[POOLS_KEY]["fx"]
+            async with asyncio.timeout(10):  # restarted without waiting for a request
+                while not pool.children():
+                    await asyncio.sleep(0.05)
             assert (await client.call("greet", {"name": "again"}, capabilities={})).result["content"][0]["text"] == "Hello, again!"
         finally:
             await client.close()

@@ -346,13 +346,15 @@ class _Slot:
     last_exit: float = 0.0
     last_status: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    capabilities: JsonObject = field(default_factory=dict)
+    principal: str | None = None
 
 
 class StdioPool:
     """The child processes of one configured stdio server.
 
-    `instances` children per key (least-loaded wins), `max_concurrency` requests in flight across
-    the server, `per_principal` gives each principal its own children, `idle_timeout` (s) stops a
+    `instances` children per key (least-loaded wins), restarted as soon as one exits (after a
+    backoff when it exits quickly again), `max_concurrency` requests in flight across the server, `per_principal` gives each principal its own children, `idle_timeout` (s) stops a
     child nobody used for that long, `max_restarts` quick exits in a row make a crash loop that is
     refused for `crash_cooloff` (s). A child that ran less than `stable_after` (s) exited "quickly".
     """
@@ -385,6 +387,8 @@ class StdioPool:
         self._starting: set[StdioSession] = set()
         self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
         self._reaper: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     def _key(self, capabilities: JsonObject, principal: str | None) -> str:
         caps = json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
@@ -399,6 +403,17 @@ class StdioPool:
         slot.quick_exits = slot.quick_exits + 1 if ran < self.stable_after else 1
         slot.last_exit = time.monotonic()
         slot.last_status = session.exit_status
+        if slot.quick_exits < self.max_restarts and not self._closing:
+            # Restart it now (after the backoff `session()` applies), so the next request finds it running.
+            task = asyncio.get_running_loop().create_task(self._restart(slot))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, slot: _Slot) -> None:
+        try:
+            await self.session(slot.capabilities, slot.principal)
+        except UpstreamError as exc:
+            log.warning("upstream_restart_failed", server=self.server, reason=str(exc))
 
     def crash_loop(self) -> str | None:
         """Why the server is refused right now (a crash loop), or None."""
@@ -414,7 +429,7 @@ class StdioPool:
         """A running child for this key: the least loaded, or a new one (after a backoff when the last
         one died quickly). Raises UpstreamError when it cannot start or while in a crash loop."""
         self._ensure_reaper()
-        slot = self._slots.setdefault(self._key(capabilities, principal), _Slot())
+        slot = self._slots.setdefault(self._key(capabilities, principal), _Slot(capabilities=dict(capabilities), principal=principal))
         live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
         if len(live) >= self.instances:
             return _touch(min(live, key=lambda s: s.in_flight))
@@ -496,6 +511,9 @@ class StdioPool:
 
     async def close(self) -> None:
         """Stop every child."""
+        self._closing = True
+        for task in list(self._restarts):
+            task.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
         sessions = [s for slot in self._slots.values() for s in slot.sessions]
