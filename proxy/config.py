@@ -19,7 +19,7 @@ import expandvars
 import limits
 import pytimeparse2
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -107,11 +107,11 @@ class TaskPolicy(_Strict):
     poll_interval: Duration | None = None
     input_timeout: Duration | None = None
 
-    @model_validator(mode="after")
-    def _positive_durations(self) -> TaskPolicy:
-        for field in ("ttl", "poll_interval", "input_timeout"):
-            _positive(getattr(self, field), field)
-        return self
+    @field_validator("ttl", "poll_interval", "input_timeout")
+    @classmethod
+    def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
+        _positive(value, info.field_name or "duration")
+        return value
 
 
 class ToolTasks(TaskPolicy):
@@ -138,11 +138,11 @@ class DefaultTasks(_Strict):
     poll_interval: Duration = Field("2s", validate_default=True)
     input_timeout: Duration = Field("10m", validate_default=True)
 
-    @model_validator(mode="after")
-    def _positive_durations(self) -> DefaultTasks:
-        for field in ("ttl", "poll_interval", "input_timeout"):
-            _positive(getattr(self, field), field)
-        return self
+    @field_validator("ttl", "poll_interval", "input_timeout")
+    @classmethod
+    def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
+        _positive(value, info.field_name or "duration")
+        return value
 
 
 _TRANSPORT_KINDS = ("stdio", "http", "streamable-http", "streamablehttp", "sse")
