@@ -265,7 +265,7 @@ class Call:
         if self.task_id is None or self.done:
             return
         try:
-            self.store.update(self.task_id, status_message=self._progress_text)
+            self.store.update(self.task_id, status_message=self._progress_text, fsync=False)
         except (TerminalTaskError, TaskNotFoundError):
             # Ended from outside this call (an operator's cancel, expiry): stop the upstream work too.
             self.cancel("the task ended outside this call")

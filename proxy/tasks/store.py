@@ -47,11 +47,15 @@ class TaskStore:
         self.max_result_bytes = max_result_bytes
         sync = 2 if durable else 1
         self._cache = diskcache.Cache(self.path, sqlite_synchronous=sync, eviction_policy="none")
+        # A second connection without fsync on commit, for writes a crash may lose (progress text).
+        self._relaxed = diskcache.Cache(self.path, sqlite_synchronous=1, eviction_policy="none") if durable else self._cache
         self._live = diskcache.Cache(os.path.join(self.path, "live"), sqlite_synchronous=sync, eviction_policy="none")
 
     def close(self) -> None:
         """Close the SQLite connections."""
         self._cache.close()
+        if self._relaxed is not self._cache:
+            self._relaxed.close()
         self._live.close()
 
     @staticmethod
@@ -87,15 +91,19 @@ class TaskStore:
         error: dict[str, Any] | None = _UNSET,
         input_requests: dict[str, Any] = _UNSET,
         boot: str = _UNSET,
+        fsync: bool = True,
     ) -> TaskRecord:
         """Change a record in one transaction and bump `last_updated_ms`; return the new record.
 
-        Raises TaskNotFoundError for an unknown or expired id, and TerminalTaskError when the
-        task is already terminal (nothing is written then).
+        `fsync=False` commits without waiting for the disk (SQLite `synchronous=NORMAL` in WAL
+        mode: it survives a killed process, not a power cut); for writes worth losing over a
+        slower event loop, like progress text. Raises TaskNotFoundError for an unknown or expired
+        id, and TerminalTaskError when the task is already terminal (nothing is written then).
         """
         key = _PREFIX + task_id
-        with self._cache.transact():
-            data = self._cache.get(key)
+        cache = self._cache if fsync else self._relaxed
+        with cache.transact():
+            data = cache.get(key)
             if data is None:
                 raise TaskNotFoundError(task_id)
             record = TaskRecord.from_dict(data)
@@ -125,7 +133,7 @@ class TaskStore:
             record.last_updated_ms = max(now_ms(), record.last_updated_ms)
             if record.status.terminal:
                 record.rerun = None
-            self._cache.set(key, record.to_dict(), expire=self._expire_s(record))
+            cache.set(key, record.to_dict(), expire=self._expire_s(record))
         if record.status.terminal:
             self._live.delete(task_id)
         if record.status is not before:
