@@ -60,7 +60,6 @@ REMOVED_METHODS = frozenset(
         "tasks/list",
     }
 )
-TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
 
 

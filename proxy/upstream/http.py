@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import structlog
@@ -266,7 +267,21 @@ class UpstreamSession:
             pass
 
 
-def _caps_key(capabilities: JsonObject) -> str:
+async def probe(pool: Any, timeout_s: float) -> str | None:
+    """Get `pool`'s session for no optional capabilities within `timeout_s` seconds (opening it
+    if needed); None when that works, else a sentence saying why not (for /readyz)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await pool.session({})
+    except TimeoutError:
+        return f"upstream {pool.server} did not get ready within {timeout_s:g} s"
+    except UpstreamError as exc:
+        return str(exc)
+    return None
+
+
+def caps_key(capabilities: JsonObject) -> str:
+    """A stable key for a capability set (sorted JSON)."""
     return json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
 
 
@@ -289,7 +304,7 @@ class UpstreamPool:
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
         """The open session for `capabilities`, initializing it if needed (`principal` is not used:
         HTTP sessions are shared). Raises UpstreamError."""
-        key = _caps_key(capabilities)
+        key = caps_key(capabilities)
         existing = self._sessions.get(key)
         if existing is not None and not existing.closed:
             return existing
@@ -306,23 +321,12 @@ class UpstreamPool:
 
     async def check(self, timeout_s: float = 5.0) -> str | None:
         """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.session({})
-        except TimeoutError:
-            return f"upstream {self.server} did not finish initialize within {timeout_s:g} s"
-        except UpstreamError as exc:
-            return str(exc)
-        return None
-
-    def crash_loop(self) -> str | None:
-        """Always None: only stdio children crash-loop."""
-        return None
+        return await probe(self, timeout_s)
 
     def discard(self, session: UpstreamSession) -> None:
         """Forget a session the upstream expired, so the next use initializes a new one."""
         session.closed = True
-        key = _caps_key(session.capabilities)
+        key = caps_key(session.capabilities)
         if self._sessions.get(key) is session:
             del self._sessions[key]
 

@@ -29,7 +29,7 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .http import MessageHandler, UpstreamError
+from .http import MessageHandler, UpstreamError, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -391,7 +391,7 @@ class StdioPool:
         self._closing = False
 
     def _key(self, capabilities: JsonObject, principal: str | None) -> str:
-        caps = json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
+        caps = caps_key(capabilities)
         return f"{caps}|{principal}" if self.per_principal else caps
 
     def _note_exit(self, slot: _Slot, session: StdioSession) -> None:
@@ -477,17 +477,7 @@ class StdioPool:
 
     async def check(self, timeout_s: float = 5.0) -> str | None:
         """None when a child without optional capabilities runs (starting one if needed), else why not."""
-        loop_reason = self.crash_loop()
-        if loop_reason:
-            return loop_reason
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.session({})
-        except TimeoutError:
-            return f"upstream {self.server} did not start within {timeout_s:g} s"
-        except UpstreamError as exc:
-            return str(exc)
-        return None
+        return self.crash_loop() or await probe(self, timeout_s)
 
     def _ensure_reaper(self) -> None:
         if self.idle_timeout and (self._reaper is None or self._reaper.done()):
