@@ -20,6 +20,7 @@ Results: a markdown table on stdout and JSON in bench/results/ (ignored by git).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -364,26 +365,29 @@ def fill_store(path: Path, n: int) -> tuple[list[str], float]:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # no log line per record
+    from proxy.tasks.diskcache_store import DiskcacheStore
     from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id, now_ms
-    from proxy.tasks.store import TaskStore
 
     if path.exists():
         shutil.rmtree(path)
-    store = TaskStore(path, durable=False)
     ids = []
-    t0 = time.perf_counter()
     now = now_ms()
-    result = {"content": [{"type": "text", "text": "report ready"}], "isError": False}
-    try:
-        with store._cache.transact():  # one SQLite transaction for the bulk insert (TaskStore.create per record)
-            for i in range(n):
-                tid = new_task_id()
-                store.create(TaskRecord(task_id=tid, principal="anonymous", server=SERVER, tool="slow_report", created_ms=now,
-                                        ttl_ms=24 * 3600 * 1000, poll_interval_ms=500, boot="bench-fill", status=TaskStatus.COMPLETED,
-                                        status_message="done", result=result))
-                ids.append(tid)
-    finally:
-        store.close()
+    outcome = {"result": {"content": [{"type": "text", "text": "report ready"}], "isError": False}}
+
+    async def fill() -> None:
+        store = DiskcacheStore(path, durable=False)
+        try:
+            for start in range(0, n, 5000):  # group commit: each chunk is one batch, one transaction
+                records = [TaskRecord(task_id=new_task_id(), principal="anonymous", server=SERVER, tool="slow_report", created_ms=now,
+                                      ttl_ms=24 * 3600 * 1000, poll_interval_ms=500, owner="bench-fill", status=TaskStatus.COMPLETED,
+                                      status_message="done", terminal_ms=now, outcome=outcome) for _ in range(start, min(n, start + 5000))]
+                await asyncio.gather(*(store.create(r) for r in records))
+                ids.extend(r.task_id for r in records)
+        finally:
+            await store.close()
+
+    t0 = time.perf_counter()
+    asyncio.run(fill())
     return ids, time.perf_counter() - t0
 
 

@@ -10,15 +10,17 @@ import structlog
 from aiohttp import web
 
 from .auth import Authenticator, auth_middleware
-from .calls import Call
+from .call import Call
 from .config import Config, ServerEntry
-from .tasks.model import TaskRecord
-from .dispatcher import Drain, ServerDispatcher
+from .dispatcher import ServerDispatcher
+from .drain import Drain
 from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key
 from .observability import access_log, json_errors, metrics_handler
+from .tasks.diskcache_store import DiskcacheStore
+from .tasks.model import TaskRecord
 from .tasks.service import TaskService
-from .tasks.store import TaskStore
+from .tasks.store import StoreUnavailableError
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
 from .upstream.http import UpstreamPool
 from .upstream.stdio import StdioCommand, StdioPool
@@ -36,7 +38,8 @@ def build_app(config: Config) -> web.Application:
     """The proxy as an aiohttp Application.
 
     Routes: `/servers/<name>/mcp` for each enabled server, `/mcp` too when exactly one is configured,
-    `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context).
+    `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context); opening
+    it raises StoreLockedError when another process serves the same store directory.
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
     middlewares = [
@@ -70,8 +73,11 @@ def build_app(config: Config) -> web.Application:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    store = TaskStore(config.store.path, durable=config.store.durable, max_result_bytes=config.limits.max_result_bytes)
-    tasks = TaskService(store, config.limits)
+    store = DiskcacheStore(config.store.path, durable=config.store.durable, exclusive=True, max_result_bytes=config.limits.max_result_bytes)
+    tasks = TaskService(
+        store, lease_s=config.store.lease, outcome_retry_s=config.store.write_retry,
+        max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate,
+    )
     app[TASKS_KEY] = tasks
     parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
@@ -86,24 +92,28 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None
         app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
     app[POOLS_KEY] = {pool.server: pool for pool in pools}
-    tasks.recover(lambda record: _rerun(config, app[POOLS_KEY], store, record))
+    try:
+        await tasks.start(lambda record: _rerun(config, app[POOLS_KEY], tasks, record))
+    except BaseException:
+        await store.close()
+        raise
     # Open each upstream session early (in the background) so the first call does not pay for initialize.
     warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
-    log.info("proxy_started", servers=list(config.servers), store=config.store.path, boot=tasks.boot)
+    log.info("proxy_started", servers=list(config.servers), store=config.store.path, node=tasks.node)
     try:
         yield
     finally:
         for warmup in warmups:
             warmup.cancel()
-        tasks.abandon_all()
+        await tasks.stop()
         for pool in pools:
             await pool.close()
         await http.close()
-        store.close()
+        await store.close()
 
 
-def _rerun(config: Config, pools: dict, store: TaskStore, record: TaskRecord) -> Call | None:
-    """Start again, after a restart, the upstream call of a task configured `on_restart: rerun`."""
+def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) -> Call | None:
+    """Start again, after its owner died, the upstream call of a task configured `on_restart: rerun`."""
     pool = pools.get(record.server)
     if pool is None or record.rerun is None:
         return None
@@ -117,9 +127,9 @@ def _rerun(config: Config, pools: dict, store: TaskStore, record: TaskRecord) ->
         capabilities=record.rerun["capabilities"],
         timeout=policy.timeout,
         input_timeout=policy.input_timeout,
-        store=store,
         principal=record.principal,
     )
+    call.detach(record.task_id, tasks)
     call.start()
     return call
 
@@ -148,10 +158,10 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     checks: dict[str, str] = {}
     try:
-        request.app[TASKS_KEY].store.check_writable()
+        await asyncio.wait_for(request.app[TASKS_KEY].store.check_writable(), timeout=2.0)
         checks["store"] = "ok"
-    except Exception as exc:  # any store fault means not ready
-        checks["store"] = f"failed: {exc}"
+    except (StoreUnavailableError, TimeoutError) as exc:
+        checks["store"] = f"failed: {exc or 'no answer within 2 s'}"
     pools = request.app[POOLS_KEY]
     problems = await asyncio.gather(*(pool.check(timeout_s=2.0) for pool in pools.values()))
     for name, problem in zip(pools, problems, strict=True):

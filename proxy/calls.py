@@ -1,408 +1,199 @@
-"""One in-flight upstream `tools/call`, owned by the proxy rather than by the client's HTTP handler.
+"""The attach / detach / MRTR loop of one server's calls (design.md "Where the code goes next" 4).
 
-A call is *attached* while its client waits on the original request (notifications are relayed to
-that request's stream), and *detached* once it became a task: from then on it writes its status,
-input requests and outcome to the task store (design.md "The path of one request").
+A call starts attached to its client's request. What comes first decides the answer: the
+upstream's outcome (a synchronous result), a question from the upstream (an MRTR round, SEP-2322),
+or the detach deadline (a task handle, ext-tasks). The detach clock starts when the request
+arrived at the proxy, not when the upstream was reached.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 
 from . import observability as obs
-from .protocol import jsonrpc
-from .protocol.era import LIST_CHANGED_NOTIFICATIONS
-from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId
+from .call import Call
+from .config import ResolvedPolicy, ToolMode
+from .drain import Drain
+from .listen import Reply
+from .mrtr import ParkedCalls, request_digest
+from .protocol.era import TASKS_EXTENSION, Envelope, strip_envelope, upstream_capabilities
+from .protocol.jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError
+from .protocol.tasks_v2 import create_task_result, validate_input_responses
 from .protocol.translate import modern_error, modern_result
-from .tasks.model import TaskStatus, TerminalTaskError
-from .tasks.store import TaskNotFoundError, TaskStore
-from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
-from .upstream.stdio import StdioPool, StdioSession
+from .tasks.service import TaskService
+from .upstream.http import UpstreamPool
+from .upstream.stdio import StdioPool
 
 log = structlog.get_logger("proxy.calls")
 
-INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
-INPUT_METHODS = frozenset(INPUT_CAPABILITY)
-INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"
-PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call  # optional upstream hint for the key of its question
-REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
+INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
 
 
-class _Discard:
-    """Stands in for the event queue of a detached call: events for an attached client go nowhere."""
+class CallRunner:
+    """Runs the MRTR-capable requests (`tools/call`, `prompts/get`, `resources/read`) of server `name`.
 
-    def put_nowait(self, item: Any) -> None:
-        pass
-
-    def empty(self) -> bool:
-        return True
-
-
-_DISCARD: Any = _Discard()
-
-
-@dataclass
-class PendingInput:
-    """A server→client request the upstream is waiting on: its upstream id and the 2026 `{method, params}` value."""
-
-    upstream_id: RequestId
-    request: JsonObject
-    asked: float = field(default_factory=time.monotonic)
-
-
-def input_request_value(message: JsonObject) -> JsonObject:
-    """The 2026-07-28 `{method, params}` value of a legacy server→client request.
-
-    Drops `jsonrpc`/`id`, the params' `_meta` (related-task key included), the v1 `task` param and
-    URL-mode `elicitationId` (protocol.md §3.4 step 3).
-    """
-    value: JsonObject = {"method": message["method"]}
-    params = message.get("params")
-    if isinstance(params, dict):
-        value["params"] = {k: v for k, v in params.items() if k not in ("_meta", "task", "elicitationId")}
-    elif message["method"] != "roots/list":
-        value["params"] = {}
-    return value
-
-
-class Call:
-    """An upstream request (`tools/call`, or `prompts/get` / `resources/read`) in its own asyncio task.
-
-    `params` are the params to send upstream (envelope already stripped), `capabilities` the
-    legacy client capabilities for the upstream session, `timeout` the hard limit in seconds,
-    `input_timeout` how long (s) one upstream question may stay unanswered, `prefilled` input
-    responses supplied before the question was asked (answered at once when their key comes up).
-    `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
-    `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)` and
-    `("done", None)` items for the attached client.
+    `keepalive_s` (s) is the SSE comment interval while a client waits; `on_server_notification`
+    receives upstream list changes seen on a call's stream.
     """
 
     def __init__(
-        self,
-        *,
-        pool: UpstreamPool | StdioPool,
-        server: str,
-        tool: str,
-        params: JsonObject,
-        capabilities: JsonObject,
-        timeout: float,
-        store: TaskStore,
-        method: str = "tools/call",
-        client_progress_token: str | int | None = None,
-        relay_logs: bool = False,
-        input_timeout: float = 600.0,
-        prefilled: JsonObject | None = None,
-        principal: str | None = None,
+        self, *, name: str, pool: UpstreamPool | StdioPool, tasks: TaskService, parked: ParkedCalls, drain: Drain,
+        keepalive_s: float, on_server_notification: Callable[[JsonObject], None],
     ) -> None:
-        self.call_id = secrets.token_urlsafe(16)
-        self._progress_text: str | None = None
-        self._progress_written = 0.0
-        self._progress_timer: asyncio.TimerHandle | None = None
-        self.started = time.monotonic()
-        self.principal = principal
+        self.name = name
         self.pool = pool
-        self.server = server
-        self.method = method
-        self.tool = tool
-        self.params = params
-        self.input_timeout = input_timeout
-        self.prefilled = dict(prefilled or {})
-        self._used_keys: set[str] = set()
-        self._input_timers: dict[str, asyncio.TimerHandle] = {}
-        self.capabilities = capabilities
-        self.timeout = timeout
-        self.store = store
-        self.client_progress_token = client_progress_token
-        self.relay_logs = relay_logs
-        self.progress_token = "mtp-" + secrets.token_urlsafe(12)
-        self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
-        self.events: asyncio.Queue[tuple[str, Any]] | _Discard = asyncio.Queue()
-        self.task_id: str | None = None
-        self.session: UpstreamSession | StdioSession | None = None
-        self.upstream_request_id: RequestId | None = None
-        self.pending: dict[str, PendingInput] = {}
-        self._background: set[asyncio.Task[Any]] = set()
-        self._runner: asyncio.Task[None] | None = None
-        self._on_done: list[Callable[[Call], None]] = []
-        # Server-wide notifications (list changes) that arrive on this call's stream go here.
-        self.server_notifications: Callable[[JsonObject], None] | None = None
+        self.tasks = tasks
+        self.parked = parked
+        self.drain = drain
+        self.keepalive_s = keepalive_s
+        self.on_server_notification = on_server_notification
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start the upstream request in a task of its own."""
-        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.method} {self.server}/{self.tool}")
-
-    def add_done_callback(self, fn: Callable[[Call], None]) -> None:
-        """Call `fn(call)` once, when the outcome is known."""
-        self._on_done.append(fn)
-
-    @property
-    def done(self) -> bool:
-        """True once the outcome is known."""
-        return self.outcome.done()
-
-    async def _run(self) -> None:
-        params = dict(self.params)
-        meta = dict(params.get("_meta") or {})
-        meta["progressToken"] = self.progress_token
-        params["_meta"] = meta
-        try:
-            async with asyncio.timeout(self.timeout):
-                reply = await self._request(params, retry_expired=True)
-        except TimeoutError:
-            self._spawn(self._send_cancelled("hard timeout"))
-            reply = {"error": {"code": INTERNAL_ERROR, "message": f"upstream {self.server} hard timeout: no answer within {self.timeout:g} s"}}
-        except UpstreamError as exc:
-            reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
-        except asyncio.CancelledError:
-            if not self.outcome.done():
-                self._finish({"error": {"code": REQUEST_CANCELLED, "message": "the call was cancelled"}})
-            raise
-        except Exception as exc:  # a bug or a garbage upstream must not kill the proxy
-            log.exception("call_crashed", server=self.server, tool=self.tool)
-            reply = {"error": {"code": INTERNAL_ERROR, "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}"}}
-        self._finish(reply)
-
-    async def _request(self, params: JsonObject, *, retry_expired: bool) -> JsonObject:
-        session = await self.pool.session(self.capabilities, self.principal)
-        self.session = session
-        self.upstream_request_id = session.next_id()
-        try:
-            return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id)
-        except SessionExpiredError:
-            self.pool.discard(session)
-            if not retry_expired:
-                raise
-            return await self._request(params, retry_expired=False)
-
-    def _finish(self, reply: JsonObject) -> None:
-        if self.outcome.done():
-            return
-        self.outcome.set_result(reply)
-        obs.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
-        for timer in self._input_timers.values():
-            timer.cancel()
-        self._input_timers.clear()
-        self.events.put_nowait(("done", None))
-        if self.task_id is not None:
-            self._record_outcome(reply)  # with the last progress text, if its write was still pending
-        if self._progress_timer is not None:
-            self._progress_timer.cancel()
-            self._progress_timer = None
-        for fn in self._on_done:
-            fn(self)
-
-    def _record_outcome(self, reply: JsonObject) -> None:
-        assert self.task_id is not None
-        try:
-            if "result" in reply:
-                extra = {"status_message": self._progress_text} if self._progress_timer is not None else {}
-                self.store.update(
-                    self.task_id, status=TaskStatus.COMPLETED, result=modern_result(self.method, reply["result"]), input_requests={}, **extra
-                )
-            else:
-                error = modern_error(reply.get("error"))
-                self.store.update(
-                    self.task_id,
-                    status=TaskStatus.FAILED,
-                    error=error,
-                    status_message=f"{error['message']}" if error["code"] == INTERNAL_ERROR else f"upstream {self.server} answered with a JSON-RPC error: {error['message']}",
-                    input_requests={},
-                )
-        except (TerminalTaskError, TaskNotFoundError) as exc:
-            log.info("late_outcome_discarded", task_id=self.task_id, reason=str(exc))
-
-    # -- messages from the upstream --------------------------------------------------------
-
-    async def _on_message(self, msg: JsonObject) -> None:
-        method = msg.get("method")
-        if jsonrpc.is_request(msg):
-            if method in INPUT_METHODS:
-                self._on_input_request(msg)
-            else:
-                self._spawn(self._respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"the proxy does not relay {method}"}))
-            return
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-        if method == "notifications/progress" and params.get("progressToken") == self.progress_token:
-            self._on_progress(params)
-        elif method == "notifications/message":
-            if self.relay_logs and self.task_id is None:
-                self.events.put_nowait(("notification", msg))
-        elif method == "notifications/cancelled":
-            self._on_upstream_cancelled(params.get("requestId"))
-        elif method in LIST_CHANGED_NOTIFICATIONS and self.server_notifications is not None:
-            self.server_notifications(msg)
-
-    def _on_progress(self, params: JsonObject) -> None:
-        if self.task_id is not None:
-            progress, total, message = params.get("progress"), params.get("total"), params.get("message")
-            text = f"{progress:g}/{total:g}" if isinstance(progress, (int, float)) and isinstance(total, (int, float)) else f"{progress}"
-            if message:
-                text = f"{text}: {message}"
-            self._progress_text = text
-            # At most one store write per PROGRESS_WRITE_S: a chatty upstream must not flood the
-            # store (each write is an fsync'd transaction); the latest text always lands.
-            wait = PROGRESS_WRITE_S - (time.monotonic() - self._progress_written)
-            if wait <= 0:
-                self._write_progress()
-            elif self._progress_timer is None:
-                self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
-        elif self.client_progress_token is not None:
-            relayed = dict(params, progressToken=self.client_progress_token)
-            self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
-
-    def _write_progress(self) -> None:
-        self._progress_timer = None
-        self._progress_written = time.monotonic()
-        if self.task_id is None or self.done:
-            return
-        try:
-            self.store.update(self.task_id, status_message=self._progress_text, fsync=False)
-        except (TerminalTaskError, TaskNotFoundError):
-            # Ended from outside this call (an operator's cancel, expiry): stop the upstream work too.
-            self.cancel("the task ended outside this call")
-
-    def _on_input_request(self, msg: JsonObject) -> None:
-        capability = INPUT_CAPABILITY[msg["method"]]
-        if capability not in self.capabilities:
-            # The client of this call never declared it can answer this kind of question.
-            self._spawn(self._respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": f"the client did not declare the {capability} capability"}))
-            if self.task_id is None:
-                self.events.put_nowait(("unsupported", capability))
-            return
-        key = self._key_for(msg)
-        if key in self.prefilled:
-            self._spawn(self._respond(msg["id"], result=self.prefilled.pop(key)))
-            return
-        self.pending[key] = PendingInput(upstream_id=msg["id"], request=input_request_value(msg))
-        self._input_timers[key] = asyncio.get_running_loop().call_later(self.input_timeout, self.fail_input_timeout, self.input_timeout)
-        if self.task_id is not None:
-            self._write_inputs()
-        else:
-            self.events.put_nowait(("input", key))
-
-    def _key_for(self, msg: JsonObject) -> str:
-        """A key unique for the call's whole life: the upstream's hint (`_meta["mcp-tasks-proxy/inputKey"]`) if unused, else random."""
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+    def _start(self, method: str, name: str, params: JsonObject, envelope: Envelope, *, principal: str, policy: ResolvedPolicy) -> Call:
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-        hint = meta.get(INPUT_KEY_HINT)
-        if isinstance(hint, str) and 0 < len(hint) <= 64 and hint not in self._used_keys:
-            key = hint
-        else:
-            key = "in_" + secrets.token_urlsafe(9)
-        self._used_keys.add(key)
-        return key
+        call = Call(
+            pool=self.pool, server=self.name, tool=name, method=method, params=strip_envelope(params),
+            capabilities=upstream_capabilities(envelope.capabilities), timeout=policy.timeout,
+            client_progress_token=meta.get("progressToken"), relay_logs=envelope.log_level is not None,
+            input_timeout=policy.input_timeout, prefilled=params.get("inputResponses"), principal=principal,
+        )
+        call.server_notifications = self.on_server_notification
+        call.start()
+        return call
 
-    def _on_upstream_cancelled(self, request_id: Any) -> None:
-        for key, pending in list(self.pending.items()):
-            if pending.upstream_id == request_id:
-                del self.pending[key]
-                self._cancel_timer(key)
-                if self.task_id is not None:
-                    self._write_inputs()
+    async def run(
+        self, method: str, name: str, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply, policy: ResolvedPolicy,
+        arrived: float,
+    ) -> JsonObject:
+        """Start (or, on an MRTR retry, resume) a proxy-owned upstream call and answer with what comes
+        first: its result, an InputRequiredResult, or a flat CreateTaskResult once `policy.detach_after`
+        (s) has passed since `arrived` (event-loop time, s).
 
-    def input_requests(self) -> dict[str, JsonObject]:
-        """The outstanding upstream questions as a 2026 `inputRequests` map."""
-        return {key: pending.request for key, pending in self.pending.items()}
-
-    def _write_inputs(self) -> None:
-        assert self.task_id is not None
-        status = TaskStatus.INPUT_REQUIRED if self.pending else TaskStatus.WORKING
-        try:
-            self.store.update(self.task_id, status=status, input_requests=self.input_requests())
-        except (TerminalTaskError, TaskNotFoundError):
-            pass
-
-    # -- actions from the proxy ------------------------------------------------------------
-
-    def detach(self, task_id: str) -> None:
-        """Hand the call over to the task `task_id` (already committed to the store)."""
-        self.task_id = task_id
-        self.events = _DISCARD  # nobody is attached any more: keep no queue per detached call
-        if self.pending:
-            self._write_inputs()
-
-    def answer(self, responses: JsonObject) -> list[str]:
-        """Deliver input responses by key; unknown or already-answered keys are ignored.
-
-        The answered keys leave the stored task before this returns; the JSON-RPC responses go
-        upstream in the background under the upstream's own request ids. Returns the keys used.
+        Raises JsonRpcError: -32602 for a bad `requestState` or `inputResponses`, -32021 when the
+        upstream needs a capability the client did not declare, a limit error (HTTP 429), the
+        upstream's own error (translated), -32603 naming the layer that gave up (store, shutdown).
         """
-        used = []
-        for key, value in responses.items():
-            pending = self.pending.pop(key, None)
-            if pending is None:
-                continue
-            self._cancel_timer(key)
-            obs.INPUT_WAIT.observe(time.monotonic() - pending.asked)
-            used.append(key)
-            if isinstance(value, dict):
-                self._spawn(self._respond(pending.upstream_id, result=value))
-            else:
-                self._spawn(self._respond(pending.upstream_id, error={"code": jsonrpc.INVALID_PARAMS, "message": "the client sent a malformed input response"}))
-        if used and self.task_id is not None:
-            self._write_inputs()
-        return used
+        may_detach = method == "tools/call" and envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        digest = request_digest(method, name, params.get("arguments") if method != "resources/read" else None)
+        responses = params.get("inputResponses")
+        if responses is not None:
+            validate_input_responses(responses)
+        if "requestState" in params:
+            call = self.parked.resume(params["requestState"], principal=principal, server=self.name, digest=digest)
+            call.resume(meta.get("progressToken"))
+            call.answer(responses or {})
+        else:
+            call = self._start(method, name, params, envelope, principal=principal, policy=policy)
 
-    def _cancel_timer(self, key: str) -> None:
-        timer = self._input_timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-
-    def resume(self, client_progress_token: str | int | None) -> None:
-        """A client picks the call up again (MRTR retry): drop what was queued for the old request."""
-        self.client_progress_token = client_progress_token
-        while not self.events.empty():
-            self.events.get_nowait()
-
-    def fail_input_timeout(self, timeout_s: float) -> None:
-        """No answer arrived in time: release the upstream's questions, end the call (and its task) failed."""
-        if self.done:
-            return
-        message = f"input timed out: the client did not answer within {timeout_s:g} s"
-        for pending in self.pending.values():
-            self._spawn(self._respond(pending.upstream_id, error={"code": INTERNAL_ERROR, "message": message}))
-        self.pending.clear()
-        self._finish({"error": {"code": INTERNAL_ERROR, "message": message}})
-        if self._runner is not None and not self._runner.done():
-            self._spawn(self._send_cancelled(message))
-            self._runner.cancel()
-
-    def cancel(self, reason: str) -> None:
-        """Abandon the call: release pending input requests, tell the upstream, stop reading."""
-        for key, pending in self.pending.items():
-            self._cancel_timer(key)
-            self._spawn(self._respond(pending.upstream_id, error={"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"}))
-        self.pending.clear()
-        if self._runner is not None and not self._runner.done():
-            self._spawn(self._send_cancelled(reason))
-            self._runner.cancel()
-
-    async def _send_cancelled(self, reason: str) -> None:
-        if self.session is None or self.upstream_request_id is None:
-            return
+        if method == "tools/call" and policy.mode is ToolMode.REQUIRED and not call.pending:
+            return await self._detach(call, policy, f"running upstream on {self.name} as a task")
+        loop = asyncio.get_running_loop()
+        deadline = arrived + policy.detach_after if may_detach else None
         try:
-            await self.session.notify("notifications/cancelled", {"requestId": self.upstream_request_id, "reason": reason})
-        except UpstreamError as exc:
-            log.info("upstream_cancel_not_delivered", server=self.server, reason=str(exc))
+            while True:
+                if call.done:
+                    return self._result(call)
+                if call.pending:
+                    return await self._ask_client(call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply)
+                wait = self.keepalive_s
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - loop.time()))
+                remaining = self.drain.remaining()
+                if remaining is not None:
+                    wait = min(wait, remaining)
+                try:
+                    kind, item = await self.drain.wait_for(call.events.get(), timeout=wait)
+                except TimeoutError:
+                    if call.done or call.pending:
+                        continue
+                    if self.drain.remaining() == 0.0:
+                        call.cancel("the proxy is shutting down")
+                        raise JsonRpcError(
+                            INTERNAL_ERROR,
+                            f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned",
+                        ) from None
+                    if deadline is not None and loop.time() >= deadline:
+                        handle = await self._detach(call, policy, f"still running upstream after {policy.detach_after:g} s; continuing in the background")
+                        obs.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))
+                        return handle
+                    await reply.keepalive()
+                    continue
+                if kind == "notification":
+                    await reply.notify(item)
+                elif kind == "unsupported" and not call.done:
+                    call.cancel(f"the upstream needs the {item} capability")
+                    raise JsonRpcError(
+                        MISSING_REQUIRED_CLIENT_CAPABILITY,
+                        f"upstream {self.name} needs the {item} client capability for this request",
+                        {"requiredCapabilities": {item: {}}},
+                    )
+        except asyncio.CancelledError:
+            if call.task_id is None:
+                self.parked.release(call)
+                call.cancel("the client closed the request stream")
+            raise
 
-    async def _respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
-        if self.session is None:
-            return
+    async def _detach(self, call: Call, policy: ResolvedPolicy, why: str) -> JsonObject:
+        """Turn the call into a task (committed before the handle is returned); a refusal (limit,
+        store) cancels the call, so it never goes on unseen."""
+        self.parked.release(call)
+        rerun = {"method": call.method, "params": call.params, "capabilities": call.capabilities} if policy.on_restart == "rerun" else None
         try:
-            await self.session.respond(request_id, result=result, error=error)
-        except UpstreamError as exc:
-            log.info("upstream_answer_not_delivered", server=self.server, reason=str(exc))
+            record = await self.tasks.detach(
+                call, server=self.name, tool=call.tool, method=call.method, ttl_s=policy.ttl, poll_interval_s=policy.poll_interval,
+                status_message=why, rerun=rerun,
+            )
+        except JsonRpcError:
+            call.cancel("refused: the call could not become a task")
+            raise
+        call.detach(record.task_id, self.tasks)
+        if call.method == "tools/call":
+            obs.CALLS.labels(self.name, call.tool, "detached").inc()
+        structlog.contextvars.bind_contextvars(task_id=record.task_id)
+        return create_task_result(record)
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _ask_client(self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply) -> JsonObject:
+        """Answer with an InputRequiredResult for every outstanding question (SEP-2322), parking the call.
+
+        Questions that arrive within INPUT_GATHER_S of each other go out in the same round.
+        """
+        loop = asyncio.get_running_loop()
+        quiet_until = loop.time() + INPUT_GATHER_S
+        while not call.done:
+            remaining = quiet_until - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                kind, item = await asyncio.wait_for(call.events.get(), timeout=remaining)
+            except TimeoutError:
+                break
+            if kind == "notification":
+                await reply.notify(item)
+            elif kind == "input":
+                quiet_until = loop.time() + INPUT_GATHER_S
+        if call.done:
+            return self._result(call)
+        state = self.parked.park(call, principal=principal, server=self.name, digest=digest, timeout_s=timeout_s)
+        return {"resultType": "input_required", "inputRequests": call.input_requests(), "requestState": state}
+
+    def _result(self, call: Call) -> JsonObject:
+        self.parked.release(call)
+        outcome = call.outcome.result()
+        if call.method == "tools/call":
+            obs.CALLS.labels(self.name, call.tool, "sync" if "result" in outcome else "error").inc()
+        if "result" in outcome:
+            return modern_result(call.method, outcome["result"])
+        error = modern_error(outcome.get("error"))
+        raise JsonRpcError(error["code"], error["message"], error.get("data"))
+
+
+def require_tasks_for(tool: str) -> JsonRpcError:
+    """The -32021 refusal for a `mode: required` tool called without the tasks extension."""
+    return JsonRpcError(
+        MISSING_REQUIRED_CLIENT_CAPABILITY,
+        f"tool {tool!r} always runs as a task; declare the {TASKS_EXTENSION} extension",
+        {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+    )

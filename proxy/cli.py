@@ -24,8 +24,10 @@ from .app import DRAIN_KEY, build_app
 from .auth import hash_token
 from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
-from .tasks.model import TaskStatus, TerminalTaskError, iso
-from .tasks.store import TaskNotFoundError, TaskStore
+from .protocol.tasks_v2 import detailed_task
+from .tasks.diskcache_store import DiskcacheStore
+from .tasks.model import Change, TaskStatus, TerminalTaskError, iso
+from .tasks.store import ListFilter, StoreLockedError, StoreUnavailableError, TaskNotFoundError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -200,22 +202,30 @@ def _tasks_command(argv: list[str]) -> int:
     if not os.path.isdir(path):
         print(f"mcp-tasks-proxy: no store at {path}", file=sys.stderr)
         return 2
-    store = TaskStore(path)
+    return asyncio.run(_tasks_action(args, path))
+
+
+async def _tasks_action(args: argparse.Namespace, path: str) -> int:
+    """The `tasks` subcommand's work on an open (shared, unlocked) store; returns the exit status."""
+    try:
+        store = DiskcacheStore(path, durable=True)
+    except StoreUnavailableError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 1
     try:
         if args.action == "list":
-            records = [r for r in (store.get(i) for i in store.ids()) if r is not None and (args.status is None or r.status.value == args.status)]
-            records.sort(key=lambda r: r.created_ms, reverse=True)
+            records, more = await store.list_tasks(ListFilter(status=args.status), limit=args.limit)
             print(f"{'TASK ID':44} {'STATUS':15} {'SERVER':12} {'TOOL':24} CREATED")
-            for r in records[: args.limit]:
+            for r in records:
                 print(f"{r.task_id:44} {r.status.value:15} {r.server[:12]:12} {r.tool[:24]:24} {iso(r.created_ms)}")
-            print(f"{len(records)} task(s)" + (f", {args.limit} shown" if len(records) > args.limit else ""))
+            print(f"{len(records)} task(s)" + (f" shown; more exist beyond --limit {args.limit}" if more else ""))
             return 0
-        record = store.get(args.task_id)
+        record = await store.get(args.task_id)
         if record is None:
             print(f"mcp-tasks-proxy: unknown or expired task {args.task_id}", file=sys.stderr)
             return 1
         if args.action == "show":
-            out = {"server": record.server, "tool": record.tool, "principal": record.principal, **record.detailed_task()}
+            out = {"server": record.server, "tool": record.tool, "principal": record.principal, "owner": record.owner, **detailed_task(record)}
             out.pop("resultType", None)
             print(json.dumps(out, indent=2))
             return 0
@@ -223,7 +233,7 @@ def _tasks_command(argv: list[str]) -> int:
             print(f"task {record.task_id} is already {record.status.value}")
             return 0
         try:
-            store.update(record.task_id, status=TaskStatus.CANCELLED, status_message="cancelled by an operator", input_requests={})
+            await store.update(record.task_id, Change(status=TaskStatus.CANCELLED, status_message="cancelled by an operator", input_requests={}))
         except (TerminalTaskError, TaskNotFoundError):
             print(f"task {record.task_id} ended meanwhile")
             return 0
@@ -231,7 +241,7 @@ def _tasks_command(argv: list[str]) -> int:
               "and discards any later result)")
         return 0
     finally:
-        store.close()
+        await store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
+    except (StoreLockedError, StoreUnavailableError) as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"mcp-tasks-proxy: cannot listen: {exc}", file=sys.stderr)
         return 1

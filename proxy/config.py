@@ -74,10 +74,25 @@ class ListenConfig(_Strict):
 
 
 class StoreConfig(_Strict):
-    """The task store: a diskcache directory. `durable` fsyncs every write."""
+    """The task store: a diskcache directory, served by one proxy process at a time (an OS lock).
+
+    `durable` fsyncs every batch of writes (group commit). `lease` (s): how long this process's
+    claim on the calls it runs lasts without renewal (renewed every third of it); a task whose
+    owner's lease lapsed is ended (or re-run) by the sweep, which runs every half lease.
+    `write_retry` (s): how long an outcome write the store refuses is retried before the task is
+    shown `failed`, naming the store.
+    """
 
     path: str = "./var/tasks"
     durable: bool = True
+    lease: Duration = Field("15s", validate_default=True)
+    write_retry: Duration = Field("5s", validate_default=True)
+
+    @field_validator("lease", "write_retry")
+    @classmethod
+    def _positive_store_durations(cls, value: float, info: ValidationInfo) -> float:
+        _positive(value, f"store.{info.field_name}")
+        return value
 
 
 class ToolMode(StrEnum):
@@ -97,7 +112,7 @@ class TaskPolicy(_Strict):
     """Task settings; every field may be left out to inherit from the level above.
 
     `detach_after` (s): how long a call runs synchronously before it becomes a task.
-    `ttl` (s): retention of a task, counted from its creation. `poll_interval` (s): the poll
+    `ttl` (s): retention of a task after it ends (a running task never expires). `poll_interval` (s): the poll
     interval suggested to clients. `input_timeout` (s): how long a question from the upstream
     (elicitation, sampling, roots) may stay unanswered before the call fails.
     """

@@ -22,8 +22,9 @@ from typing import Any
 
 import jwt
 
-from .calls import Call
+from .call import Call
 from .protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError
+from .protocol.tasks_v2 import validate_input_responses  # noqa: F401  (re-exported)
 
 KEY_FILE = "request_state.key"
 
@@ -147,13 +148,3 @@ class ParkedCalls:
             return  # resumed in the meantime
         self._forget(pid)
         entry.call.fail_input_timeout(timeout_s)
-
-
-def validate_input_responses(responses: Any) -> JsonObject:
-    """`inputResponses` must be an object of objects (ElicitResult, CreateMessageResult, ListRootsResult). Raises -32602."""
-    if not isinstance(responses, dict):
-        raise JsonRpcError(INVALID_PARAMS, "inputResponses must be an object keyed by input request key")
-    for key, value in responses.items():
-        if not isinstance(value, dict):
-            raise JsonRpcError(INVALID_PARAMS, f"inputResponses[{key!r}] must be an object")
-    return responses

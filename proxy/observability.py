@@ -3,7 +3,7 @@
 Metrics are process-wide (the default registry) and served at `/metrics`. Names start with
 `mcp_tasks_proxy_`; durations are in seconds (Prometheus convention), sizes in bytes.
 Logs: one line per HTTP request (request id, JSON-RPC method, server, tool, principal hash,
-status, duration in ms) and one per task transition (see `TaskStore.update`). Payloads and
+status, duration in ms) and one per task transition (see `TaskService._observe`). Payloads and
 secrets are never logged unless `logging.log_payloads: true`.
 """
 
@@ -30,7 +30,7 @@ LIVE_TASKS = Gauge("mcp_tasks_proxy_live_tasks", "detached calls running in this
 TASK_AGE = Histogram("mcp_tasks_proxy_task_age_seconds", "task age when it reached a terminal status", ["status"], buckets=_LATENCY_BUCKETS)
 INPUT_WAIT = Histogram("mcp_tasks_proxy_input_wait_seconds", "time an upstream question waited for its answer", buckets=_LATENCY_BUCKETS)
 ORPHANED = Counter("mcp_tasks_proxy_tasks_orphaned_total", "tasks whose upstream call died with an earlier proxy process, by fate", ["fate"])
-STORE_TASKS = Gauge("mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until culled)")
+STORE_TASKS = Gauge("mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until purged)")
 STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
 LIMIT_REJECTIONS = Counter("mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"])
 REQUESTS = Counter("mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"])
@@ -41,8 +41,11 @@ async def metrics_handler(request: web.Request) -> web.Response:
     from .app import TASKS_KEY  # the app module imports this one
 
     tasks = request.app[TASKS_KEY]
-    STORE_TASKS.set(tasks.store.count())
-    STORE_BYTES.set(tasks.store.volume())
+    try:
+        STORE_TASKS.set(await tasks.store.count())
+        STORE_BYTES.set(await tasks.store.volume())
+    except Exception:  # a store fault must not hide the other metrics
+        log.warning("store_metrics_unavailable")
     LIVE_TASKS.set(len(tasks.live))
     return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

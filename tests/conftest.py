@@ -21,6 +21,8 @@ from aiohttp import web
 from proxy.app import POOLS_KEY, TASKS_KEY, build_app
 from proxy.config import Config, config_from_data
 from proxy.protocol.era import META_CLIENT_CAPABILITIES, META_PROTOCOL_VERSION, MODERN_VERSION, TASKS_EXTENSION
+from proxy.tasks.diskcache_store import DiskcacheStore
+from proxy.tasks.model import TaskRecord, now_ms
 from proxy.upstream.sse import iter_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +67,30 @@ class ServerProcess:
                 self.proc.wait()
         if self.proc.stdout:
             self.proc.stdout.close()
+
+
+def make_record(**fields: Any) -> TaskRecord:
+    """A task record with test defaults (principal `p`, server `s`, owner `ghost`); `fields` override."""
+    defaults: dict[str, Any] = {"task_id": "task-1", "principal": "p", "server": "s", "tool": "t", "created_ms": now_ms(),
+                                "ttl_ms": 60_000, "poll_interval_ms": 500, "owner": "ghost"}
+    record = TaskRecord(**{**defaults, **fields})
+    if record.status.terminal and record.terminal_ms is None:
+        record.terminal_ms = record.last_updated_ms
+    return record
+
+
+def seed_store(path: Path, *records: TaskRecord) -> None:
+    """Write records into a diskcache store directory from synchronous test code."""
+
+    async def seed() -> None:
+        store = DiskcacheStore(path, durable=False)
+        try:
+            for record in records:
+                await store.create(record)
+        finally:
+            await store.close()
+
+    asyncio.run(seed())
 
 
 @pytest.fixture(scope="session")
@@ -224,6 +250,13 @@ class ModernClient:
     async def get(self, task_id: str, **kwargs: Any) -> Reply:
         """`tasks/get`."""
         return await self.request("tasks/get", {"taskId": task_id}, **kwargs)
+
+    async def warm_up(self) -> None:
+        """Open the upstream session for this client's capabilities with a `greet` call, and wait for
+        it to end even when it became a task (the detach clock counts the session's start-up)."""
+        reply = await self.call("greet", {"name": "warm-up"})
+        if reply.result.get("resultType") == "task":
+            await self.wait_terminal(reply.result["taskId"])
 
     async def wait_terminal(self, task_id: str, timeout: float = 10.0) -> dict:
         """Poll `tasks/get` until the task is terminal; return the DetailedTask."""

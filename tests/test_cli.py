@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ModernClient
+from conftest import ModernClient, make_record, seed_store
 
 from proxy import __version__
+from proxy.tasks.model import now_ms
 from proxy.protocol.era import META_CLIENT_CAPABILITIES, META_PROTOCOL_VERSION, MODERN_VERSION, TASKS_EXTENSION
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,15 +337,11 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
 
 
 def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
-    from proxy.tasks.model import TaskRecord, now_ms
-    from proxy.tasks.store import TaskStore
-
-    store = TaskStore(tmp_path / "store", durable=False)
-    for i, status in enumerate(("working", "completed")):
-        store.create(TaskRecord(task_id=f"task-{i}", principal="p", server="s", tool=f"tool{i}", created_ms=now_ms() + i,
-                                ttl_ms=60_000, poll_interval_ms=500, boot="b", status=status,
-                                result={"content": [], "isError": False} if status == "completed" else None))
-    store.close()
+    seed_store(tmp_path / "store", *(
+        make_record(task_id=f"task-{i}", tool=f"tool{i}", created_ms=now_ms() + i, status=status,
+                    outcome={"result": {"content": [], "isError": False}} if status == "completed" else None)
+        for i, status in enumerate(("working", "completed"))
+    ))
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store"), *args],
@@ -354,7 +351,7 @@ def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
     assert listing.returncode == 0 and "task-0" in listing.stdout and "task-1" in listing.stdout and "2 task(s)" in listing.stdout
     assert "task-1" not in run("list", "--status", "working").stdout
     shown = json.loads(run("show", "task-1").stdout)
-    assert shown["status"] == "completed" and shown["tool"] == "tool1" and shown["result"] == {"content": [], "isError": False}
+    assert shown["status"] == "completed" and shown["tool"] == "tool1" and shown["result"] == {"content": [], "isError": False, "resultType": "complete"}
     assert "cancelled" in run("cancel", "task-0").stdout
     assert json.loads(run("show", "task-0").stdout)["status"] == "cancelled"
     assert "already completed" in run("cancel", "task-1").stdout
@@ -362,12 +359,7 @@ def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
 
 
 def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
-    from proxy.tasks.model import TaskRecord, now_ms
-    from proxy.tasks.store import TaskStore
-
-    store = TaskStore(tmp_path / "store", durable=False)
-    store.create(TaskRecord(task_id="-vNAuJ4MJ9dash", principal="p", server="s", tool="t", created_ms=now_ms(), ttl_ms=60_000, poll_interval_ms=500, boot="b"))
-    store.close()
+    seed_store(tmp_path / "store", make_record(task_id="-vNAuJ4MJ9dash"))
     base = [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store")]
     shown = subprocess.run([*base, "show", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert shown.returncode == 0 and json.loads(shown.stdout)["taskId"] == "-vNAuJ4MJ9dash"

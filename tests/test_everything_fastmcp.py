@@ -17,6 +17,7 @@ from fastmcp import Client
 import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
 from proxy.config import config_from_data
 from proxy.tasks.model import TaskStatus
+from proxy.tasks.store import ListFilter
 
 EVERYTHING = "@modelcontextprotocol/server-everything@2026.8.31"
 NODE_DIR = ROOT / ".node" / "everything"
@@ -65,7 +66,7 @@ async def test_long_operation_becomes_a_task_and_returns_the_direct_content(ever
         direct_result, (proxied_result, echo) = await asyncio.gather(direct(), proxied())
         assert [c.model_dump() for c in proxied_result.content] == [c.model_dump() for c in direct_result.content]
         assert "hello" in echo.content[0].text
-        records = [proxy.store.get(task_id) for task_id in proxy.store.ids()]
+        records, _ = await proxy.store.list_tasks(ListFilter())
         long_ops = [r for r in records if r.tool == "trigger-long-running-operation"]
         assert len(long_ops) == 1 and long_ops[0].status is TaskStatus.COMPLETED
         assert not [r for r in records if r.tool == "echo"], "echo must stay synchronous"

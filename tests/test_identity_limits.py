@@ -59,7 +59,7 @@ async def test_bearer_tokens_bind_tasks_to_their_principal(legacy_url: str, tmp_
                 assert reply.error["message"].replace(task_id, "X") == unknown.error["message"].replace("no-such-task", "X")
             done = await alice.wait_terminal(task_id)
             assert done["status"] == "completed"  # bob's cancel did nothing
-            assert proxy.store.get(task_id).principal == "alice"
+            assert (await proxy.store.get(task_id)).principal == "alice"
         finally:
             for client in (alice, bob, nobody, wrong):
                 await client.close()
@@ -95,7 +95,7 @@ async def test_jwt_against_a_jwks_file(legacy_url: str, tmp_path: Path) -> None:
         forged = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(other_key, sub='carol')}"})
         try:
             created = (await carol.call("slow_compute", {"seconds": 0.2, "label": "jwt"})).result
-            assert proxy.store.get(created["taskId"]).principal == "carol"
+            assert (await proxy.store.get(created["taskId"])).principal == "carol"
             assert (await dave.get(created["taskId"])).error["code"] == -32602
             for client in (expired, foreign_aud, forged):
                 assert (await client.get(created["taskId"])).status == 401
@@ -112,7 +112,7 @@ async def test_trusted_header_from_a_fronting_proxy(legacy_url: str, tmp_path: P
         anonymous = ModernClient(proxy.url())
         try:
             created = (await erin.call("slow_compute", {"seconds": 0.1})).result
-            assert proxy.store.get(created["taskId"]).principal == "erin"
+            assert (await proxy.store.get(created["taskId"])).principal == "erin"
             assert (await anonymous.call("greet", {"name": "x"})).status == 401
         finally:
             await erin.close()
@@ -137,7 +137,7 @@ async def test_upstream_credentials_never_reach_the_store(legacy_url: str, tmp_p
             for seconds in (0.2, 0.3):
                 created = (await client.call("slow_compute", {"seconds": seconds})).result
                 assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
-            assert proxy.store.count() >= 2
+            assert await proxy.store.count() >= 2
         finally:
             await client.close()
     for path in (tmp_path / "store").rglob("*"):
@@ -280,7 +280,7 @@ async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path)
             forged = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"})
             try:
                 created = (await frank.call("slow_compute", {"seconds": 0.1})).result
-                assert proxy.store.get(created["taskId"]).principal == "frank"
+                assert (await proxy.store.get(created["taskId"])).principal == "frank"
                 assert (await forged.get(created["taskId"])).status == 401
             finally:
                 await frank.close()

@@ -26,7 +26,7 @@ async def released(client: ModernClient, label: str) -> bool:
 async def test_detached_call_question_becomes_input_required_and_update_resumes(flow_proxy: RunningProxy) -> None:
     client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
-        await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+        await client.warm_up()  # the upstream session for these capabilities is open
         created = (await client.call("confirm_delete", {"filename": "a.txt", "delay": 0.2})).result
         assert created["resultType"] == "task"
         task = await client.wait_status(created["taskId"], ("input_required",), timeout=5)
@@ -42,7 +42,7 @@ async def test_detached_call_question_becomes_input_required_and_update_resumes(
         assert (await client.get(created["taskId"])).result["status"] in ("working", "completed")
         done = await client.wait_terminal(created["taskId"])
         assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "deleted a.txt"
-        assert flow_proxy.store.get(created["taskId"]).input_requests == {}
+        assert (await flow_proxy.store.get(created["taskId"])).input_requests == {}
     finally:
         await client.close()
 
@@ -50,7 +50,7 @@ async def test_detached_call_question_becomes_input_required_and_update_resumes(
 async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(flow_proxy: RunningProxy) -> None:
     client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
-        await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+        await client.warm_up()  # the upstream session for these capabilities is open
         created = (await client.call("multi_input", {"delay": 0.2})).result
         async with asyncio.timeout(5):
             while len((task := (await client.get(created["taskId"])).result).get("inputRequests", {})) < 2:
@@ -74,7 +74,7 @@ async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(fl
 async def test_cancel_while_waiting_for_input_releases_the_upstream(flow_proxy: RunningProxy) -> None:
     client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
-        await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+        await client.warm_up()  # the upstream session for these capabilities is open
         created = (await client.call("confirm_delete", {"filename": "cancel-me.txt", "delay": 0.2})).result
         await client.wait_status(created["taskId"], ("input_required",), timeout=5)
         ack = await client.request("tasks/cancel", {"taskId": created["taskId"]})
@@ -91,7 +91,7 @@ async def test_cancel_while_waiting_for_input_releases_the_upstream(flow_proxy: 
 async def test_update_with_malformed_answers_is_refused_and_changes_nothing(proxy: RunningProxy) -> None:
     client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
     try:
-        await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+        await client.warm_up()  # the upstream session for these capabilities is open
         created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
         task = await client.wait_status(created["taskId"], ("input_required",), timeout=5)
         key = next(iter(task["inputRequests"]))
@@ -109,7 +109,7 @@ async def test_input_timeout_fails_the_task_and_releases_the_upstream(legacy_url
     async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
         client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
         try:
-            await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+            await client.warm_up()  # the upstream session for these capabilities is open
             created = (await client.call("confirm_delete", {"filename": "slow.txt", "delay": 0.2})).result
             done = await client.wait_terminal(created["taskId"], timeout=5)
             assert done["status"] == "failed"
@@ -128,7 +128,7 @@ async def test_mrtr_round_then_retry_finishes_synchronously(flow_proxy: RunningP
     for caps in ({"elicitation": {}}, ELICIT_CAPS):
         client = ModernClient(flow_proxy.url(), capabilities=caps)
         try:
-            await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+            await client.warm_up()  # the upstream session for these capabilities is open
             args = {"filename": "mrtr.txt"}
             first = (await client.call("confirm_delete", args)).result
             assert first["resultType"] == "input_required" and "taskId" not in first
@@ -145,7 +145,7 @@ async def test_mrtr_round_then_retry_finishes_synchronously(flow_proxy: RunningP
 async def test_mrtr_then_long_work_becomes_a_task(flow_proxy: RunningProxy) -> None:
     client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
-        await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+        await client.warm_up()  # the upstream session for these capabilities is open
         args = {"seconds": 0.4}
         first = (await client.call("ask_then_work", args)).result
         assert first["resultType"] == "input_required"
@@ -250,7 +250,7 @@ async def test_question_the_client_cannot_answer_is_missing_capability(proxy: Ru
     # the tool then fails upstream, and no question ever reaches this client.
     client = ModernClient(proxy.url(), capabilities={})
     try:
-        await client.call("greet", {"name": "warm-up"})  # the upstream session for these capabilities is open
+        await client.warm_up()  # the upstream session for these capabilities is open
         reply = await client.call("confirm_delete", {"filename": "nocap.txt"})
         assert "inputRequests" not in reply.message.get("result", {})
     finally:

@@ -17,7 +17,7 @@ from conftest import ModernClient, RunningProxy, ServerProcess, envelope, make_c
 
 from proxy.app import TASKS_KEY
 from proxy.config import config_from_data
-from proxy.tasks.model import TaskStatus
+from proxy.tasks.model import Change, TaskStatus
 from proxy.upstream.sse import iter_events
 
 ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
@@ -54,7 +54,7 @@ async def test_slow_call_becomes_task_and_completes(flow_client: ModernClient, f
     assert done["status"] == "completed"
     assert done["result"]["content"][0]["text"] == "computed lifecycle after 0.5s"
     assert done["result"]["resultType"] == "complete"
-    assert flow_proxy.store.get(created["taskId"]).status == "completed"
+    assert (await flow_proxy.store.get(created["taskId"])).status == "completed"
 
 
 async def test_without_extension_slow_call_stays_synchronous(proxy: RunningProxy) -> None:
@@ -109,7 +109,7 @@ async def test_upstream_jsonrpc_error_ends_failed_with_error_inlined(flow_client
 
 
 async def test_fast_upstream_error_is_a_synchronous_jsonrpc_error(client: ModernClient) -> None:
-    await client.call("greet", {"name": "warm-up"})  # the upstream session is open: only the call counts
+    await client.warm_up()  # the upstream session is open: only the call counts
     reply = await client.call("instant_error")
     assert reply.error["code"] == -32603
     assert "instant_error exploded" in reply.error["message"]
@@ -140,12 +140,12 @@ async def test_late_upstream_completion_after_cancel_stays_cancelled(proxy: Runn
     # The task is cancelled from outside the call (as the operator CLI or another process would),
     # so the upstream is not told and answers later: that late answer must be discarded.
     created = (await client.call("quiet_compute", {"seconds": 0.3})).result
-    proxy.store.update(created["taskId"], status=TaskStatus.CANCELLED, status_message="cancelled elsewhere")
+    await proxy.store.update(created["taskId"], Change(status=TaskStatus.CANCELLED, status_message="cancelled elsewhere"))
     async with asyncio.timeout(5):
         while created["taskId"] in proxy.app[TASKS_KEY].live:
             await asyncio.sleep(0.02)  # the upstream call has ended and tried to record its result
-    record = proxy.store.get(created["taskId"])
-    assert record.status == "cancelled" and record.result is None
+    record = (await proxy.store.get(created["taskId"]))
+    assert record.status == "cancelled" and record.outcome is None
     logs = capsys.readouterr()
     assert "late_outcome_discarded" in logs.out + logs.err
 

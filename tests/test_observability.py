@@ -110,7 +110,7 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
         before = await scrape(proxy.base)
         client = ModernClient(proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}})
         try:
-            await client.call("greet", {"name": "warm-up"})
+            await client.warm_up()
             created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
             task = await client.wait_status(created["taskId"], ("input_required",))
             key = next(iter(task["inputRequests"]))
@@ -121,10 +121,11 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
             await client.close()
         # Forget the live call as a crashed process would, then read the task: it is failed as an orphan.
         from proxy.app import TASKS_KEY
+        from proxy.tasks.model import Change
 
         service = proxy.app[TASKS_KEY]
         call = service.live.pop(orphan["taskId"])
-        service.boot = "a-later-boot"
+        await service.store.update(orphan["taskId"], Change(owner="a-node-whose-lease-lapsed"))
         reader = ModernClient(proxy.url())
         try:
             assert (await reader.get(orphan["taskId"])).result["status"] == "failed"

@@ -39,6 +39,7 @@ from proxy.protocol.jsonrpc import (
     validate_request,
 )
 from proxy.protocol.translate import CACHEABLE_METHODS, modern_error, modern_result
+from proxy.protocol.tasks_v2 import create_task_result, detailed_task, wire_task
 from proxy.tasks.model import TaskRecord, TaskStatus, TerminalTaskError, check_transition, iso
 
 META = {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: {}}
@@ -498,9 +499,12 @@ ISO_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$")
 
 def task(**kw) -> TaskRecord:
     base = dict(
-        task_id="tid", principal="p", server="s", tool="t", created_ms=1_700_000_000_123, ttl_ms=60_000, poll_interval_ms=500, boot="b"
+        task_id="tid", principal="p", server="s", tool="t", created_ms=1_700_000_000_123, ttl_ms=60_000, poll_interval_ms=500, owner="n"
     )
-    return TaskRecord(**{**base, **kw})
+    record = TaskRecord(**{**base, **kw})
+    if record.status.terminal:
+        record.terminal_ms = record.last_updated_ms
+    return record
 
 
 def test_iso_timestamps():
@@ -511,24 +515,26 @@ def test_iso_timestamps():
 
 def test_create_task_result_shape():
     rec = task()
-    out = rec.create_task_result()
-    assert out == {
+    out = create_task_result(rec)
+    assert out.keys() == {"resultType", "taskId", "status", "createdAt", "lastUpdatedAt", "ttlMs", "pollIntervalMs"}
+    assert {k: v for k, v in out.items() if k != "ttlMs"} == {
         "resultType": "task",
         "taskId": "tid",
         "status": "working",
         "createdAt": "2023-11-14T22:13:20.123Z",
         "lastUpdatedAt": "2023-11-14T22:13:20.123Z",
-        "ttlMs": 60_000,
         "pollIntervalMs": 500,
     }
+    assert wire_task(rec, at_ms=rec.created_ms)["ttlMs"] == 60_000
+    assert wire_task(rec, at_ms=rec.created_ms + 5_000)["ttlMs"] == 65_000  # grows while it runs
     assert "task" not in out  # flat, not wrapped
-    with_msg = task(status_message="running").create_task_result()
+    with_msg = create_task_result(task(status_message="running"))
     assert with_msg["statusMessage"] == "running"
-    assert task(ttl_ms=None).create_task_result()["ttlMs"] is None
+    assert create_task_result(task(ttl_ms=None))["ttlMs"] is None
 
 
 def test_detailed_task_working():
-    out = task(last_updated_ms=1_700_000_001_000).detailed_task()
+    out = detailed_task(task(last_updated_ms=1_700_000_001_000))
     assert out["resultType"] == "complete"
     assert out["status"] == "working"
     assert ISO_RE.match(out["createdAt"]) and out["lastUpdatedAt"] == "2023-11-14T22:13:21.000Z"
@@ -537,30 +543,37 @@ def test_detailed_task_working():
 
 def test_detailed_task_completed():
     result = {"content": [{"type": "text", "text": "ok"}], "isError": False}
-    out = task(status=TaskStatus.COMPLETED, result=result).detailed_task()
-    assert out["status"] == "completed" and out["result"] == result
+    out = detailed_task(task(status=TaskStatus.COMPLETED, outcome={"result": result}, last_updated_ms=1_700_000_002_123))
+    assert out["status"] == "completed" and out["result"] == {**result, "resultType": "complete"}
+    assert out["ttlMs"] == 62_000  # createdAt + ttlMs = the end of retention, fixed once terminal
     assert not {"error", "inputRequests"} & out.keys()
 
 
 def test_detailed_task_failed():
     error = {"code": -32603, "message": "upstream unreachable"}
-    out = task(status=TaskStatus.FAILED, error=error, status_message="upstream unreachable").detailed_task()
+    out = detailed_task(task(status=TaskStatus.FAILED, outcome={"error": error}, status_message="upstream unreachable"))
     assert out["status"] == "failed" and out["error"] == error and out["statusMessage"] == "upstream unreachable"
     assert not {"result", "inputRequests"} & out.keys()
+
+
+def test_detailed_task_renders_the_raw_upstream_outcome():
+    legacy = {"content": [], "_meta": {"io.modelcontextprotocol/related-task": {"taskId": "x"}}}
+    assert detailed_task(task(status=TaskStatus.COMPLETED, outcome={"result": legacy}))["result"] == {"content": [], "resultType": "complete"}
+    assert detailed_task(task(status=TaskStatus.FAILED, outcome={"error": {"code": -32002, "message": "gone"}}))["error"]["code"] == -32602
 
 
 def test_detailed_task_input_required():
     requests = {"k1": {"method": "elicitation/create", "params": {"message": "Deploy?"}}}
     rec = task(status=TaskStatus.INPUT_REQUIRED, input_requests=requests)
-    out = rec.detailed_task()
+    out = detailed_task(rec)
     assert out["status"] == "input_required" and out["inputRequests"] == requests
     out["inputRequests"]["k2"] = {}
     assert "k2" not in rec.input_requests  # a copy
-    assert task(status=TaskStatus.INPUT_REQUIRED).detailed_task()["inputRequests"] == {}
+    assert detailed_task(task(status=TaskStatus.INPUT_REQUIRED))["inputRequests"] == {}
 
 
 def test_detailed_task_cancelled():
-    out = task(status=TaskStatus.CANCELLED, result={"content": []}, error={"code": 1, "message": "x"}).detailed_task()
+    out = detailed_task(task(status=TaskStatus.CANCELLED, outcome={"result": {"content": []}}))
     assert out["status"] == "cancelled"
     assert not {"result", "error", "inputRequests"} & out.keys()
 

@@ -302,7 +302,7 @@ async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_s
     async with running_proxy(stdio_config(tmp_path)) as proxy:
         client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
         try:
-            await client.call("greet", {"name": "warm-up"})
+            await client.warm_up()
             slow = asyncio.create_task(client.call("slow_compute", {"seconds": 1.5, "label": "bystander"}))
             await asyncio.sleep(0.3)
             asked = await client.call("confirm_delete", {"filename": "ambiguous.txt"})

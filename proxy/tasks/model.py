@@ -1,18 +1,27 @@
-"""The task record and its status machine, free of storage and I/O.
+"""The task record and every rule about it, as pure code over records (no storage, no I/O).
 
 Spec: ext-tasks (SEP-2663) "Task Status" and the shared diagram in protocol.md §2.1:
 working → input_required | completed | failed | cancelled; input_required → working | terminal;
-terminal states never change.
+terminal states never change. Each backend of `TaskStore` persists records and calls `apply`
+inside its own atomic step, so these rules hold whatever stores them.
+
+Retention: a task that is not terminal never expires. `ttl_ms` is kept after the task becomes
+terminal; the store may forget it at `terminal_ms + ttl_ms`. The `ttlMs` a client is shown makes
+`createdAt + ttlMs` that real end, so it grows while the call runs (`reported_ttl_ms`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+INTERNAL_ERROR = -32603  # JSON-RPC "Internal error" (the proxy's own failures)
 
 
 class TaskStatus(StrEnum):
@@ -20,9 +29,9 @@ class TaskStatus(StrEnum):
 
     WORKING = "working"  # the upstream call is running
     INPUT_REQUIRED = "input_required"  # the upstream asked for input; see `input_requests`
-    COMPLETED = "completed"  # the upstream returned a result (also for `isError: true` results)
-    FAILED = "failed"  # a JSON-RPC error, an upstream fault, a timeout or a proxy restart ended it
-    CANCELLED = "cancelled"  # tasks/cancel was accepted before the call ended
+    COMPLETED = "completed"  # the upstream returned a result (also an `isError: true` one)
+    FAILED = "failed"  # a JSON-RPC error, an upstream fault, a timeout, a lost owner ended it
+    CANCELLED = "cancelled"  # a cancel (client, operator) was accepted before the call ended
 
     @property
     def terminal(self) -> bool:
@@ -42,6 +51,10 @@ class TerminalTaskError(Exception):
     """Raised when a change would alter a task that already reached a terminal status."""
 
 
+class ConflictError(Exception):
+    """Raised when a conditional change finds the record not as it expected (another writer won)."""
+
+
 def check_transition(current: TaskStatus, new: TaskStatus) -> None:
     """Raise TerminalTaskError unless `current → new` is allowed by the status machine."""
     if new not in _ALLOWED.get(current, set()):
@@ -51,6 +64,11 @@ def check_transition(current: TaskStatus, new: TaskStatus) -> None:
 def new_task_id() -> str:
     """A fresh task id: 256 bits from the OS CSPRNG, URL-safe base64 (43 characters)."""
     return secrets.token_urlsafe(32)
+
+
+def new_node_id() -> str:
+    """A fresh node id for one proxy process (16 hex characters)."""
+    return secrets.token_hex(8)
 
 
 def now_ms() -> int:
@@ -63,16 +81,24 @@ def iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
 
 
+def principal_key(principal: str) -> str:
+    """A fixed-length key for a principal inside store keys (SHA-256, 32 hex characters)."""
+    return hashlib.sha256(principal.encode()).hexdigest()[:32]
+
+
 @dataclass
 class TaskRecord:
-    """One task as stored. Times are epoch milliseconds; `ttl_ms` counts from `created_ms`.
+    """One task as stored. Times are epoch milliseconds.
 
-    `principal` is who created it (only they may see it); `boot` the proxy boot id that ran the
-    upstream call (a different boot means the call died with an earlier process); `result` the
-    upstream `CallToolResult` when completed; `error` the JSON-RPC error object when failed;
+    `principal` is who created it (only they may see it); `owner` the node id of the proxy process
+    that runs its upstream call (its lease says whether that process lives); `method` the upstream
+    method (`tools/call`); `outcome` the upstream's raw JSON-RPC answer once known, `{"result": …}`
+    or `{"error": …}` (the proxy's own failures are errors too), rendered per dialect when read;
     `input_requests` the outstanding upstream questions by key (`{method, params}` values);
-    `rerun` what is needed to send the call again after a restart (`{method, params,
-    capabilities}`), kept only for tools configured `on_restart: rerun` and dropped once terminal.
+    `ttl_ms` the retention after the task is terminal (None: forever); `terminal_ms` when it became
+    terminal; `rerun` what is needed to send the call again after its owner died (`{method, params,
+    capabilities}`), kept only for tools configured `on_restart: rerun` and dropped once terminal;
+    `version` counts committed changes (for conditional writes and change waits).
     """
 
     task_id: str
@@ -82,14 +108,16 @@ class TaskRecord:
     created_ms: int
     ttl_ms: int | None
     poll_interval_ms: int
-    boot: str
+    owner: str
+    method: str = "tools/call"
     status: TaskStatus = TaskStatus.WORKING
     status_message: str | None = None
     last_updated_ms: int = 0
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
+    terminal_ms: int | None = None
+    outcome: dict[str, Any] | None = None
     input_requests: dict[str, Any] = field(default_factory=dict)
     rerun: dict[str, Any] | None = None
+    version: int = 1
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)
@@ -98,8 +126,10 @@ class TaskRecord:
 
     @property
     def expires_ms(self) -> int | None:
-        """When the store may forget this task (epoch ms), or None for unlimited retention."""
-        return None if self.ttl_ms is None else self.created_ms + self.ttl_ms
+        """When the store may forget this task (epoch ms); None while it runs or when kept forever."""
+        if self.terminal_ms is None or self.ttl_ms is None:
+            return None
+        return self.terminal_ms + self.ttl_ms
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form for storage."""
@@ -109,31 +139,84 @@ class TaskRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TaskRecord:
-        """Inverse of `to_dict`."""
-        return cls(**data)
+        """Inverse of `to_dict`; fields this version does not know are ignored."""
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in known})
 
-    def wire_task(self) -> dict[str, Any]:
-        """The v2 `Task` fields: taskId, status, statusMessage?, createdAt, lastUpdatedAt, ttlMs, pollIntervalMs."""
-        task: dict[str, Any] = {"taskId": self.task_id, "status": self.status.value}
-        if self.status_message is not None:
-            task["statusMessage"] = self.status_message
-        task["createdAt"] = iso(self.created_ms)
-        task["lastUpdatedAt"] = iso(self.last_updated_ms)
-        task["ttlMs"] = self.ttl_ms
-        task["pollIntervalMs"] = self.poll_interval_ms
-        return task
 
-    def create_task_result(self) -> dict[str, Any]:
-        """The flat v2 `CreateTaskResult`: `resultType: "task"` plus the Task fields (ext-tasks §CreateTaskResult)."""
-        return {"resultType": "task", **self.wire_task()}
+def reported_ttl_ms(record: TaskRecord, at_ms: int | None = None) -> int | None:
+    """The `ttlMs` to show: `createdAt + ttlMs` is the real expiry, so it grows while the task runs.
 
-    def detailed_task(self) -> dict[str, Any]:
-        """The `tasks/get` result: `resultType: "complete"` plus DetailedTask (result / error / inputRequests by status)."""
-        out: dict[str, Any] = {"resultType": "complete", **self.wire_task()}
-        if self.status is TaskStatus.COMPLETED and self.result is not None:
-            out["result"] = self.result
-        elif self.status is TaskStatus.FAILED and self.error is not None:
-            out["error"] = self.error
-        elif self.status is TaskStatus.INPUT_REQUIRED:
-            out["inputRequests"] = dict(self.input_requests)
-        return out
+    `at_ms` is the time of the answer (epoch ms, default now). None when kept forever.
+    """
+    if record.ttl_ms is None:
+        return None
+    end = record.terminal_ms if record.terminal_ms is not None else max(at_ms or now_ms(), record.last_updated_ms)
+    return end - record.created_ms + record.ttl_ms
+
+
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change to a record, applied atomically by the store through `apply`.
+
+    Fields left `_UNSET` stay as they are. `expect_owner`, when set, makes the change conditional
+    on the record's owner (a node that lost its lease cannot write over the one that took over).
+    """
+
+    status: TaskStatus | None = None
+    status_message: Any = _UNSET
+    outcome: Any = _UNSET
+    input_requests: Any = _UNSET
+    owner: Any = _UNSET
+    expect_owner: str | None = None
+
+
+def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: int) -> TaskRecord:
+    """The record after `change`, or an exception; the input record is not modified.
+
+    Rules: a terminal record never changes (TerminalTaskError); transitions follow the status
+    machine; a result outcome larger than `max_result_bytes` (JSON bytes) is replaced by an error
+    naming the limit (the task fails); reaching a terminal status clears `input_requests` and
+    `rerun` and sets `terminal_ms`; `last_updated_ms` never goes back; `version` grows by one.
+    Raises ConflictError when `expect_owner` does not match.
+    """
+    if record.status.terminal:
+        raise TerminalTaskError(f"task {record.task_id} is {record.status.value}; it can no longer change")
+    if change.expect_owner is not None and record.owner != change.expect_owner:
+        raise ConflictError(f"task {record.task_id} is owned by {record.owner}, not {change.expect_owner}")
+    status, message, outcome = change.status, change.status_message, change.outcome
+    if isinstance(outcome, dict) and "result" in outcome:
+        size = len(json.dumps(outcome["result"], separators=(",", ":")))
+        if size > max_result_bytes:
+            status = TaskStatus.FAILED
+            message = f"the result ({size} bytes) exceeds the limit max_result_bytes ({max_result_bytes} bytes)"
+            outcome = {"error": {"code": INTERNAL_ERROR, "message": message, "data": {"limit": "max_result_bytes"}}}
+    updates: dict[str, Any] = {"last_updated_ms": max(at_ms, record.last_updated_ms), "version": record.version + 1}
+    if status is not None:
+        check_transition(record.status, status)
+        updates["status"] = status
+    for name, value in (("status_message", message), ("outcome", outcome), ("input_requests", change.input_requests), ("owner", change.owner)):
+        if value is not _UNSET:
+            updates[name] = value
+    new = replace(record, **updates)
+    if new.status.terminal:
+        new.terminal_ms = new.last_updated_ms
+        new.input_requests = {}
+        new.rerun = None
+    return new
+
+
+def outcome_status(outcome: dict[str, Any]) -> TaskStatus:
+    """The stored status for an upstream outcome: a result completes, an error fails."""
+    return TaskStatus.COMPLETED if "result" in outcome else TaskStatus.FAILED
+
+
+def proxy_error(message: str, **data: Any) -> dict[str, Any]:
+    """An outcome for a failure of the proxy's own (-32603 with `message`, optional `data`)."""
+    error: dict[str, Any] = {"code": INTERNAL_ERROR, "message": message}
+    if data:
+        error["data"] = data
+    return {"error": error}

@@ -1,245 +1,394 @@
-"""The proxy's own `tasks/get`, `tasks/update` and `tasks/cancel` (ext-tasks SEP-2663, protocol.md §1.5.3-1.5.5).
+"""The task lifecycle of one proxy process (node): detach, outcomes, leases, orphans, retention.
 
-Capability gating comes before any lookup (-32021); unknown, expired, foreign-principal and
-other-server ids all get the same -32602, so a task's existence never leaks.
+It owns the live detached calls of this node and writes what they report (the narrow sink
+interface `calls.TaskSink`: `set_inputs`, `progress`, `finish`). Readers go through `lookup`,
+which also ends orphans it meets. A background loop renews this node's lease, sweeps for
+orphans (tasks whose owner's lease lapsed) and purges expired records. Dialect rendering is not
+here: callers render records with `protocol/`.
 """
 
 from __future__ import annotations
 
-import secrets
+import asyncio
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import limits as limits_lib
+import structlog
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-import structlog
-
-from ..calls import Call
-from ..mrtr import validate_input_responses
-from ..protocol.era import TASKS_EXTENSION, Envelope
-from ..protocol.jsonrpc import (
-    INTERNAL_ERROR,
-    INVALID_PARAMS,
-    MISSING_REQUIRED_CLIENT_CAPABILITY,
-    JsonObject,
-    JsonRpcError,
-)
 from .. import observability as obs
-from ..auth import principal_hash
-from ..config import LimitsConfig
-from ..protocol.jsonrpc import limit_error
-from .model import TaskRecord, TaskStatus, TerminalTaskError, new_task_id, now_ms
-from .store import TaskNotFoundError, TaskStore
+from ..protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
+from .model import (
+    Change,
+    ConflictError,
+    TaskRecord,
+    TaskStatus,
+    TerminalTaskError,
+    apply,
+    new_node_id,
+    new_task_id,
+    now_ms,
+    outcome_status,
+    principal_key,
+    proxy_error,
+)
+from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 log = structlog.get_logger("proxy.tasks")
 
-ACK: JsonObject = {"resultType": "complete"}
 RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
+LOST_MESSAGE = "the proxy process running this call (node {node}) stopped renewing its lease; the upstream call was lost"
 SHUTDOWN_MESSAGE = "the proxy shut down while this call was running; the upstream call was abandoned"
+_RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for the audit line)
 
 
-def require_tasks_extension(envelope: Envelope, what: str) -> None:
-    """Raise -32021 (with `data.requiredCapabilities`) unless the request declared the tasks extension."""
-    if not envelope.declares_tasks:
-        raise JsonRpcError(
-            MISSING_REQUIRED_CLIENT_CAPABILITY,
-            f"{what} needs the {TASKS_EXTENSION} extension declared in this request's client capabilities",
-            {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
-        )
+class LiveCall(Protocol):
+    """What the service needs of a running call: who started it, how to answer and stop it."""
+
+    principal: str
+
+    def answer(self, responses: JsonObject) -> list[str]:
+        """Deliver input responses by key; returns the keys used."""
+
+    def cancel(self, reason: str) -> None:
+        """Abandon the call (the upstream gets notifications/cancelled)."""
+
+    def input_requests(self) -> JsonObject:
+        """The questions still unanswered, as an `inputRequests` map."""
+
+
+Rerun = Callable[[TaskRecord], LiveCall | None]
+
+
+def principal_hash(principal: str) -> str:
+    """A short stable hash of a principal for logs (16 hex characters)."""
+    return principal_key(principal)[:16]
 
 
 class TaskService:
-    """Owns the store and the live detached calls of this proxy process.
+    """Tasks of one node over a `TaskStore`.
 
-    `boot` identifies this process: a non-terminal task written by another boot lost its upstream
-    call with that process and is reported `failed` when next read.
+    `lease_s` (s) is how long this node's lease lasts without renewal; it is renewed every third
+    of it, and the orphan sweep runs every half of it. `outcome_retry_s` (s) bounds the retries of
+    an outcome write the store refused; after that the task is shown `failed`, naming the store,
+    while the write goes on being retried in the background. Limits: `max_tasks_per_principal`
+    (live tasks) and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods).
     """
 
-    def __init__(self, store: TaskStore, limits: LimitsConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: TaskStore,
+        *,
+        node: str | None = None,
+        lease_s: float = 15.0,
+        outcome_retry_s: float = 5.0,
+        max_tasks_per_principal: int | None = None,
+        tasks_rate: str | None = None,
+    ) -> None:
         self.store = store
-        self.boot = secrets.token_hex(8)
-        self.live: dict[str, Call] = {}
-        self.limits = limits or LimitsConfig()
-        self._rate = limits_lib.parse(self.limits.tasks_rate) if self.limits.tasks_rate else None
+        self.node = node or new_node_id()
+        self.lease_s = lease_s
+        self.outcome_retry_s = outcome_retry_s
+        self.live: dict[str, LiveCall] = {}
+        self.max_tasks_per_principal = max_tasks_per_principal
+        self.tasks_rate = tasks_rate
+        self._rate = limits_lib.parse(tasks_rate) if tasks_rate else None
         self._limiter = MovingWindowRateLimiter(MemoryStorage()) if self._rate else None
+        self._snapshots: dict[str, TaskRecord] = {}  # live task → record at detach (for the store-failure view)
+        self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown to readers
+        self._retrieved: dict[str, None] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._rerun: Rerun | None = None
+        self.store_problem: str | None = None  # the last store failure, while it lasts
+        store.add_listener(self._observe)  # type: ignore[attr-defined]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, rerun: Rerun | None = None) -> tuple[int, int]:
+        """Take this node's lease, end (or re-run) the tasks earlier processes left running, and
+        start the lease/sweep loop. Returns (re-run, failed) counts of the first sweep."""
+        self._rerun = rerun
+        await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+        counts = await self.sweep(message=RESTART_MESSAGE)
+        self._loop_task = asyncio.get_running_loop().create_task(self._maintain(), name="task-lease-and-sweep")
+        return counts
+
+    async def _maintain(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_sweep = loop.time() + self.lease_s / 2
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+                if loop.time() >= next_sweep:
+                    next_sweep = loop.time() + self.lease_s / 2
+                    await self.sweep()
+                    purged = await self.store.purge_expired()
+                    if purged:
+                        log.info("tasks_purged", count=purged)
+                self.store_problem = None
+            except StoreUnavailableError as exc:
+                self.store_problem = str(exc)
+                log.warning("store_unavailable", reason=str(exc))
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("task_maintenance_failed")
+
+    async def stop(self) -> None:
+        """On shutdown: record `failed` for every detached call still running, cancel it, give the lease up."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for task_id, call in list(self.live.items()):
+            await self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown")
+            call.cancel("proxy shutdown")
+        self.live.clear()
+        for task in list(self._background):
+            task.cancel()
+        with contextlib.suppress(StoreUnavailableError):
+            await self.store.release_lease(self.node)
 
     # -- creation ----------------------------------------------------------------------------
 
     def check_capacity(self, principal: str) -> None:
         """Raise a limit error (HTTP 429) when `principal` already has `max_tasks_per_principal` live tasks."""
-        cap = self.limits.max_tasks_per_principal
+        cap = self.max_tasks_per_principal
         if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
             log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
             obs.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
             raise limit_error("max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap)
 
-    def detach(
-        self, call: Call, *, principal: str, ttl_s: float, poll_interval_s: float, status_message: str, rerun: bool = False
+    async def detach(
+        self, call: LiveCall, *, server: str, tool: str, method: str, ttl_s: float | None, poll_interval_s: float,
+        status_message: str, rerun: JsonObject | None = None,
     ) -> TaskRecord:
-        """Commit a task for a running call, hand the call over to it, and return the record.
+        """Commit a task for a running call and take the call over; return the record.
 
-        The record is on disk before this returns (the caller then sends the CreateTaskResult).
-        With `rerun`, what is needed to send the call again after a restart is stored with it.
-        Raises a limit error when the principal has too many live tasks (the caller cancels the call).
+        The record is committed before this returns (the caller then sends the handle). `ttl_s` (s)
+        is the retention after the task ends; `rerun` (`{method, params, capabilities}`) is kept for
+        tools re-run after their owner died. Raises a limit error (HTTP 429) for
+        `max_tasks_per_principal`, or JsonRpcError -32603 naming the store when it cannot write.
         """
-        self.check_capacity(principal)
+        self.check_capacity(call.principal)
         record = TaskRecord(
-            task_id=new_task_id(),
-            principal=principal,
-            server=call.server,
-            tool=call.tool,
-            created_ms=now_ms(),
-            ttl_ms=int(ttl_s * 1000),
-            poll_interval_ms=max(1, int(poll_interval_s * 1000)),
-            boot=self.boot,
-            status_message=status_message,
-            rerun={"method": call.method, "params": call.params, "capabilities": call.capabilities} if rerun else None,
+            task_id=new_task_id(), principal=call.principal, server=server, tool=tool, method=method, created_ms=now_ms(),
+            ttl_ms=None if ttl_s is None else int(ttl_s * 1000), poll_interval_ms=max(1, int(poll_interval_s * 1000)),
+            owner=self.node, status_message=status_message, rerun=rerun,
         )
-        self.store.create(record)
-        self.live[record.task_id] = call
-        call.add_done_callback(lambda c: self.live.pop(record.task_id, None))
-        call.detach(record.task_id)
-        log.info("task_created", task_id=record.task_id, server=call.server, tool=call.tool)
+        self.live[record.task_id] = call  # before the commit: the sweep must never see it ownerless
+        self._snapshots[record.task_id] = record
+        try:
+            await self.store.create(record)
+        except StoreUnavailableError as exc:
+            self._forget(record.task_id)
+            self.store_problem = str(exc)
+            raise JsonRpcError(-32603, f"the call could not become a task: {exc}", {"store": self.store.where}, status=503) from None
+        log.info("task_created", task_id=record.task_id, server=server, tool=tool, principal=principal_hash(call.principal))
         return record
 
-    # -- lookups -----------------------------------------------------------------------------
+    def _forget(self, task_id: str) -> None:
+        self.live.pop(task_id, None)
+        self._snapshots.pop(task_id, None)
 
-    def _lookup(self, params: Any, *, principal: str, server: str) -> TaskRecord:
-        task_id = params.get("taskId") if isinstance(params, dict) else None
+    # -- the sink a running call writes through ------------------------------------------------
+
+    async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool:
+        """Record the call's outstanding questions (status `input_required`, or `working` when none).
+        Returns False when the task already ended elsewhere."""
+        status = TaskStatus.INPUT_REQUIRED if input_requests else TaskStatus.WORKING
+        return await self._write(task_id, Change(status=status, input_requests=input_requests, expect_owner=self.node))
+
+    async def progress(self, task_id: str, text: str) -> bool:
+        """Record progress text as the status message. Returns False when the task already ended elsewhere."""
+        return await self._write(task_id, Change(status_message=text, expect_owner=self.node))
+
+    async def _write(self, task_id: str, change: Change) -> bool:
+        try:
+            await self.store.update(task_id, change)
+        except (TerminalTaskError, TaskNotFoundError, ConflictError):
+            return False
+        except StoreUnavailableError as exc:
+            self.store_problem = str(exc)
+            log.warning("store_write_failed", task_id=task_id, reason=str(exc))
+        return True
+
+    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None) -> None:
+        """Record the call's outcome (the raw upstream answer, or the proxy's error) and release the call.
+
+        A write the store refuses is retried with backoff for `outcome_retry_s`; after that the task
+        reads as `failed`, naming the store, and the write of that failure goes on in the background.
+        """
+        await self._end(task_id, outcome, status_message, by="upstream")
+
+    async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:
+        change = Change(status=outcome_status(outcome), outcome=outcome, status_message=status_message, input_requests={}, expect_owner=self.node)
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(self.outcome_retry_s), wait=wait_exponential(multiplier=0.05, max=1.0),
+                retry=retry_if_exception_type(StoreUnavailableError), reraise=True,
+            ):
+                with attempt:
+                    await self.store.update(task_id, change)
+        except (TerminalTaskError, TaskNotFoundError, ConflictError) as exc:
+            log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
+        except StoreUnavailableError as exc:
+            self.store_problem = str(exc)
+            message = f"the task store could not record this call's outcome ({exc})"
+            failed = Change(status=TaskStatus.FAILED, outcome=proxy_error(message, store=self.store.where), status_message=message, input_requests={})
+            snapshot = self._snapshots.get(task_id)
+            if snapshot is not None:
+                self._unwritten[task_id] = apply(snapshot, failed, at_ms=now_ms(), max_result_bytes=1 << 62)
+            log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
+            self._spawn(self._write_later(task_id, failed))
+        finally:
+            self._forget(task_id)
+
+    async def _write_later(self, task_id: str, change: Change) -> None:
+        """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart)."""
+        try:
+            async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=5.0), retry=retry_if_exception_type(StoreUnavailableError)):
+                with attempt:
+                    await self.store.update(task_id, change)
+            log.info("outcome_recorded_late", task_id=task_id)
+        except (TerminalTaskError, TaskNotFoundError, ConflictError):
+            pass
+        finally:
+            self._unwritten.pop(task_id, None)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- readers -----------------------------------------------------------------------------
+
+    def check_rate(self, principal: str) -> None:
+        """Raise a limit error (HTTP 429) when `principal` exceeds `tasks_rate`."""
+        if self._limiter is not None and self._rate is not None and not self._limiter.hit(self._rate, principal):
+            log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
+            obs.LIMIT_REJECTIONS.labels("tasks_rate").inc()
+            raise limit_error("tasks_rate", f"more than {self.tasks_rate} tasks/* calls", rate=self.tasks_rate)
+
+    async def lookup(self, task_id: Any, *, principal: str, server: str) -> TaskRecord:
+        """The record of `task_id` as `principal` may see it on `server`, ending it first if it is an orphan.
+
+        Raises JsonRpcError -32602 for a missing, unknown, expired, foreign-principal or other-server
+        id (all alike), -32603 (HTTP 503) naming the store when it cannot be read.
+        """
         if not isinstance(task_id, str) or not task_id:
             raise JsonRpcError(INVALID_PARAMS, "params.taskId must be a non-empty string")
-        record = self.store.get(task_id)
+        record = self._unwritten.get(task_id)
+        if record is None:
+            try:
+                record = await self.store.get(task_id)
+            except StoreUnavailableError as exc:
+                raise JsonRpcError(-32603, str(exc), {"store": self.store.where}, status=503) from None
         if record is None or record.principal != principal or record.server != server:
             if record is not None:
                 log.warning("security_foreign_task_access", task_id=task_id, server=server, principal=principal_hash(principal))
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
-        if not record.status.terminal and record.boot != self.boot and task_id not in self.live:
-            record = self._fail_orphan(record)
+        if not record.status.terminal and task_id not in self.live and not await self.store.lease_alive(record.owner):
+            record = await self._orphan(record, LOST_MESSAGE.format(node=record.owner))
+        if record.status.terminal and task_id not in self._retrieved:
+            self._retrieved[task_id] = None
+            if len(self._retrieved) > _RETRIEVED_MAX:
+                del self._retrieved[next(iter(self._retrieved))]
+            log.info("task_result_retrieved", task_id=task_id, status=record.status.value, principal=principal_hash(principal))
         return record
 
-    def _fail_orphan(self, record: TaskRecord) -> TaskRecord:
-        obs.ORPHANED.labels("failed").inc()
-        try:
-            return self.store.update(
-                record.task_id,
-                status=TaskStatus.FAILED,
-                status_message=RESTART_MESSAGE,
-                error={"code": INTERNAL_ERROR, "message": RESTART_MESSAGE},
-                input_requests={},
-            )
-        except (TerminalTaskError, TaskNotFoundError):
-            return self.store.get(record.task_id) or record
-
-    # -- methods -----------------------------------------------------------------------------
-
-    def _check_rate(self, principal: str) -> None:
-        if self._limiter is not None and self._rate is not None and not self._limiter.hit(self._rate, principal):
-            log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
-            obs.LIMIT_REJECTIONS.labels("tasks_rate").inc()
-            raise limit_error("tasks_rate", f"more than {self.limits.tasks_rate} tasks/* calls", rate=self.limits.tasks_rate)
-
-    def get(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
-        """`tasks/get` → DetailedTask with `resultType: "complete"` (ext-tasks "Task Polling").
-
-        Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
-        an unknown, expired or foreign id.
-        """
-        require_tasks_extension(envelope, "tasks/get")
-        self._check_rate(principal)
-        return self._lookup(params, principal=principal, server=server).detailed_task()
-
-    def update(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
-        """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack
-        (ext-tasks "Task Update Requests"); unknown or already-answered keys are ignored.
-
-        Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
-        an unknown id or malformed `inputResponses`.
-        """
-        require_tasks_extension(envelope, "tasks/update")
-        self._check_rate(principal)
-        record = self._lookup(params, principal=principal, server=server)
-        responses = validate_input_responses(params.get("inputResponses"))
+    async def answer(self, record: TaskRecord, responses: JsonObject) -> list[str]:
+        """Deliver input responses to the task's live call (if it runs here); the answered keys have
+        left the stored `inputRequests` when this returns. Returns the keys used."""
         call = self.live.get(record.task_id)
-        if call is not None and not record.status.terminal:
-            call.answer(responses)
-        return dict(ACK)
+        if call is None or record.status.terminal:
+            return []
+        keys = call.answer(responses)
+        if keys:
+            await self.set_inputs(record.task_id, call.input_requests())
+            log.info("task_input_answered", task_id=record.task_id, keys=len(keys), principal=principal_hash(record.principal))
+        return keys
 
-    def cancel(self, params: Any, envelope: Envelope, *, principal: str, server: str) -> JsonObject:
-        """`tasks/cancel` → empty ack (ext-tasks "Task Cancellation"). Sticky: a cancelled task stays
-        cancelled; terminal tasks are untouched; the upstream gets `notifications/cancelled`.
+    async def cancel(self, record: TaskRecord, *, by: str) -> TaskRecord:
+        """Cancel a task (sticky; a terminal task is returned untouched) and stop its live call.
 
-        Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
-        an unknown id.
+        `by` names who asked (`client`, `operator`) for the audit log. Raises StoreUnavailableError.
         """
-        require_tasks_extension(envelope, "tasks/cancel")
-        self._check_rate(principal)
-        record = self._lookup(params, principal=principal, server=server)
         if record.status.terminal:
-            return dict(ACK)
+            return record
+        message = f"cancelled by {'client request' if by == 'client' else by}"
         try:
-            self.store.update(
-                record.task_id, status=TaskStatus.CANCELLED, status_message="cancelled by client request", input_requests={}
-            )
+            record = await self.store.update(record.task_id, Change(status=TaskStatus.CANCELLED, status_message=message, input_requests={}))
         except (TerminalTaskError, TaskNotFoundError):
-            return dict(ACK)
-        call = self.live.pop(record.task_id, None)
+            return await self.store.get(record.task_id) or record
+        call = self.live.get(record.task_id)
+        self._forget(record.task_id)
         if call is not None:
-            call.cancel("task cancelled by client request")
-        log.info("task_cancelled", task_id=record.task_id)
-        return dict(ACK)
+            call.cancel(f"task {message}")
+        log.info("task_cancelled", task_id=record.task_id, by=by, principal=principal_hash(record.principal))
+        return record
 
-    def recover(self, rerun: Callable[[TaskRecord], Call | None]) -> tuple[int, int]:
-        """After a restart: every task an earlier process left running is either re-run (tools
-        configured `on_restart: rerun`; `rerun(record)` starts the call) or failed, naming the restart.
+    # -- orphans -----------------------------------------------------------------------------
 
-        Reads only the side index of live tasks. Returns (re-run, failed) counts.
-        """
-        rerun_count = failed = 0
-        for task_id in self.store.live_ids():
-            record = self.store.get(task_id)
-            if record is None or record.status.terminal:
-                self.store.forget_live(task_id)
+    async def sweep(self, message: str | None = None) -> tuple[int, int]:
+        """End (or re-run) every non-terminal task whose owner's lease lapsed. Returns (re-run, failed)."""
+        rerun = failed = 0
+        lapsed: dict[str, bool] = {}
+        for record in await self.store.live_tasks():
+            if record.task_id in self.live or record.task_id in self._unwritten:
                 continue
-            if record.boot == self.boot:
-                continue
-            call = rerun(record) if record.rerun else None
-            if call is None:
-                self._fail_orphan(record)
+            if record.owner != self.node:
+                if record.owner not in lapsed:
+                    lapsed[record.owner] = not await self.store.lease_alive(record.owner)
+                if not lapsed[record.owner]:
+                    continue
+            ended = await self._orphan(record, message or LOST_MESSAGE.format(node=record.owner))
+            if ended.status is TaskStatus.FAILED:
                 failed += 1
-                continue
-            try:
-                self.store.update(
-                    task_id, status=TaskStatus.WORKING, status_message="re-running after a proxy restart", input_requests={}, boot=self.boot
+            elif not ended.status.terminal:
+                rerun += 1
+        if rerun or failed:
+            log.info("tasks_recovered", rerun=rerun, failed=failed)
+        return rerun, failed
+
+    async def _orphan(self, record: TaskRecord, message: str) -> TaskRecord:
+        """Re-run (tools configured `on_restart: rerun`) or fail a task whose owner is gone."""
+        call = self._rerun(record) if record.rerun is not None and self._rerun is not None else None
+        try:
+            if call is None:
+                obs.ORPHANED.labels("failed").inc()
+                return await self.store.update(
+                    record.task_id,
+                    Change(status=TaskStatus.FAILED, status_message=message, outcome=proxy_error(message), input_requests={}, expect_owner=record.owner),
                 )
-            except (TerminalTaskError, TaskNotFoundError):
-                call.cancel("the task ended meanwhile")
-                continue
-            self._adopt(record, call)
+            self.live[record.task_id] = call
+            self._snapshots[record.task_id] = record
+            new = await self.store.update(
+                record.task_id,
+                Change(status=TaskStatus.WORKING, status_message=f"re-running: {message}", input_requests={}, owner=self.node, expect_owner=record.owner),
+            )
             obs.ORPHANED.labels("rerun").inc()
-            rerun_count += 1
-        if rerun_count or failed:
-            log.info("tasks_recovered", rerun=rerun_count, failed=failed)
-        return rerun_count, failed
+            return new
+        except (TerminalTaskError, TaskNotFoundError, ConflictError):
+            if call is not None:
+                self._forget(record.task_id)
+                call.cancel("the task ended meanwhile")
+            return await self.store.get(record.task_id) or record
 
-    def _adopt(self, record: TaskRecord, call: Call) -> None:
-        self.live[record.task_id] = call
-        call.add_done_callback(lambda c: self.live.pop(record.task_id, None))
-        call.detach(record.task_id)
+    # -- observation -------------------------------------------------------------------------
 
-    def abandon_all(self) -> None:
-        """On shutdown: record a `failed` outcome for every detached call still running, then cancel it."""
-        for task_id, call in list(self.live.items()):
-            try:
-                self.store.update(
-                    task_id,
-                    status=TaskStatus.FAILED,
-                    status_message=SHUTDOWN_MESSAGE,
-                    error={"code": INTERNAL_ERROR, "message": SHUTDOWN_MESSAGE},
-                    input_requests={},
-                )
-            except (TerminalTaskError, TaskNotFoundError):
-                pass
-            call.cancel("proxy shutdown")
-        self.live.clear()
+    def _observe(self, before: TaskStatus | None, record: TaskRecord) -> None:
+        if before is record.status:
+            return
+        age_s = (record.last_updated_ms - record.created_ms) / 1000
+        obs.TASKS.labels(record.status.value).inc()
+        if record.status.terminal:
+            obs.TASK_AGE.labels(record.status.value).observe(age_s)
+        log.info(
+            "task_transition", task_id=record.task_id, server=record.server, tool=record.tool, principal=principal_hash(record.principal),
+            **{"from": before.value if before else None}, to=record.status.value, age_ms=int(age_s * 1000),
+        )

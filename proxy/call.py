@@ -1,0 +1,410 @@
+"""One in-flight upstream `tools/call`, owned by the proxy rather than by the client's HTTP handler.
+
+A call is *attached* while its client waits on the original request (notifications are relayed to
+that request's stream), and *detached* once it became a task: from then on it reports its status,
+input requests and outcome through a `TaskSink` (the task service) (design.md "The path of one request").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from . import observability as obs
+from .protocol import jsonrpc
+from .protocol.era import LIST_CHANGED_NOTIFICATIONS
+from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId
+from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
+from .upstream.stdio import StdioPool, StdioSession
+
+log = structlog.get_logger("proxy.calls")
+
+INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
+INPUT_METHODS = frozenset(INPUT_CAPABILITY)
+INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"
+PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call
+REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
+
+
+class TaskSink(Protocol):
+    """Where a detached call reports (the task service implements it). Each returns once written;
+    `set_inputs` and `progress` return False when the task already ended elsewhere."""
+
+    async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool: ...
+
+    async def progress(self, task_id: str, text: str) -> bool: ...
+
+    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None) -> None: ...
+
+
+class _Discard:
+    """Stands in for the event queue of a detached call: events for an attached client go nowhere."""
+
+    def put_nowait(self, item: Any) -> None:
+        pass
+
+    def empty(self) -> bool:
+        return True
+
+
+_DISCARD: Any = _Discard()
+
+
+@dataclass
+class PendingInput:
+    """A server→client request the upstream is waiting on: its upstream id and the 2026 `{method, params}` value."""
+
+    upstream_id: RequestId
+    request: JsonObject
+    asked: float = field(default_factory=time.monotonic)
+
+
+def input_request_value(message: JsonObject) -> JsonObject:
+    """The 2026-07-28 `{method, params}` value of a legacy server→client request.
+
+    Drops `jsonrpc`/`id`, the params' `_meta` (related-task key included), the v1 `task` param and
+    URL-mode `elicitationId` (protocol.md §3.4 step 3).
+    """
+    value: JsonObject = {"method": message["method"]}
+    params = message.get("params")
+    if isinstance(params, dict):
+        value["params"] = {k: v for k, v in params.items() if k not in ("_meta", "task", "elicitationId")}
+    elif message["method"] != "roots/list":
+        value["params"] = {}
+    return value
+
+
+class Call:
+    """An upstream request (`tools/call`, or `prompts/get` / `resources/read`) in its own asyncio task.
+
+    `params` are the params to send upstream (envelope already stripped), `capabilities` the
+    legacy client capabilities for the upstream session, `timeout` the hard limit in seconds,
+    `input_timeout` how long (s) one upstream question may stay unanswered, `prefilled` input
+    responses supplied before the question was asked (answered at once when their key comes up).
+    `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
+    `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)` and
+    `("done", None)` items for the attached client.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: UpstreamPool | StdioPool,
+        server: str,
+        tool: str,
+        params: JsonObject,
+        capabilities: JsonObject,
+        timeout: float,
+        sink: TaskSink | None = None,
+        method: str = "tools/call",
+        client_progress_token: str | int | None = None,
+        relay_logs: bool = False,
+        input_timeout: float = 600.0,
+        prefilled: JsonObject | None = None,
+        principal: str = "",
+    ) -> None:
+        self.call_id = secrets.token_urlsafe(16)
+        self._progress_text: str | None = None
+        self._progress_written = 0.0
+        self._progress_timer: asyncio.TimerHandle | None = None
+        self.started = time.monotonic()
+        self.principal = principal
+        self.pool = pool
+        self.server = server
+        self.method = method
+        self.tool = tool
+        self.params = params
+        self.input_timeout = input_timeout
+        self.prefilled = dict(prefilled or {})
+        self._used_keys: set[str] = set()
+        self._input_timers: dict[str, asyncio.TimerHandle] = {}
+        self.capabilities = capabilities
+        self.timeout = timeout
+        self.sink = sink
+        self.client_progress_token = client_progress_token
+        self.relay_logs = relay_logs
+        self.progress_token = "mtp-" + secrets.token_urlsafe(12)
+        self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
+        self.events: asyncio.Queue[tuple[str, Any]] | _Discard = asyncio.Queue()
+        self.task_id: str | None = None
+        self.session: UpstreamSession | StdioSession | None = None
+        self.upstream_request_id: RequestId | None = None
+        self.pending: dict[str, PendingInput] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        self._on_done: list[Callable[[Call], None]] = []
+        # Server-wide notifications (list changes) that arrive on this call's stream go here.
+        self.server_notifications: Callable[[JsonObject], None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the upstream request in a task of its own."""
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.method} {self.server}/{self.tool}")
+
+    def add_done_callback(self, fn: Callable[[Call], None]) -> None:
+        """Call `fn(call)` once, when the outcome is known."""
+        self._on_done.append(fn)
+
+    @property
+    def done(self) -> bool:
+        """True once the outcome is known."""
+        return self.outcome.done()
+
+    async def _run(self) -> None:
+        params = dict(self.params)
+        meta = dict(params.get("_meta") or {})
+        meta["progressToken"] = self.progress_token
+        params["_meta"] = meta
+        try:
+            async with asyncio.timeout(self.timeout):
+                reply = await self._request(params, retry_expired=True)
+        except TimeoutError:
+            self._spawn(self._send_cancelled("hard timeout"))
+            reply = {"error": {"code": INTERNAL_ERROR, "message": f"upstream {self.server} hard timeout: no answer within {self.timeout:g} s"}}
+        except UpstreamError as exc:
+            reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
+        except asyncio.CancelledError:
+            if not self.outcome.done():
+                self._finish({"error": {"code": REQUEST_CANCELLED, "message": "the call was cancelled"}})
+            raise
+        except Exception as exc:  # a bug or a garbage upstream must not kill the proxy
+            log.exception("call_crashed", server=self.server, tool=self.tool)
+            reply = {"error": {"code": INTERNAL_ERROR, "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}"}}
+        self._finish(reply)
+
+    async def _request(self, params: JsonObject, *, retry_expired: bool) -> JsonObject:
+        session = await self.pool.session(self.capabilities, self.principal or None)
+        self.session = session
+        self.upstream_request_id = session.next_id()
+        try:
+            return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id)
+        except SessionExpiredError:
+            self.pool.discard(session)
+            if not retry_expired:
+                raise
+            return await self._request(params, retry_expired=False)
+
+    def _finish(self, reply: JsonObject) -> None:
+        if self.outcome.done():
+            return
+        self.outcome.set_result(reply)
+        obs.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
+        for timer in self._input_timers.values():
+            timer.cancel()
+        self._input_timers.clear()
+        self.events.put_nowait(("done", None))
+        if self.task_id is not None:
+            self._record_outcome(reply)  # with the last progress text, if its write was still pending
+        if self._progress_timer is not None:
+            self._progress_timer.cancel()
+            self._progress_timer = None
+        for fn in self._on_done:
+            fn(self)
+
+    def _record_outcome(self, reply: JsonObject) -> None:
+        assert self.task_id is not None and self.sink is not None
+        if "result" in reply:
+            outcome: JsonObject = {"result": reply["result"]}
+            message = self._progress_text if self._progress_timer is not None else None
+        else:
+            error = reply.get("error")
+            outcome = {"error": error}
+            text = error.get("message") if isinstance(error, dict) else None
+            if isinstance(error, dict) and error.get("code") == INTERNAL_ERROR:
+                message = f"{text}"
+            else:
+                message = f"upstream {self.server} answered with a JSON-RPC error: {text}"
+        self._spawn(self.sink.finish(self.task_id, outcome, message))
+
+    # -- messages from the upstream --------------------------------------------------------
+
+    async def _on_message(self, msg: JsonObject) -> None:
+        method = msg.get("method")
+        if jsonrpc.is_request(msg):
+            if method in INPUT_METHODS:
+                self._on_input_request(msg)
+            else:
+                self._spawn(self._respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"the proxy does not relay {method}"}))
+            return
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        if method == "notifications/progress" and params.get("progressToken") == self.progress_token:
+            self._on_progress(params)
+        elif method == "notifications/message":
+            if self.relay_logs and self.task_id is None:
+                self.events.put_nowait(("notification", msg))
+        elif method == "notifications/cancelled":
+            self._on_upstream_cancelled(params.get("requestId"))
+        elif method in LIST_CHANGED_NOTIFICATIONS and self.server_notifications is not None:
+            self.server_notifications(msg)
+
+    def _on_progress(self, params: JsonObject) -> None:
+        if self.task_id is not None:
+            progress, total, message = params.get("progress"), params.get("total"), params.get("message")
+            text = f"{progress:g}/{total:g}" if isinstance(progress, (int, float)) and isinstance(total, (int, float)) else f"{progress}"
+            if message:
+                text = f"{text}: {message}"
+            self._progress_text = text
+            # At most one store write per PROGRESS_WRITE_S: a chatty upstream must not flood the
+            # store (each write is an fsync'd transaction); the latest text always lands.
+            wait = PROGRESS_WRITE_S - (time.monotonic() - self._progress_written)
+            if wait <= 0:
+                self._write_progress()
+            elif self._progress_timer is None:
+                self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
+        elif self.client_progress_token is not None:
+            relayed = dict(params, progressToken=self.client_progress_token)
+            self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
+
+    def _write_progress(self) -> None:
+        self._progress_timer = None
+        self._progress_written = time.monotonic()
+        if self.task_id is None or self.done or self.sink is None:
+            return
+        self._spawn(self._report_progress(self.task_id, self.sink, self._progress_text))
+
+    async def _report_progress(self, task_id: str, sink: TaskSink, text: str) -> None:
+        if not await sink.progress(task_id, text):
+            # Ended from outside this call (an operator's cancel, another node): stop the upstream work too.
+            self.cancel("the task ended outside this call")
+
+    def _on_input_request(self, msg: JsonObject) -> None:
+        capability = INPUT_CAPABILITY[msg["method"]]
+        if capability not in self.capabilities:
+            # The client of this call never declared it can answer this kind of question.
+            self._spawn(self._respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": f"the client did not declare the {capability} capability"}))
+            if self.task_id is None:
+                self.events.put_nowait(("unsupported", capability))
+            return
+        key = self._key_for(msg)
+        if key in self.prefilled:
+            self._spawn(self._respond(msg["id"], result=self.prefilled.pop(key)))
+            return
+        self.pending[key] = PendingInput(upstream_id=msg["id"], request=input_request_value(msg))
+        self._input_timers[key] = asyncio.get_running_loop().call_later(self.input_timeout, self.fail_input_timeout, self.input_timeout)
+        if self.task_id is not None:
+            self._write_inputs()
+        else:
+            self.events.put_nowait(("input", key))
+
+    def _key_for(self, msg: JsonObject) -> str:
+        """A key unique for the call's whole life: the upstream's hint (`_meta["mcp-tasks-proxy/inputKey"]`) if unused, else random."""
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        hint = meta.get(INPUT_KEY_HINT)
+        if isinstance(hint, str) and 0 < len(hint) <= 64 and hint not in self._used_keys:
+            key = hint
+        else:
+            key = "in_" + secrets.token_urlsafe(9)
+        self._used_keys.add(key)
+        return key
+
+    def _on_upstream_cancelled(self, request_id: Any) -> None:
+        for key, pending in list(self.pending.items()):
+            if pending.upstream_id == request_id:
+                del self.pending[key]
+                self._cancel_timer(key)
+                if self.task_id is not None:
+                    self._write_inputs()
+
+    def input_requests(self) -> dict[str, JsonObject]:
+        """The outstanding upstream questions as a 2026 `inputRequests` map."""
+        return {key: pending.request for key, pending in self.pending.items()}
+
+    def _write_inputs(self) -> None:
+        assert self.task_id is not None
+        if self.sink is not None:
+            self._spawn(self.sink.set_inputs(self.task_id, self.input_requests()))
+
+    # -- actions from the proxy ------------------------------------------------------------
+
+    def detach(self, task_id: str, sink: TaskSink) -> None:
+        """Hand the call over to the task `task_id` (already committed), reporting through `sink`."""
+        self.task_id = task_id
+        self.sink = sink
+        self.events = _DISCARD  # nobody is attached any more: keep no queue per detached call
+        if self.done:  # it ended while the task was being committed
+            self._record_outcome(self.outcome.result())
+        elif self.pending:
+            self._write_inputs()
+
+    def answer(self, responses: JsonObject) -> list[str]:
+        """Deliver input responses by key; unknown or already-answered keys are ignored.
+
+        The JSON-RPC responses go upstream in the background under the upstream's own request ids.
+        Returns the keys used; for a detached call the task service then records what is left.
+        """
+        used = []
+        for key, value in responses.items():
+            pending = self.pending.pop(key, None)
+            if pending is None:
+                continue
+            self._cancel_timer(key)
+            obs.INPUT_WAIT.observe(time.monotonic() - pending.asked)
+            used.append(key)
+            if isinstance(value, dict):
+                self._spawn(self._respond(pending.upstream_id, result=value))
+            else:
+                self._spawn(self._respond(pending.upstream_id, error={"code": jsonrpc.INVALID_PARAMS, "message": "the client sent a malformed input response"}))
+        return used
+
+    def _cancel_timer(self, key: str) -> None:
+        timer = self._input_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def resume(self, client_progress_token: str | int | None) -> None:
+        """A client picks the call up again (MRTR retry): drop what was queued for the old request."""
+        self.client_progress_token = client_progress_token
+        while not self.events.empty():
+            self.events.get_nowait()
+
+    def fail_input_timeout(self, timeout_s: float) -> None:
+        """No answer arrived in time: release the upstream's questions, end the call (and its task) failed."""
+        if self.done:
+            return
+        message = f"input timed out: the client did not answer within {timeout_s:g} s"
+        for pending in self.pending.values():
+            self._spawn(self._respond(pending.upstream_id, error={"code": INTERNAL_ERROR, "message": message}))
+        self.pending.clear()
+        self._finish({"error": {"code": INTERNAL_ERROR, "message": message}})
+        if self._runner is not None and not self._runner.done():
+            self._spawn(self._send_cancelled(message))
+            self._runner.cancel()
+
+    def cancel(self, reason: str) -> None:
+        """Abandon the call: release pending input requests, tell the upstream, stop reading."""
+        for key, pending in self.pending.items():
+            self._cancel_timer(key)
+            self._spawn(self._respond(pending.upstream_id, error={"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"}))
+        self.pending.clear()
+        if self._runner is not None and not self._runner.done():
+            self._spawn(self._send_cancelled(reason))
+            self._runner.cancel()
+
+    async def _send_cancelled(self, reason: str) -> None:
+        if self.session is None or self.upstream_request_id is None:
+            return
+        try:
+            await self.session.notify("notifications/cancelled", {"requestId": self.upstream_request_id, "reason": reason})
+        except UpstreamError as exc:
+            log.info("upstream_cancel_not_delivered", server=self.server, reason=str(exc))
+
+    async def _respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
+        if self.session is None:
+            return
+        try:
+            await self.session.respond(request_id, result=result, error=error)
+        except UpstreamError as exc:
+            log.info("upstream_answer_not_delivered", server=self.server, reason=str(exc))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,50 @@
+"""Graceful shutdown (SIGTERM) of synchronous calls: a deadline every waiting handler plans against."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+
+class Drain:
+    """Once started, synchronous calls have `timeout_s` seconds to finish; then their clients get a
+    JSON-RPC error naming the shutdown instead of a cut connection."""
+
+    def __init__(self) -> None:
+        self.timeout_s = 0.0
+        self._deadline: float | None = None
+        self._started = asyncio.Event()
+
+    def start(self, timeout_s: float) -> None:
+        """Begin draining now; `timeout_s` in seconds."""
+        self.timeout_s = timeout_s
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        self._started.set()
+
+    @property
+    def started(self) -> bool:
+        """True once draining began."""
+        return self._started.is_set()
+
+    def remaining(self) -> float | None:
+        """Seconds left before the drain deadline (0.0 once passed), or None when not draining."""
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    async def wait_for(self, awaitable: Awaitable[Any], timeout: float) -> Any:
+        """`asyncio.wait_for(awaitable, timeout)` (s), but a drain that starts meanwhile ends the wait
+        early (TimeoutError), so the caller re-plans against the drain deadline."""
+        if self._started.is_set():
+            return await asyncio.wait_for(awaitable, timeout)
+        getter = asyncio.ensure_future(awaitable)
+        started = asyncio.ensure_future(self._started.wait())
+        try:
+            done, _ = await asyncio.wait({getter, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        raise TimeoutError

@@ -1,0 +1,332 @@
+"""The embedded task store: a diskcache directory (SQLite in WAL mode), behind `TaskStore`.
+
+- One serving process per directory: `DiskcacheStore(path, exclusive=True)` takes an OS lock on
+  `<path>/proxy.lock` (flock, released by the kernel when the holder dies, SIGKILL included) and
+  raises StoreLockedError naming the holder's pid. Tools like the operator CLI open it shared.
+- Group commit: writes queue up while the single writer thread commits the previous batch; each
+  batch is one SQLite transaction and so one fsync (`durable=True`: `synchronous=FULL`).
+- Keys: `task:<id>` the record; `ip:<principal>\\x1f<server>\\x1f<rev>\\x1f<id>` and
+  `ia:<rev>\\x1f<id>` listing indexes (`rev` orders newest first); `live:<id>` non-terminal tasks;
+  `node:<id>` leases. Index keys expire with their record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import fcntl
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import diskcache
+
+from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, apply, now_ms, principal_key
+from .store import ListFilter, StoreLockedError, StoreUnavailableError, TaskNotFoundError
+
+Listener = Callable[[TaskStatus | None, TaskRecord], None]
+_DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)
+_STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+_SEP = "\x1f"
+_REV_BASE = 10**13 - 1  # ms; reversed creation times sort newest first
+CROSS_PROCESS_POLL_S = 0.5  # how often (s) a change wait re-reads the disk for writes of other processes
+LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
+
+
+def lock_directory(path: str) -> int:
+    """Take the exclusive serving lock of a store directory; return the open lock file descriptor.
+
+    Raises StoreLockedError (naming the directory and the holder's pid) when another process holds it.
+    """
+    lock_path = os.path.join(path, "proxy.lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreLockedError(
+            f"the task store {path} is in use by another proxy (pid {holder}); one serving process per store "
+            "directory: give this one its own store.path, or use store.url (Redis) for replicas"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _rev(created_ms: int) -> str:
+    return f"{_REV_BASE - created_ms:013d}"
+
+
+class DiskcacheStore:
+    """Task records in a diskcache directory; see the module docstring.
+
+    `path` is the directory (created 0700 if missing). `durable=True` fsyncs every batch (SQLite
+    `synchronous=FULL`); `False` keeps `NORMAL`, which survives a process kill but not a power
+    cut. `exclusive=True` takes the serving lock (StoreLockedError) and voids the leases of
+    earlier holders, which the lock proves dead. `max_result_bytes` feeds `model.apply`.
+    Raises StoreUnavailableError when the directory cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True, exclusive: bool = False, max_result_bytes: int = 16 * 1024 * 1024) -> None:
+        self.path = self.where = os.fspath(path)
+        self.max_result_bytes = max_result_bytes
+        self._lock_fd: int | None = None
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            if exclusive:
+                self._lock_fd = lock_directory(self.path)
+            self._cache = diskcache.Cache(self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none", timeout=10)
+            os.chmod(os.path.join(self.path, "cache.db"), 0o600)
+            self._reader = sqlite3.connect(os.path.join(self.path, "cache.db"), timeout=10, check_same_thread=False, isolation_level=None)
+        except _STORE_ERRORS as exc:
+            self._release_lock()
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="task-store-writer")
+        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._changed: dict[str, asyncio.Event] = {}
+        self._listeners: list[Listener] = []
+        if exclusive:
+            for key in self._keys("node:"):
+                self._cache.delete(key)
+
+    # -- the writer ---------------------------------------------------------------------------
+
+    async def _write(self, op: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((op, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush())
+        return await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                results = await loop.run_in_executor(self._executor, self._commit, [op for op, _ in batch])
+            except _STORE_ERRORS as exc:
+                error = StoreUnavailableError(f"task store {self.path}: {exc.__class__.__name__}: {exc}")
+                results = [error] * len(batch)
+            except Exception as exc:  # a bug: fail the batch, keep the writer alive
+                results = [exc] * len(batch)
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+
+    def _commit(self, ops: list[Callable[[], Any]]) -> list[Any]:
+        results: list[Any] = []
+        with self._cache.transact():
+            for op in ops:
+                try:
+                    results.append(op())
+                except _DOMAIN_ERRORS as exc:  # raised before the op wrote anything
+                    results.append(exc)
+        return results
+
+    def _changed_now(self, before: TaskStatus | None, record: TaskRecord) -> None:
+        event = self._changed.pop(record.task_id, None)
+        if event is not None:
+            event.set()
+        for listener in self._listeners:
+            listener(before, record)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(previous status or None on create, record)` after each change this object commits."""
+        self._listeners.append(listener)
+
+    # -- records ------------------------------------------------------------------------------
+
+    def _expire_s(self, record: TaskRecord) -> float | None:
+        expires = record.expires_ms
+        return None if expires is None else max(0.001, (expires - now_ms()) / 1000)
+
+    def _index_keys(self, record: TaskRecord) -> tuple[str, str]:
+        rev = _rev(record.created_ms)
+        return (f"ip:{principal_key(record.principal)}{_SEP}{record.server}{_SEP}{rev}{_SEP}{record.task_id}", f"ia:{rev}{_SEP}{record.task_id}")
+
+    async def create(self, record: TaskRecord) -> None:
+        """See TaskStore.create."""
+
+        def op() -> None:
+            if not self._cache.add("task:" + record.task_id, record.to_dict(), expire=self._expire_s(record)):
+                raise ValueError(f"task {record.task_id} already exists")
+            for key in self._index_keys(record):
+                self._cache.set(key, 1, expire=self._expire_s(record))
+            if not record.status.terminal:
+                self._cache.set("live:" + record.task_id, record.owner)
+
+        await self._write(op)
+        self._changed_now(None, record)
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        """See TaskStore.get."""
+        try:
+            data = self._cache.get("task:" + task_id)
+        except _STORE_ERRORS as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+        return None if data is None else TaskRecord.from_dict(data)
+
+    async def update(self, task_id: str, change: Change) -> TaskRecord:
+        """See TaskStore.update."""
+        before: list[TaskStatus] = []
+
+        def op() -> TaskRecord:
+            data = self._cache.get("task:" + task_id)
+            if data is None:
+                raise TaskNotFoundError(task_id)
+            record = TaskRecord.from_dict(data)
+            new = apply(record, change, at_ms=now_ms(), max_result_bytes=self.max_result_bytes)
+            expire = self._expire_s(new)
+            self._cache.set("task:" + task_id, new.to_dict(), expire=expire)
+            if new.status.terminal:
+                for key in self._index_keys(new):
+                    self._cache.touch(key, expire=expire)
+                self._cache.delete("live:" + task_id)
+            elif new.owner != record.owner:
+                self._cache.set("live:" + task_id, new.owner)
+            before.append(record.status)
+            return new
+
+        new = await self._write(op)
+        self._changed_now(before[0], new)
+        return new
+
+    def _keys(self, prefix: str, start: str | None = None, limit: int = 1_000_000) -> list[str]:
+        """Unexpired keys with `prefix`, in key order, after `start` (exclusive) when given."""
+        low, high = (start, True) if start is not None else (prefix, False)
+        sql = f"SELECT key FROM Cache WHERE key {'>' if high else '>='} ? AND key < ? AND raw = 1 AND (expire_time IS NULL OR expire_time > ?) ORDER BY key LIMIT ?"
+        try:
+            rows = self._reader.execute(sql, (low, prefix + "\uffff", time.time(), limit)).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+        return [row[0] for row in rows]
+
+    async def list_tasks(self, where: ListFilter, *, cursor: str | None = None, limit: int = 50) -> tuple[list[TaskRecord], str | None]:
+        """See TaskStore.list_tasks. The cursor is the last index key read, base64url-encoded."""
+        if where.principal is not None:
+            prefix = f"ip:{principal_key(where.principal)}{_SEP}{where.server}{_SEP}" if where.server is not None else f"ip:{principal_key(where.principal)}{_SEP}"
+        else:
+            prefix = "ia:"
+        start = None
+        if cursor is not None:
+            try:
+                start = base64.urlsafe_b64decode(cursor.encode()).decode()
+            except (ValueError, UnicodeDecodeError):
+                raise ValueError("invalid cursor") from None
+            if not start.startswith(prefix):
+                raise ValueError("invalid cursor")
+        found: list[TaskRecord] = []
+        scanned = 0
+        while len(found) < limit and scanned < LIST_SCAN_LIMIT:
+            keys = self._keys(prefix, start, limit=min(500, LIST_SCAN_LIMIT - scanned))
+            if not keys:
+                return found, None
+            for key in keys:
+                scanned += 1
+                start = key
+                record = await self.get(key.rsplit(_SEP, 1)[1])
+                if record is not None and _matches(record, where):
+                    found.append(record)
+                    if len(found) == limit:
+                        break
+        more = self._keys(prefix, start, limit=1)
+        return found, (base64.urlsafe_b64encode(start.encode()).decode() if more and start is not None else None)
+
+    async def wait_for_change(self, task_id: str, version: int, timeout_s: float) -> TaskRecord | None:
+        """See TaskStore.wait_for_change. Changes by this process wake the wait at once; changes
+        by another process (the operator CLI) are seen within CROSS_PROCESS_POLL_S."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_s)
+        while True:
+            record = await self.get(task_id)
+            remaining = deadline - loop.time()
+            if record is None or record.version != version or remaining <= 0:
+                return record
+            event = self._changed.setdefault(task_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout=min(remaining, CROSS_PROCESS_POLL_S))
+            except TimeoutError:
+                pass
+
+    async def live_tasks(self) -> list[TaskRecord]:
+        """See TaskStore.live_tasks."""
+        records = []
+        for key in self._keys("live:"):
+            record = await self.get(key[len("live:"):])
+            if record is not None and not record.status.terminal:
+                records.append(record)
+        return records
+
+    # -- leases, retention, health ------------------------------------------------------------
+
+    async def renew_lease(self, node: str, ttl_ms: int) -> None:
+        """See TaskStore.renew_lease."""
+        await self._write(lambda: self._cache.set("node:" + node, {"pid": os.getpid()}, expire=ttl_ms / 1000))
+
+    async def release_lease(self, node: str) -> None:
+        """See TaskStore.release_lease."""
+        await self._write(lambda: self._cache.delete("node:" + node))
+
+    async def lease_alive(self, node: str) -> bool:
+        """See TaskStore.lease_alive."""
+        try:
+            return ("node:" + node) in self._cache
+        except _STORE_ERRORS as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+
+    async def purge_expired(self) -> int:
+        """See TaskStore.purge_expired (runs on the writer thread, outside any batch)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._cache.expire)
+        except _STORE_ERRORS as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+
+    async def check_writable(self) -> None:
+        """See TaskStore.check_writable."""
+        await self._write(lambda: (self._cache.set("probe:", now_ms()), self._cache.delete("probe:")))
+
+    async def count(self) -> int:
+        """See TaskStore.count."""
+        row = self._reader.execute("SELECT COUNT(*) FROM Cache WHERE key >= 'task:' AND key < 'task;' AND raw = 1").fetchone()
+        return int(row[0])
+
+    async def volume(self) -> int:
+        """See TaskStore.volume."""
+        return int(self._cache.volume())
+
+    async def close(self) -> None:
+        """See TaskStore.close; also releases the serving lock."""
+        if self._flusher is not None:
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+        self._reader.close()
+        self._cache.close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _matches(record: TaskRecord, where: ListFilter) -> bool:
+    return (
+        (where.server is None or record.server == where.server)
+        and (where.status is None or record.status.value == where.status)
+        and (where.tool is None or record.tool == where.tool)
+    )
+
+
+def dumps_record(record: TaskRecord) -> str:
+    """The record as indented JSON (for operators)."""
+    return json.dumps(record.to_dict(), indent=2)
