@@ -1,0 +1,176 @@
+"""Task core acceptance: one serving process per store directory, retention that never drops a
+running task, store failures that are never silent, and orphans found by the lease sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from conftest import ROOT, ModernClient, ServerProcess, make_config, make_record, running_proxy
+
+from proxy.app import TASKS_KEY
+from proxy.tasks.diskcache_store import DiskcacheStore
+from proxy.tasks.model import TaskStatus
+
+
+def _config_file(tmp_path: Path, legacy_url: str) -> Path:
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump({
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+        "mcpServers": {"legacy": {"url": legacy_url}},
+    }))
+    return path
+
+
+async def test_a_second_proxy_on_a_held_store_exits_naming_it_and_a_sigkill_frees_it(legacy_url: str, tmp_path: Path) -> None:
+    config_file = _config_file(tmp_path, legacy_url)
+    first = ServerProcess([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"])
+    try:
+        client = ModernClient(first.url)
+        done_id = (await client.call("slow_compute", {"seconds": 0.1, "label": "kept"})).result["taskId"]
+        await client.wait_terminal(done_id)
+        running_id = (await client.call("slow_compute", {"seconds": 30, "label": "held"})).result["taskId"]
+        await client.close()
+
+        second = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"],
+                                capture_output=True, text=True, timeout=30, cwd=ROOT)
+        assert second.returncode != 0
+        assert str(tmp_path / "store") in second.stderr and f"pid {first.proc.pid}" in second.stderr, second.stderr
+        # The first proxy's running task is untouched by the refused second one.
+        client = ModernClient(first.url)
+        assert (await client.get(running_id)).result["status"] == "working"
+        await client.close()
+        # The operator CLI reads and cancels while the proxy runs.
+        base = [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store")]
+        listing = subprocess.run([*base, "list"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+        assert listing.returncode == 0 and running_id in listing.stdout and done_id in listing.stdout
+    finally:
+        first.kill()
+    restarted = ServerProcess([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"])
+    try:
+        client = ModernClient(restarted.url)
+        assert (await client.get(done_id)).result["result"]["content"][0]["text"] == "computed kept after 0.1s"
+        orphan = (await client.get(running_id)).result
+        assert orphan["status"] == "failed" and "restarted" in orphan["error"]["message"]
+        await client.close()
+    finally:
+        restarted.stop()
+
+
+async def test_a_call_three_times_longer_than_ttl_completes_and_stays_readable(legacy_url: str, tmp_path: Path) -> None:
+    ttl_s = 0.4
+    config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "50ms", "ttl": f"{int(ttl_s * 1000)}ms"})
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            created = (await client.call("quiet_compute", {"seconds": 3 * ttl_s})).result
+            assert created["resultType"] == "task" and created["ttlMs"] == ttl_s * 1000
+            reported = [created["ttlMs"]]
+            while True:
+                task = (await client.get(created["taskId"])).result
+                if task["status"] != "working":
+                    break
+                reported.append(task["ttlMs"])
+                await asyncio.sleep(0.1)
+            assert task["status"] == "completed" and "3*" not in str(task["result"])
+            assert reported == sorted(reported) and reported[-1] > 2 * ttl_s * 1000  # grew while it ran
+            ended = time.monotonic()
+            await asyncio.sleep(ttl_s / 2)
+            kept = (await client.get(created["taskId"])).result
+            assert kept["status"] == "completed" and kept["ttlMs"] == task["ttlMs"]  # fixed once terminal
+            await asyncio.sleep(max(0.0, ttl_s + 0.1 - (time.monotonic() - ended)))
+            assert (await client.get(created["taskId"])).error["code"] == -32602  # retention over
+        finally:
+            await client.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs the test can fill up (root only)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(path: Path) -> Path:
+    filler = path / "filler"
+    with open(filler, "wb") as out:
+        try:
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+        except OSError:
+            pass
+    return filler
+
+
+async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(legacy_url: str, small_tmpfs: Path) -> None:
+    config = make_config(legacy_url, small_tmpfs / "store", tasks={"detach_after": "50ms"})
+    config.store.write_retry = 0.3
+    config.limits.max_tasks_per_principal = 2
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            ids = [(await client.call("quiet_compute", {"seconds": 0.6})).result["taskId"] for _ in range(2)]
+            filler = _fill(small_tmpfs)
+            for task_id in ids:
+                done = await client.wait_terminal(task_id, timeout=10)
+                assert done["status"] == "failed" and "store" in done["error"]["message"], done
+                assert done["error"]["data"]["store"] == str(small_tmpfs / "store")
+            assert proxy.app[TASKS_KEY].live == {}  # per-principal counts returned to zero
+            refused = await client.call("quiet_compute", {"seconds": 0.3})
+            assert refused.status == 503, refused
+            assert refused.error["code"] == -32603 and "store" in refused.error["message"]
+            async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
+                ready = await resp.json()
+            assert resp.status == 503 and ready["checks"]["store"].startswith("failed") and "full" in ready["checks"]["store"]
+            filler.unlink()  # space again: the failures already shown land in the store
+            async with asyncio.timeout(10):
+                while [(await proxy.store.get(i)).status for i in ids] != [TaskStatus.FAILED] * 2:
+                    await asyncio.sleep(0.1)
+            async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
+                assert resp.status == 200
+        finally:
+            await client.close()
+
+
+async def test_a_lapsed_lease_ends_the_orphan_within_twice_the_lease(legacy_url: str, tmp_path: Path) -> None:
+    lease_s = 0.5
+    config = make_config(legacy_url, tmp_path / "store")
+    config.store.lease = lease_s
+    async with running_proxy(config) as proxy:
+        # Another process's node: it holds a lease and owns a running task, then its heartbeat stops.
+        other = DiskcacheStore(tmp_path / "store", durable=False)
+        try:
+            ghost = "ghost-" + uuid.uuid4().hex[:8]
+            await other.renew_lease(ghost, int(lease_s * 1000))
+            await other.create(make_record(task_id="orphan", owner=ghost, principal="anonymous", server="legacy"))
+            await asyncio.sleep(lease_s / 2)
+            assert (await other.get("orphan")).status is TaskStatus.WORKING  # a live lease is respected
+            await other.renew_lease(ghost, int(lease_s * 1000))
+            stopped = time.monotonic()  # the last heartbeat
+            record = await other.get("orphan")
+            async with asyncio.timeout(4 * lease_s):
+                while record.status is TaskStatus.WORKING:
+                    record = await other.wait_for_change("orphan", record.version, timeout_s=0.05)
+            elapsed = time.monotonic() - stopped
+        finally:
+            await other.close()
+        assert record.status is TaskStatus.FAILED and ghost in record.outcome["error"]["message"]
+        assert lease_s <= elapsed <= 2 * lease_s, elapsed
+        assert proxy.app[TASKS_KEY].store_problem is None
