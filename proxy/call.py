@@ -19,15 +19,13 @@ import structlog
 from . import observability as obs
 from .protocol import jsonrpc
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS
-from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId
+from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, input_request_value
+from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, object_of
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
 from .upstream.stdio import StdioPool, StdioSession
 
 log = structlog.get_logger("proxy.calls")
 
-INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
-INPUT_METHODS = frozenset(INPUT_CAPABILITY)
-INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"
 PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
@@ -43,17 +41,14 @@ class TaskSink(Protocol):
     async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None) -> None: ...
 
 
-class _Discard:
+class _Discard(asyncio.Queue[tuple[str, Any]]):
     """Stands in for the event queue of a detached call: events for an attached client go nowhere."""
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: tuple[str, Any]) -> None:
         pass
 
-    def empty(self) -> bool:
-        return True
 
-
-_DISCARD: Any = _Discard()
+_DISCARD = _Discard()
 
 
 @dataclass
@@ -63,21 +58,6 @@ class PendingInput:
     upstream_id: RequestId
     request: JsonObject
     asked: float = field(default_factory=time.monotonic)
-
-
-def input_request_value(message: JsonObject) -> JsonObject:
-    """The 2026-07-28 `{method, params}` value of a legacy server→client request.
-
-    Drops `jsonrpc`/`id`, the params' `_meta` (related-task key included), the v1 `task` param and
-    URL-mode `elicitationId` (protocol.md §3.4 step 3).
-    """
-    value: JsonObject = {"method": message["method"]}
-    params = message.get("params")
-    if isinstance(params, dict):
-        value["params"] = {k: v for k, v in params.items() if k not in ("_meta", "task", "elicitationId")}
-    elif message["method"] != "roots/list":
-        value["params"] = {}
-    return value
 
 
 class Call:
@@ -131,7 +111,7 @@ class Call:
         self.relay_logs = relay_logs
         self.progress_token = "mtp-" + secrets.token_urlsafe(12)
         self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
-        self.events: asyncio.Queue[tuple[str, Any]] | _Discard = asyncio.Queue()
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.task_id: str | None = None
         self.session: UpstreamSession | StdioSession | None = None
         self.upstream_request_id: RequestId | None = None
@@ -186,7 +166,8 @@ class Call:
         try:
             return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id)
         except SessionExpiredError:
-            self.pool.discard(session)
+            if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
+                self.pool.discard(session)
             if not retry_expired:
                 raise
             return await self._request(params, retry_expired=False)
@@ -233,7 +214,7 @@ class Call:
             else:
                 self._spawn(self._respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"the proxy does not relay {method}"}))
             return
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        params = object_of(msg.get("params"))
         if method == "notifications/progress" and params.get("progressToken") == self.progress_token:
             self._on_progress(params)
         elif method == "notifications/message":
@@ -267,7 +248,7 @@ class Call:
         self._progress_written = time.monotonic()
         if self.task_id is None or self.done or self.sink is None:
             return
-        self._spawn(self._report_progress(self.task_id, self.sink, self._progress_text))
+        self._spawn(self._report_progress(self.task_id, self.sink, self._progress_text or ""))
 
     async def _report_progress(self, task_id: str, sink: TaskSink, text: str) -> None:
         if not await sink.progress(task_id, text):
@@ -295,8 +276,8 @@ class Call:
 
     def _key_for(self, msg: JsonObject) -> str:
         """A key unique for the call's whole life: the upstream's hint (`_meta["mcp-tasks-proxy/inputKey"]`) if unused, else random."""
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        params = object_of(msg.get("params"))
+        meta = object_of(params.get("_meta"))
         hint = meta.get(INPUT_KEY_HINT)
         if isinstance(hint, str) and 0 < len(hint) <= 64 and hint not in self._used_keys:
             key = hint

@@ -20,7 +20,7 @@ from .drain import Drain
 from .listen import Reply
 from .mrtr import ParkedCalls, request_digest
 from .protocol.era import TASKS_EXTENSION, Envelope, strip_envelope, upstream_capabilities
-from .protocol.jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError
+from .protocol.jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError, object_of
 from .protocol.tasks_v2 import create_task_result, validate_input_responses
 from .protocol.translate import modern_error, modern_result
 from .tasks.service import TaskService
@@ -52,7 +52,7 @@ class CallRunner:
         self.on_server_notification = on_server_notification
 
     def _start(self, method: str, name: str, params: JsonObject, envelope: Envelope, *, principal: str, policy: ResolvedPolicy) -> Call:
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = object_of(params.get("_meta"))
         call = Call(
             pool=self.pool, server=self.name, tool=name, method=method, params=strip_envelope(params),
             capabilities=upstream_capabilities(envelope.capabilities), timeout=policy.timeout,
@@ -76,7 +76,7 @@ class CallRunner:
         upstream's own error (translated), -32603 naming the layer that gave up (store, shutdown).
         """
         may_detach = method == "tools/call" and envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = object_of(params.get("_meta"))
         digest = request_digest(method, name, params.get("arguments") if method != "resources/read" else None)
         responses = params.get("inputResponses")
         if responses is not None:

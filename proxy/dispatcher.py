@@ -176,7 +176,8 @@ class ServerDispatcher:
                 reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session, self.server_notification))
                 break
             except SessionExpiredError:
-                self.pool.discard(session)
+                if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
+                    self.pool.discard(session)
                 if attempt == 2:
                     raise JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session") from None
             except UpstreamError as exc:

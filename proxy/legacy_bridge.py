@@ -18,7 +18,7 @@ from aiohttp import web
 
 from .protocol import jsonrpc
 from .protocol.era import LEGACY_VERSIONS, upstream_capabilities
-from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId, object_of
 from .upstream.http import UpstreamError
 from .upstream.sse import encode_message
 from .upstream.stdio import StdioPool, StdioSession
@@ -79,8 +79,8 @@ class LegacyBridge:
         return await self._request(request, session, body)
 
     async def _initialize(self, body: JsonObject, principal: str) -> web.StreamResponse:
-        params = body.get("params") if isinstance(body.get("params"), dict) else {}
-        caps = upstream_capabilities(params.get("capabilities") if isinstance(params.get("capabilities"), dict) else {})
+        params = object_of(body.get("params"))
+        caps = upstream_capabilities(object_of(params.get("capabilities")))
         try:
             child = await self.pool.session(caps, principal)
         except UpstreamError as exc:
@@ -95,9 +95,10 @@ class LegacyBridge:
     async def _notification(self, session: BridgeSession, body: JsonObject) -> None:
         if body["method"] == "notifications/initialized":
             return
-        params = body.get("params") if isinstance(body.get("params"), dict) else {}
+        params = object_of(body.get("params"))
         if body["method"] == "notifications/cancelled":
-            target = session.calls.get(params.get("requestId"))
+            request_id = params.get("requestId")
+            target = session.calls.get(request_id) if isinstance(request_id, (str, int)) else None
             if target is not None:
                 child, upstream_id = target
                 await _quiet(child.notify("notifications/cancelled", {**params, "requestId": upstream_id}))

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS, META_SUBSCRIPTION_ID, TASKS_EXTENSION, Envelope
 from .protocol.jsonrpc import INVALID_PARAMS, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError, RequestId, notification
 
 
-class Reply:
-    """How a handler talks back on one request's HTTP response while it is still running.
+class Reply(Protocol):
+    """How a handler talks back on one request's HTTP response while it is still running."""
 
-    `notify(msg)` sends a JSON-RPC notification (switching the response to SSE), `keepalive()`
-    sends an SSE comment so idle-timeout intermediaries keep the connection.
-    """
+    async def notify(self, message: JsonObject) -> None:
+        """Send a JSON-RPC notification (switching the response to SSE)."""
 
-    notify: Callable[[JsonObject], Awaitable[None]]
-    keepalive: Callable[[], Awaitable[None]]
+    async def keepalive(self) -> None:
+        """Send an SSE comment so idle-timeout intermediaries keep the connection."""
 
 
 class ListenHub:

@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import uvicorn
@@ -31,7 +31,7 @@ ServerFactory = Callable[[], Server[Any]]
 ToolHandler = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
 
-def tool_table(tools: list[Any], handlers: dict[str, ToolHandler]) -> dict[str, Any]:
+def tool_table(tools: list[Any], handlers: Mapping[str, ToolHandler]) -> dict[str, Any]:
     """`on_list_tools` / `on_call_tool` keyword arguments for an SDK `Server` that lists `tools` and
     runs `handlers[name](ctx, arguments)`; an unknown tool is a JSON-RPC -32602 error."""
     import mcp.types as types

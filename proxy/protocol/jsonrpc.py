@@ -72,6 +72,11 @@ def http_status_for(code: int) -> int:
     return _HTTP_STATUS.get(code, 200)
 
 
+def object_of(value: Any) -> JsonObject:
+    """`value` when it is a JSON object, else an empty one (for optional `params` / `_meta` members)."""
+    return value if isinstance(value, dict) else {}
+
+
 def error_object(code: int, message: str, data: Any = None) -> JsonObject:
     """Build a JSON-RPC error object `{code, message, data?}`."""
     err: JsonObject = {"code": code, "message": message}

@@ -1,0 +1,24 @@
+"""Server→client questions (elicitation, sampling, roots) as the 2026-07-28 `inputRequests` carry them. No I/O."""
+
+from __future__ import annotations
+
+from .jsonrpc import JsonObject
+
+INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
+INPUT_METHODS = frozenset(INPUT_CAPABILITY)
+INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"  # optional upstream hint (in the question's `_meta`) for its key
+
+
+def input_request_value(message: JsonObject) -> JsonObject:
+    """The 2026-07-28 `{method, params}` value of a legacy server→client request.
+
+    Drops `jsonrpc`/`id`, the params' `_meta` (related-task key included), the v1 `task` param and
+    URL-mode `elicitationId` (protocol.md §3.4 step 3).
+    """
+    value: JsonObject = {"method": message["method"]}
+    params = message.get("params")
+    if isinstance(params, dict):
+        value["params"] = {k: v for k, v in params.items() if k not in ("_meta", "task", "elicitationId")}
+    elif message["method"] != "roots/list":
+        value["params"] = {}
+    return value
