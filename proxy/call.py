@@ -26,7 +26,7 @@ from .upstream.stdio import StdioPool, StdioSession
 
 log = structlog.get_logger("proxy.calls")
 
-PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call
+PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call (or its poll interval, if longer)
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
 
@@ -93,6 +93,7 @@ class Call:
         self._progress_text: str | None = None
         self._progress_written = 0.0
         self._progress_timer: asyncio.TimerHandle | None = None
+        self.progress_write_s = PROGRESS_WRITE_S
         self.started = time.monotonic()
         self.principal = principal
         self.pool = pool
@@ -232,9 +233,9 @@ class Call:
             if message:
                 text = f"{text}: {message}"
             self._progress_text = text
-            # At most one store write per PROGRESS_WRITE_S: a chatty upstream must not flood the
+            # At most one store write per progress_write_s: a chatty upstream must not flood the
             # store (each write is an fsync'd transaction); the latest text always lands.
-            wait = PROGRESS_WRITE_S - (time.monotonic() - self._progress_written)
+            wait = self.progress_write_s - (time.monotonic() - self._progress_written)
             if wait <= 0:
                 self._write_progress()
             elif self._progress_timer is None:
@@ -305,10 +306,14 @@ class Call:
 
     # -- actions from the proxy ------------------------------------------------------------
 
-    def detach(self, task_id: str, sink: TaskSink) -> None:
-        """Hand the call over to the task `task_id` (already committed), reporting through `sink`."""
+    def detach(self, task_id: str, sink: TaskSink, *, poll_interval_s: float = 0.0) -> None:
+        """Hand the call over to the task `task_id` (already committed), reporting through `sink`.
+
+        Progress text is written at most once per `poll_interval_s` (s; at least PROGRESS_WRITE_S):
+        clients do not poll faster, and the latest text always lands with the outcome."""
         self.task_id = task_id
         self.sink = sink
+        self.progress_write_s = max(PROGRESS_WRITE_S, poll_interval_s)
         self.events = _DISCARD  # nobody is attached any more: keep no queue per detached call
         if self.done:  # it ended while the task was being committed
             self._record_outcome(self.outcome.result())

@@ -149,7 +149,7 @@ class CallRunner:
         except JsonRpcError:
             call.cancel("refused: the call could not become a task")
             raise
-        call.detach(record.task_id, self.tasks)
+        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         if call.method == "tools/call":
             obs.CALLS.labels(self.name, call.tool, "detached").inc()
         structlog.contextvars.bind_contextvars(task_id=record.task_id)

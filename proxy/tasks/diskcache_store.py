@@ -4,7 +4,9 @@
   `<path>/proxy.lock` (flock, released by the kernel when the holder dies, SIGKILL included) and
   raises StoreLockedError naming the holder's pid. Tools like the operator CLI open it shared.
 - Group commit: writes queue up while the single writer thread commits the previous batch; each
-  batch is one SQLite transaction and so one fsync (`durable=True`: `synchronous=FULL`).
+  batch is one SQLite transaction and so one fsync (`durable=True`: `synchronous=FULL`). A batch of
+  progress text only is committed without the fsync (a crash may lose the last progress line,
+  never a status or a result). WAL checkpoints run on a thread of their own, off the commit path.
 - Keys: `task:<id>` the record; `ip:<principal>\\x1f<server>\\x1f<rev>\\x1f<id>` and
   `ia:<rev>\\x1f<id>` listing indexes (`rev` orders newest first); `live:<id>` non-terminal tasks;
   `node:<id>` leases. Index keys expire with their record.
@@ -33,6 +35,7 @@ _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueErro
 _STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 _SEP = "\x1f"
 _REV_BASE = 10**13 - 1  # ms; reversed creation times sort newest first
+CHECKPOINT_EVERY_S = 1.0  # at most one WAL checkpoint (s apart), after writes, off the writer thread
 CROSS_PROCESS_POLL_S = 0.5  # how often (s) a change wait re-reads the disk for writes of other processes
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
 
@@ -75,6 +78,7 @@ class DiskcacheStore:
     def __init__(self, path: str | os.PathLike[str], *, durable: bool = True, exclusive: bool = False, max_result_bytes: int = 16 * 1024 * 1024) -> None:
         self.path = self.where = os.fspath(path)
         self.max_result_bytes = max_result_bytes
+        self.durable = durable
         self._lock_fd: int | None = None
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
@@ -87,7 +91,12 @@ class DiskcacheStore:
             self._release_lock()
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="task-store-writer")
-        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="task-store-checkpoint")
+        self._checkpoint: asyncio.Future[Any] | None = None
+        self._checkpoint_con: sqlite3.Connection | None = None
+        self._last_checkpoint = 0.0
+        self._executor.submit(self._cache.reset, "sqlite_wal_autocheckpoint", 0, update=False).result()
+        self._pending: list[tuple[Callable[[], Any], bool, asyncio.Future[Any]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._changed: dict[str, asyncio.Event] = {}
         self._listeners: list[Listener] = []
@@ -97,10 +106,10 @@ class DiskcacheStore:
 
     # -- the writer ---------------------------------------------------------------------------
 
-    async def _write(self, op: Callable[[], Any]) -> Any:
+    async def _write(self, op: Callable[[], Any], *, fsync: bool = True) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((op, future))
+        self._pending.append((op, fsync, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = loop.create_task(self._flush())
         return await asyncio.shield(future)
@@ -109,29 +118,53 @@ class DiskcacheStore:
         loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending, []
+            fsync = self.durable and any(wants for _, wants, _ in batch)
             try:
-                results = await loop.run_in_executor(self._executor, self._commit, [op for op, _ in batch])
+                results = await loop.run_in_executor(self._executor, self._commit, [op for op, _, _ in batch], fsync)
             except _STORE_ERRORS as exc:
                 error = StoreUnavailableError(f"task store {self.path}: {exc.__class__.__name__}: {exc}")
                 results = [error] * len(batch)
             except Exception as exc:  # a bug: fail the batch, keep the writer alive
                 results = [exc] * len(batch)
-            for (_, future), result in zip(batch, results, strict=True):
+            for (_, _, future), result in zip(batch, results, strict=True):
                 if not future.done():
                     if isinstance(result, BaseException):
                         future.set_exception(result)
                     else:
                         future.set_result(result)
+        if loop.time() - self._last_checkpoint >= CHECKPOINT_EVERY_S and (self._checkpoint is None or self._checkpoint.done()):
+            self._last_checkpoint = loop.time()
+            self._checkpoint = loop.run_in_executor(self._checkpointer, self._run_checkpoint)
 
-    def _commit(self, ops: list[Callable[[], Any]]) -> list[Any]:
+    def _commit(self, ops: list[Callable[[], Any]], fsync: bool) -> list[Any]:
+        relaxed = self.durable and not fsync
+        if relaxed:
+            self._cache.reset("sqlite_synchronous", 1, update=False)
         results: list[Any] = []
-        with self._cache.transact():
-            for op in ops:
-                try:
-                    results.append(op())
-                except _DOMAIN_ERRORS as exc:  # raised before the op wrote anything
-                    results.append(exc)
+        try:
+            with self._cache.transact():
+                for op in ops:
+                    try:
+                        results.append(op())
+                    except _DOMAIN_ERRORS as exc:  # raised before the op wrote anything
+                        results.append(exc)
+        finally:
+            if relaxed:
+                self._cache.reset("sqlite_synchronous", 2, update=False)
         return results
+
+    def _run_checkpoint(self) -> None:
+        """Copy committed WAL frames into the database on this thread's connection (PASSIVE: it
+        never waits for the writer, so checkpoint I/O stays off the commit path)."""
+        try:
+            self._reader_for_checkpoint().execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except _STORE_ERRORS:
+            pass  # tried again after the next writes
+
+    def _reader_for_checkpoint(self) -> sqlite3.Connection:
+        if self._checkpoint_con is None:
+            self._checkpoint_con = sqlite3.connect(os.path.join(self.path, "cache.db"), timeout=10, isolation_level=None)
+        return self._checkpoint_con
 
     def _changed_now(self, before: TaskStatus | None, record: TaskRecord) -> None:
         event = self._changed.pop(record.task_id, None)
@@ -197,7 +230,7 @@ class DiskcacheStore:
             before.append(record.status)
             return new
 
-        new = await self._write(op)
+        new = await self._write(op, fsync=not change.progress_only)
         self._changed_now(before[0], new)
         return new
 
@@ -308,6 +341,11 @@ class DiskcacheStore:
         """See TaskStore.close; also releases the serving lock."""
         if self._flusher is not None:
             await asyncio.gather(self._flusher, return_exceptions=True)
+        if self._checkpoint is not None:
+            await asyncio.gather(self._checkpoint, return_exceptions=True)
+        if self._checkpoint_con is not None:
+            self._checkpointer.submit(self._checkpoint_con.close).result()
+        self._checkpointer.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         self._reader.close()
         self._cache.close()

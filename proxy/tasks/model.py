@@ -173,6 +173,12 @@ class Change:
     owner: Any = _UNSET
     expect_owner: str | None = None
 
+    @property
+    def progress_only(self) -> bool:
+        """True when only the status message changes (progress text): a crash may lose it, so
+        stores may commit it without waiting for the disk."""
+        return self.status is None and self.outcome is _UNSET and self.input_requests is _UNSET and self.owner is _UNSET
+
 
 def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: int) -> TaskRecord:
     """The record after `change`, or an exception; the input record is not modified.

@@ -144,8 +144,9 @@ class TaskService:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        for task_id, call in list(self.live.items()):
-            await self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown")
+        calls = list(self.live.items())
+        await asyncio.gather(*(self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown") for task_id, _ in calls))
+        for _, call in calls:
             call.cancel("proxy shutdown")
         self.live.clear()
         for task in list(self._background):
