@@ -20,7 +20,7 @@ from .observability import access_log, json_errors, metrics_handler
 from .tasks.service import TaskService
 from .tasks.store import TaskStore
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
-from .upstream.http import UpstreamPool
+from .upstream.http import Bounds, UpstreamPool
 from .upstream.stdio import StdioCommand, StdioPool
 
 log = structlog.get_logger("proxy.app")
@@ -127,7 +127,7 @@ def _rerun(config: Config, pools: dict, store: TaskStore, record: TaskRecord) ->
 def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> UpstreamPool | StdioPool:
     """The upstream connector of one server: Streamable HTTP sessions or stdio children."""
     if entry.url:
-        return UpstreamPool(http, name, entry.url, entry.headers)
+        return UpstreamPool(http, name, entry.url, entry.headers, bounds=Bounds.from_entry(entry))
     assert entry.command is not None
     return StdioPool(
         name,
@@ -138,6 +138,8 @@ def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> Ups
         idle_timeout=entry.idle_timeout,
         init_timeout=entry.init_timeout,
         max_restarts=entry.max_restarts,
+        bounds=Bounds.from_entry(entry),
+        max_children=entry.max_children,
     )
 
 

@@ -33,6 +33,9 @@ ORPHANED = Counter("mcp_tasks_proxy_tasks_orphaned_total", "tasks whose upstream
 STORE_TASKS = Gauge("mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until culled)")
 STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
 LIMIT_REJECTIONS = Counter("mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"])
+UPSTREAM_PROCESSES = Counter(
+    "mcp_tasks_proxy_upstream_processes_total", "stdio upstream child processes by event: started, start_failed, exited, crash_loop", ["server", "event"]
+)
 REQUESTS = Counter("mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"])
 
 
