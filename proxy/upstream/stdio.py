@@ -316,6 +316,9 @@ class StdioSession:
 
     async def _dispatch(self, msg: JsonObject) -> None:
         if jsonrpc.is_response(msg):
+            if isinstance(msg["id"], bool) or not isinstance(msg["id"], (str, int)):
+                log.warning("upstream_response_bad_id", server=self.server)
+                return
             pending = self._pending.get(msg["id"])
             if pending is not None and not pending.future.done():
                 if "result" in msg and not isinstance(msg["result"], dict):
