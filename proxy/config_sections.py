@@ -65,6 +65,7 @@ class JwtConfig(_Strict):
     algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
     principal_claim: str = "sub"
     leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
+    jwks_timeout: Duration = Field("10s", validate_default=True, description="how long fetching `jwks_url` may take")
 
     @model_validator(mode="after")
     def _one_source(self) -> JwtConfig:
