@@ -69,6 +69,7 @@ class StdioPool:
     ) -> None:
         self.bounds = bounds or Bounds(init_timeout=init_timeout)
         self.max_children = max_children
+        self._reserved = 0  # places under max_children taken by children being started
         self.server = server
         self.command = command
         self.instances = instances
@@ -146,25 +147,33 @@ class StdioPool:
                 wait = min(10.0, 0.1 * 2 ** (slot.quick_exits - 1)) - (time.monotonic() - slot.last_exit)
                 if wait > 0:
                     await asyncio.sleep(wait)
-            await self._make_room()
-            return _touch(await self._start(slot, capabilities))
+            reserved = await self._make_room()
+            try:
+                return _touch(await self._start(slot, capabilities))
+            finally:
+                self._reserved -= reserved
 
-    async def _make_room(self) -> None:
-        """Keep the running children under `max_children`: stop the least recently used idle one,
-        or raise UpstreamError when every child is busy."""
+    async def _make_room(self) -> int:
+        """Keep the running children under `max_children`: reserve room for one more (returns the
+        number of places reserved, 0 or 1), stopping the least recently used idle child if needed.
+        Raises UpstreamError when every child is busy. Deciding and reserving happen without an
+        await, so concurrent starts never overshoot the cap."""
         if self.max_children is None:
-            return
+            return 0
         running = [(s, slot) for slot in self._slots.values() for s in slot.sessions if not s.closed and not s.exited.is_set()]
-        if len(running) + len(self._starting) < self.max_children:
-            return
+        if len(running) + self._reserved < self.max_children:
+            self._reserved += 1
+            return 1
         idle = [(s, slot) for s, slot in running if s.in_flight == 0]
         if not idle:
             obs.LIMIT_REJECTIONS.labels("max_children").inc()
             raise UpstreamError(f"upstream {self.server} already runs max_children ({self.max_children}) children, all busy; try again later")
         victim, owner = min(idle, key=lambda pair: pair[0].last_used)
-        log.info("upstream_idle_stop", server=self.server, reason="max_children")
         owner.sessions.remove(victim)
+        self._reserved += 1
+        log.info("upstream_idle_stop", server=self.server, reason="max_children")
         await victim.close()
+        return 1
 
     async def _start(self, slot: _Slot, capabilities: JsonObject) -> StdioSession:
         session: StdioSession | None = None
