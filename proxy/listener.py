@@ -126,12 +126,17 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 
 async def start(app: web.Application, config: Config, sock: socket.socket | None = None) -> tuple[web.AppRunner, CappedSite]:
     """Run `app` on `sock` (bound from `config.listen` when None) with the listen section's bounds:
-    `header_timeout` (s) for a request head and idle connections, at most `max_connections` open
+    `header_timeout` (s) for a request head, idle connections and draining an unread body, at most `max_connections` open
     connections, `drain_timeout` (s) (+1 s) for shutdown. Raises OSError when the address cannot be bound."""
     listen = config.listen
     sock = sock if sock is not None else bind(listen.host, listen.port)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=listen.drain_timeout + 1.0, keepalive_timeout=listen.header_timeout
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=listen.drain_timeout + 1.0,
+        keepalive_timeout=listen.header_timeout,
+        lingering_time=listen.header_timeout,  # how long an unread rest of a body is drained before the close
     )
     await runner.setup()
     site = CappedSite(runner, sock, max_connections=listen.max_connections or default_max_connections())
