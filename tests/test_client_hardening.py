@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import structlog
 import jwt
 import pytest
 from conftest import ModernClient, make_config
@@ -166,16 +167,19 @@ async def test_header_trust_needs_trusted_peers_and_never_lists_them(legacy_url:
 
 async def test_a_client_that_hangs_up_is_logged_as_499_not_500(legacy_url: str, tmp_path: Path, capsys) -> None:
     configure_logging("info")
-    async with served(make_config(legacy_url, tmp_path / "store")) as base:
-        client = ModernClient(f"{base}/mcp", capabilities={})
-        call = asyncio.create_task(client.call("slow_compute", {"seconds": 2, "label": "gone"}))
-        await asyncio.sleep(0.3)
-        call.cancel()
-        await client.close()
-        await asyncio.sleep(0.3)
-        async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
-            metrics = await resp.text()
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    try:
+        async with served(make_config(legacy_url, tmp_path / "store")) as base:
+            client = ModernClient(f"{base}/mcp", capabilities={})
+            call = asyncio.create_task(client.call("slow_compute", {"seconds": 2, "label": "gone"}))
+            await asyncio.sleep(0.3)
+            call.cancel()
+            await client.close()
+            await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
+                metrics = await resp.text()
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        structlog.reset_defaults()
     gone = [line for line in lines if line["event"] == "client_disconnected"]
     assert gone and gone[0]["status"] == 499 and gone[0]["tool"] == "slow_compute"
     assert not [line for line in lines if line.get("status") == 500 or line["event"] == "unhandled_error"]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import structlog
 from conftest import ModernClient, running_proxy
 from test_identity_limits import AuthClient
 from test_stdio import stdio_config
@@ -64,24 +65,27 @@ async def test_an_oversized_stdout_message_is_an_error_and_the_child_restarts(tm
 
 async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(tmp_path: Path, capsys) -> None:
     configure_logging("info")
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "mcpServers": {
-            "missing": {"command": str(tmp_path / "no-such-server")},
-            "looping": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(7)"], "max_restarts": 2},
-        },
-    })
-    async with running_proxy(config) as proxy:
-        for server in ("missing", "looping"):
-            client = ModernClient(proxy.url(server), capabilities={})
-            try:
-                for _ in range(2):
-                    assert (await client.call("anything")).error["code"] == -32603
-            finally:
-                await client.close()
-        async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/metrics") as resp:
-            metrics = await resp.text()
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    try:
+        config = config_from_data({
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {
+                "missing": {"command": str(tmp_path / "no-such-server")},
+                "looping": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(7)"], "max_restarts": 2},
+            },
+        })
+        async with running_proxy(config) as proxy:
+            for server in ("missing", "looping"):
+                client = ModernClient(proxy.url(server), capabilities={})
+                try:
+                    for _ in range(2):
+                        assert (await client.call("anything")).error["code"] == -32603
+                finally:
+                    await client.close()
+            async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/metrics") as resp:
+                metrics = await resp.text()
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        structlog.reset_defaults()
     failed = [line for line in lines if line["event"] == "upstream_start_failed"]
     assert any(line["server"] == "missing" and "cannot start" in line["reason"] for line in failed)
     assert any(line["server"] == "looping" for line in failed)
