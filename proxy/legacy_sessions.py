@@ -7,14 +7,15 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import structlog
 from aiohttp import web
 
 from . import observability as obs
 from .auth import ANONYMOUS, principal_hash
 from .protocol import jsonrpc
-from .protocol.jsonrpc import JsonObject, RequestId
-from .upstream.sse import SseEvent, encode_event
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, RequestId
+from .upstream.sse import EventTooLargeError, SseEvent, encode_event
 
 log = structlog.get_logger("proxy.transport")
 
@@ -83,3 +84,34 @@ def observe_legacy(server: str, method: str, body: JsonObject, response: web.Str
         tool = params.get("name") if isinstance(params.get("name"), str) else ""
         ok = response is not None and response.status < 400
         obs.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()
+
+
+async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of an upstream reply; EventTooLargeError once it passes `limit` bytes."""
+    data = bytearray()
+    async for chunk in upstream.content.iter_chunked(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise EventTooLargeError(f"a reply larger than max_response_bytes ({limit} bytes)")
+    return bytes(data)
+
+
+def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
+    """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
+    an empty body passes for a success status (202 to a notification); anything else (an HTML
+    error page, plain text) becomes a JSON-RPC error naming the upstream's status, and an upstream
+    5xx becomes 502."""
+    if not data.strip():
+        if status < 400:
+            return status, data
+    else:
+        try:
+            message = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            message = None
+        if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
+            return (status if status < 500 else 502), data
+    code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
+    text = data[:200].decode("utf-8", errors="replace").strip()
+    error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
+    return (status if 400 <= status < 500 else 502), _dumps(jsonrpc.error_response(request_id, error)).encode()

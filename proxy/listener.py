@@ -19,6 +19,8 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from . import observability as obs
 from .config import Config
@@ -66,6 +68,26 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler, but a request it cannot parse (a broken request line or
+    header, a `Content-Encoding` it cannot decode) is answered with a JSON-RPC error, not a text
+    page, and logged as one line without a traceback."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+        """The error response for a request that failed below the app; `status` as aiohttp decided."""
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        reason = " ".join(str(getattr(exc, "message", None) or exc or message or "bad request").split())[:300]
+        log.info("bad_http_request", status=status, reason=reason, remote=request.remote)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already sent; cannot send the error")
+        code = -32700 if "encoding" in reason.lower() else -32600
+        body = {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": f"malformed HTTP request: {reason}"}}
+        response = web.json_response(body, status=status)
+        response.force_close()
+        return response
+
+
 class CappedSite(web.SockSite):
     """A `SockSite` that serves at most `max_connections` connections at a time."""
 
@@ -80,14 +102,14 @@ class CappedSite(web.SockSite):
         await web.BaseSite.start(self)
         server = self._runner.server
         assert server is not None
+        loop = asyncio.get_running_loop()
 
         def factory() -> asyncio.Protocol:
             if len(server.connections) >= self.max_connections:
                 self._note_refusal()
                 return _Refuse()
-            return server()
+            return JsonErrorRequestHandler(server, loop=loop, **server._kwargs)
 
-        loop = asyncio.get_running_loop()
         self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)
 
     def _note_refusal(self) -> None:

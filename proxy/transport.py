@@ -25,7 +25,7 @@ from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from .guards import default_allowed_hosts, host_guard
-from .legacy_sessions import LegacySession, LegacySessions, observe_legacy, rewrite_server_request
+from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
 from .upstream.common import Bounds
 from .upstream.sse import KEEPALIVE, EventTooLargeError, encode_message, iter_events
 
@@ -167,6 +167,7 @@ class ServerEndpoint:
             return _closing(_json_error(None, err, status=408))
         except RequestPayloadError as exc:
             reason = str(exc).replace("\n", " ").strip() or exc.__class__.__name__
+            request.content.feed_eof()  # nothing more can be read: aiohttp must not try to drain it (and log a traceback)
             return _closing(_json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400))
         try:
             body = json.loads(raw)
@@ -277,7 +278,7 @@ class ServerEndpoint:
             return _json_error(request_id, err, status=502)
         limit = self.bounds.max_response_bytes
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        if not is_sse and (upstream.content_length or 0) > limit:
+        if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
             upstream.release()
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)")
             return _json_error(request_id, err, status=502)
@@ -290,23 +291,24 @@ class ServerEndpoint:
                 out_headers["Mcp-Session-Id"] = sid.strip()
             elif upstream_new_sid:
                 out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request))
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            if out_headers.get("Content-Type", "").startswith("text/event-stream"):
-                response.headers["X-Accel-Buffering"] = "no"
-            await response.prepare(request)
             if upstream_new_sid and not sid:
                 session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
+            if not is_sse:  # a plain reply is read whole (it is bounded), so what goes out is always JSON-RPC
+                try:
+                    data = await read_limited(upstream, limit)
+                except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
+                    reason = str(exc) or exc.__class__.__name__
+                    return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
+                status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
+                if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
+                    out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
+                return web.Response(status=status, body=data, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            response.headers["X-Accel-Buffering"] = "no"
+            await response.prepare(request)
             try:
-                if is_sse:
-                    async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
-                        await response.write(rewrite_server_request(event, session))
-                else:
-                    sent = 0
-                    async for chunk in upstream.content.iter_any():
-                        sent += len(chunk)
-                        if sent > limit:
-                            raise EventTooLargeError(f"a reply larger than max_response_bytes ({limit} bytes)")
-                        await response.write(chunk)
+                async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
+                    await response.write(rewrite_server_request(event, session))
             except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
                 log.warning("legacy_relay_broken", server=self.name, reason=str(exc) or exc.__class__.__name__)
                 if request.transport is not None:

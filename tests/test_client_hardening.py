@@ -16,11 +16,9 @@ import aiohttp
 import structlog
 import jwt
 import pytest
-from conftest import ModernClient, make_config
+from conftest import ModernClient, make_config, running_proxy
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from proxy import listener
-from proxy.app import build_app
 from proxy.config import Config, config_from_data
 from proxy.logs import configure_logging
 
@@ -29,14 +27,9 @@ LEGACY = {"Content-Type": "application/json", "Accept": "application/json, text/
 
 @asynccontextmanager
 async def served(config: Config) -> AsyncIterator[str]:
-    """Serve `config` through `proxy.listener` on a free loopback port; yield the base URL."""
-    config.listen.host, config.listen.port = "127.0.0.1", 0
-    runner, _site = await listener.start(build_app(config), config)
-    try:
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    """Serve `config` (through `proxy.listener`, like every test proxy) on a free loopback port; yield the base URL."""
+    async with running_proxy(config) as proxy:
+        yield proxy.base
 
 
 async def healthy(base: str) -> bool:
@@ -110,6 +103,8 @@ async def test_malformed_input_is_4xx_never_500(legacy_url: str, tmp_path: Path)
         ("bad Host", b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}', {**LEGACY, "Host": "[::1"}),
         ("bad Origin", b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}', {**LEGACY, "Origin": "http://[::1"}),
         ("not gzip", b"this is not gzip at all", {**LEGACY, "Content-Encoding": "gzip"}),
+        ("unsupported encoding", b"", {**LEGACY, "Content-Encoding": "br"}),
+        ("unknown encoding", b"{}", {**LEGACY, "Content-Encoding": "bogus"}),
         ("object id (request)", b'{"jsonrpc":"2.0","id":{"a":1},"method":"tools/list"}', LEGACY),
         ("object id (response)", b'{"jsonrpc":"2.0","id":{"a":1},"result":{}}', LEGACY),
         ("list id", b'{"jsonrpc":"2.0","id":[1],"method":"initialize","params":{}}', LEGACY),
