@@ -68,7 +68,7 @@ def rewrite_server_request(event: SseEvent, session: LegacySession) -> bytes:
         msg = json.loads(event.data) if event.data.strip() else None
     except ValueError:
         msg = None
-    if jsonrpc.is_request(msg):
+    if isinstance(msg, dict) and jsonrpc.is_request(msg):
         proxy_id = "mtp-" + secrets.token_urlsafe(9)
         session.request_ids[proxy_id] = msg["id"]
         event = SseEvent(event.event, _dumps({**msg, "id": proxy_id}), event.id, event.retry)
@@ -80,8 +80,10 @@ def observe_legacy(server: str, method: str, body: JsonObject, response: web.Str
     or `error` by HTTP status; a JSON-RPC error inside a 200 reply is not read), upstream latency (s)."""
     obs.UPSTREAM_LATENCY.labels(server, method).observe(seconds)
     if method == "tools/call":
-        params = body.get("params") if isinstance(body.get("params"), dict) else {}
-        tool = params.get("name") if isinstance(params.get("name"), str) else ""
+        raw = body.get("params")
+        params: JsonObject = raw if isinstance(raw, dict) else {}
+        name = params.get("name")
+        tool = name if isinstance(name, str) else ""
         ok = response is not None and response.status < 400
         obs.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()
 

@@ -19,7 +19,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
-from .dispatcher import ServerDispatcher
+from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
@@ -65,7 +65,7 @@ def prefers_sse(accept: str | None) -> bool:
     return sse is not None and json_ is not None and sse[0] > 0 and sse > json_
 
 
-class ModernReply:
+class ModernReply(Reply):
     """The response of one modern request: plain JSON unless something must be streamed first,
     or the client's `Accept` prefers an SSE stream (then a successful result is one SSE event)."""
 
@@ -335,15 +335,17 @@ def bind_request(body: JsonObject) -> None:
     """Bind what identifies a request to the log context: its JSON-RPC method, tool (or prompt,
     resource) name and task id, when they are strings."""
     method = body.get("method")
-    params = body.get("params") if isinstance(body.get("params"), dict) else {}
+    raw = body.get("params")
+    params: JsonObject = raw if isinstance(raw, dict) else {}
     fields: dict[str, str] = {}
     if isinstance(method, str):
         fields["rpc_method"] = method[:128]
         name = params.get("uri") if method == "resources/read" else params.get("name")
         if method in ("tools/call", "prompts/get", "resources/read") and isinstance(name, str):
             fields["tool"] = name[:256]
-    if isinstance(params.get("taskId"), str):
-        fields["task_id"] = params["taskId"][:128]
+    task_id = params.get("taskId")
+    if isinstance(task_id, str):
+        fields["task_id"] = task_id[:128]
     structlog.contextvars.bind_contextvars(**fields)
 
 

@@ -147,13 +147,13 @@ class UpstreamSession:
             msg = json.loads(data) if data.strip() else None
         except ValueError:
             return
-        if jsonrpc.is_request(msg):
+        if isinstance(msg, dict) and jsonrpc.is_request(msg):
             if msg["method"] == "ping":
                 await self._answer_ping(msg["id"])
             else:
                 with contextlib.suppress(UpstreamError):
                     await self.respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"{msg['method']} is only answered for a request in flight"})
-        elif jsonrpc.is_notification(msg) and self.on_notification is not None:
+        elif isinstance(msg, dict) and jsonrpc.is_notification(msg) and self.on_notification is not None:
             self.on_notification(msg)
 
     async def _post(self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:

@@ -235,7 +235,8 @@ class StdioSession:
 
     async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
-        meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
+        raw_meta = (params or {}).get("_meta")
+        meta: JsonObject = raw_meta if isinstance(raw_meta, dict) else {}
         future: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, handler, meta.get("progressToken"), time.monotonic(), method)
         self.last_used = time.monotonic()
@@ -347,7 +348,8 @@ class StdioSession:
         one client's question to another); a child owned by one principal (`isolation:
         per_principal`) gives it to its newest request instead.
         """
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        raw = msg.get("params")
+        params: JsonObject = raw if isinstance(raw, dict) else {}
         if msg["method"] == "notifications/progress":
             return [p for p in self._pending.values() if p.progress_token is not None and p.progress_token == params.get("progressToken")]
         candidates = [p for p in self._pending.values() if p.handler is not None]

@@ -208,7 +208,10 @@ class StdioPool:
         log.info("upstream_started", server=self.server, pid=session.proc.pid if session.proc else None, per_principal=self.per_principal)
         slot.sessions.append(session)
         watcher = asyncio.get_running_loop().create_task(session.exited.wait())
-        watcher.add_done_callback(lambda _t, s=session: self._note_exit(slot, s))
+        def exited(_task: asyncio.Task[Any], child: StdioSession = session) -> None:
+            self._note_exit(slot, child)
+
+        watcher.add_done_callback(exited)
         return session
 
     def discard(self, session: Any) -> None:
