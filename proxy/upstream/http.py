@@ -303,7 +303,7 @@ class UpstreamSession:
         if not self.session_id:
             return
         try:
-            async with self.http.delete(self.url, headers=self._headers(), allow_redirects=False, timeout=aiohttp.ClientTimeout(total=2)):
+            async with self.http.delete(self.url, headers=self._headers(), allow_redirects=False, timeout=aiohttp.ClientTimeout(total=self.bounds.connect_timeout)):
                 pass
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
