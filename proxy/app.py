@@ -22,7 +22,7 @@ from .tasks.model import TaskRecord
 from .tasks.service import TaskService
 from .tasks.store import StoreUnavailableError
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
-from .upstream.http import UpstreamPool
+from .upstream.http import Bounds, UpstreamPool
 from .upstream.stdio import StdioCommand, StdioPool
 
 log = structlog.get_logger("proxy.app")
@@ -137,7 +137,7 @@ def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) 
 def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> UpstreamPool | StdioPool:
     """The upstream connector of one server: Streamable HTTP sessions or stdio children."""
     if entry.url:
-        return UpstreamPool(http, name, entry.url, entry.headers)
+        return UpstreamPool(http, name, entry.url, entry.headers, bounds=Bounds.from_entry(entry))
     assert entry.command is not None
     return StdioPool(
         name,
@@ -148,6 +148,8 @@ def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> Ups
         idle_timeout=entry.idle_timeout,
         init_timeout=entry.init_timeout,
         max_restarts=entry.max_restarts,
+        bounds=Bounds.from_entry(entry),
+        max_children=entry.max_children,
     )
 
 

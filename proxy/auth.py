@@ -60,7 +60,7 @@ class Authenticator:
                     path = base_dir / path
                 self._jwks = jwt.PyJWKSet.from_json(path.read_text())
             elif config.jwt.jwks_url:
-                self._jwks_client = jwt.PyJWKClient(config.jwt.jwks_url, cache_keys=True, lifespan=300)
+                self._jwks_client = jwt.PyJWKClient(config.jwt.jwks_url, cache_keys=True, lifespan=300, timeout=int(max(1, config.jwt.jwks_timeout)))
 
     async def principal(self, request: web.Request) -> str:
         """The principal of `request`. Raises AuthError."""
@@ -80,8 +80,8 @@ class Authenticator:
     def _from_header(self, request: web.Request) -> str:
         cfg = self.config.header
         assert cfg is not None
-        if cfg.trusted_peers and (request.remote or "") not in cfg.trusted_peers:
-            raise AuthError(f"{cfg.name} is only trusted from {', '.join(cfg.trusted_peers)}")
+        if not cfg.trusts(request.remote):
+            raise AuthError(f"{cfg.name} is not accepted from this peer")  # never name the trusted peers
         values = request.headers.getall(cfg.name, [])
         if len(values) != 1 or not values[0].strip():
             raise AuthError(f"missing or repeated {cfg.name} header")
@@ -101,10 +101,14 @@ class Authenticator:
             else:
                 assert self._jwks_client is not None
                 key = await asyncio.to_thread(self._jwks_client.get_signing_key_from_jwt, token)
+            # Only the algorithm of the matched key: a token whose `alg` does not fit its key is refused.
+            allowed = _algorithms_for(key, cfg.algorithms)
+            if header.get("alg") not in allowed:
+                raise AuthError(f"the token's alg {str(header.get('alg'))[:20]!r} does not match its key")
             claims = jwt.decode(
                 token,
                 key.key,
-                algorithms=cfg.algorithms,
+                algorithms=allowed,
                 audience=cfg.audience,
                 issuer=cfg.issuer,
                 leeway=cfg.leeway_s,
@@ -112,10 +116,25 @@ class Authenticator:
             )
         except jwt.PyJWTError as exc:
             raise AuthError(f"invalid token: {exc}") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a key the token's alg cannot use, a malformed header
+            raise AuthError(f"invalid token ({exc.__class__.__name__})") from None
         principal = claims.get(cfg.principal_claim)
         if not isinstance(principal, str) or not principal:
             raise AuthError(f"the token has no {cfg.principal_claim!r} claim")
         return principal
+
+
+_ALG_FAMILIES = {"RSA": ("RS", "PS"), "EC": ("ES",), "OKP": ("EdDSA", "Ed"), "oct": ("HS",)}
+
+
+def _algorithms_for(key: jwt.PyJWK, configured: list[str]) -> list[str]:
+    """The configured algorithms that `key` can verify: its own `alg` when the JWK names one,
+    else those of its key type (RSA: RS*/PS*, EC: ES*, OKP: EdDSA)."""
+    data = getattr(key, "_jwk_data", {}) or {}
+    if isinstance(data.get("alg"), str):
+        return [alg for alg in configured if alg == data["alg"]]
+    prefixes = _ALG_FAMILIES.get(str(data.get("kty")), ())
+    return [alg for alg in configured if alg.startswith(prefixes)] if prefixes else []
 
 
 def _bearer(request: web.Request) -> str:

@@ -11,15 +11,16 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
 
-from aiohttp import web
+import structlog
 
-from . import __version__
+from . import __version__, listener
 from .app import DRAIN_KEY, build_app
 from .auth import hash_token
 from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
@@ -84,19 +85,22 @@ def demo_config(upstream_url: str, store_path: str) -> Config:
 
 
 async def serve(config: Config, *, announce: bool = True, demo: bool = False) -> None:
-    """Serve `config` until SIGINT/SIGTERM. Prints the listening URL(s) on stdout."""
+    """Serve `config` until SIGINT/SIGTERM. Prints the listening URL(s) on stdout.
+
+    The address is bound first: when that fails (OSError) nothing has started or been logged as started.
+    """
+    sock = listener.bind(config.listen.host, config.listen.port)
+    loop = asyncio.get_running_loop()
+    listener.quiet_accept_errors(loop)
     app = build_app(config)
     # aiohttp waits a little longer than the drain, so handlers end with their own shutdown error.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.listen.drain_timeout + 1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, config.listen.host, config.listen.port)
-    await site.start()
+    runner, _site = await listener.start(app, config, sock)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     host, port = runner.addresses[0][:2]
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    structlog.get_logger("proxy.cli").info("proxy_listening", address=f"{host}:{port}")
     if announce:
         for name in config.servers:
             print(f"serving {name} at {base}/servers/{name}/mcp", flush=True)
@@ -163,6 +167,23 @@ def describe(config: Config, source: str) -> str:
     return "\n".join(lines)
 
 
+def missing_commands(config: Config) -> list[str]:
+    """One sentence per enabled stdio server whose `command` cannot be found or run (looked up on
+    the PATH its child would get, relative to its `cwd`); empty when all are runnable."""
+    problems = []
+    for name, entry in config.servers.items():
+        if not entry.command:
+            continue
+        path = entry.env.get("PATH", os.environ.get("PATH", os.defpath))
+        command = entry.command
+        if os.sep in command and entry.cwd and not os.path.isabs(command):
+            command = os.path.join(entry.cwd, command)
+        if shutil.which(command, path=path) is None:
+            where = "is not an executable file" if os.sep in command else "is not on the PATH"
+            problems.append(f"mcpServers.{name}.command: {entry.command!r} {where}")
+    return problems
+
+
 def _check_config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mcp-tasks-proxy check-config", description="Validate a config file and say what it will serve.")
     parser.add_argument("file")
@@ -171,6 +192,10 @@ def _check_config(argv: list[str]) -> int:
         config = load_config(args.file)
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 2
+    problems = missing_commands(config)
+    if problems:
+        print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
     print(describe(config, args.file))
     return 0
@@ -278,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         _override(config, args)
         if args.log_level is None:
             configure_logging(config.logging.level)
+        for problem in missing_commands(config):
+            structlog.get_logger("proxy.cli").error("upstream_command_missing", problem=problem)
         asyncio.run(serve(config))
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)

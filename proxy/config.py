@@ -16,61 +16,28 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import expandvars
-import limits
-import pytimeparse2
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+from .config_base import ConfigError, Duration, Strict as _Strict, parse_duration
+from .config_sections import (
+    AuthConfig,
+    JwtConfig,
+    LimitsConfig,
+    ListenConfig,
+    LoggingConfig,
+    MetricsConfig,
+    RequestStateConfig,
+    TrustedHeaderConfig,
+)
 
-
-class ConfigError(Exception):
-    """The config file cannot be used; the message names the file and the key path."""
-
-
-def parse_duration(value: Any) -> float:
-    """Parse a duration string with a unit (`500ms`, `30s`, `10m`, `1h`, `1h30m`) into seconds (float).
-
-    Bare numbers are refused because they are ambiguous (ms or s). Raises ValueError.
-    """
-    if isinstance(value, bool) or not isinstance(value, str):
-        raise ValueError(f"durations are strings with a unit, like '500ms', '30s' or '10m' (got {value!r})")
-    text = value.strip()
-    if re.fullmatch(r"[0-9.]+", text):
-        raise ValueError(f"duration {value!r} has no unit; write '{text}s' or '{text}ms'")
-    seconds = pytimeparse2.parse(text)
-    if seconds is None or seconds < 0:
-        raise ValueError(f"cannot read {value!r} as a duration; use forms like '500ms', '30s', '10m', '1h'")
-    return float(seconds)
-
-
-Duration = Annotated[
-    float,
-    BeforeValidator(parse_duration),
-    WithJsonSchema({"type": "string", "pattern": r"^\s*[0-9.]+\s*(ms|s|m|h|d)", "examples": ["500ms", "30s", "10m", "1h"]}),
+__all__ = [
+    "AuthConfig", "Config", "ConfigError", "Duration", "JwtConfig", "LimitsConfig", "ListenConfig", "LoggingConfig", "MetricsConfig",
+    "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "ToolMode", "TrustedHeaderConfig", "config_from_data", "config_json_schema",
+    "load_config", "parse_duration",
 ]
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class ListenConfig(_Strict):
-    """Where the proxy listens. `port` 0 picks a free port."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    allowed_hosts: list[str] | None = Field(
-        None, description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any"
-    )
-    max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
-    sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls")
-    drain_timeout: Duration = Field("30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish")
-
-    @property
-    def max_body_bytes(self) -> int:
-        """`max_body` in bytes."""
-        return self.max_body
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class StoreConfig(_Strict):
@@ -169,10 +136,13 @@ class ServerEntry(_Strict):
 
     Remote: `url` (Streamable HTTP; Gemini's `httpUrl` too), `headers`. Stdio: `command`, `args`,
     `env` (added to the proxy's environment), `cwd`. `timeout` (s) is the hard limit of one upstream
-    call. Stdio only: `instances` children per capability set, `max_concurrency` requests in flight,
-    `isolation: per_principal` for a child per principal, `idle_timeout` (s) to stop an unused
-    child, `init_timeout` (s) for its `initialize`, `max_restarts` quick exits in a row before the
-    server counts as crash-looping.
+    call (tools/call, prompts/get, resources/read); `request_timeout` (s) bounds every other upstream
+    request (tools/list, …); `init_timeout` (s) the `initialize` handshake; `connect_timeout` (s) a
+    TCP connect (HTTP); `max_response_bytes` the largest upstream reply (larger: a JSON-RPC error).
+    Stdio only: `instances` children per capability set, `max_concurrency` requests in flight,
+    `isolation: per_principal` for a child per principal (at most `max_children` at once, each
+    stopped after `idle_timeout`, 10m by default then), `idle_timeout` (s) to stop an unused child,
+    `max_restarts` quick exits in a row before the server counts as crash-looping.
     """
 
     url: str | None = None
@@ -192,6 +162,10 @@ class ServerEntry(_Strict):
     isolation: Literal["shared", "per_principal"] = "shared"
     idle_timeout: Duration | None = None
     init_timeout: Duration = Field("30s", validate_default=True)
+    request_timeout: Duration = Field("30s", validate_default=True)
+    connect_timeout: Duration = Field("10s", validate_default=True)
+    max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_children: int = Field(32, ge=1, description="isolation per_principal: children running at once, across principals")
     max_restarts: int = Field(5, ge=1)
     disabled: bool = False
     enabled: bool = True
@@ -227,6 +201,10 @@ class ServerEntry(_Strict):
             raise ValueError("transport stdio needs `command`")
         if kind and kind != "stdio" and not self.url:
             raise ValueError(f"transport {kind} needs `url`")
+        for name in ("timeout", "init_timeout", "request_timeout", "connect_timeout"):
+            _positive(getattr(self, name), name)
+        if self.isolation == "per_principal" and self.idle_timeout is None:
+            self.idle_timeout = 600.0  # a child per principal must not outlive its principal's use of it
         return self
 
     @property
@@ -247,99 +225,11 @@ class ResolvedPolicy(BaseModel):
     timeout: float
 
 
-class RequestStateConfig(_Strict):
-    """Signing of MRTR `requestState` (HMAC-SHA256). Without `secret`, a key is generated once and
-    kept beside the store (`<store.path>/request_state.key`)."""
-
-    secret: str | None = Field(None, min_length=32)
-
-
-class JwtConfig(_Strict):
-    """JWT verification: keys from `jwks_file` (relative to the config file) or `jwks_url`;
-    `issuer`/`audience` checked when given; the principal is the `principal_claim` claim."""
-
-    jwks_file: str | None = None
-    jwks_url: str | None = None
-    issuer: str | None = None
-    audience: str | None = None
-    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
-    principal_claim: str = "sub"
-    leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> JwtConfig:
-        if bool(self.jwks_file) == bool(self.jwks_url):
-            raise ValueError("give exactly one of `jwks_file` and `jwks_url`")
-        return self
-
-
-class TrustedHeaderConfig(_Strict):
-    """A header set by a fronting auth proxy; `trusted_peers` limits which peer addresses may set it."""
-
-    name: str = "X-Forwarded-User"
-    trusted_peers: list[str] = Field(default_factory=list)
-
-
-class AuthConfig(_Strict):
-    """Inbound authentication. `tokens` maps principal names to `sha256:<hex>` token hashes
-    (`mcp-tasks-proxy hash-token` prints one); plain tokens are never written in the config."""
-
-    mode: Literal["none", "bearer", "jwt", "header"] = "none"
-    tokens: dict[str, str] = Field(default_factory=dict)
-    jwt: JwtConfig | None = None
-    header: TrustedHeaderConfig | None = None
-
-    @model_validator(mode="after")
-    def _complete(self) -> AuthConfig:
-        if self.mode == "bearer":
-            if not self.tokens:
-                raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")
-            for name, digest in self.tokens.items():
-                if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
-                    raise ValueError(f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself")
-        if self.mode == "jwt" and self.jwt is None:
-            raise ValueError("mode jwt needs a `jwt` section")
-        if self.mode == "header" and self.header is None:
-            self.header = TrustedHeaderConfig()
-        return self
-
-
-class LimitsConfig(_Strict):
-    """Limits; each refusal is a JSON-RPC error naming the limit (HTTP 429 for rates and counts).
-
-    `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
-    bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
-    largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
-    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window).
-    """
-
-    max_tasks_per_principal: int | None = Field(None, ge=1)
-    max_ttl: Duration | None = None
-    max_result_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    tasks_rate: str | None = Field(None, description="tasks/* calls per principal, like `20/second` or `600/minute`")
-
-    @model_validator(mode="after")
-    def _rate(self) -> LimitsConfig:
-        if self.tasks_rate is not None:
-            try:
-                limits.parse(self.tasks_rate)
-            except ValueError:
-                raise ValueError(f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`") from None
-        return self
-
-
-class LoggingConfig(_Strict):
-    """Logs: JSON lines on stderr (a readable renderer on a terminal). `log_payloads: true` also logs
-    request bodies (they may contain personal data and secrets; off by default)."""
-
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    log_payloads: bool = False
-
-
 class Config(_Strict):
     """The whole config file."""
 
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     listen: ListenConfig = Field(default_factory=ListenConfig)
@@ -458,7 +348,6 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     if jwt_cfg is not None and jwt_cfg.jwks_file and not os.path.isabs(jwt_cfg.jwks_file):
         jwt_cfg.jwks_file = str((file.parent / jwt_cfg.jwks_file).resolve())
     return config
-
 
 
 SCHEMA_FILE = Path(__file__).with_name("config.schema.json")

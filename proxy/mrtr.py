@@ -23,6 +23,7 @@ from typing import Any
 import jwt
 
 from .call import Call
+from .config import ConfigError
 from .protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError
 from .protocol.tasks_v2 import validate_input_responses  # noqa: F401  (re-exported)
 
@@ -31,22 +32,57 @@ KEY_FILE = "request_state.key"
 
 def load_or_create_key(store_path: str, configured: str | None) -> bytes:
     """The HMAC key for `requestState`: the configured secret, else one generated once and kept
-    beside the store (`<store>/request_state.key`, mode 0600), so states survive restarts of the
-    key but never leave the machine."""
+    beside the store (`<store>/request_state.key`, 64 hex digits, mode 0600, written atomically),
+    so states survive restarts but the key never leaves the machine.
+
+    Raises ConfigError when the key file exists but is empty, not hex, shorter than 32 bytes, or
+    cannot be read or written (the message names the file and what to do).
+    """
     if configured:
         return configured.encode()
     path = Path(store_path) / KEY_FILE
     try:
-        return bytes.fromhex(path.read_text().strip())
-    except (OSError, ValueError):
+        return _read_key(path)
+    except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_bytes(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, key.hex().encode())
-    finally:
-        os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_bytes(32)
+        tmp = path.with_name(f".{KEY_FILE}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, key.hex().encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a key another process wrote meanwhile
+        except FileExistsError:
+            return _read_key(path)
+        finally:
+            os.unlink(tmp)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write the request_state key: {exc.strerror or exc}") from None
+    return key
+
+
+def _read_key(path: Path) -> bytes:
+    """The key in an existing key file. Raises FileNotFoundError when there is none, ConfigError when it is unusable."""
+    try:
+        text = path.read_text(encoding="ascii", errors="replace").strip()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the request_state key: {exc.strerror or exc}") from None
+    fix = "delete the file to have a new key generated (open MRTR rounds are then refused), or set request_state.secret"
+    if not text:
+        raise ConfigError(f"{path}: the request_state key file is empty; {fix}")
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"{path}: the request_state key file does not hold hex digits; {fix}") from None
+    if len(key) < 32:
+        raise ConfigError(f"{path}: the request_state key is {len(key)} bytes, fewer than 32; {fix}")
     return key
 
 
@@ -114,7 +150,8 @@ class ParkedCalls:
             raise JsonRpcError(INVALID_PARAMS, "requestState has expired; send the request again without it") from None
         except jwt.InvalidTokenError:
             raise JsonRpcError(INVALID_PARAMS, "requestState is not valid (it was altered or not issued here)") from None
-        entry = self._parked.get(claims.get("pid"))
+        pid = claims.get("pid")
+        entry = self._parked.get(pid) if isinstance(pid, str) else None
         if (
             entry is None
             or claims.get("p") != principal_digest(principal)

@@ -9,6 +9,9 @@ secrets are never logged unless `logging.log_payloads: true`.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
 import time
 import uuid
 
@@ -33,13 +36,28 @@ ORPHANED = Counter("mcp_tasks_proxy_tasks_orphaned_total", "tasks whose upstream
 STORE_TASKS = Gauge("mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until purged)")
 STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
 LIMIT_REJECTIONS = Counter("mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"])
+UPSTREAM_PROCESSES = Counter(
+    "mcp_tasks_proxy_upstream_processes_total", "stdio upstream child processes by event: started, start_failed, exited, crash_loop", ["server", "event"]
+)
 REQUESTS = Counter("mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"])
 
 
-async def metrics_handler(request: web.Request) -> web.Response:
-    """`/metrics` in the Prometheus text format."""
-    from .app import TASKS_KEY  # the app module imports this one
+CLIENT_CLOSED = 499  # the status recorded (never sent) when the client went away before the answer
 
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """`/metrics` in the Prometheus text format; with `metrics.token` configured only for
+    `Authorization: Bearer <token>` (401 with a JSON-RPC error otherwise)."""
+    from .app import CONFIG_KEY, TASKS_KEY  # the app module imports this one
+
+    expected = request.app[CONFIG_KEY].metrics.token
+    if expected is not None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(digest, expected.removeprefix("sha256:").lower()):
+            log.warning("security_auth_failed", reason="metrics token missing or wrong", remote=request.remote, path=request.path)
+            body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "authentication required: /metrics needs its bearer token"}}
+            return web.json_response(body, status=401, headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy metrics"'})
     tasks = request.app[TASKS_KEY]
     try:
         STORE_TASKS.set(await tasks.store.count())
@@ -58,6 +76,8 @@ def json_errors():
     async def middleware(request: web.Request, handler):
         try:
             return await handler(request)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away: nothing to answer, and not a fault of the proxy
         except web.HTTPException as exc:
             if exc.status < 400 or exc.content_type == "application/json":
                 raise
@@ -74,8 +94,11 @@ def json_errors():
 
 
 def access_log(*, payloads: bool):
-    """Middleware: bind a request id (and, once known, method/server/tool) to the log context and
-    write one line per request with its status and duration in ms."""
+    """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool and task
+    id) to the log context and write one line per request with its status and duration in ms.
+
+    A client that goes away before its answer is logged as `client_disconnected` and counted with
+    status 499 (never 500)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -85,6 +108,7 @@ def access_log(*, payloads: bool):
         structlog.contextvars.bind_contextvars(request_id=uuid.uuid4().hex[:16])
         started = time.perf_counter()
         status = 500
+        event = "request"
         try:
             if payloads and request.can_read_body:
                 log.info("request_payload", body=(await request.text())[:65536])
@@ -94,9 +118,12 @@ def access_log(*, payloads: bool):
         except web.HTTPException as exc:
             status = exc.status
             raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status, event = CLIENT_CLOSED, "client_disconnected"
+            raise
         finally:
             REQUESTS.labels("mcp", str(status)).inc()
-            log.info("request", http_method=request.method, path=request.path, status=status,
+            log.info(event, http_method=request.method, path=request.path, status=status,
                      duration_ms=round((time.perf_counter() - started) * 1000, 2))
             structlog.contextvars.clear_contextvars()
 

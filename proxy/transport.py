@@ -9,27 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
-import secrets
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
-from .auth import ANONYMOUS, PRINCIPAL_KEY, principal_hash
+from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
-from .dispatcher import ServerDispatcher
+from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
-from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError, RequestId
-from .upstream.sse import KEEPALIVE, SseEvent, encode_event, encode_message, iter_events
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
+from .guards import default_allowed_hosts, host_guard
+from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
+from .upstream.common import Bounds
+from .upstream.sse import KEEPALIVE, EventTooLargeError, encode_message, iter_events
 
 log = structlog.get_logger("proxy.transport")
+
+__all__ = ["LegacySession", "LegacySessions", "ModernReply", "ServerEndpoint", "default_allowed_hosts", "host_guard", "principal_of", "prefers_sse"]
 
 _FORWARD_REQUEST_HEADERS = ("Accept", "Content-Type", "MCP-Protocol-Version", "Last-Event-ID")
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
@@ -63,7 +65,7 @@ def prefers_sse(accept: str | None) -> bool:
     return sse is not None and json_ is not None and sse[0] > 0 and sse > json_
 
 
-class ModernReply:
+class ModernReply(Reply):
     """The response of one modern request: plain JSON unless something must be streamed first,
     or the client's `Accept` prefers an SSE stream (then a successful result is one SSE event)."""
 
@@ -111,57 +113,6 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-@dataclass
-class LegacySession:
-    """One downstream legacy session: the upstream's session id, the principal that opened it (only
-    they may use it), and the server→client request ids the proxy rewrote (proxy id → upstream id),
-    so two clients' ids never cross."""
-
-    upstream_id: str | None
-    principal: str = ANONYMOUS
-    request_ids: dict[str, RequestId] = field(default_factory=dict)
-
-
-class LegacySessions:
-    """Downstream legacy sessions by the proxy's session id (in memory; lost on restart, then 404)."""
-
-    def __init__(self) -> None:
-        self._sessions: dict[str, LegacySession] = {}
-        self.sessionless = LegacySession(upstream_id=None)
-
-    def open(self, upstream_session_id: str, principal: str) -> str:
-        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`."""
-        sid = secrets.token_urlsafe(24)
-        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal)
-        return sid
-
-    def get(self, sid: str, principal: str) -> LegacySession | None:
-        """The session behind `sid`, or None when unknown, ended, or opened by another principal
-        (that attempt is logged as a security event)."""
-        session = self._sessions.get(sid)
-        if session is not None and session.principal != principal:
-            log.warning("security_foreign_session_access", principal=principal_hash(principal))
-            return None
-        return session
-
-    def end(self, sid: str) -> None:
-        """Forget `sid` (DELETE, or the upstream expired it)."""
-        self._sessions.pop(sid, None)
-
-
-def rewrite_server_request(event: SseEvent, session: LegacySession) -> bytes:
-    """Re-encode one upstream SSE event; a server→client request gets a proxy-minted id."""
-    try:
-        msg = json.loads(event.data) if event.data.strip() else None
-    except ValueError:
-        msg = None
-    if jsonrpc.is_request(msg):
-        proxy_id = "mtp-" + secrets.token_urlsafe(9)
-        session.request_ids[proxy_id] = msg["id"]
-        event = SseEvent(event.event, _dumps({**msg, "id": proxy_id}), event.id, event.retry)
-    return encode_event(event)
-
-
 class ServerEndpoint:
     """The MCP endpoint of one upstream server: modern dispatch plus legacy relay.
 
@@ -185,9 +136,13 @@ class ServerEndpoint:
         self.http = http
         self.dispatcher = dispatcher
         self.legacy = LegacySessions()
+        entry = dispatcher.config.mcpServers.get(name)
+        self.bounds = Bounds.from_entry(entry) if entry is not None else Bounds()
+        self.body_timeout = dispatcher.config.listen.body_timeout
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
+        structlog.contextvars.bind_contextvars(server=self.name)
         if request.method == "POST":
             return await self._post(request)
         if request.headers.get("Mcp-Session-Id"):
@@ -200,25 +155,40 @@ class ServerEndpoint:
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.body_timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             err = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes")
             obs.LIMIT_REJECTIONS.labels("max_body").inc()
-            return _json_error(None, err, status=exc.status)
+            return _closing(_json_error(None, err, status=exc.status))
+        except TimeoutError:
+            err = JsonRpcError(INVALID_REQUEST, f"the request body did not arrive within body_timeout ({self.body_timeout:g} s)")
+            obs.LIMIT_REJECTIONS.labels("body_timeout").inc()
+            return _closing(_json_error(None, err, status=408))
+        except RequestPayloadError as exc:
+            reason = str(exc).replace("\n", " ").strip() or exc.__class__.__name__
+            request.content.feed_eof()  # nothing more can be read: aiohttp must not try to drain it (and log a traceback)
+            return _closing(_json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400))
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return _json_error(None, JsonRpcError(PARSE_ERROR, f"the body is not valid JSON: {exc}"))
         except RecursionError:
             return _json_error(None, JsonRpcError(PARSE_ERROR, "the body nests JSON too deeply"))
+        if isinstance(body, dict):
+            bind_request(body)
         if is_modern_request(request.headers, body):
             return await self._modern(request, body)
+        structlog.contextvars.bind_contextvars(era="legacy")
         return await self._relay_legacy(request, body=body, raw=raw)
 
     # -- modern ------------------------------------------------------------------------------
 
     async def _modern(self, request: web.Request, body: Any) -> web.StreamResponse:
+        structlog.contextvars.bind_contextvars(era="modern")
         request_id = body.get("id") if isinstance(body, dict) else None
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            request_id = None  # never echo an id of the wrong type
         reply = ModernReply(request)
         try:
             jsonrpc.validate_request(body)
@@ -238,7 +208,21 @@ class ServerEndpoint:
     # -- legacy relay ------------------------------------------------------------------------
 
     async def _relay_legacy(self, request: web.Request, *, body: Any, raw: bytes) -> web.StreamResponse:
+        structlog.contextvars.bind_contextvars(era="legacy", server=self.name)
         request_id = body.get("id") if isinstance(body, dict) else None
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            request_id = None
+        method = body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
+        started = asyncio.get_running_loop().time()
+        response: web.StreamResponse | None = None
+        try:
+            response = await self._relay_legacy_inner(request, body=body, raw=raw, request_id=request_id)
+            return response
+        finally:
+            if method is not None and "id" in body:
+                observe_legacy(self.name, method, body, response, asyncio.get_running_loop().time() - started)
+
+    async def _relay_legacy_inner(self, request: web.Request, *, body: Any, raw: bytes, request_id: Any) -> web.StreamResponse:
         if self.bridge is not None:  # a stdio upstream: the proxy is the legacy server itself
             if request.method == "POST":
                 try:
@@ -270,16 +254,33 @@ class ServerEndpoint:
                 headers["Mcp-Session-Id"] = found.upstream_id
         if request.method == "POST" and jsonrpc.is_response(body) and body["id"] in session.request_ids:
             raw = _dumps({**body, "id": session.request_ids.pop(body["id"])}).encode()
+        method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
+        # A POSTed request is bounded like the proxy's own (its hard timeout for calls); a GET stream
+        # lasts as long as the client keeps it open, but its connect and each read are bounded.
+        bound, key = self.bounds.for_method(method) if isinstance(method, str) else (None, "")
+        assert self.url is not None
         try:
             upstream = await self.http.request(
                 request.method,
                 self.url,
                 data=raw if request.method == "POST" else None,
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                allow_redirects=False,  # configured headers (credentials) never follow a redirect
+                timeout=aiohttp.ClientTimeout(total=bound, sock_connect=self.bounds.connect_timeout),
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {exc.__class__.__name__}: {exc}")
+            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) and bound else f"{exc.__class__.__name__}: {exc}"
+            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
+            return _json_error(request_id, err, status=504 if isinstance(exc, asyncio.TimeoutError) else 502)
+        if 300 <= upstream.status < 400:
+            upstream.release()
+            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed")
+            return _json_error(request_id, err, status=502)
+        limit = self.bounds.max_response_bytes
+        is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
+            upstream.release()
+            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)")
             return _json_error(request_id, err, status=502)
         async with upstream:
             out_headers = {n: upstream.headers[n] for n in _FORWARD_RESPONSE_HEADERS if n in upstream.headers}
@@ -290,21 +291,28 @@ class ServerEndpoint:
                 out_headers["Mcp-Session-Id"] = sid.strip()
             elif upstream_new_sid:
                 out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request))
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            if out_headers.get("Content-Type", "").startswith("text/event-stream"):
-                response.headers["X-Accel-Buffering"] = "no"
-            await response.prepare(request)
             if upstream_new_sid and not sid:
                 session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
+            if not is_sse:  # a plain reply is read whole (it is bounded), so what goes out is always JSON-RPC
+                try:
+                    data = await read_limited(upstream, limit)
+                except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
+                    reason = str(exc) or exc.__class__.__name__
+                    return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
+                status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
+                if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
+                    out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
+                return web.Response(status=status, body=data, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            response.headers["X-Accel-Buffering"] = "no"
+            await response.prepare(request)
             try:
-                if response.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    async for event in iter_events(upstream.content.iter_any()):
-                        await response.write(rewrite_server_request(event, session))
-                else:
-                    async for chunk in upstream.content.iter_any():
-                        await response.write(chunk)
-            except (aiohttp.ClientError, OSError) as exc:
-                log.info("legacy_relay_broken", server=self.name, reason=str(exc))
+                async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
+                    await response.write(rewrite_server_request(event, session))
+            except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
+                log.warning("legacy_relay_broken", server=self.name, reason=str(exc) or exc.__class__.__name__)
+                if request.transport is not None:
+                    request.transport.close()  # the client must see a cut reply, not a complete-looking short one
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 await response.write_eof()  # the client may already be gone (a GET stream it closed)
             return response
@@ -313,41 +321,34 @@ class ServerEndpoint:
 def _validate_legacy_response(body: Any) -> None:
     if not jsonrpc.is_response(body):
         jsonrpc.validate_request(body)
+    elif isinstance(body["id"], bool) or not isinstance(body["id"], (str, int)):
+        raise JsonRpcError(INVALID_REQUEST, "`id` must be a string or an integer")
+
+
+def _closing(response: web.Response) -> web.Response:
+    """`response`, sent with `Connection: close` (the rest of the request body is not read)."""
+    response.force_close()
+    return response
+
+
+def bind_request(body: JsonObject) -> None:
+    """Bind what identifies a request to the log context: its JSON-RPC method, tool (or prompt,
+    resource) name and task id, when they are strings."""
+    method = body.get("method")
+    raw = body.get("params")
+    params: JsonObject = raw if isinstance(raw, dict) else {}
+    fields: dict[str, str] = {}
+    if isinstance(method, str):
+        fields["rpc_method"] = method[:128]
+        name = params.get("uri") if method == "resources/read" else params.get("name")
+        if method in ("tools/call", "prompts/get", "resources/read") and isinstance(name, str):
+            fields["tool"] = name[:256]
+    task_id = params.get("taskId")
+    if isinstance(task_id, str):
+        fields["task_id"] = task_id[:128]
+    structlog.contextvars.bind_contextvars(**fields)
 
 
 def principal_of(request: web.Request) -> str:
     """Who is calling (set by the auth middleware; `anonymous` without inbound auth)."""
     return request.get(PRINCIPAL_KEY, ANONYMOUS)
-
-
-def _host_name(value: str) -> str:
-    host = urlsplit(value if "//" in value else f"//{value}").hostname or ""
-    return host.lower()
-
-
-def host_guard(allowed: set[str] | None):
-    """Middleware factory: reject a `Host` or `Origin` outside `allowed` with 403 (DNS-rebinding guard).
-
-    `allowed` None accepts any host.
-    """
-
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        if allowed is not None:
-            for header in ("Host", "Origin"):
-                value = request.headers.get(header)
-                if value and _host_name(value) not in allowed:  # `Origin: null` (sandboxed pages) too
-                    err = JsonRpcError(INVALID_REQUEST, f"{header} {value!r} is not allowed here")
-                    return _json_error(None, err, status=403)
-        return await handler(request)
-
-    return middleware
-
-
-def default_allowed_hosts(listen_host: str) -> set[str] | None:
-    """Localhost names when bound to loopback, else None (any host)."""
-    try:
-        loopback = listen_host == "localhost" or ipaddress.ip_address(listen_host).is_loopback
-    except ValueError:
-        loopback = False
-    return {"localhost", "127.0.0.1", "::1", "[::1]"} if loopback else None

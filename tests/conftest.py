@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy import listener
 from proxy.app import POOLS_KEY, TASKS_KEY, build_app
 from proxy.config import Config, config_from_data
 from proxy.protocol.era import META_CLIENT_CAPABILITIES, META_PROTOCOL_VERSION, MODERN_VERSION, TASKS_EXTENSION
@@ -127,12 +128,9 @@ class RunningProxy:
 @asynccontextmanager
 async def running_proxy(config: Config) -> AsyncIterator[RunningProxy]:
     """Serve `config` on 127.0.0.1 with a free port for the duration of the block."""
-    config.listen.port = 0
+    config.listen.host, config.listen.port = "127.0.0.1", 0
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, _site = await listener.start(app, config)  # served the way the command line serves it
     host, port = runner.addresses[0][:2]
     proxy = RunningProxy(base=f"http://{host}:{port}", config=config, app=app, runner=runner)
     # Wait (briefly) until the upstream sessions are open, so test timings count calls only.

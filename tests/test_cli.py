@@ -326,7 +326,9 @@ def test_schema_command_prints_the_schema():
 
 
 def test_check_config_prints_what_it_will_serve(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", "config/claude_desktop.json"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    venv_path = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # where mcp-server-time is
+    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", "config/claude_desktop.json"], capture_output=True, text=True, timeout=30, cwd=ROOT,
+                         env=venv_path)
     assert out.returncode == 0, out.stderr
     assert "config/claude_desktop.json: valid" in out.stdout
     assert "- time: stdio: mcp-server-time" in out.stdout and "/servers/demo/mcp" in out.stdout
@@ -334,6 +336,15 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
     bad.write_text("mcpServers:\n  a:\n    url: http://x/mcp\n    tasks: {tools: {t: {mode: sometimes}}}\n")
     out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(bad)], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
+
+
+def test_check_config_refuses_a_stdio_command_not_on_the_path(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("mcpServers:\n  gone:\n    command: no-such-mcp-server-xyz\n  rel:\n    command: ./missing.sh\n")
+    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert out.returncode == 2
+    assert "mcpServers.gone.command: 'no-such-mcp-server-xyz' is not on the PATH" in out.stderr
+    assert "mcpServers.rel.command: './missing.sh' is not an executable file" in out.stderr
 
 
 def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):

@@ -459,3 +459,20 @@ def test_urls_must_be_http_and_retention_positive():
     assert "ttl must be longer than 0s" in config_error({"tasks": {"ttl": "0s"}, "mcpServers": {"a": {"url": "http://h/mcp"}}})
     assert "poll_interval must be longer than 0s" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"poll_interval": "0ms"}}}}}})
     assert cfg(tasks={"detach_after": "0s"}).tasks.detach_after == 0  # detach at once is allowed
+
+
+def test_hardening_keys_have_safe_defaults_and_are_checked(tmp_path):
+    base = {"store": {"path": str(tmp_path)}, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}}}
+    config = config_from_data(base)
+    entry = config.mcpServers["a"]
+    assert (entry.init_timeout, entry.request_timeout, entry.connect_timeout) == (30.0, 30.0, 10.0)
+    assert entry.max_response_bytes == 16 * 1024 * 1024 and entry.max_children == 32
+    assert (config.listen.header_timeout, config.listen.body_timeout, config.listen.max_connections) == (10.0, 30.0, None)
+    assert config.metrics.token is None
+    bad = {**base, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp", "request_timeout": "0s"}}}
+    with pytest.raises(ConfigError, match="mcpServers.a: .*request_timeout must be longer than 0s"):
+        config_from_data(bad)
+    with pytest.raises(ConfigError, match="metrics.token"):
+        config_from_data({**base, "metrics": {"token": "plain-secret"}})
+    with pytest.raises(ConfigError, match="listen.max_connections"):
+        config_from_data({**base, "listen": {"max_connections": 2}})

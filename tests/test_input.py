@@ -252,7 +252,9 @@ async def test_question_the_client_cannot_answer_is_missing_capability(proxy: Ru
     try:
         await client.warm_up()  # the upstream session for these capabilities is open
         reply = await client.call("confirm_delete", {"filename": "nocap.txt"})
-        assert "inputRequests" not in reply.message.get("result", {})
+        assert reply.status == 400, reply.message
+        assert reply.error["code"] == -32021, reply.error
+        assert "elicitation" in reply.error["data"]["requiredCapabilities"], reply.error
     finally:
         await client.close()
 

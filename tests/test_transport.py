@@ -114,7 +114,7 @@ async def test_forwarded_lists_are_stamped(client: ModernClient) -> None:
     read = await client.request("resources/read", {"uri": "test://static-text"})
     assert read.result["contents"][0]["text"].startswith("This is static text")
     missing = await client.request("resources/read", {"uri": "test://nope"})
-    assert missing.error["code"] != -32002
+    assert missing.status == 400 and missing.error["code"] == -32602, missing.message  # resource not found, 2026 code (was -32002)
 
 
 async def test_envelope_is_not_forwarded_but_other_meta_is(client: ModernClient) -> None:
@@ -188,5 +188,6 @@ async def test_legacy_client_meta_without_envelope_stays_on_the_legacy_path(prox
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {"progressToken": "p"}}}
     async with aiohttp.ClientSession() as http:
         async with http.post(proxy.url(), json=body, headers={**BASE_HEADERS, "MCP-Protocol-Version": "2025-11-25"}) as resp:
-            text = await resp.text()
-    assert "-32602" not in text  # the upstream answered (it wants a session), not the 2026 validator
+            status, reply = resp.status, await resp.json()
+    # The upstream answered (a legacy server wants a session first), not the 2026 envelope validator (-32602).
+    assert status == 400 and reply["error"]["code"] == -32600 and "session" in reply["error"]["message"].lower(), reply

@@ -22,21 +22,16 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .sse import iter_events
+from .common import CALL_METHODS, Bounds, SessionExpiredError, UpstreamError, caps_key, probe
+from .sse import EventTooLargeError, iter_events
 
 log = structlog.get_logger("proxy.upstream")
+
+__all__ = ["CALL_METHODS", "Bounds", "SessionExpiredError", "UpstreamError", "UpstreamPool", "UpstreamSession", "caps_key", "probe"]
 
 # Called with every message that arrives on a request's stream before its response:
 # notifications and server→client requests. Returns nothing; answers go through `respond`.
 MessageHandler = Callable[[JsonObject], Awaitable[None]]
-
-
-class UpstreamError(Exception):
-    """The upstream could not be reached or broke the transport; the message names the cause."""
-
-
-class SessionExpiredError(UpstreamError):
-    """The upstream answered 404 for our session id: it must be initialized again."""
 
 
 class UpstreamSession:
@@ -54,14 +49,15 @@ class UpstreamSession:
         server: str,
         headers: dict[str, str] | None = None,
         capabilities: JsonObject | None = None,
-        connect_timeout: float = 10.0,
+        bounds: Bounds | None = None,
     ) -> None:
         self.http = http
         self.url = url
         self.server = server
         self.extra_headers = dict(headers or {})
         self.capabilities = dict(capabilities or {})
-        self.connect_timeout = connect_timeout
+        self.bounds = bounds or Bounds()
+        self.connect_timeout = self.bounds.connect_timeout
         self.session_id: str | None = None
         self.protocol_version: str = UPSTREAM_VERSION
         self.initialize_result: JsonObject = {}
@@ -86,10 +82,18 @@ class UpstreamSession:
         return headers
 
     async def open(self) -> JsonObject:
-        """Run the `initialize` handshake; return the upstream's InitializeResult.
+        """Run the `initialize` handshake (bounded by `init_timeout`); return the upstream's InitializeResult.
 
-        Raises UpstreamError when the upstream is unreachable or answers with an error.
+        Raises UpstreamError when the upstream is unreachable, answers with an error, or does not
+        finish the handshake in time.
         """
+        try:
+            async with asyncio.timeout(self.bounds.init_timeout):
+                return await self._open()
+        except TimeoutError:
+            raise UpstreamError(f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s (init_timeout)") from None
+
+    async def _open(self) -> JsonObject:
         params = {
             "protocolVersion": UPSTREAM_VERSION,
             "capabilities": self.capabilities,
@@ -122,16 +126,18 @@ class UpstreamSession:
                 headers = {k: v for k, v in self._headers().items() if k != "Content-Type"}
                 headers["Accept"] = "text/event-stream"
                 try:
-                    resp = await self.http.get(self.url, headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
+                    resp = await self.http.get(
+                        self.url, headers=headers, allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout)
+                    )
                 except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                     raise UpstreamError(f"upstream {self.server} GET stream: {exc}") from exc
                 async with resp:
-                    if resp.status in (404, 405) or resp.status >= 400:
-                        return  # the upstream offers no standalone stream (or forgot the session)
+                    if resp.status >= 300:
+                        return  # the upstream offers no standalone stream (or forgot the session); redirects are not followed
                     try:
-                        async for event in iter_events(resp.content.iter_any()):
+                        async for event in iter_events(resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
                             await self._on_stream_message(event.data)
-                    except (aiohttp.ClientError, OSError) as exc:
+                    except (aiohttp.ClientError, OSError, EventTooLargeError) as exc:
                         raise UpstreamError(f"upstream {self.server} GET stream broke: {exc}") from exc
                 if not self.closed:
                     raise UpstreamError(f"upstream {self.server} GET stream ended")
@@ -141,13 +147,13 @@ class UpstreamSession:
             msg = json.loads(data) if data.strip() else None
         except ValueError:
             return
-        if jsonrpc.is_request(msg):
+        if isinstance(msg, dict) and jsonrpc.is_request(msg):
             if msg["method"] == "ping":
                 await self._answer_ping(msg["id"])
             else:
                 with contextlib.suppress(UpstreamError):
                     await self.respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"{msg['method']} is only answered for a request in flight"})
-        elif jsonrpc.is_notification(msg) and self.on_notification is not None:
+        elif isinstance(msg, dict) and jsonrpc.is_notification(msg) and self.on_notification is not None:
             self.on_notification(msg)
 
     async def _post(self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
@@ -156,10 +162,16 @@ class UpstreamSession:
                 self.url,
                 data=json.dumps(message, separators=(",", ":")),
                 headers=self._headers(),
+                allow_redirects=False,  # configured headers (credentials) never follow a redirect
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise UpstreamError(f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}") from exc
+        if 300 <= resp.status < 400:
+            resp.release()
+            raise UpstreamError(
+                f"upstream {self.server} answered HTTP {resp.status} (a redirect); redirects are not followed: configure the final URL"
+            )
         if resp.status == 404 and self.session_id and message.get("method") != "initialize":
             resp.release()
             raise SessionExpiredError(f"upstream {self.server} no longer knows session {self.session_id}")
@@ -175,7 +187,7 @@ class UpstreamSession:
         await self._send_no_reply(msg)
 
     async def _send_no_reply(self, message: JsonObject) -> None:
-        resp = await self._post(message, timeout=aiohttp.ClientTimeout(total=30, sock_connect=self.connect_timeout))
+        resp = await self._post(message, timeout=aiohttp.ClientTimeout(total=self.bounds.request_timeout, sock_connect=self.connect_timeout))
         async with resp:
             if resp.status >= 400:
                 body = await resp.text(errors="replace")
@@ -192,10 +204,20 @@ class UpstreamSession:
         """Send one request and return its JSON-RPC response message (`result` or `error`).
 
         Messages arriving before the response go to `handler`; `ping` requests are answered here.
-        Raises UpstreamError on transport faults (unreachable, bad status, invalid JSON, stream
-        closed before the response) and SessionExpiredError on a 404 for the session.
+        The wait is bounded (`Bounds.for_method`: `timeout`, `request_timeout` or `init_timeout`, s).
+        Raises UpstreamError on transport faults (unreachable, bad status, a redirect, invalid JSON,
+        a reply over `max_response_bytes` or for another id, stream closed before the response, no
+        answer in time) and SessionExpiredError on a 404 for the session.
         Cancel the awaiting task to abandon the request (the caller sends `notifications/cancelled`).
         """
+        bound, key = self.bounds.for_method(method)
+        try:
+            async with asyncio.timeout(bound):
+                return await self._request(method, params, handler, request_id)
+        except TimeoutError:
+            raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
+
+    async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
         message = jsonrpc.request(rid, method, params)
         resp = await self._post(message)
@@ -207,10 +229,10 @@ class UpstreamSession:
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
                 return await self._read_stream(resp, rid, handler)
-            raw = await resp.read()
+            raw = await self._read_body(resp)
             try:
                 body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 if resp.status >= 400:
                     raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
                 raise UpstreamError(f"upstream {self.server} sent invalid JSON: {raw[:200]!r}") from None
@@ -220,11 +242,29 @@ class UpstreamSession:
                 raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}")
             if not jsonrpc.is_response(body) or ("result" in body and not isinstance(body["result"], dict)):
                 raise UpstreamError(f"upstream {self.server} sent something that is not a JSON-RPC response")
+            if body.get("id") != rid:
+                raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
             return body
+
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole reply body, refused (UpstreamError) once larger than `max_response_bytes`."""
+        limit = self.bounds.max_response_bytes
+        too_large = f"upstream {self.server} sent a reply larger than max_response_bytes ({limit} bytes)"
+        if (resp.content_length or 0) > limit:
+            raise UpstreamError(too_large)
+        body = bytearray()
+        try:
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    raise UpstreamError(too_large)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"upstream {self.server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
+        return bytes(body)
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None) -> JsonObject:
         try:
-            async for event in iter_events(resp.content.iter_any()):
+            async for event in iter_events(resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
                 if event.event != "message" or not event.data.strip():
                     continue
                 try:
@@ -241,6 +281,8 @@ class UpstreamSession:
                     continue
                 if handler is not None and isinstance(msg, dict) and "method" in msg:
                     await handler(msg)
+        except EventTooLargeError:
+            raise UpstreamError(f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream {self.server} broke the stream mid-call: {exc.__class__.__name__}: {exc}") from exc
         raise UpstreamError(f"upstream {self.server} closed the stream before answering")
@@ -261,28 +303,10 @@ class UpstreamSession:
         if not self.session_id:
             return
         try:
-            async with self.http.delete(self.url, headers=self._headers(), timeout=aiohttp.ClientTimeout(total=2)):
+            async with self.http.delete(self.url, headers=self._headers(), allow_redirects=False, timeout=aiohttp.ClientTimeout(total=self.bounds.connect_timeout)):
                 pass
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
-
-
-async def probe(pool: Any, timeout_s: float) -> str | None:
-    """Get `pool`'s session for no optional capabilities within `timeout_s` seconds (opening it
-    if needed); None when that works, else a sentence saying why not (for /readyz)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await pool.session({})
-    except TimeoutError:
-        return f"upstream {pool.server} did not get ready within {timeout_s:g} s"
-    except UpstreamError as exc:
-        return str(exc)
-    return None
-
-
-def caps_key(capabilities: JsonObject) -> str:
-    """A stable key for a capability set (sorted JSON)."""
-    return json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
 
 
 class UpstreamPool:
@@ -292,11 +316,12 @@ class UpstreamPool:
     so each capability set gets its own session, opened on first use.
     """
 
-    def __init__(self, http: aiohttp.ClientSession, server: str, url: str, headers: dict[str, str]) -> None:
+    def __init__(self, http: aiohttp.ClientSession, server: str, url: str, headers: dict[str, str], *, bounds: Bounds | None = None) -> None:
         self.http = http
         self.server = server
         self.url = url
         self.headers = headers
+        self.bounds = bounds or Bounds()
         self._sessions: dict[str, UpstreamSession] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
@@ -313,7 +338,7 @@ class UpstreamPool:
             existing = self._sessions.get(key)
             if existing is not None and not existing.closed:
                 return existing
-            session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities)
+            session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities, bounds=self.bounds)
             session.on_notification = self.on_notification
             await session.open()
             self._sessions[key] = session

@@ -20,25 +20,36 @@ class SseEvent:
     retry: int | None
 
 
-async def iter_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
-    """Turn a byte stream into SSE events. Lines may be of any length (a 5 MB `data:` line is fine)."""
-    buffer = b""
+class EventTooLargeError(ValueError):
+    """An SSE event grew past the size limit given to `iter_events` (bytes)."""
+
+
+async def iter_events(chunks: AsyncIterator[bytes], *, max_event_bytes: int | None = None) -> AsyncIterator[SseEvent]:
+    """Turn a byte stream into SSE events. Lines may be of any length (a 5 MB `data:` line is fine).
+
+    With `max_event_bytes`, an event (its lines, buffered) larger than that many bytes raises
+    EventTooLargeError before it is held in memory in full.
+    """
+    buffer = bytearray()
     data: list[str] = []
+    size = 0
     event = ""
     last_id: str | None = None
     retry: int | None = None
     async for chunk in chunks:
+        start = len(buffer)
         buffer += chunk
-        while True:
+        cut = buffer.find(b"\n", start)
+        while cut >= 0:
+            raw = bytes(buffer[:cut])
+            del buffer[: cut + 1]
             cut = buffer.find(b"\n")
-            if cut < 0:
-                break
-            raw, buffer = buffer[:cut], buffer[cut + 1 :]
             line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
+            size += len(raw) + 1
             if not line:
                 if data or event:
                     yield SseEvent(event or "message", "\n".join(data), last_id, retry)
-                data, event = [], ""
+                data, event, size = [], "", 0
                 continue
             if line.startswith(":"):
                 continue
@@ -52,6 +63,8 @@ async def iter_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
                 last_id = value
             elif field == "retry" and value.isdigit():
                 retry = int(value)
+        if max_event_bytes is not None and size + len(buffer) > max_event_bytes:
+            raise EventTooLargeError(f"an SSE event is larger than {max_event_bytes} bytes")
     if data:
         yield SseEvent(event or "message", "\n".join(data), last_id, retry)
 

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .http import MessageHandler, UpstreamError, caps_key, probe
+from .common import Bounds, UpstreamError
+from .http import MessageHandler
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -69,12 +69,23 @@ class StdioSession:
     or writes to a closed pipe; the message names the exit status.
     """
 
-    def __init__(self, server: str, command: StdioCommand, *, capabilities: JsonObject, limit: asyncio.Semaphore | None, init_timeout: float) -> None:
+    def __init__(
+        self,
+        server: str,
+        command: StdioCommand,
+        *,
+        capabilities: JsonObject,
+        limit: asyncio.Semaphore | None,
+        init_timeout: float,
+        bounds: Bounds | None = None,
+    ) -> None:
         self.server = server
         self.command = command
         self.capabilities = dict(capabilities)
         self.limit = limit
         self.init_timeout = init_timeout
+        self.bounds = bounds or Bounds(init_timeout=init_timeout)
+        self.broken: str | None = None  # why the proxy stopped reading the child (an oversized message)
         self.initialize_result: JsonObject = {}
         self.protocol_version = UPSTREAM_VERSION
         self.proc: asyncio.subprocess.Process | None = None
@@ -209,16 +220,23 @@ class StdioSession:
         """Send one request and return its response message (`result` or `error`).
 
         Messages for it (progress with its token, server→client requests) go to `handler`.
-        Raises UpstreamError when the child dies first (naming the exit status).
+        The wait (a `max_concurrency` slot included) is bounded by `Bounds.for_method` (s).
+        Raises UpstreamError when the child dies first (naming the exit status) or does not answer in time.
         """
-        if self.limit is not None:
-            async with self.limit:
+        bound, key = self.bounds.for_method(method)
+        try:
+            async with asyncio.timeout(bound):
+                if self.limit is not None:
+                    async with self.limit:
+                        return await self._request(method, params, handler, request_id)
                 return await self._request(method, params, handler, request_id)
-        return await self._request(method, params, handler, request_id)
+        except TimeoutError:
+            raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
 
     async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
-        meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
+        raw_meta = (params or {}).get("_meta")
+        meta: JsonObject = raw_meta if isinstance(raw_meta, dict) else {}
         future: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, handler, meta.get("progressToken"), time.monotonic(), method)
         self.last_used = time.monotonic()
@@ -234,26 +252,38 @@ class StdioSession:
             if not pending.future.done():
                 pending.future.set_exception(UpstreamError(message))
 
-    async def _lines(self, stream: asyncio.StreamReader):
+    async def _lines(self, stream: asyncio.StreamReader, limit: int, *, truncate: bool = False):
+        """Lines of `stream`. A line longer than `limit` bytes raises ValueError, or with `truncate`
+        is cut to `limit` bytes (the rest of it is skipped)."""
         buffer = bytearray()
+        skipping = False
         while True:
             chunk = await stream.read(1 << 16)
             if not chunk:
-                if buffer:
+                if buffer and not skipping:
                     yield bytes(buffer)
                 return
             start = len(buffer)
             buffer += chunk
             cut = buffer.find(b"\n", start)
             while cut >= 0:
-                yield bytes(buffer[:cut])
+                if not skipping:
+                    yield bytes(buffer[:cut])
+                skipping = False
                 del buffer[: cut + 1]
                 cut = buffer.find(b"\n")
+            if len(buffer) > limit:
+                if not truncate:
+                    raise ValueError(f"a message larger than max_response_bytes ({limit} bytes)")
+                if not skipping:
+                    yield bytes(buffer[:limit])
+                skipping = True
+                buffer.clear()
 
     async def _read_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         try:
-            async for raw in self._lines(self.proc.stdout):
+            async for raw in self._lines(self.proc.stdout, self.bounds.max_response_bytes):
                 line = raw.strip()
                 if not line:
                     continue
@@ -267,23 +297,29 @@ class StdioSession:
                 await self._dispatch(msg)
         except (OSError, ValueError) as exc:
             log.warning("upstream_stdout_broken", server=self.server, error=str(exc))
+            self.broken = f"upstream {self.server} sent {exc}; the child was stopped"
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
         # stdout closed: the child is exiting (cancellation skips this, nothing waits on the child then)
         status = await self.proc.wait()
         self.exit_status = status
         self.exited.set()
         if not self.closed:
             log.warning("upstream_exited", server=self.server, status=status, in_flight=len(self._pending))
-        self._fail_all(f"upstream {self.server} exited with status {status} while the request was running")
+        self._fail_all(self.broken or f"upstream {self.server} exited with status {status} while the request was running")
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
-        async for raw in self._lines(self.proc.stderr):
+        async for raw in self._lines(self.proc.stderr, 1 << 16, truncate=True):
             text = raw.decode(errors="replace").rstrip()
             if text:
                 log.info("upstream_stderr", server=self.server, line=text[:2000])
 
     async def _dispatch(self, msg: JsonObject) -> None:
         if jsonrpc.is_response(msg):
+            if isinstance(msg["id"], bool) or not isinstance(msg["id"], (str, int)):
+                log.warning("upstream_response_bad_id", server=self.server)
+                return
             pending = self._pending.get(msg["id"])
             if pending is not None and not pending.future.done():
                 if "result" in msg and not isinstance(msg["result"], dict):
@@ -312,7 +348,8 @@ class StdioSession:
         one client's question to another); a child owned by one principal (`isolation:
         per_principal`) gives it to its newest request instead.
         """
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        raw = msg.get("params")
+        params: JsonObject = raw if isinstance(raw, dict) else {}
         if msg["method"] == "notifications/progress":
             return [p for p in self._pending.values() if p.progress_token is not None and p.progress_token == params.get("progressToken")]
         candidates = [p for p in self._pending.values() if p.handler is not None]
@@ -331,183 +368,6 @@ class StdioSession:
             await coro
 
 
-def _touch(session: StdioSession) -> StdioSession:
-    """Mark a child as just used, so the idle reaper leaves it alone until the caller's request is in."""
-    session.last_used = time.monotonic()
-    return session
+from .stdio_pool import StdioPool  # noqa: E402  (re-exported; the pool module imports this one)
 
-
-@dataclass
-class _Slot:
-    """The children of one (capability set, principal) key, plus its crash bookkeeping."""
-
-    sessions: list[StdioSession] = field(default_factory=list)
-    quick_exits: int = 0
-    last_exit: float = 0.0
-    last_status: int | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    capabilities: JsonObject = field(default_factory=dict)
-    principal: str | None = None
-
-
-class StdioPool:
-    """The child processes of one configured stdio server.
-
-    `instances` children per key (least-loaded wins), restarted as soon as one exits (after a
-    backoff when it exits quickly again), `max_concurrency` requests in flight across the server, `per_principal` gives each principal its own children, `idle_timeout` (s) stops a
-    child nobody used for that long, `max_restarts` quick exits in a row make a crash loop that is
-    refused for `crash_cooloff` (s). A child that ran less than `stable_after` (s) exited "quickly".
-    """
-
-    def __init__(
-        self,
-        server: str,
-        command: StdioCommand,
-        *,
-        instances: int = 1,
-        max_concurrency: int | None = None,
-        per_principal: bool = False,
-        idle_timeout: float | None = None,
-        init_timeout: float = 30.0,
-        max_restarts: int = 5,
-        crash_cooloff: float = 60.0,
-        stable_after: float = 10.0,
-    ) -> None:
-        self.server = server
-        self.command = command
-        self.instances = instances
-        self.per_principal = per_principal
-        self.idle_timeout = idle_timeout
-        self.init_timeout = init_timeout
-        self.max_restarts = max_restarts
-        self.crash_cooloff = crash_cooloff
-        self.stable_after = stable_after
-        self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        self._slots: dict[str, _Slot] = {}
-        self._starting: set[StdioSession] = set()
-        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
-        self._reaper: asyncio.Task[None] | None = None
-        self._restarts: set[asyncio.Task[None]] = set()
-        self._closing = False
-
-    def _key(self, capabilities: JsonObject, principal: str | None) -> str:
-        caps = caps_key(capabilities)
-        return f"{caps}|{principal}" if self.per_principal else caps
-
-    def _note_exit(self, slot: _Slot, session: StdioSession) -> None:
-        if session in slot.sessions:
-            slot.sessions.remove(session)
-        if session.closed:
-            return  # we stopped it (idle, shutdown): not a crash
-        ran = time.monotonic() - session.started_at
-        slot.quick_exits = slot.quick_exits + 1 if ran < self.stable_after else 1
-        slot.last_exit = time.monotonic()
-        slot.last_status = session.exit_status
-        if slot.quick_exits < self.max_restarts and not self._closing:
-            # Restart it now (after the backoff `session()` applies), so the next request finds it running.
-            task = asyncio.get_running_loop().create_task(self._restart(slot))
-            self._restarts.add(task)
-            task.add_done_callback(self._restarts.discard)
-
-    async def _restart(self, slot: _Slot) -> None:
-        try:
-            await self.session(slot.capabilities, slot.principal)
-        except UpstreamError as exc:
-            log.warning("upstream_restart_failed", server=self.server, reason=str(exc))
-
-    def crash_loop(self) -> str | None:
-        """Why the server is refused right now (a crash loop), or None."""
-        for slot in self._slots.values():
-            if slot.quick_exits >= self.max_restarts and time.monotonic() - slot.last_exit < self.crash_cooloff:
-                return (
-                    f"upstream {self.server} is in a crash loop: it exited {slot.quick_exits} times in a row soon after starting "
-                    f"(last exit status {slot.last_status}); next try in {self.crash_cooloff - (time.monotonic() - slot.last_exit):.0f} s"
-                )
-        return None
-
-    async def session(self, capabilities: JsonObject, principal: str | None = None) -> StdioSession:
-        """A running child for this key: the least loaded, or a new one (after a backoff when the last
-        one died quickly). Raises UpstreamError when it cannot start or while in a crash loop."""
-        self._ensure_reaper()
-        slot = self._slots.setdefault(self._key(capabilities, principal), _Slot(capabilities=dict(capabilities), principal=principal))
-        live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
-        if len(live) >= self.instances:
-            return _touch(min(live, key=lambda s: s.in_flight))
-        async with slot.lock:
-            live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
-            if len(live) >= self.instances:
-                return _touch(min(live, key=lambda s: s.in_flight))
-            if slot.quick_exits >= self.max_restarts:
-                if time.monotonic() - slot.last_exit < self.crash_cooloff:
-                    raise UpstreamError(self.crash_loop() or f"upstream {self.server} is in a crash loop")
-                slot.quick_exits = self.max_restarts - 1  # cool-off over: allow one more try
-            if slot.quick_exits:  # back off after quick exits: 0.1 s, 0.2 s, 0.4 s, … up to 10 s
-                wait = min(10.0, 0.1 * 2 ** (slot.quick_exits - 1)) - (time.monotonic() - slot.last_exit)
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            return _touch(await self._start(slot, capabilities))
-
-    async def _start(self, slot: _Slot, capabilities: JsonObject) -> StdioSession:
-        session: StdioSession | None = None
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(3), wait=wait_exponential(multiplier=0.1, max=2), retry=retry_if_exception_type(UpstreamError), reraise=True
-        ):
-            with attempt:
-                session = StdioSession(self.server, self.command, capabilities=capabilities, limit=self.limit, init_timeout=self.init_timeout)
-                session.on_notification = self.on_notification
-                session.single_owner = self.per_principal
-                try:
-                    self._starting.add(session)
-                    await session.open()
-                except UpstreamError:
-                    slot.quick_exits += 1
-                    slot.last_exit = time.monotonic()
-                    slot.last_status = session.proc.returncode if session.proc else None
-                    raise
-                finally:
-                    self._starting.discard(session)
-        assert session is not None
-        slot.sessions.append(session)
-        watcher = asyncio.get_running_loop().create_task(session.exited.wait())
-        watcher.add_done_callback(lambda _t, s=session: self._note_exit(slot, s))
-        return session
-
-    def discard(self, session: Any) -> None:
-        """Nothing to do for stdio: a dead child is noticed by its exit."""
-
-    async def check(self, timeout_s: float = 5.0) -> str | None:
-        """None when a child without optional capabilities runs (starting one if needed), else why not."""
-        return self.crash_loop() or await probe(self, timeout_s)
-
-    def _ensure_reaper(self) -> None:
-        if self.idle_timeout and (self._reaper is None or self._reaper.done()):
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
-
-    async def _reap_idle(self) -> None:
-        assert self.idle_timeout
-        while True:
-            await asyncio.sleep(min(self.idle_timeout / 2, 5.0))
-            now = time.monotonic()
-            for slot in self._slots.values():
-                for session in list(slot.sessions):
-                    if session.in_flight == 0 and now - session.last_used >= self.idle_timeout:
-                        log.info("upstream_idle_stop", server=self.server)
-                        slot.sessions.remove(session)
-                        await session.close()
-
-    def children(self) -> list[int]:
-        """PIDs of the running children (for tests and diagnostics)."""
-        return [s.proc.pid for slot in self._slots.values() for s in slot.sessions if s.proc is not None and s.proc.returncode is None]
-
-    async def close(self) -> None:
-        """Stop every child."""
-        self._closing = True
-        for task in list(self._restarts):
-            task.cancel()
-        if self._reaper is not None:
-            self._reaper.cancel()
-        sessions = [s for slot in self._slots.values() for s in slot.sessions]
-        self._slots.clear()
-        for starting in list(self._starting):
-            starting.kill_now()
-        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+__all__ = ["StdioCommand", "StdioPool", "StdioSession"]

@@ -1,0 +1,174 @@
+"""The proxy-wide config sections: where it listens, who may call it, limits, logs and metrics.
+
+Split from `config.py` (which re-exports every name) to keep each module short. Every wait a
+section configures is a duration with a unit; every default is the safe one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Literal
+
+import limits
+from pydantic import Field, model_validator
+
+from .config_base import Duration, Strict as _Strict
+
+
+class ListenConfig(_Strict):
+    """Where the proxy listens. `port` 0 picks a free port.
+
+    `header_timeout` (s) bounds reading a request head and idle keep-alive connections,
+    `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any"
+    )
+    max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
+    sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls")
+    drain_timeout: Duration = Field("30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish")
+    header_timeout: Duration = Field(
+        "10s", validate_default=True, description="how long a connection may take to send a complete request head, and stay idle between requests"
+    )
+    body_timeout: Duration = Field("30s", validate_default=True, description="how long a client may take to send a request body")
+    max_connections: int | None = Field(
+        None, ge=8, description="open client connections at most (more are answered 503 and closed); default: half the open-file limit"
+    )
+
+    @property
+    def max_body_bytes(self) -> int:
+        """`max_body` in bytes."""
+        return self.max_body
+
+
+
+
+class RequestStateConfig(_Strict):
+    """Signing of MRTR `requestState` (HMAC-SHA256). Without `secret`, a key is generated once and
+    kept beside the store (`<store.path>/request_state.key`)."""
+
+    secret: str | None = Field(None, min_length=32)
+
+
+class JwtConfig(_Strict):
+    """JWT verification: keys from `jwks_file` (relative to the config file) or `jwks_url`;
+    `issuer`/`audience` checked when given; the principal is the `principal_claim` claim."""
+
+    jwks_file: str | None = None
+    jwks_url: str | None = None
+    issuer: str | None = None
+    audience: str | None = None
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
+    principal_claim: str = "sub"
+    leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
+    jwks_timeout: Duration = Field("10s", validate_default=True, description="how long fetching `jwks_url` may take")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JwtConfig:
+        if bool(self.jwks_file) == bool(self.jwks_url):
+            raise ValueError("give exactly one of `jwks_file` and `jwks_url`")
+        return self
+
+
+class TrustedHeaderConfig(_Strict):
+    """A header set by a fronting auth proxy. `trusted_peers` lists the peer addresses or networks
+    (CIDR) allowed to set it; it is required, and `any` (trust the header from every peer, only
+    safe when nothing but the auth proxy can reach this port) must be written out explicitly."""
+
+    name: str = "X-Forwarded-User"
+    trusted_peers: list[str] | Literal["any"] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _peers(self) -> TrustedHeaderConfig:
+        if self.trusted_peers == "any":
+            return self
+        if not self.trusted_peers:
+            raise ValueError(
+                "trusted_peers is required: list the addresses (or CIDR networks) of the auth proxy that sets "
+                f"{self.name}, or write `trusted_peers: any` to trust the header from every peer"
+            )
+        for peer in self.trusted_peers:
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_peers entry {peer!r} is not an IP address or CIDR network") from None
+        return self
+
+    def trusts(self, remote: str | None) -> bool:
+        """True when a request from peer address `remote` may set the header."""
+        if self.trusted_peers == "any":
+            return True
+        try:
+            address = ipaddress.ip_address((remote or "").split("%")[0])
+        except ValueError:
+            return False
+        return any(address in ipaddress.ip_network(peer, strict=False) for peer in self.trusted_peers)
+
+
+class AuthConfig(_Strict):
+    """Inbound authentication. `tokens` maps principal names to `sha256:<hex>` token hashes
+    (`mcp-tasks-proxy hash-token` prints one); plain tokens are never written in the config."""
+
+    mode: Literal["none", "bearer", "jwt", "header"] = "none"
+    tokens: dict[str, str] = Field(default_factory=dict)
+    jwt: JwtConfig | None = None
+    header: TrustedHeaderConfig | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> AuthConfig:
+        if self.mode == "bearer":
+            if not self.tokens:
+                raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")
+            for name, digest in self.tokens.items():
+                if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
+                    raise ValueError(f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself")
+        if self.mode == "jwt" and self.jwt is None:
+            raise ValueError("mode jwt needs a `jwt` section")
+        if self.mode == "header" and self.header is None:
+            raise ValueError("mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or `any`)")
+        return self
+
+
+class LimitsConfig(_Strict):
+    """Limits; each refusal is a JSON-RPC error naming the limit (HTTP 429 for rates and counts).
+
+    `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
+    bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
+    largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
+    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window).
+    """
+
+    max_tasks_per_principal: int | None = Field(None, ge=1)
+    max_ttl: Duration | None = None
+    max_result_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    tasks_rate: str | None = Field(None, description="tasks/* calls per principal, like `20/second` or `600/minute`")
+
+    @model_validator(mode="after")
+    def _rate(self) -> LimitsConfig:
+        if self.tasks_rate is not None:
+            try:
+                limits.parse(self.tasks_rate)
+            except ValueError:
+                raise ValueError(f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`") from None
+        return self
+
+
+class LoggingConfig(_Strict):
+    """Logs: JSON lines on stderr (a readable renderer on a terminal). `log_payloads: true` also logs
+    request bodies (they may contain personal data and secrets; off by default)."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_payloads: bool = False
+
+
+
+
+class MetricsConfig(_Strict):
+    """`/metrics`: open by default (bind to loopback or keep it behind a firewall); with `token`
+    (a `sha256:<hex>` hash, as `mcp-tasks-proxy hash-token` prints) it needs `Authorization: Bearer <token>`."""
+
+    token: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")

@@ -1,0 +1,119 @@
+"""Downstream legacy (handshake-era) sessions of the HTTP relay, and how their traffic is counted."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from . import observability as obs
+from .auth import ANONYMOUS, principal_hash
+from .protocol import jsonrpc
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, RequestId
+from .upstream.sse import EventTooLargeError, SseEvent, encode_event
+
+log = structlog.get_logger("proxy.transport")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass
+class LegacySession:
+    """One downstream legacy session: the upstream's session id, the principal that opened it (only
+    they may use it), and the server→client request ids the proxy rewrote (proxy id → upstream id),
+    so two clients' ids never cross."""
+
+    upstream_id: str | None
+    principal: str = ANONYMOUS
+    request_ids: dict[str, RequestId] = field(default_factory=dict)
+
+
+class LegacySessions:
+    """Downstream legacy sessions by the proxy's session id (in memory; lost on restart, then 404)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, LegacySession] = {}
+        self.sessionless = LegacySession(upstream_id=None)
+
+    def open(self, upstream_session_id: str, principal: str) -> str:
+        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`."""
+        sid = secrets.token_urlsafe(24)
+        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal)
+        return sid
+
+    def get(self, sid: str, principal: str) -> LegacySession | None:
+        """The session behind `sid`, or None when unknown, ended, or opened by another principal
+        (that attempt is logged as a security event)."""
+        session = self._sessions.get(sid)
+        if session is not None and session.principal != principal:
+            log.warning("security_foreign_session_access", principal=principal_hash(principal))
+            return None
+        return session
+
+    def end(self, sid: str) -> None:
+        """Forget `sid` (DELETE, or the upstream expired it)."""
+        self._sessions.pop(sid, None)
+
+
+def rewrite_server_request(event: SseEvent, session: LegacySession) -> bytes:
+    """Re-encode one upstream SSE event; a server→client request gets a proxy-minted id."""
+    try:
+        msg = json.loads(event.data) if event.data.strip() else None
+    except ValueError:
+        msg = None
+    if isinstance(msg, dict) and jsonrpc.is_request(msg):
+        proxy_id = "mtp-" + secrets.token_urlsafe(9)
+        session.request_ids[proxy_id] = msg["id"]
+        event = SseEvent(event.event, _dumps({**msg, "id": proxy_id}), event.id, event.retry)
+    return encode_event(event)
+
+
+def observe_legacy(server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float) -> None:
+    """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`
+    or `error` by HTTP status; a JSON-RPC error inside a 200 reply is not read), upstream latency (s)."""
+    obs.UPSTREAM_LATENCY.labels(server, method).observe(seconds)
+    if method == "tools/call":
+        raw = body.get("params")
+        params: JsonObject = raw if isinstance(raw, dict) else {}
+        name = params.get("name")
+        tool = name if isinstance(name, str) else ""
+        ok = response is not None and response.status < 400
+        obs.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()
+
+
+async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of an upstream reply; EventTooLargeError once it passes `limit` bytes."""
+    data = bytearray()
+    async for chunk in upstream.content.iter_chunked(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise EventTooLargeError(f"a reply larger than max_response_bytes ({limit} bytes)")
+    return bytes(data)
+
+
+def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
+    """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
+    an empty body passes for a success status (202 to a notification); anything else (an HTML
+    error page, plain text) becomes a JSON-RPC error naming the upstream's status, and an upstream
+    5xx becomes 502."""
+    if not data.strip():
+        if status < 400:
+            return status, data
+    else:
+        try:
+            message = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            message = None
+        if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
+            return (status if status < 500 else 502), data
+    code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
+    text = data[:200].decode("utf-8", errors="replace").strip()
+    error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
+    return (status if 400 <= status < 500 else 502), _dumps(jsonrpc.error_response(request_id, error)).encode()

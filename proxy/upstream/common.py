@@ -1,0 +1,74 @@
+"""What the HTTP and stdio connectors share: their error types, the bounds of one server's waits,
+the capability-set key, and the readiness probe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol.jsonrpc import JsonObject
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or broke the transport; the message names the cause."""
+
+
+class SessionExpiredError(UpstreamError):
+    """The upstream answered 404 for our session id: it must be initialized again."""
+
+
+# Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
+# request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
+CALL_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The waits and sizes of one upstream server, from its config entry (seconds, bytes).
+
+    `call_timeout` bounds a call method, `request_timeout` any other request, `init_timeout` the
+    `initialize` handshake, `connect_timeout` a TCP connect; `max_response_bytes` one reply.
+    """
+
+    call_timeout: float = 1800.0
+    request_timeout: float = 30.0
+    init_timeout: float = 30.0
+    connect_timeout: float = 10.0
+    max_response_bytes: int = 16 * 1024 * 1024
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> Bounds:
+        """The bounds configured on a `ServerEntry`."""
+        return cls(entry.timeout, entry.request_timeout, entry.init_timeout, entry.connect_timeout, entry.max_response_bytes)
+
+    def for_method(self, method: str) -> tuple[float, str]:
+        """The bound (s) of one request and the config key that sets it."""
+        if method == "initialize":
+            return self.init_timeout, "init_timeout"
+        if method in CALL_METHODS:
+            return self.call_timeout, "timeout"
+        return self.request_timeout, "request_timeout"
+
+async def probe(pool: Any, timeout_s: float) -> str | None:
+    """Get `pool`'s session for no optional capabilities (opening it if needed) and, when the
+    upstream offers tools, list them, all within `timeout_s` seconds; None when that works, else a
+    sentence saying why not (for /readyz: an upstream that hangs on either is not ready)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            session = await pool.session({})
+            if "tools" in (session.initialize_result.get("capabilities") or {}):
+                await session.request("tools/list", None, handler=None)
+    except TimeoutError:
+        return f"upstream {pool.server} did not get ready (initialize and tools/list) within {timeout_s:g} s"
+    except UpstreamError as exc:
+        return str(exc)
+    return None
+
+
+def caps_key(capabilities: JsonObject) -> str:
+    """A stable key for a capability set (sorted JSON)."""
+    return json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
+
+
