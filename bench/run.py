@@ -430,30 +430,40 @@ def section_c(args, workdir: Path, log) -> dict:
     detach_ms = 50
     upstream, up_url = start_sdk_upstream(workdir, up_cpu, "c-upstream-sdk")
     try:
-        for durable in (True, False):
-            cfg = write_config(workdir, f"c-proxy-{durable}", {"url": up_url}, workdir / f"c-store-{durable}", durable=durable,
-                               detach_after=f"{detach_ms}ms")
-            proxy, url, _ = start_proxy(workdir, f"c-proxy-{'durable' if durable else 'normal'}", cfg, px_cpu)
-            wait_ready(url.rsplit("/", 1)[0], proxy)
-            try:
-                # Unmeasured warm-up at concurrency 16: without it the first proxy measured also pays
-                # for the SDK upstream's own warm-up (first runs measured 2-5x worse p99, whichever
-                # store setting came first).
-                loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
-                         "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": 16,
-                         "max_requests": 64, "duration": 60, "warmup": 0}, lg_cpu)
-                for conc, n in ((1, args.c_requests // 4), (16, args.c_requests)):
-                    res = loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
-                                   "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": conc,
-                                   "max_requests": max(conc, n), "duration": 120, "warmup": 0}, lg_cpu)
-                    res.update(durable=durable, detach_after_ms=detach_ms, upstream="SDK slow_compute (progress every 100 ms)")
-                    rows.append(res)
-                    log(f"  c: durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
-                        f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors {res['errors']}")
-            finally:
-                proxy.stop()
+        # Rounds alternate which store setting goes first; the summary is the median p99 over rounds
+        # (single runs of this load swing 2-5x at the tail either way on a shared 2-core machine).
+        for rnd in range(args.c_rounds):
+            for durable in ((True, False) if rnd % 2 == 0 else (False, True)):
+                cfg = write_config(workdir, f"c-proxy-{durable}-{rnd}", {"url": up_url}, workdir / f"c-store-{durable}-{rnd}", durable=durable,
+                                   detach_after=f"{detach_ms}ms")
+                proxy, url, _ = start_proxy(workdir, f"c-proxy-{'durable' if durable else 'normal'}-{rnd}", cfg, px_cpu)
+                wait_ready(url.rsplit("/", 1)[0], proxy)
+                try:
+                    # Unmeasured warm-up at concurrency 16 (the SDK upstream's own warm-up otherwise
+                    # lands on whichever setting is measured first).
+                    loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
+                             "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": 16,
+                             "max_requests": 64, "duration": 60, "warmup": 0}, lg_cpu)
+                    for conc, n in ((1, args.c_requests // 4), (16, args.c_requests)):
+                        res = loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
+                                       "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": conc,
+                                       "max_requests": max(conc, n), "duration": 120, "warmup": 0}, lg_cpu)
+                        res.update(durable=durable, detach_after_ms=detach_ms, round=rnd + 1, upstream="SDK slow_compute (progress every 100 ms)")
+                        rows.append(res)
+                        log(f"  c: round {rnd + 1} durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
+                            f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors {res['errors']}")
+                finally:
+                    proxy.stop()
     finally:
         upstream.stop()
+    summary = {}
+    for durable in (True, False):
+        for conc in (1, 16):
+            p99s = sorted(r["late_p99_ms"] for r in rows if r["durable"] == durable and r["concurrency"] == conc)
+            summary[f"{'durable' if durable else 'normal'}_c{conc}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
+    if summary.get("normal_c16_median_p99_ms"):
+        summary["c16_durable_over_normal"] = round(summary["durable_c16_median_p99_ms"] / summary["normal_c16_median_p99_ms"], 2)
+    log(f"  c: median p99 over {args.c_rounds} round(s): {summary}")
     # Diagnostic: the same load on an upstream that sends no progress, so a detached call writes
     # nothing to the store until it ends (isolates the cost of progress -> statusMessage writes).
     upstream, up_url = start_fake_upstream(workdir, up_cpu, "c-upstream-fake")
@@ -472,7 +482,7 @@ def section_c(args, workdir: Path, log) -> dict:
             proxy.stop()
     finally:
         upstream.stop()
-    return {"rows": rows, "layout": "upstream + loadgen on CPU 0, proxy on CPU 1" if args.pin else "unpinned"}
+    return {"rows": rows, "summary": summary, "layout": "upstream + loadgen on CPU 0, proxy on CPU 1" if args.pin else "unpinned"}
 
 
 def section_d(args, workdir: Path, log) -> dict:
@@ -597,11 +607,11 @@ def report(results: dict, args) -> str:
         lines.append("")
     if "c" in results:
         lines += ["### c. detach_after (50 ms) expiry -> CreateTaskResult at the client", "",
-                  "| upstream | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | errors |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| upstream | round | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | errors |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in results["c"]["rows"]:
-            lines.append(f"| {r['upstream']} | {'durable (fsync)' if r['durable'] else 'durable: false'} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
+            lines.append(f"| {r['upstream']} | {r.get('round', '')} | {'durable (fsync)' if r['durable'] else 'durable: false'} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
                          f"{r['late_p99_ms']} | {r['late_max_ms']} | {r['errors']} |")
-        lines.append("")
+        lines += ["", f"Median late p99 over rounds: {results['c'].get('summary')}", ""]
     if "d" in results:
         d = results["d"]
         lines += ["### d. memory per detached in-flight call", "",
@@ -626,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--b-concurrency", default="1,16", help="comma list of workers for (b)")
     ap.add_argument("--store-sizes", default="1000,100000", help="stored tasks for (b); the largest is used for (e)")
     ap.add_argument("--c-requests", type=int, default=400, help="detached calls at concurrency 16 for (c) (a quarter at concurrency 1)")
+    ap.add_argument("--c-rounds", type=int, default=3, help="rounds of (c), alternating which store setting goes first; medians reported")
     ap.add_argument("--c-hold", type=float, default=1.0, help="seconds each slow_compute call runs upstream in (c)")
     ap.add_argument("--mem-calls", type=int, default=10000, help="concurrent detached calls for (d)")
     ap.add_argument("--d-concurrency", type=int, default=64, help="client workers creating the detached calls in (d)")
@@ -642,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.duration, args.warmup, args.concurrency = 1.0, 0.3, 4
         args.b_concurrency, args.store_sizes, args.c_requests, args.c_hold = "4", "200,1000", 12, 0.3
-        args.mem_calls, args.e_repeats = 200, 1
+        args.mem_calls, args.e_repeats, args.c_rounds = 200, 1, 1
     args.b_concurrency = [int(x) for x in str(args.b_concurrency).split(",")]
     sizes = [int(x) for x in args.store_sizes.split(",")]
     if args.pin and (os.cpu_count() or 1) < 2:

@@ -18,6 +18,7 @@ import jwt
 import structlog
 from aiohttp import web
 
+from .tasks.model import principal_hash  # noqa: F401  (re-exported: logs hash principals one way)
 from .config import AuthConfig
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INVALID_REQUEST
@@ -38,9 +39,6 @@ def hash_token(token: str) -> str:
     return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
 
 
-def principal_hash(principal: str) -> str:
-    """A short stable hash of a principal, for logs (never the principal's secret)."""
-    return hashlib.sha256(principal.encode()).hexdigest()[:16]
 
 
 class Authenticator:

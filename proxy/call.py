@@ -38,7 +38,7 @@ class TaskSink(Protocol):
 
     async def progress(self, task_id: str, text: str) -> bool: ...
 
-    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None) -> None: ...
+    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream") -> None: ...
 
 
 class _Discard(asyncio.Queue[tuple[str, Any]]):
@@ -94,6 +94,7 @@ class Call:
         self._progress_written = 0.0
         self._progress_timer: asyncio.TimerHandle | None = None
         self.progress_write_s = PROGRESS_WRITE_S
+        self.ended_by = "upstream"  # what ended the call, for the audit log: upstream, timeout, input_timeout
         self.started = time.monotonic()
         self.principal = principal
         self.pool = pool
@@ -147,6 +148,7 @@ class Call:
             async with asyncio.timeout(self.timeout):
                 reply = await self._request(params, retry_expired=True)
         except TimeoutError:
+            self.ended_by = "timeout"
             self._spawn(self._send_cancelled("hard timeout"))
             reply = {"error": {"code": INTERNAL_ERROR, "message": f"upstream {self.server} hard timeout: no answer within {self.timeout:g} s"}}
         except UpstreamError as exc:
@@ -203,7 +205,7 @@ class Call:
                 message = f"{text}"
             else:
                 message = f"upstream {self.server} answered with a JSON-RPC error: {text}"
-        self._spawn(self.sink.finish(self.task_id, outcome, message))
+        self._spawn(self.sink.finish(self.task_id, outcome, message, by=self.ended_by))
 
     # -- messages from the upstream --------------------------------------------------------
 
@@ -356,6 +358,7 @@ class Call:
         if self.done:
             return
         message = f"input timed out: the client did not answer within {timeout_s:g} s"
+        self.ended_by = "input_timeout"
         for pending in self.pending.values():
             self._spawn(self._respond(pending.upstream_id, error={"code": INTERNAL_ERROR, "message": message}))
         self.pending.clear()

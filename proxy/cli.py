@@ -27,6 +27,7 @@ from .config import Config, ConfigError, config_from_data, config_json_schema, l
 from .logs import configure_logging
 from .protocol.tasks_v2 import detailed_task
 from .tasks.diskcache_store import DiskcacheStore
+from .tasks.dirlock import lock_directory, unlock_directory
 from .tasks.model import Change, TaskStatus, TerminalTaskError, iso
 from .tasks.store import ListFilter, StoreLockedError, StoreUnavailableError, TaskNotFoundError
 
@@ -87,8 +88,20 @@ def demo_config(upstream_url: str, store_path: str) -> Config:
 async def serve(config: Config, *, announce: bool = True, demo: bool = False) -> None:
     """Serve `config` until SIGINT/SIGTERM. Prints the listening URL(s) on stdout.
 
-    The address is bound first: when that fails (OSError) nothing has started or been logged as started.
+    The store directory's serving lock is taken first (StoreLockedError names the holder), then the
+    address is bound: when that fails (OSError) nothing has started or been logged as started.
     """
+    try:
+        lock_directory(config.store.path)
+    except OSError as exc:
+        raise StoreUnavailableError(f"task store {config.store.path}: {exc}") from exc
+    try:
+        await _serve_locked(config, announce=announce, demo=demo)
+    finally:
+        unlock_directory(config.store.path)
+
+
+async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
     sock = listener.bind(config.listen.host, config.listen.port)
     loop = asyncio.get_running_loop()
     listener.quiet_accept_errors(loop)

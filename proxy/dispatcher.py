@@ -125,7 +125,7 @@ class ServerDispatcher:
         `Mcp-Param` header, -32021 for a `required` tool without the tasks extension, a limit error
         (HTTP 429), the upstream's own error (translated), or -32603 naming the layer that gave up.
         """
-        arrived = asyncio.get_running_loop().time()
+        arrived = getattr(reply, "arrived", None) or asyncio.get_running_loop().time()
         tool = params.get("name")
         if not isinstance(tool, str) or not tool:
             raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
@@ -147,7 +147,7 @@ class ServerDispatcher:
 
         Raises JsonRpcError -32602 when `params.<key>` is not a non-empty string, else as `call_tool`.
         """
-        arrived = asyncio.get_running_loop().time()
+        arrived = getattr(reply, "arrived", None) or asyncio.get_running_loop().time()
         name = params.get(key)
         if not isinstance(name, str) or not name:
             raise JsonRpcError(INVALID_PARAMS, f"{method} needs params.{key} (a string)")

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 log = structlog.get_logger("proxy.access")
+ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the request reached the proxy
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 
@@ -107,6 +108,7 @@ def access_log(*, payloads: bool):
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=uuid.uuid4().hex[:16])
         started = time.perf_counter()
+        request[ARRIVED_KEY] = asyncio.get_running_loop().time()  # a call's detach clock starts here
         status = 500
         event = "request"
         try:

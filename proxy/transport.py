@@ -72,6 +72,7 @@ class ModernReply(Reply):
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.headers = request.headers
+        self.arrived: float | None = request.get(obs.ARRIVED_KEY)  # event-loop time (s) the request reached the proxy
         self.stream: web.StreamResponse | None = None
         self.prefer_sse = prefers_sse(request.headers.get("Accept"))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from proxy.tasks.model import (
     now_ms,
     reported_ttl_ms,
 )
-from proxy.tasks.store import ListFilter, StoreLockedError, TaskNotFoundError, TaskStore
+from proxy.tasks.store import ListFilter, TaskNotFoundError, TaskStore
 
 BACKENDS = ["diskcache"]
 
@@ -207,22 +209,30 @@ async def test_diskcache_records_survive_reopen(tmp_path: Path) -> None:
 
 async def test_diskcache_serving_lock_names_the_holder(tmp_path: Path) -> None:
     holder = DiskcacheStore(tmp_path / "s", exclusive=True)
+    probe = ("import sys; from proxy.tasks.dirlock import lock_directory\n"
+             "try:\n    lock_directory(sys.argv[1])\nexcept Exception as exc:\n    print(exc); sys.exit(3)")
     try:
-        with pytest.raises(StoreLockedError) as refused:
-            DiskcacheStore(tmp_path / "s", exclusive=True)
-        assert str(tmp_path / "s") in str(refused.value) and f"pid {os.getpid()}" in str(refused.value)
+        other = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "s")], capture_output=True, text=True, timeout=30)
+        assert other.returncode == 3 and str(tmp_path / "s") in other.stdout and f"pid {os.getpid()}" in other.stdout, other
         shared = DiskcacheStore(tmp_path / "s")  # operators' tools open it without the lock
         await shared.close()
     finally:
         await holder.close()
-    DiskcacheStore(tmp_path / "s", exclusive=True)  # released on close
+    free = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "s")], capture_output=True, text=True, timeout=30)
+    assert free.returncode == 0, free  # released on close
 
 
 async def test_diskcache_directory_and_database_are_private(tmp_path: Path) -> None:
+    (tmp_path / "private").mkdir(mode=0o755)  # an existing directory is made private too
     store = DiskcacheStore(tmp_path / "private")
-    await store.close()
-    assert (tmp_path / "private").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "private" / "cache.db").stat().st_mode & 0o777 == 0o600
+    try:
+        await store.create(make_record())
+        assert (tmp_path / "private").stat().st_mode & 0o777 == 0o700
+        files = [p for p in (tmp_path / "private").iterdir() if p.name.startswith("cache.db")]
+        assert {p.name for p in files} >= {"cache.db", "cache.db-wal", "cache.db-shm"}
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in files), [(p.name, oct(p.stat().st_mode)) for p in files]
+    finally:
+        await store.close()
 
 
 # -- pure rules (tasks/model.py) ------------------------------------------------------------------

@@ -18,6 +18,7 @@ import yaml
 from conftest import ROOT, ModernClient, ServerProcess, make_config, make_record, running_proxy
 
 from proxy.app import TASKS_KEY
+from proxy.tasks import diskcache_store
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskStatus
 
@@ -42,7 +43,8 @@ async def test_a_second_proxy_on_a_held_store_exits_naming_it_and_a_sigkill_free
         running_id = (await client.call("slow_compute", {"seconds": 30, "label": "held"})).result["taskId"]
         await client.close()
 
-        second = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"],
+        same_port = first.url.rsplit(":", 1)[1].split("/")[0]  # even on the same port, the store is named
+        second = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", same_port],
                                 capture_output=True, text=True, timeout=30, cwd=ROOT)
         assert second.returncode != 0
         assert str(tmp_path / "store") in second.stderr and f"pid {first.proc.pid}" in second.stderr, second.stderr
@@ -119,7 +121,12 @@ def _fill(path: Path) -> Path:
     return filler
 
 
-async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(legacy_url: str, small_tmpfs: Path) -> None:
+async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
+    legacy_url: str, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No WAL checkpoint during the test: each commit then needs new space on the full disk (after a
+    # checkpoint SQLite may reuse WAL pages it already has, and a write could still succeed).
+    monkeypatch.setattr(diskcache_store, "CHECKPOINT_EVERY_S", 1e9)
     config = make_config(legacy_url, small_tmpfs / "store", tasks={"detach_after": "50ms"})
     config.store.write_retry = 0.3
     config.limits.max_tasks_per_principal = 2
@@ -174,3 +181,60 @@ async def test_a_lapsed_lease_ends_the_orphan_within_twice_the_lease(legacy_url:
         assert record.status is TaskStatus.FAILED and ghost in record.outcome["error"]["message"]
         assert lease_s <= elapsed <= 2 * lease_s, elapsed
         assert proxy.app[TASKS_KEY].store_problem is None
+
+
+async def test_an_operator_cancel_from_the_cli_stops_the_upstream_call(legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "50ms"})
+    config.store.lease = 0.4  # the sweep that notices runs every half lease
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            created = (await client.call("quiet_compute", {"seconds": 30})).result
+            cancelled = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store"), "cancel", created["taskId"]],
+                capture_output=True, text=True, timeout=30, cwd=ROOT,
+            )
+            assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+            async with asyncio.timeout(5):
+                while created["taskId"] in proxy.app[TASKS_KEY].live:
+                    await asyncio.sleep(0.05)
+            assert (await client.get(created["taskId"])).result["status"] == "cancelled"
+        finally:
+            await client.close()
+    assert _logged("\n".join(capsys.readouterr()), "task_cancelled", by="operator")
+
+
+async def test_the_audit_trail_names_each_step_and_never_a_payload(legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "50ms"}, server={"timeout": "300ms"})
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}})
+        try:
+            await client.warm_up()
+            asked = (await client.call("confirm_delete", {"filename": "secret-name.txt", "delay": 0.2})).result
+            task = await client.wait_status(asked["taskId"], ("input_required",))
+            key = next(iter(task["inputRequests"]))
+            await client.request("tasks/update", {"taskId": asked["taskId"], "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}}})
+            await client.wait_terminal(asked["taskId"])
+            await client.get(asked["taskId"])
+            cancelled = (await client.call("quiet_compute", {"seconds": 5})).result
+            await client.request("tasks/cancel", {"taskId": cancelled["taskId"]})
+            timed_out = (await client.call("quiet_compute", {"seconds": 5})).result
+            assert (await client.wait_terminal(timed_out["taskId"]))["status"] == "failed"
+        finally:
+            await client.close()
+    text = "\n".join(capsys.readouterr())
+    for event in ("task_created", "task_transition", "task_input_requested", "task_input_answered", "task_result_retrieved"):
+        assert _logged(text, event, principal=None), event
+    assert _logged(text, "task_cancelled", by="client") and _logged(text, "task_ended", by="timeout")
+    assert "secret-name.txt" not in text  # never a payload
+
+
+def _logged(text: str, event: str, **fields: str | None) -> bool:
+    """Whether a log line (console or JSON rendering) has `event` and each field (None: any value)."""
+    for line in text.splitlines():
+        if event not in line:
+            continue
+        if all((f"{k}=" in line or f'"{k}":' in line) if v is None else (f"{k}={v}" in line or f'"{k}": "{v}"' in line) for k, v in fields.items()):
+            return True
+    return False
+

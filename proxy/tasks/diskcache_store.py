@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fcntl
-import json
 import os
 import sqlite3
 import time
@@ -28,7 +26,8 @@ from typing import Any
 import diskcache
 
 from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, apply, now_ms, principal_key
-from .store import ListFilter, StoreLockedError, StoreUnavailableError, TaskNotFoundError
+from .dirlock import lock_directory, unlock_directory
+from .store import ListFilter, StoreUnavailableError, TaskNotFoundError
 
 Listener = Callable[[TaskStatus | None, TaskRecord], None]
 _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)
@@ -38,27 +37,6 @@ _REV_BASE = 10**13 - 1  # ms; reversed creation times sort newest first
 CHECKPOINT_EVERY_S = 1.0  # at most one WAL checkpoint (s apart), after writes, off the writer thread
 CROSS_PROCESS_POLL_S = 0.5  # how often (s) a change wait re-reads the disk for writes of other processes
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
-
-
-def lock_directory(path: str) -> int:
-    """Take the exclusive serving lock of a store directory; return the open lock file descriptor.
-
-    Raises StoreLockedError (naming the directory and the holder's pid) when another process holds it.
-    """
-    lock_path = os.path.join(path, "proxy.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise StoreLockedError(
-            f"the task store {path} is in use by another proxy (pid {holder}); one serving process per store "
-            "directory: give this one its own store.path, or use store.url (Redis) for replicas"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
 
 
 def _rev(created_ms: int) -> str:
@@ -79,13 +57,21 @@ class DiskcacheStore:
         self.path = self.where = os.fspath(path)
         self.max_result_bytes = max_result_bytes
         self.durable = durable
-        self._lock_fd: int | None = None
+        self._locked = False
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
+            os.chmod(self.path, 0o700)
             if exclusive:
-                self._lock_fd = lock_directory(self.path)
-            self._cache = diskcache.Cache(self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none", timeout=10)
-            os.chmod(os.path.join(self.path, "cache.db"), 0o600)
+                lock_directory(self.path)
+                self._locked = True
+            umask = os.umask(0o077)  # cache.db and its -wal/-shm are created private (0600)
+            try:
+                self._cache = diskcache.Cache(self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none", timeout=10)
+            finally:
+                os.umask(umask)
+            for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
+                if os.path.exists(os.path.join(self.path, name)):
+                    os.chmod(os.path.join(self.path, name), 0o600)
             self._reader = sqlite3.connect(os.path.join(self.path, "cache.db"), timeout=10, check_same_thread=False, isolation_level=None)
         except _STORE_ERRORS as exc:
             self._release_lock()
@@ -98,7 +84,7 @@ class DiskcacheStore:
         self._executor.submit(self._cache.reset, "sqlite_wal_autocheckpoint", 0, update=False).result()
         self._pending: list[tuple[Callable[[], Any], bool, asyncio.Future[Any]]] = []
         self._flusher: asyncio.Task[None] | None = None
-        self._changed: dict[str, asyncio.Event] = {}
+        self._changed: dict[str, tuple[asyncio.Event, int]] = {}  # task → (wake-up event, waiters)
         self._listeners: list[Listener] = []
         if exclusive:
             for key in self._keys("node:"):
@@ -167,9 +153,9 @@ class DiskcacheStore:
         return self._checkpoint_con
 
     def _changed_now(self, before: TaskStatus | None, record: TaskRecord) -> None:
-        event = self._changed.pop(record.task_id, None)
-        if event is not None:
-            event.set()
+        waiting = self._changed.pop(record.task_id, None)
+        if waiting is not None:
+            waiting[0].set()
         for listener in self._listeners:
             listener(before, record)
 
@@ -285,11 +271,19 @@ class DiskcacheStore:
             remaining = deadline - loop.time()
             if record is None or record.version != version or remaining <= 0:
                 return record
-            event = self._changed.setdefault(task_id, asyncio.Event())
+            event, waiters = self._changed.get(task_id, (asyncio.Event(), 0))
+            self._changed[task_id] = (event, waiters + 1)
             try:
                 await asyncio.wait_for(event.wait(), timeout=min(remaining, CROSS_PROCESS_POLL_S))
             except TimeoutError:
                 pass
+            finally:
+                current = self._changed.get(task_id)
+                if current is not None and current[0] is event:
+                    if current[1] <= 1:
+                        del self._changed[task_id]
+                    else:
+                        self._changed[task_id] = (event, current[1] - 1)
 
     async def live_tasks(self) -> list[TaskRecord]:
         """See TaskStore.live_tasks."""
@@ -330,12 +324,18 @@ class DiskcacheStore:
 
     async def count(self) -> int:
         """See TaskStore.count."""
-        row = self._reader.execute("SELECT COUNT(*) FROM Cache WHERE key >= 'task:' AND key < 'task;' AND raw = 1").fetchone()
+        try:
+            row = self._reader.execute("SELECT COUNT(*) FROM Cache WHERE key >= 'task:' AND key < 'task;' AND raw = 1").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
         return int(row[0])
 
     async def volume(self) -> int:
         """See TaskStore.volume."""
-        return int(self._cache.volume())
+        try:
+            return int(self._cache.volume())
+        except _STORE_ERRORS as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
 
     async def close(self) -> None:
         """See TaskStore.close; also releases the serving lock."""
@@ -352,9 +352,9 @@ class DiskcacheStore:
         self._release_lock()
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._locked:
+            unlock_directory(self.path)
+            self._locked = False
 
 
 def _matches(record: TaskRecord, where: ListFilter) -> bool:
@@ -364,7 +364,3 @@ def _matches(record: TaskRecord, where: ListFilter) -> bool:
         and (where.tool is None or record.tool == where.tool)
     )
 
-
-def dumps_record(record: TaskRecord) -> str:
-    """The record as indented JSON (for operators)."""
-    return json.dumps(record.to_dict(), indent=2)

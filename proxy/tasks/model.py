@@ -86,6 +86,11 @@ def principal_key(principal: str) -> str:
     return hashlib.sha256(principal.encode()).hexdigest()[:32]
 
 
+def principal_hash(principal: str) -> str:
+    """A short stable hash of a principal for logs (16 hex characters)."""
+    return principal_key(principal)[:16]
+
+
 @dataclass
 class TaskRecord:
     """One task as stored. Times are epoch milliseconds.

@@ -1,7 +1,7 @@
 """The task lifecycle of one proxy process (node): detach, outcomes, leases, orphans, retention.
 
 It owns the live detached calls of this node and writes what they report (the narrow sink
-interface `calls.TaskSink`: `set_inputs`, `progress`, `finish`). Readers go through `lookup`,
+interface `call.TaskSink`: `set_inputs`, `progress`, `finish`). Readers go through `lookup`,
 which also ends orphans it meets. A background loop renews this node's lease, sweeps for
 orphans (tasks whose owner's lease lapsed) and purges expired records. Dialect rendering is not
 here: callers render records with `protocol/`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import limits as limits_lib
@@ -33,15 +33,15 @@ from .model import (
     new_task_id,
     now_ms,
     outcome_status,
-    principal_key,
+    principal_hash,
     proxy_error,
 )
+from . import recovery
+from .recovery import LOST_MESSAGE, RESTART_MESSAGE
 from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 log = structlog.get_logger("proxy.tasks")
 
-RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
-LOST_MESSAGE = "the proxy process running this call (node {node}) stopped renewing its lease; the upstream call was lost"
 SHUTDOWN_MESSAGE = "the proxy shut down while this call was running; the upstream call was abandoned"
 _RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for the audit line)
 
@@ -64,16 +64,12 @@ class LiveCall(Protocol):
 Rerun = Callable[[TaskRecord], LiveCall | None]
 
 
-def principal_hash(principal: str) -> str:
-    """A short stable hash of a principal for logs (16 hex characters)."""
-    return principal_key(principal)[:16]
-
-
 class TaskService:
     """Tasks of one node over a `TaskStore`.
 
     `lease_s` (s) is how long this node's lease lasts without renewal; it is renewed every third
-    of it, and the orphan sweep runs every half of it. `outcome_retry_s` (s) bounds the retries of
+    of it, and the orphan sweep (which also stops calls whose task an operator ended, and purges
+    expired records) runs every half of it. `outcome_retry_s` (s) bounds the retries of
     an outcome write the store refused; after that the task is shown `failed`, naming the store,
     while the write goes on being retried in the background. Limits: `max_tasks_per_principal`
     (live tasks) and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods).
@@ -101,32 +97,35 @@ class TaskService:
         self._snapshots: dict[str, TaskRecord] = {}  # live task → record at detach (for the store-failure view)
         self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown to readers
         self._retrieved: dict[str, None] = {}
+        self.cancelling: set[str] = set()  # tasks this node is cancelling right now
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
-        self._rerun: Rerun | None = None
+        self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
         self.store_problem: str | None = None  # the last store failure, while it lasts
-        store.add_listener(self._observe)  # type: ignore[attr-defined]
+        store.add_listener(self._observe)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, rerun: Rerun | None = None) -> tuple[int, int]:
         """Take this node's lease, end (or re-run) the tasks earlier processes left running, and
         start the lease/sweep loop. Returns (re-run, failed) counts of the first sweep."""
-        self._rerun = rerun
+        self.rerun = rerun
         await self.store.renew_lease(self.node, int(self.lease_s * 1000))
         counts = await self.sweep(message=RESTART_MESSAGE)
         self._loop_task = asyncio.get_running_loop().create_task(self._maintain(), name="task-lease-and-sweep")
         return counts
 
     async def _maintain(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_sweep = loop.time() + self.lease_s / 2
+        """Every sixth of the lease: renew it every second tick (a third of the lease), sweep for
+        orphans and purge expired records every third tick (half the lease)."""
+        tick = 0
         while True:
-            await asyncio.sleep(self.lease_s / 3)
+            await asyncio.sleep(self.lease_s / 6)
+            tick += 1
             try:
-                await self.store.renew_lease(self.node, int(self.lease_s * 1000))
-                if loop.time() >= next_sweep:
-                    next_sweep = loop.time() + self.lease_s / 2
+                if tick % 2 == 0:
+                    await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+                if tick % 3 == 0:
                     await self.sweep()
                     purged = await self.store.purge_expired()
                     if purged:
@@ -196,13 +195,51 @@ class TaskService:
         self.live.pop(task_id, None)
         self._snapshots.pop(task_id, None)
 
+    release = _forget  # for recovery: the call is no longer this node's
+
+    def adopt(self, record: TaskRecord, call: LiveCall) -> None:
+        """Take a re-run call over as this node's live call of `record`."""
+        self.live[record.task_id] = call
+        self._snapshots[record.task_id] = record
+
+    def unwritten(self, task_id: str) -> bool:
+        """True while an outcome the store refused is only held in memory."""
+        return task_id in self._unwritten
+
     # -- the sink a running call writes through ------------------------------------------------
 
     async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool:
         """Record the call's outstanding questions (status `input_required`, or `working` when none).
-        Returns False when the task already ended elsewhere."""
+
+        A write the store refuses is retried for `outcome_retry_s`; if it still fails the client could
+        never see the question, so the task ends `failed` naming the store and the call is cancelled.
+        Returns False when the task ended (elsewhere, or so).
+        """
         status = TaskStatus.INPUT_REQUIRED if input_requests else TaskStatus.WORKING
-        return await self._write(task_id, Change(status=status, input_requests=input_requests, expect_owner=self.node))
+        change = Change(status=status, input_requests=input_requests, expect_owner=self.node)
+        try:
+            await self._retrying(lambda: self.store.update(task_id, change))
+        except (TerminalTaskError, TaskNotFoundError, ConflictError):
+            return False
+        except StoreUnavailableError as exc:
+            message = f"the task store could not record the upstream's question ({exc})"
+            call = self.live.get(task_id)
+            await self._end(task_id, proxy_error(message, store=self.store.where), message, by="store")
+            if call is not None:
+                call.cancel(message)
+            return False
+        if input_requests:
+            log.info("task_input_requested", task_id=task_id, keys=sorted(input_requests))
+        return True
+
+    async def _retrying(self, write: Callable[[], Awaitable[Any]]) -> Any:
+        """`write()`, retried with backoff while the store is unavailable, for `outcome_retry_s` (s)."""
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(self.outcome_retry_s), wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception_type(StoreUnavailableError), reraise=True,
+        ):
+            with attempt:
+                return await write()
 
     async def progress(self, task_id: str, text: str) -> bool:
         """Record progress text as the status message. Returns False when the task already ended elsewhere."""
@@ -218,23 +255,20 @@ class TaskService:
             log.warning("store_write_failed", task_id=task_id, reason=str(exc))
         return True
 
-    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None) -> None:
+    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream") -> None:
         """Record the call's outcome (the raw upstream answer, or the proxy's error) and release the call.
 
-        A write the store refuses is retried with backoff for `outcome_retry_s`; after that the task
-        reads as `failed`, naming the store, and the write of that failure goes on in the background.
+        `by` says what ended it, for the audit log (`upstream`, `timeout`, `input_timeout`). A write the
+        store refuses is retried with backoff for `outcome_retry_s`; after that the task reads as
+        `failed`, naming the store, and the write of that failure goes on in the background.
         """
-        await self._end(task_id, outcome, status_message, by="upstream")
+        await self._end(task_id, outcome, status_message, by=by)
 
     async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:
         change = Change(status=outcome_status(outcome), outcome=outcome, status_message=status_message, input_requests={}, expect_owner=self.node)
         try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_delay(self.outcome_retry_s), wait=wait_exponential(multiplier=0.05, max=1.0),
-                retry=retry_if_exception_type(StoreUnavailableError), reraise=True,
-            ):
-                with attempt:
-                    await self.store.update(task_id, change)
+            record = await self._retrying(lambda: self.store.update(task_id, change))
+            log.info("task_ended", task_id=task_id, status=record.status.value, by=by, principal=principal_hash(record.principal))
         except (TerminalTaskError, TaskNotFoundError, ConflictError) as exc:
             log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
         except StoreUnavailableError as exc:
@@ -293,8 +327,12 @@ class TaskService:
             if record is not None:
                 log.warning("security_foreign_task_access", task_id=task_id, server=server, principal=principal_hash(principal))
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
-        if not record.status.terminal and task_id not in self.live and not await self.store.lease_alive(record.owner):
-            record = await self._orphan(record, LOST_MESSAGE.format(node=record.owner))
+        if not record.status.terminal and task_id not in self.live:
+            try:
+                if not await self.store.lease_alive(record.owner):
+                    record = await recovery.take_over(self, record, LOST_MESSAGE.format(node=record.owner))
+            except StoreUnavailableError as exc:
+                raise JsonRpcError(-32603, str(exc), {"store": self.store.where}, status=503) from None
         if record.status.terminal and task_id not in self._retrieved:
             self._retrieved[task_id] = None
             if len(self._retrieved) > _RETRIEVED_MAX:
@@ -322,10 +360,13 @@ class TaskService:
         if record.status.terminal:
             return record
         message = f"cancelled by {'client request' if by == 'client' else by}"
+        self.cancelling.add(record.task_id)
         try:
             record = await self.store.update(record.task_id, Change(status=TaskStatus.CANCELLED, status_message=message, input_requests={}))
         except (TerminalTaskError, TaskNotFoundError):
             return await self.store.get(record.task_id) or record
+        finally:
+            self.cancelling.discard(record.task_id)
         call = self.live.get(record.task_id)
         self._forget(record.task_id)
         if call is not None:
@@ -333,52 +374,14 @@ class TaskService:
         log.info("task_cancelled", task_id=record.task_id, by=by, principal=principal_hash(record.principal))
         return record
 
-    # -- orphans -----------------------------------------------------------------------------
+    # -- orphans and tasks ended elsewhere (tasks/recovery.py) ----------------------------------
 
     async def sweep(self, message: str | None = None) -> tuple[int, int]:
-        """End (or re-run) every non-terminal task whose owner's lease lapsed. Returns (re-run, failed)."""
-        rerun = failed = 0
-        lapsed: dict[str, bool] = {}
-        for record in await self.store.live_tasks():
-            if record.task_id in self.live or record.task_id in self._unwritten:
-                continue
-            if record.owner != self.node:
-                if record.owner not in lapsed:
-                    lapsed[record.owner] = not await self.store.lease_alive(record.owner)
-                if not lapsed[record.owner]:
-                    continue
-            ended = await self._orphan(record, message or LOST_MESSAGE.format(node=record.owner))
-            if ended.status is TaskStatus.FAILED:
-                failed += 1
-            elif not ended.status.terminal:
-                rerun += 1
-        if rerun or failed:
-            log.info("tasks_recovered", rerun=rerun, failed=failed)
-        return rerun, failed
-
-    async def _orphan(self, record: TaskRecord, message: str) -> TaskRecord:
-        """Re-run (tools configured `on_restart: rerun`) or fail a task whose owner is gone."""
-        call = self._rerun(record) if record.rerun is not None and self._rerun is not None else None
-        try:
-            if call is None:
-                obs.ORPHANED.labels("failed").inc()
-                return await self.store.update(
-                    record.task_id,
-                    Change(status=TaskStatus.FAILED, status_message=message, outcome=proxy_error(message), input_requests={}, expect_owner=record.owner),
-                )
-            self.live[record.task_id] = call
-            self._snapshots[record.task_id] = record
-            new = await self.store.update(
-                record.task_id,
-                Change(status=TaskStatus.WORKING, status_message=f"re-running: {message}", input_requests={}, owner=self.node, expect_owner=record.owner),
-            )
-            obs.ORPHANED.labels("rerun").inc()
-            return new
-        except (TerminalTaskError, TaskNotFoundError, ConflictError):
-            if call is not None:
-                self._forget(record.task_id)
-                call.cancel("the task ended meanwhile")
-            return await self.store.get(record.task_id) or record
+        """End (or re-run) every non-terminal task whose owner's lease lapsed, and stop live calls whose
+        task was ended from outside (an operator's CLI cancel). Returns (re-run, failed) counts.
+        Raises StoreUnavailableError."""
+        await recovery.stop_calls_ended_elsewhere(self)
+        return await recovery.sweep(self, message)
 
     # -- observation -------------------------------------------------------------------------
 

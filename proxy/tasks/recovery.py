@@ -1,0 +1,95 @@
+"""Orphans and tasks ended elsewhere: what the task service's sweep does (design.md "Where the code goes next" 1).
+
+An orphan is a task that is not terminal and whose owner's lease has lapsed: its upstream call died
+with that process. It is taken over by a node that notices (the periodic sweep, or any read): it
+ends `failed` with an error saying what happened, or, for tools configured `on_restart: rerun`, its
+ownership moves to this node first (a conditional write, so two nodes never both take it) and only
+then is the call sent upstream again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from .. import observability as obs
+from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, principal_hash, proxy_error
+from .store import TaskNotFoundError
+
+if TYPE_CHECKING:
+    from .service import TaskService
+
+log = structlog.get_logger("proxy.tasks")
+
+RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
+LOST_MESSAGE = "the proxy process running this call (node {node}) stopped renewing its lease; the upstream call was lost"
+
+
+async def sweep(service: TaskService, message: str | None = None) -> tuple[int, int]:
+    """Take over every orphan in the store; `message` overrides the default lease-lapse message
+    (the start-up sweep names a restart). Returns (re-run, failed). Raises StoreUnavailableError."""
+    store = service.store
+    rerun = failed = 0
+    lapsed: dict[str, bool] = {}
+    for record in await store.live_tasks():
+        if record.task_id in service.live or service.unwritten(record.task_id):
+            continue
+        if record.owner != service.node:
+            if record.owner not in lapsed:
+                lapsed[record.owner] = not await store.lease_alive(record.owner)
+            if not lapsed[record.owner]:
+                continue
+        ended = await take_over(service, record, message or LOST_MESSAGE.format(node=record.owner))
+        if ended.status is TaskStatus.FAILED:
+            failed += 1
+        elif not ended.status.terminal:
+            rerun += 1
+    if rerun or failed:
+        log.info("tasks_recovered", rerun=rerun, failed=failed)
+    return rerun, failed
+
+
+async def take_over(service: TaskService, record: TaskRecord, message: str) -> TaskRecord:
+    """Re-run (tools configured `on_restart: rerun`) or fail an orphan; return the record as it is now.
+
+    Raises StoreUnavailableError (nothing was started then).
+    """
+    store = service.store
+    try:
+        if record.rerun is not None and service.rerun is not None:
+            owned = await store.update(
+                record.task_id,
+                Change(status=TaskStatus.WORKING, status_message=f"re-running: {message}", input_requests={}, owner=service.node, expect_owner=record.owner),
+            )
+            call = service.rerun(owned)  # only once this node owns it: never sent twice
+            if call is not None:
+                service.adopt(owned, call)
+                obs.ORPHANED.labels("rerun").inc()
+                return owned
+            record = owned
+        obs.ORPHANED.labels("failed").inc()
+        return await store.update(
+            record.task_id,
+            Change(status=TaskStatus.FAILED, status_message=message, outcome=proxy_error(message), input_requests={}, expect_owner=record.owner),
+        )
+    except (TerminalTaskError, TaskNotFoundError, ConflictError):
+        return await store.get(record.task_id) or record
+
+
+async def stop_calls_ended_elsewhere(service: TaskService) -> None:
+    """Cancel the live calls of this node whose task another writer ended (the operator CLI's cancel)."""
+    for task_id, call in list(service.live.items()):
+        if task_id in service.cancelling:
+            continue
+        record = await service.store.get(task_id)
+        if record is not None and not record.status.terminal:
+            continue
+        if service.live.get(task_id) is not call:
+            continue  # ended here meanwhile
+        service.release(task_id)
+        call.cancel("the task ended outside this proxy")
+        if record is not None and record.status is TaskStatus.CANCELLED:
+            log.info("task_cancelled", task_id=task_id, by="operator", principal=principal_hash(record.principal))
+        else:
+            log.info("task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone")
