@@ -468,18 +468,21 @@ def section_c(args, workdir: Path, log) -> dict:
     # nothing to the store until it ends (isolates the cost of progress -> statusMessage writes).
     upstream, up_url = start_fake_upstream(workdir, up_cpu, "c-upstream-fake")
     try:
-        cfg = write_config(workdir, "c-proxy-fake", {"url": up_url}, workdir / "c-store-fake", durable=True, detach_after=f"{detach_ms}ms")
-        proxy, url, _ = start_proxy(workdir, "c-proxy-fake", cfg, px_cpu)
-        wait_ready(url.rsplit("/", 1)[0], proxy)
-        try:
-            res = loadgen({"mode": "detach", "url": url, "tool": "hold", "arguments": {"seconds": args.c_hold}, "expect": '"resultType":"task"',
-                           "detach_after_s": detach_ms / 1000, "concurrency": 16, "max_requests": max(16, args.c_requests), "duration": 120,
-                           "warmup": 0}, lg_cpu)
-            res.update(durable=True, detach_after_ms=detach_ms, upstream="fake upstream hold (no progress)")
-            rows.append(res)
-            log(f"  c: no-progress upstream, durable, concurrency 16: late p50 {res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms  errors {res['errors']}")
-        finally:
-            proxy.stop()
+        for durable in (True, False):
+            cfg = write_config(workdir, f"c-proxy-fake-{durable}", {"url": up_url}, workdir / f"c-store-fake-{durable}", durable=durable,
+                               detach_after=f"{detach_ms}ms")
+            proxy, url, _ = start_proxy(workdir, f"c-proxy-fake-{'durable' if durable else 'normal'}", cfg, px_cpu)
+            wait_ready(url.rsplit("/", 1)[0], proxy)
+            try:
+                res = loadgen({"mode": "detach", "url": url, "tool": "hold", "arguments": {"seconds": args.c_hold}, "expect": '"resultType":"task"',
+                               "detach_after_s": detach_ms / 1000, "concurrency": 16, "max_requests": max(16, args.c_requests), "duration": 120,
+                               "warmup": 0}, lg_cpu)
+                res.update(durable=durable, detach_after_ms=detach_ms, upstream="fake upstream hold (no progress)")
+                rows.append(res)
+                log(f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 {res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
+                    f"  errors {res['errors']}")
+            finally:
+                proxy.stop()
     finally:
         upstream.stop()
     return {"rows": rows, "summary": summary, "layout": "upstream + loadgen on CPU 0, proxy on CPU 1" if args.pin else "unpinned"}

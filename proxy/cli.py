@@ -275,8 +275,8 @@ async def _tasks_action(args: argparse.Namespace, path: str) -> int:
         except (TerminalTaskError, TaskNotFoundError):
             print(f"task {record.task_id} ended meanwhile")
             return 0
-        print(f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress update, "
-              "and discards any later result)")
+        print(f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress update "
+              "or sweep, within half of store.lease, and discards any later result)")
         return 0
     finally:
         await store.close()
