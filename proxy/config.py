@@ -59,6 +59,8 @@ class StoreConfig(_Strict):
     @classmethod
     def _positive_store_durations(cls, value: float, info: ValidationInfo) -> float:
         _positive(value, f"store.{info.field_name}")
+        if info.field_name == "lease" and value < 0.1:
+            raise ValueError("store.lease must be at least 100ms (it is renewed every third of it)")
         return value
 
 

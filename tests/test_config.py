@@ -476,3 +476,12 @@ def test_hardening_keys_have_safe_defaults_and_are_checked(tmp_path):
         config_from_data({**base, "metrics": {"token": "plain-secret"}})
     with pytest.raises(ConfigError, match="listen.max_connections"):
         config_from_data({**base, "listen": {"max_connections": 2}})
+
+
+@pytest.mark.parametrize(("lease", "ok"), [("10ms", False), ("100ms", True), ("15s", True)])
+def test_store_lease_has_a_floor(lease: str, ok: bool):
+    data = {"store": {"lease": lease}, "mcpServers": {"a": {"url": "http://h/mcp"}}}
+    if ok:
+        assert config_from_data(data).store.lease >= 0.1
+    else:
+        assert "store.lease" in config_error(data) and "at least 100ms" in config_error(data)

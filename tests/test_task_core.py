@@ -15,9 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from conftest import ROOT, ModernClient, ServerProcess, make_config, make_record, running_proxy
+from conftest import ROOT, ModernClient, RunningProxy, ServerProcess, make_config, make_record, running_proxy
 
 from proxy.app import TASKS_KEY
+from proxy.protocol.jsonrpc import JsonRpcError
 from proxy.tasks import diskcache_store
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskStatus
@@ -238,3 +239,20 @@ def _logged(text: str, event: str, **fields: str | None) -> bool:
             return True
     return False
 
+
+
+async def test_task_ids_no_store_can_hold_are_unknown_not_errors(flow_proxy: RunningProxy, flow_client: ModernClient) -> None:
+    for bad in ("\ud800", "x" * 300, "tab\there"):
+        for method in ("tasks/get", "tasks/cancel"):
+            reply = await flow_client.request(method, {"taskId": bad})
+            # -32020 when the Mcp-Name header cannot mirror the id; never a 500
+            assert reply.status == 400 and reply.error["code"] in (-32602, -32020), (method, bad, reply)
+        with pytest.raises(JsonRpcError) as refused:
+            await flow_proxy.app[TASKS_KEY].lookup(bad, principal="anonymous", server="legacy")
+        assert refused.value.code == -32602
+
+
+async def test_a_completed_task_keeps_its_last_progress_text(flow_client: ModernClient) -> None:
+    created = (await flow_client.call("slow_compute", {"seconds": 0.5, "label": "progress-kept"})).result
+    done = await flow_client.wait_terminal(created["taskId"])
+    assert done["status"] == "completed" and done.get("statusMessage"), done

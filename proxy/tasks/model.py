@@ -71,6 +71,18 @@ def new_node_id() -> str:
     return secrets.token_hex(8)
 
 
+def valid_task_id(value: str) -> bool:
+    """Whether `value` could be a task id at all: at most 256 printable characters that UTF-8 can
+    carry (a lone surrogate from a `\\ud800` JSON escape cannot be stored or looked up)."""
+    if not value or len(value) > 256 or not value.isprintable():
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def now_ms() -> int:
     """Wall-clock time in integer milliseconds since the Unix epoch."""
     return int(time.time() * 1000)

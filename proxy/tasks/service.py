@@ -34,9 +34,11 @@ from .model import (
     now_ms,
     outcome_status,
     principal_hash,
+    valid_task_id,
     proxy_error,
 )
 from . import recovery
+from .audit import observe_transition
 from .recovery import LOST_MESSAGE, RESTART_MESSAGE
 from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
@@ -102,7 +104,7 @@ class TaskService:
         self._loop_task: asyncio.Task[None] | None = None
         self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
         self.store_problem: str | None = None  # the last store failure, while it lasts
-        store.add_listener(self._observe)
+        store.add_listener(observe_transition)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -265,7 +267,8 @@ class TaskService:
         await self._end(task_id, outcome, status_message, by=by)
 
     async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:
-        change = Change(status=outcome_status(outcome), outcome=outcome, status_message=status_message, input_requests={}, expect_owner=self.node)
+        keep_message = {} if status_message is None else {"status_message": status_message}  # None: the last progress text stays
+        change = Change(status=outcome_status(outcome), outcome=outcome, input_requests={}, expect_owner=self.node, **keep_message)
         try:
             record = await self._retrying(lambda: self.store.update(task_id, change))
             log.info("task_ended", task_id=task_id, status=record.status.value, by=by, principal=principal_hash(record.principal))
@@ -317,6 +320,8 @@ class TaskService:
         """
         if not isinstance(task_id, str) or not task_id:
             raise JsonRpcError(INVALID_PARAMS, "params.taskId must be a non-empty string")
+        if not valid_task_id(task_id):
+            raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id[:64]!r}")  # no id of ours looks like that
         record = self._unwritten.get(task_id)
         if record is None:
             try:
@@ -382,17 +387,3 @@ class TaskService:
         Raises StoreUnavailableError."""
         await recovery.stop_calls_ended_elsewhere(self)
         return await recovery.sweep(self, message)
-
-    # -- observation -------------------------------------------------------------------------
-
-    def _observe(self, before: TaskStatus | None, record: TaskRecord) -> None:
-        if before is record.status:
-            return
-        age_s = (record.last_updated_ms - record.created_ms) / 1000
-        obs.TASKS.labels(record.status.value).inc()
-        if record.status.terminal:
-            obs.TASK_AGE.labels(record.status.value).observe(age_s)
-        log.info(
-            "task_transition", task_id=record.task_id, server=record.server, tool=record.tool, principal=principal_hash(record.principal),
-            **{"from": before.value if before else None}, to=record.status.value, age_ms=int(age_s * 1000),
-        )
