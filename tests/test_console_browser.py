@@ -44,9 +44,9 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
     now = now_ms()
     await seed(tmp_path / "store", [  # some history, so the table is not empty
         make_record(task_id="nightly-build-7", server="other", tool="build", principal="ci", status=TaskStatus.COMPLETED, created_ms=now - 400_000,
-                    status_message="build 7 done", outcome={"result": {"content": [{"type": "text", "text": "ok"}]}}),
+                    status_message="build 7 done", ttl_ms=3_600_000, outcome={"result": {"content": [{"type": "text", "text": "ok"}]}}),
         make_record(task_id="deploy-staging-3", server="legacy", tool="deploy", principal="release-bot", status=TaskStatus.FAILED, created_ms=now - 90_000,
-                    status_message="upstream timed out after 60 s", outcome={"error": {"code": -32603, "message": "timed out"}}),
+                    status_message="upstream timed out after 60 s", ttl_ms=3_600_000, outcome={"error": {"code": -32603, "message": "timed out"}}),
     ])
     async with running_proxy(console_config(legacy_url, tmp_path / "store")) as proxy:
         client = client_for(proxy, "legacy")
@@ -85,6 +85,7 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
                 record = await proxy.store.get(task_id)
                 assert record.status is TaskStatus.CANCELLED and record.status_message == "cancelled by operator"
                 assert (await proxy.store.get(kept)).status is TaskStatus.WORKING
+                await expect(page.locator("#upstreams")).to_contain_text("1 call(s) running")  # the overview followed the changes
                 if os.environ.get("CONSOLE_SCREENSHOT"):
                     await page.screenshot(path=os.environ["CONSOLE_SCREENSHOT"])
             finally:

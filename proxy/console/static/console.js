@@ -5,7 +5,7 @@
 const $ = (selector) => document.querySelector(selector);
 const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const COLORS = { working: "#1565c0", input_required: "#ef6c00", completed: "#2e7d32", failed: "#c62828", cancelled: "#9aa0ad" };
-const state = { csrf: null, rows: new Map(), filters: {}, cursor: null, selected: null, source: null, timers: [], renderQueued: false };
+const state = { csrf: null, rows: new Map(), filters: {}, cursor: null, selected: null, source: null, timers: [], renderQueued: false, overviewQueued: false };
 
 async function api(path, options = {}) {
   const headers = { Accept: "application/json" };
@@ -128,6 +128,13 @@ function onTask(row) {
   else if (known || state.cursor === null || row.createdMs >= oldestLoaded()) state.rows.set(row.taskId, row);
   queueRender();
   if (state.selected === row.taskId) showDetail(row.taskId);
+  if (row.status !== (row.previousStatus || "")) queueOverview();
+}
+
+function queueOverview() {  // status changes move the charts: refresh them, at most once a second
+  if (state.overviewQueued) return;
+  state.overviewQueued = true;
+  setTimeout(() => { state.overviewQueued = false; loadOverview(); }, 1000);
 }
 
 async function reload() {
