@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -352,3 +353,12 @@ async def test_the_example_console_config_serves_the_console(legacy_url: str, tm
         assert status == 200 and session["operator"] == "alice" and session["csrf"] is None
         status, _ = await get_json(http, proxy.base + "/console/api/session", {"Authorization": "Bearer example-client-token"})
         assert status == 401
+
+
+def test_the_page_ships_in_the_wheel_as_package_data() -> None:
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["proxy.console"]
+    package = ROOT / "proxy" / "console"
+    shipped = {path for pattern in patterns for path in package.glob(pattern)}
+    assert {"index.html", "console.js", "console.css"} <= {p.name for p in (package / "static").iterdir()}
+    assert set((package / "static").iterdir()) <= shipped
+

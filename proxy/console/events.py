@@ -25,6 +25,7 @@ log = structlog.get_logger("proxy.console")
 
 QUEUE_MAX = 1000  # changes one stream may lag behind before it gets `resync`
 MAX_STREAMS = 64  # open console streams at most (more: 503)
+WRITE_TIMEOUT_S = 30.0  # a reader that takes longer than this (s) to accept one write loses its stream
 RESYNC: dict[str, Any] = {"event": "resync"}
 CLOSE: dict[str, Any] = {"event": "close"}
 
@@ -85,21 +86,29 @@ class ConsoleHub:
 
     async def stream(self, request: web.Request, *, keepalive_s: float) -> web.StreamResponse:
         """Serve `text/event-stream`: `ready` once, then `task` (a list row plus `previousStatus`)
-        per change and `resync` after an overflow; a `: keepalive` comment every `keepalive_s` (s)."""
+        per change and `resync` after an overflow; a `: keepalive` comment every `keepalive_s` (s).
+        Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream."""
         with self.subscribe() as queue:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
             await response.prepare(request)
-            await response.write(b"retry: 2000\n\n" + _event({"event": "ready", "data": {}}))
-            while not self.closed:
-                try:
-                    message = await asyncio.wait_for(queue.get(), timeout=keepalive_s)
-                except TimeoutError:
-                    await response.write(b": keepalive\n\n")
-                    continue
-                if message is CLOSE:
-                    break
-                await response.write(_event(message))
+            try:
+                await _send(response, b"retry: 2000\n\n" + _event({"event": "ready", "data": {}}))
+                while not self.closed:
+                    try:
+                        message = await asyncio.wait_for(queue.get(), timeout=keepalive_s)
+                    except TimeoutError:
+                        await _send(response, b": keepalive\n\n")
+                        continue
+                    if message is CLOSE:
+                        break
+                    await _send(response, _event(message))
+            except TimeoutError:
+                log.info("console_stream_dropped", reason=f"the reader took more than {WRITE_TIMEOUT_S:g} s to accept a write")
             return response
+
+
+async def _send(response: web.StreamResponse, data: bytes) -> None:
+    await asyncio.wait_for(response.write(data), timeout=WRITE_TIMEOUT_S)
 
 
 def _event(message: dict[str, Any]) -> bytes:
