@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 from conftest import ModernClient, RunningProxy, make_config, make_record, running_proxy
 
+from proxy.app import TASKS_KEY
 from proxy.auth import hash_token
+from proxy.console.events import MAX_STREAMS, QUEUE_MAX, RESYNC, ConsoleHub, TooManyStreamsError
 from proxy.config import Config, ConfigError, config_from_data, load_config
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskRecord, TaskStatus, now_ms
@@ -325,6 +327,36 @@ async def test_overview_and_a_stream_with_keepalives_that_ends_at_shutdown(legac
             await stream.content.read()
     finally:
         stream.release()
+
+
+async def test_a_task_waiting_for_input_shows_its_questions_and_an_operator_can_cancel_it(console: RunningProxy, http: aiohttp.ClientSession) -> None:
+    # A task run by this node (its lease is alive) that waits for an answer; no live call here to stop.
+    question = {"method": "elicitation/create", "params": {"message": "Deploy to prod?", "requestedSchema": {"type": "object"}}}
+    await console.store.create(make_record(task_id="asking", principal="ci", server="legacy", owner=console.app[TASKS_KEY].node,
+                                           status=TaskStatus.INPUT_REQUIRED, input_requests={"q1": question}))
+    status, page = await get_json(http, console.base + "/console/api/tasks?status=input_required", BEARER)
+    assert status == 200 and [t["taskId"] for t in page["tasks"]] == ["asking"]
+    status, task = await get_json(http, console.base + "/console/api/tasks/asking", BEARER)
+    assert task["inputRequests"] == {"q1": question} and task["ownerAlive"] and not task["runningHere"]
+    status, cancelled = await post_json(http, console.base + "/console/api/tasks/asking/cancel", BEARER)
+    assert status == 200 and cancelled["status"] == "cancelled" and cancelled["inputRequests"] == {}
+
+
+def test_a_slow_reader_gets_resync_instead_of_an_unbounded_queue() -> None:
+    hub = ConsoleHub()
+    with hub.subscribe() as queue:
+        for i in range(QUEUE_MAX + 5):
+            hub.publish(TaskStatus.WORKING, make_record(task_id=f"r{i}"))
+        assert queue.qsize() <= QUEUE_MAX and RESYNC in list(queue._queue)  # type: ignore[attr-defined]
+    streams = [hub.subscribe() for _ in range(MAX_STREAMS)]
+    for stream in streams:
+        stream.__enter__()
+    try:
+        with pytest.raises(TooManyStreamsError), hub.subscribe():
+            pass
+    finally:
+        for stream in streams:
+            stream.__exit__(None, None, None)
 
 
 # -- config --------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
     require_browser()
     from playwright.async_api import async_playwright, expect
 
+    expect.set_options(timeout=15_000)  # a busy 2-core CI machine; every wait still ends
+
     now = now_ms()
     await seed(tmp_path / "store", [  # some history, so the table is not empty
         make_record(task_id="nightly-build-7", server="other", tool="build", principal="ci", status=TaskStatus.COMPLETED, created_ms=now - 400_000,
@@ -54,6 +56,7 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
             browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             try:
                 page = await browser.new_page(viewport={"width": 1280, "height": 720})
+                page.set_default_timeout(15_000)
                 await page.goto(proxy.base + "/console/")
                 await expect(page.locator("#login")).to_be_visible()
                 await page.fill("#token", CONSOLE_TOKEN)
