@@ -129,6 +129,10 @@ async def test_sign_in_sets_a_strict_httponly_cookie_and_mutations_need_the_csrf
     base = console.base + "/console"
     status, body = await post_json(http, base + "/login", data={"token": CLIENT_TOKEN})
     assert status == 401 and "unknown console token" in body["error"]["message"]
+    status, body = await post_json(http, base + "/login", data=b"{not json", headers={"Content-Type": "application/json"})
+    assert status == 400 and "not JSON" in body["error"]["message"]
+    status, body = await post_json(http, base + "/login", json={"token": 42})
+    assert status == 401
     status, body = await post_json(http, base + "/login", data={"token": "x"}, headers={"Origin": "http://127.0.0.1:1"})
     assert status == 403 and "cross-origin" in body["error"]["message"]
     async with http.post(base + "/login", data={"token": CONSOLE_TOKEN}) as resp:

@@ -110,7 +110,10 @@ class ConsoleAccess:
                 return error(400, "the body is not JSON")
             token = body.get("token", "") if isinstance(body, dict) else ""
         else:
-            form = await request.post()
+            try:
+                form = await request.post()
+            except ValueError:
+                return error(400, "the body is not a form")
             value = form.get("token", "")
             token = value if isinstance(value, str) else ""
         operator = self.operator_for(token.strip()) if isinstance(token, str) and token.strip() else None
