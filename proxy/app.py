@@ -12,6 +12,7 @@ from aiohttp import web
 from .auth import Authenticator, auth_middleware
 from .call import Call
 from .config import Config, ServerEntry
+from .console import build_console
 from .dispatcher import ServerDispatcher
 from .drain import Drain
 from .legacy_bridge import LegacyBridge
@@ -38,7 +39,8 @@ def build_app(config: Config) -> web.Application:
     """The proxy as an aiohttp Application.
 
     Routes: `/servers/<name>/mcp` for each enabled server, `/mcp` too when exactly one is configured,
-    `/healthz` and `/readyz`. The task store opens and closes with the app (cleanup context); opening
+    `/healthz` and `/readyz`, and the operator console at `/console/` when `config.console` is set
+    (its own sign-in; client credentials never open it). The task store opens and closes with the app (cleanup context); opening
     it raises StoreLockedError when another process serves the same store directory.
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
@@ -46,7 +48,7 @@ def build_app(config: Config) -> web.Application:
         access_log(payloads=config.logging.log_payloads),
         json_errors(),
         host_guard(allowed),
-        auth_middleware(Authenticator(config.auth)),
+        auth_middleware(Authenticator(config.auth), own_auth_prefix="/console" if config.console is not None else None),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
     app[CONFIG_KEY] = config
@@ -68,7 +70,14 @@ def build_app(config: Config) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", metrics_handler)
+    if config.console is not None:
+        app.router.add_get("/console", _to_console)
+        app.add_subapp("/console/", build_console(config))
     return app
+
+
+async def _to_console(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/console/")
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

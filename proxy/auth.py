@@ -143,15 +143,19 @@ def _bearer(request: web.Request) -> str:
     return token.strip()
 
 
-def auth_middleware(authenticator: Authenticator):
+def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None = None):
     """aiohttp middleware: set `request[PRINCIPAL_KEY]`, or answer 401 with a JSON-RPC error.
 
-    Health and metrics paths stay open. Failures are logged as security events (without secrets).
+    Health and metrics paths stay open. Paths under `own_auth_prefix` (the console, `/console`)
+    are left to their own authentication: no client principal is set there, so a client
+    credential never opens them. Failures are logged as security events (without secrets).
     """
 
     @web.middleware
     async def middleware(request: web.Request, handler):
         if request.path in OPEN_PATHS:
+            return await handler(request)
+        if own_auth_prefix is not None and (request.path == own_auth_prefix or request.path.startswith(own_auth_prefix + "/")):
             return await handler(request)
         try:
             request[PRINCIPAL_KEY] = await authenticator.principal(request)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from .config_base import ConfigError, Duration, Strict as _Strict, parse_duration
 from .config_sections import (
     AuthConfig,
+    ConsoleConfig,
     JwtConfig,
     LimitsConfig,
     ListenConfig,
@@ -32,7 +33,7 @@ from .config_sections import (
 )
 
 __all__ = [
-    "AuthConfig", "Config", "ConfigError", "Duration", "JwtConfig", "LimitsConfig", "ListenConfig", "LoggingConfig", "MetricsConfig",
+    "AuthConfig", "Config", "ConsoleConfig", "ConfigError", "Duration", "JwtConfig", "LimitsConfig", "ListenConfig", "LoggingConfig", "MetricsConfig",
     "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "ToolMode", "TrustedHeaderConfig", "config_from_data", "config_json_schema",
     "load_config", "parse_duration",
 ]
@@ -239,6 +240,7 @@ class Config(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     tasks: DefaultTasks = Field(default_factory=DefaultTasks)
     mcpServers: dict[str, ServerEntry] = Field(default_factory=dict)
+    console: ConsoleConfig | None = Field(None, description="the operator console at /console/; off when absent")
 
     @model_validator(mode="after")
     def _names(self) -> Config:
@@ -247,6 +249,11 @@ class Config(_Strict):
                 raise ValueError(f"server name {name!r} must match {_NAME.pattern} (it becomes a URL path)")
         if not self.servers:
             raise ValueError("mcpServers must configure at least one enabled server")
+        if self.console is not None:
+            clients = {digest.removeprefix("sha256:").lower() for digest in self.auth.tokens.values()}
+            for name, digest in self.console.tokens.items():
+                if digest.removeprefix("sha256:").lower() in clients:
+                    raise ValueError(f"console.tokens.{name} is also a client token in auth.tokens; give the console a token of its own")
         return self
 
     @property

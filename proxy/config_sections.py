@@ -172,3 +172,33 @@ class MetricsConfig(_Strict):
     (a `sha256:<hex>` hash, as `mcp-tasks-proxy hash-token` prints) it needs `Authorization: Bearer <token>`."""
 
     token: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")
+
+
+_TOKEN_HASH = r"^sha256:[0-9a-fA-F]{64}$"
+
+
+class ConsoleConfig(_Strict):
+    """The operator console at `/console/` (off unless this section is present).
+
+    `tokens` maps operator names to `sha256:<hex>` token hashes (`mcp-tasks-proxy hash-token`);
+    a console token is accepted as `Authorization: Bearer <token>` or through the sign-in form,
+    which sets a session cookie lasting `session_ttl` (s). Console tokens are never client
+    principals, and client tokens (`auth.tokens`) never open the console.
+    """
+
+    tokens: dict[str, str] = Field(min_length=1, description="operator name: sha256:<hex> hash of its console token")
+    session_ttl: Duration = Field("8h", validate_default=True, description="how long a console sign-in lasts")
+
+    @model_validator(mode="after")
+    def _hashes(self) -> ConsoleConfig:
+        for name, digest in self.tokens.items():
+            if not re.fullmatch(_TOKEN_HASH, digest):
+                raise ValueError(f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself")
+        if self.session_ttl <= 0:
+            raise ValueError("session_ttl must be longer than 0s")
+        return self
+
+    def hashes(self) -> dict[str, str]:
+        """Lower-case hex digests (without `sha256:`) to operator names."""
+        return {digest.removeprefix("sha256:").lower(): name for name, digest in self.tokens.items()}
+

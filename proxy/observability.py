@@ -124,7 +124,7 @@ def access_log(*, payloads: bool):
             status, event = CLIENT_CLOSED, "client_disconnected"
             raise
         finally:
-            REQUESTS.labels("mcp", str(status)).inc()
+            REQUESTS.labels("console" if request.path.startswith("/console") else "mcp", str(status)).inc()
             log.info(event, http_method=request.method, path=request.path, status=status,
                      duration_ms=round((time.perf_counter() - started) * 1000, 2))
             structlog.contextvars.clear_contextvars()

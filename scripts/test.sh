@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine or this one: what the README's test command and CI's
 # .ci/run both call. Set-up (idempotent): Debian packages the suite needs when missing (npm, to
-# fetch Node 22 and the conformance suite), a virtual environment with the project and its test
+# fetch Node 22 and the conformance suite; chromium, for the console's browser test, driven by
+# Playwright's Python package: no browser download), a virtual environment with the project and its test
 # extra; then `mypy proxy`, then pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ cd "$(dirname "$0")/.."
 missing=()
 command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 command -v mount >/dev/null 2>&1 || missing+=(mount)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

@@ -15,6 +15,7 @@ from conftest import make_record
 
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import (
+    HISTORY_MAX,
     Change,
     ConflictError,
     TaskRecord,
@@ -104,6 +105,19 @@ async def test_live_tasks_are_the_non_terminal_ones(store: TaskStore) -> None:
     assert sorted(r.task_id for r in await store.live_tasks()) == ["i", "w"]
     await store.update("w", Change(status=TaskStatus.FAILED, outcome={"error": {"code": -32603, "message": "x"}}))
     assert [r.task_id for r in await store.live_tasks()] == ["i"]
+
+
+async def test_status_history_is_kept_with_times_and_survives_the_store(store: TaskStore) -> None:
+    await store.create(make_record(task_id="h", created_ms=1_000))
+    await store.update("h", Change(status_message="progress only"))
+    await store.update("h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}))
+    await store.update("h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}, "j": {}}))  # no status change
+    await store.update("h", Change(status=TaskStatus.WORKING, input_requests={}))
+    done = await store.update("h", Change(status=TaskStatus.CANCELLED))
+    assert [e["status"] for e in done.history] == ["working", "input_required", "working", "cancelled"]
+    times = [e["at_ms"] for e in done.history]
+    assert times[0] == 1_000 and times == sorted(times) and times[-1] == done.terminal_ms
+    assert (await store.get("h")).history == done.history
 
 
 # -- retention ------------------------------------------------------------------------------------
@@ -268,6 +282,18 @@ def test_reported_ttl_grows_while_running_then_fixes_the_real_end() -> None:
     ended = apply(record, Change(status=TaskStatus.COMPLETED, outcome={"result": {}}), at_ms=5_000, max_result_bytes=100)
     assert reported_ttl_ms(ended, 99_000) == 4_500 and ended.created_ms + 4_500 == ended.expires_ms
     assert reported_ttl_ms(make_record(ttl_ms=None)) is None
+
+
+def test_history_is_bounded_keeps_the_first_entry_and_old_records_load_without_it() -> None:
+    record = make_record(created_ms=1_000)
+    for i in range(HISTORY_MAX * 2):
+        status = TaskStatus.INPUT_REQUIRED if i % 2 == 0 else TaskStatus.WORKING
+        record = apply(record, Change(status=status), at_ms=2_000 + i, max_result_bytes=100)
+    assert len(record.history) == HISTORY_MAX and record.history[0] == {"status": "working", "at_ms": 1_000}
+    assert record.history[-1] == {"status": "working", "at_ms": 2_000 + HISTORY_MAX * 2 - 1}
+    old = {k: v for k, v in make_record(version=3).to_dict().items() if k != "history"}  # stored before `history` existed
+    assert TaskRecord.from_dict(old).history == []
+    assert TaskRecord.from_dict({k: v for k, v in make_record().to_dict().items() if k != "history"}).history[0]["status"] == "working"
 
 
 def test_record_dict_round_trip_ignores_unknown_fields() -> None:

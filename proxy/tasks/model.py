@@ -115,7 +115,11 @@ class TaskRecord:
     `ttl_ms` the retention after the task is terminal (None: forever); `terminal_ms` when it became
     terminal; `rerun` what is needed to send the call again after its owner died (`{method, params,
     capabilities}`), kept only for tools configured `on_restart: rerun` and dropped once terminal;
-    `version` counts committed changes (for conditional writes and change waits).
+    `version` counts committed changes (for conditional writes and change waits); `history` the
+    status changes with their times (`[{"status": str, "at_ms": int}]`, oldest first, at most
+    HISTORY_MAX entries: the first and the newest), seeded with the initial status for a new
+    record (version 1) and appended by `apply`; a record stored before this field existed has
+    an empty history.
     """
 
     task_id: str
@@ -135,11 +139,14 @@ class TaskRecord:
     input_requests: dict[str, Any] = field(default_factory=dict)
     rerun: dict[str, Any] | None = None
     version: int = 1
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)
         if not self.last_updated_ms:
             self.last_updated_ms = self.created_ms
+        if not self.history and self.version == 1:
+            self.history = [{"status": self.status.value, "at_ms": self.created_ms}]
 
     @property
     def expires_ms(self) -> int | None:
@@ -173,6 +180,15 @@ def reported_ttl_ms(record: TaskRecord, at_ms: int | None = None) -> int | None:
 
 
 _UNSET: Any = object()
+HISTORY_MAX = 32  # status changes kept per record (the first and the newest ones)
+
+
+def with_transition(history: list[dict[str, Any]], status: TaskStatus, at_ms: int) -> list[dict[str, Any]]:
+    """`history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list."""
+    entries = [*history, {"status": TaskStatus(status).value, "at_ms": at_ms}]
+    if len(entries) > HISTORY_MAX:
+        entries = [entries[0], *entries[-(HISTORY_MAX - 1):]]
+    return entries
 
 
 @dataclass(frozen=True)
@@ -203,8 +219,8 @@ def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: i
     Rules: a terminal record never changes (TerminalTaskError); transitions follow the status
     machine; a result outcome larger than `max_result_bytes` (JSON bytes) is replaced by an error
     naming the limit (the task fails); reaching a terminal status clears `input_requests` and
-    `rerun` and sets `terminal_ms`; `last_updated_ms` never goes back; `version` grows by one.
-    Raises ConflictError when `expect_owner` does not match.
+    `rerun` and sets `terminal_ms`; `last_updated_ms` never goes back; `version` grows by one; a
+    status change is appended to `history` (bounded, see `with_transition`). Raises ConflictError when `expect_owner` does not match.
     """
     if record.status.terminal:
         raise TerminalTaskError(f"task {record.task_id} is {record.status.value}; it can no longer change")
@@ -221,6 +237,8 @@ def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: i
     if status is not None:
         check_transition(record.status, status)
         updates["status"] = status
+        if status is not record.status:
+            updates["history"] = with_transition(record.history, status, updates["last_updated_ms"])
     for name, value in (("status_message", message), ("outcome", outcome), ("input_requests", change.input_requests), ("owner", change.owner)):
         if value is not _UNSET:
             updates[name] = value

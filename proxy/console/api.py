@@ -1,0 +1,205 @@
+"""The console's HTTP routes: the page, sign-in, and the JSON API under `/console/api/`.
+
+Mounted by `app.build_app` as a sub-application at `/console/` when the config has a `console`
+section. Every answer is JSON (errors: `{"error": {"status", "message"}}`, 4xx for bad input,
+503 when the store cannot be read), except the page, its static files and the event stream.
+
+- `GET /console/api/session`: `{operator, csrf, servers, keepaliveMs}`
+- `GET /console/api/tasks?status=&server=&tool=&principal=<hash>&cursor=&limit=`: `{tasks, nextCursor}`,
+  newest first, everyone's tasks (`limit` 1..200, default 50)
+- `GET /console/api/tasks/{taskId}`: the detail view (see `views.detail`); 404 unknown or expired
+- `POST /console/api/tasks/{taskId}/cancel`: cancel through `TaskService.cancel(by="operator")`
+  (the live call is stopped upstream); 409 when the task had already ended
+- `GET /console/api/events`: server-sent events (see `events.ConsoleHub.stream`)
+- `GET /console/api/overview`: upstream readiness, the store, live calls and `views.metrics_snapshot`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from ..config import Config
+from ..tasks.model import TaskRecord, TaskStatus
+from ..tasks.service import TaskService
+from ..tasks.store import ListFilter, StoreUnavailableError
+from .access import OPERATOR_KEY, ConsoleAccess, error
+from .events import ConsoleHub, TooManyStreamsError
+from .views import detail, metrics_snapshot, row
+
+log = structlog.get_logger("proxy.console")
+
+STATIC_DIR = Path(__file__).with_name("static")
+HUB_KEY = web.AppKey("console_hub", ConsoleHub)
+ACCESS_KEY = web.AppKey("console_access", ConsoleAccess)
+READY_CACHE_S = 5.0  # upstream readiness is probed at most this often (s) for the overview
+MAX_LIMIT = 200
+_HASH = re.compile(r"^[0-9a-f]{16}$")
+_PRINCIPAL_ROUNDS = 20  # store pages one principal-filtered listing may read before it returns a cursor
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def build_console(config: Config) -> web.Application:
+    """The console as an aiohttp sub-application (mount it at `/console/`); `config.console` must be set.
+
+    The root application must provide the task service and the upstream pools (`app.TASKS_KEY`,
+    `app.POOLS_KEY`) by the time requests arrive.
+    """
+    assert config.console is not None
+    access = ConsoleAccess(config.console)
+    console = web.Application(middlewares=access.middlewares())
+    hub = ConsoleHub()
+    console[HUB_KEY] = hub
+    console[ACCESS_KEY] = access
+    console.on_shutdown.append(hub.close)
+    console.on_response_prepare.append(_security_headers)
+    keepalive_s = config.listen.sse_keepalive
+    ready: dict[str, Any] = {"at": 0.0, "checks": {}}
+
+    async def index(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html")
+
+    async def session(request: web.Request) -> web.Response:
+        return web.json_response({
+            "operator": request[OPERATOR_KEY], "csrf": await access.csrf_token(request),
+            "servers": sorted(config.servers), "keepaliveMs": int(keepalive_s * 1000),
+        })
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        hub.attach(_tasks(request).store)
+        try:
+            return await hub.stream(request, keepalive_s=keepalive_s)
+        except TooManyStreamsError as exc:
+            return error(503, str(exc))
+
+    async def overview(request: web.Request) -> web.Response:
+        from ..app import POOLS_KEY  # the app module imports this one
+
+        tasks = _tasks(request)
+        if time.monotonic() - ready["at"] > READY_CACHE_S:
+            pools = request.config_dict[POOLS_KEY]
+            problems = await asyncio.gather(*(pool.check(timeout_s=2.0) for pool in pools.values()))
+            ready["checks"] = {name: problem or "ok" for name, problem in zip(pools, problems, strict=True)}
+            ready["at"] = time.monotonic()
+        return web.json_response({
+            "upstreams": ready["checks"], "store": tasks.store_problem or "ok", "liveHere": len(tasks.live), **metrics_snapshot(),
+        })
+
+    console.router.add_get("/", index)
+    console.router.add_static("/static/", STATIC_DIR)
+    console.router.add_post("/login", access.login)
+    console.router.add_post("/logout", access.logout)
+    console.router.add_get("/api/session", session)
+    console.router.add_get("/api/tasks", list_tasks)
+    console.router.add_get("/api/tasks/{task_id}", show_task)
+    console.router.add_post("/api/tasks/{task_id}/cancel", cancel_task)
+    console.router.add_get("/api/events", events)
+    console.router.add_get("/api/overview", overview)
+    return console
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.update(_SECURITY_HEADERS)
+    if request.path.startswith("/console/api/") or request.path in ("/console/login", "/console/logout"):
+        response.headers["Cache-Control"] = "no-store"
+
+
+def _tasks(request: web.Request) -> TaskService:
+    from ..app import TASKS_KEY  # the app module imports this one
+
+    return request.config_dict[TASKS_KEY]
+
+
+async def list_tasks(request: web.Request) -> web.Response:
+    """`GET /console/api/tasks`: a page of everyone's tasks, newest first, with filters; 400 for a bad filter or cursor."""
+    query = request.query
+    status = query.get("status") or None
+    if status is not None and status not in {s.value for s in TaskStatus}:
+        return error(400, f"status must be one of {', '.join(s.value for s in TaskStatus)}")
+    principal = (query.get("principal") or "").lower() or None
+    if principal is not None and not _HASH.match(principal):
+        return error(400, "principal must be a principal hash (16 hex characters, as the console shows it)")
+    try:
+        limit = int(query.get("limit", "50"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIMIT:
+        return error(400, f"limit must be a whole number from 1 to {MAX_LIMIT}")
+    for name in ("server", "tool", "cursor"):
+        if len(query.get(name, "")) > 512:
+            return error(400, f"{name} is too long")
+    where = ListFilter(principal=None, server=query.get("server") or None, status=status, tool=query.get("tool") or None)
+    cursor = query.get("cursor") or None
+    store = _tasks(request).store
+    found: list[TaskRecord] = []
+    try:
+        for _ in range(_PRINCIPAL_ROUNDS if principal else 1):
+            # With a principal filter, ask for no more than the rows still missing, so a page is never cut in the middle.
+            page, cursor = await store.list_tasks(where, cursor=cursor, limit=limit - len(found))
+            found.extend(r for r in page if principal is None or row(r)["principalHash"] == principal)
+            if cursor is None or len(found) >= limit:
+                break
+    except ValueError:
+        return error(400, "invalid cursor (pass back a nextCursor from this listing, with the same filters)")
+    except StoreUnavailableError as exc:
+        return error(503, str(exc))
+    return web.json_response({"tasks": [row(r) for r in found], "nextCursor": cursor})
+
+
+async def _record(request: web.Request) -> TaskRecord | web.Response:
+    task_id = request.match_info["task_id"]
+    if not task_id or len(task_id) > 256:
+        return error(400, "taskId must be 1 to 256 characters")
+    try:
+        record = await _tasks(request).store.get(task_id)
+    except StoreUnavailableError as exc:
+        return error(503, str(exc))
+    return record if record is not None else error(404, f"unknown or expired task: {task_id}")
+
+
+async def _detail(request: web.Request, record: TaskRecord) -> dict[str, Any]:
+    tasks = _tasks(request)
+    live_here = record.task_id in tasks.live
+    owner_alive = live_here or record.status.terminal or await tasks.store.lease_alive(record.owner)
+    return detail(record, live_here=live_here, owner_alive=owner_alive)
+
+
+async def show_task(request: web.Request) -> web.Response:
+    """`GET /console/api/tasks/{taskId}`: the detail view; 404 unknown or expired."""
+    record = await _record(request)
+    if isinstance(record, web.Response):
+        return record
+    try:
+        return web.json_response(await _detail(request, record))
+    except StoreUnavailableError as exc:
+        return error(503, str(exc))
+
+
+async def cancel_task(request: web.Request) -> web.Response:
+    """`POST /console/api/tasks/{taskId}/cancel`: cancel as an operator; 404 unknown or expired,
+    409 (with the task) when it had already ended."""
+    record = await _record(request)
+    if isinstance(record, web.Response):
+        return record
+    operator = request[OPERATOR_KEY]
+    if record.status.terminal:
+        return error(409, f"task is already {record.status.value}", task=row(record))
+    try:
+        new = await _tasks(request).cancel(record, by="operator")
+        if new.status is not TaskStatus.CANCELLED:
+            return error(409, f"task ended as {new.status.value} before the cancel", task=row(new))
+        log.info("console_cancel", task_id=record.task_id, operator=operator, server=record.server)
+        return web.json_response(await _detail(request, new))
+    except StoreUnavailableError as exc:
+        return error(503, str(exc))
