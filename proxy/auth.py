@@ -68,7 +68,7 @@ class Authenticator:
             return self._from_header(request)
         token = _bearer(request)
         if self.mode == "bearer":
-            digest = hashlib.sha256(token.encode()).hexdigest()
+            digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()  # raw header bytes: no 500
             for known, name in self._tokens.items():
                 if hmac.compare_digest(digest, known):
                     return name

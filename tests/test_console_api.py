@@ -160,6 +160,54 @@ async def test_sign_in_sets_a_strict_httponly_cookie_and_mutations_need_the_csrf
     assert (await get_json(http, base + "/api/tasks"))[0] == 401
 
 
+async def test_sign_out_revokes_a_copied_cookie(console: RunningProxy, http: aiohttp.ClientSession) -> None:
+    base = console.base + "/console"
+    async with http.post(base + "/login", data={"token": CONSOLE_TOKEN}) as resp:
+        csrf = (await resp.json())["csrf"]
+        cookie = resp.cookies["mcp_tasks_proxy_console"].value
+    async with aiohttp.ClientSession() as thief:  # keeps a copy of the cookie
+        copied = {"Cookie": f"mcp_tasks_proxy_console={cookie}"}
+        assert (await get_json(thief, base + "/api/session", copied))[0] == 200
+        assert (await post_json(http, base + "/logout", {"X-CSRF-Token": csrf}))[0] == 200
+        assert (await get_json(thief, base + "/api/session", copied))[0] == 401
+
+
+async def _raw(proxy: RunningProxy, request: bytes) -> int:
+    """Send raw bytes (headers aiohttp's client would refuse to build); return the HTTP status."""
+    host, port = proxy.base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+async def test_malformed_console_input_is_4xx_never_500(console: RunningProxy, http: aiohttp.ClientSession) -> None:
+    base = console.base + "/console"
+    status, _ = await post_json(http, base + "/login", data=b'{"token":"\\ud800"}', headers={"Content-Type": "application/json"})
+    assert status == 401
+    for ctype in ("application/json; charset=foo", "application/x-www-form-urlencoded; charset=foo"):
+        status, _ = await post_json(http, base + "/login", data=b"token=x", headers={"Content-Type": ctype})
+        assert status == 400, ctype
+    host = console.base.removeprefix("http://")
+    for header in (b"Authorization: Bearer ab\xff", b"Cookie: mcp_tasks_proxy_console=ab\xffcd"):
+        status = await _raw(console, b"GET /console/api/tasks HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" + header + b"\r\nConnection: close\r\n\r\n")
+        assert status == 401, header
+    async with http.post(base + "/login", data={"token": CONSOLE_TOKEN}) as resp:
+        cookie = resp.cookies["mcp_tasks_proxy_console"].value
+    status = await _raw(console, b"POST /console/api/tasks/x/cancel HTTP/1.1\r\nHost: " + host.encode() + b"\r\nCookie: mcp_tasks_proxy_console="
+                        + cookie.encode() + b"\r\nX-CSRF-Token: \xff\xfe\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    assert status == 403
+    status = await _raw(console, b"POST /mcp HTTP/1.1\r\nHost: " + host.encode() + b"\r\nAuthorization: Bearer ab\xff\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert 400 <= status < 500
+    status, body = await get_json(http, base + "/api/nope", BEARER)
+    assert status == 404 and body["error"]["status"] == 404  # the console's own error shape
+
+
 # -- listing -------------------------------------------------------------------------------------
 
 

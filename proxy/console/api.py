@@ -197,6 +197,8 @@ async def cancel_task(request: web.Request) -> web.Response:
         return error(409, f"task is already {record.status.value}", task=row(record))
     try:
         new = await _tasks(request).cancel(record, by="operator")
+        if new.status is not TaskStatus.CANCELLED and await _tasks(request).store.get(record.task_id) is None:
+            return error(404, f"unknown or expired task: {record.task_id}")  # it expired meanwhile
         if new.status is not TaskStatus.CANCELLED:
             return error(409, f"task ended as {new.status.value} before the cancel", task=row(new))
         log.info("console_cancel", task_id=record.task_id, operator=operator, server=record.server)

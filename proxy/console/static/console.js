@@ -151,8 +151,9 @@ async function loadPage() {
     const page = await api(`/console/api/tasks?${params}`);
     page.tasks.forEach((row) => { if (!state.rows.has(row.taskId)) state.rows.set(row.taskId, row); });
     state.cursor = page.nextCursor;
+    $("#app-error").textContent = page.tasks.length || !state.cursor ? "" : "no matches on this page yet: load more";
   } catch (e) {
-    $("#login-error").textContent = e.message;
+    $("#app-error").textContent = e.message;
   }
   $("#more").hidden = !state.cursor;
   queueRender();
