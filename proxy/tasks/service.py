@@ -36,6 +36,7 @@ from .model import (
     principal_key,
     proxy_error,
 )
+from .push import TaskPush
 from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 log = structlog.get_logger("proxy.tasks")
@@ -106,6 +107,8 @@ class TaskService:
         self._rerun: Rerun | None = None
         self.store_problem: str | None = None  # the last store failure, while it lasts
         store.add_listener(self._observe)  # type: ignore[attr-defined]
+        self.push = TaskPush()  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
+        store.add_listener(self.push.on_change)  # type: ignore[attr-defined]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
