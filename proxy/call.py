@@ -122,6 +122,8 @@ class Call:
         self._on_done: list[Callable[[Call], None]] = []
         # Server-wide notifications (list changes) that arrive on this call's stream go here.
         self.server_notifications: Callable[[JsonObject], None] | None = None
+        # A v1 task's `notifications/progress` (with the client's token) after it detached (v1 keeps the token valid).
+        self.task_notify: Callable[[JsonObject], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -240,6 +242,8 @@ class Call:
                 self._write_progress()
             elif self._progress_timer is None:
                 self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
+            if self.task_notify is not None and self.client_progress_token is not None:
+                self.task_notify(jsonrpc.notification("notifications/progress", dict(params, progressToken=self.client_progress_token)))
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))

@@ -21,8 +21,9 @@ from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
 from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
+from .legacy_tasks import V1Front
 from .protocol import jsonrpc
-from .protocol.era import check_headers, is_modern_request, parse_envelope
+from .protocol.era import check_headers, is_modern_request, parse_envelope, upstream_capabilities
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from .guards import default_allowed_hosts, host_guard
 from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
@@ -139,6 +140,10 @@ class ServerEndpoint:
         entry = dispatcher.config.mcpServers.get(name)
         self.bounds = Bounds.from_entry(entry) if entry is not None else Bounds()
         self.body_timeout = dispatcher.config.listen.body_timeout
+        # v1 tasks (2025-11-25) for legacy clients, served by the proxy when the upstream has none.
+        self.v1 = V1Front(server=name, config=dispatcher.config, pool=dispatcher.pool, tasks=dispatcher.tasks, keepalive_s=dispatcher.keepalive_s)
+        if bridge is not None:
+            bridge.reply_hook = self.v1.rewrite_reply
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -229,6 +234,11 @@ class ServerEndpoint:
                     jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
                 except JsonRpcError as exc:
                     return _json_error(request_id, exc)
+            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
+                bridged = self.bridge.session_of(request, principal_of(request))
+                if bridged is None:
+                    return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "unknown or missing Mcp-Session-Id; initialize first"), status=404)
+                return await self.v1.handle(request, body, principal=principal_of(request), capabilities=bridged.capabilities)
             return await self.bridge.handle(request, body, principal_of(request))
         if request.method == "POST":
             try:
@@ -252,6 +262,14 @@ class ServerEndpoint:
             session = found
             if found.upstream_id:
                 headers["Mcp-Session-Id"] = found.upstream_id
+        if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
+            if not sid:
+                return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"), status=400)
+            return await self.v1.handle(request, body, principal=principal_of(request), capabilities=session.capabilities)
+        if request.method == "POST" and isinstance(body, dict) and body.get("method") == "initialize":
+            stripped = await self.v1.strip_initialize(body)
+            if stripped is not body:
+                raw = _dumps(stripped).encode()
         if request.method == "POST" and jsonrpc.is_response(body) and body["id"] in session.request_ids:
             raw = _dumps({**body, "id": session.request_ids.pop(body["id"])}).encode()
         method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
@@ -290,7 +308,7 @@ class ServerEndpoint:
                     self.legacy.end(sid.strip())
                 out_headers["Mcp-Session-Id"] = sid.strip()
             elif upstream_new_sid:
-                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request))
+                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request), capabilities=_client_capabilities(body))
             if upstream_new_sid and not sid:
                 session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
             if not is_sse:  # a plain reply is read whole (it is bounded), so what goes out is always JSON-RPC
@@ -300,14 +318,18 @@ class ServerEndpoint:
                     reason = str(exc) or exc.__class__.__name__
                     return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
                 status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
+                data = await self._rewrite_plain(method, data)
                 if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
                     out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
                 return web.Response(status=status, body=data, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
             response.headers["X-Accel-Buffering"] = "no"
             await response.prepare(request)
+            rewriter = self.v1.event_rewriter(method, request_id)
             try:
                 async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
+                    if rewriter is not None:
+                        event = await rewriter(event)
                     await response.write(rewrite_server_request(event, session))
             except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
                 log.warning("legacy_relay_broken", server=self.name, reason=str(exc) or exc.__class__.__name__)
@@ -316,6 +338,30 @@ class ServerEndpoint:
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 await response.write_eof()  # the client may already be gone (a GET stream it closed)
             return response
+
+
+    async def _rewrite_plain(self, method: Any, data: bytes) -> bytes:
+        """A plain JSON reply to `initialize` / `tools/list`, rewritten for v1 clients (legacy_tasks)."""
+        if method not in ("initialize", "tools/list") or not data:
+            return data
+        try:
+            message = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return data
+        if not isinstance(message, dict):
+            return data
+        rewritten = await self.v1.rewrite_reply(method, message)
+        return data if rewritten is message else _dumps(rewritten).encode()
+
+
+def _client_capabilities(body: Any) -> JsonObject:
+    """The legacy client capabilities an `initialize` request declared that upstream calls may use
+    (elicitation, sampling, roots); `{}` for anything else."""
+    if not isinstance(body, dict) or body.get("method") != "initialize":
+        return {}
+    params = body.get("params")
+    caps = params.get("capabilities") if isinstance(params, dict) else None
+    return upstream_capabilities(caps) if isinstance(caps, dict) else {}
 
 
 def _validate_legacy_response(body: Any) -> None:
