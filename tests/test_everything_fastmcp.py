@@ -90,3 +90,37 @@ async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: s
     text = "\n".join(c.text for c in result.content if getattr(c, "text", None))
     assert asked == ["Please provide inputs for the following fields:"]
     assert "Ada Lovelace" in text and "ada@example.com" in text
+
+
+async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(everything_url: str, tmp_path: Path) -> None:
+    """server-everything's `simulate-research-query` (`taskSupport: required`, the upstream's own
+    v1 task): FastMCP's tasks client gets a v2 task that completes with the upstream's result; a
+    2026-07-28 client without the extension gets the synchronous result."""
+    from conftest import ModernClient
+
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store")},
+        "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+        "mcpServers": {"everything": {"url": everything_url}},
+    })
+    async with running_proxy(config) as proxy:
+        async def with_tasks() -> str:
+            async with Client(proxy.url()) as client:
+                result = await client.call_tool("simulate-research-query", {"topic": "tides"})
+                return result.content[0].text
+
+        async def without_extension() -> dict:
+            plain = ModernClient(proxy.url(), capabilities={})
+            try:
+                reply = await plain.call("simulate-research-query", {"topic": "moons"})
+                assert reply.status == 200, reply.message
+                return reply.result
+            finally:
+                await plain.close()
+
+        tasked, synchronous = await asyncio.gather(with_tasks(), without_extension())
+        assert tasked.startswith("# Research Report: tides")
+        assert synchronous["resultType"] == "complete" and synchronous.get("isError") is not True
+        assert synchronous["content"][0]["text"].startswith("# Research Report: moons")
+        records, _ = await proxy.store.list_tasks(ListFilter())
+        assert [r.status for r in records if r.tool == "simulate-research-query"] == [TaskStatus.COMPLETED]
