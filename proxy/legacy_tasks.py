@@ -16,22 +16,24 @@ plain pass-through to the upstream's own tasks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from .call import Call
 from .config import Config, ToolMode
 from .protocol import jsonrpc
-from .protocol.era import META_RELATED_TASK
+from .protocol.era import META_RELATED_TASK, upstream_capabilities
 from .protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
-from .protocol.tasks_v1 import SERVER_TASKS_CAPABILITY, create_task_result_v1, tool_with_task_support
+from .protocol.tasks_v1 import SERVER_TASKS_CAPABILITY, create_task_result_v1, status_notification, tool_with_task_support
 from .task_methods_v1 import V1_TASK_METHODS, V1TaskMethods
 from .tasks.service import TaskService
 from .upstream.http import UpstreamError, UpstreamPool
-from .upstream.sse import SseEvent
+from .upstream.sse import SseEvent, encode_message
 from .upstream.stdio import StdioPool
 
 REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
@@ -96,6 +98,19 @@ class V1Front:
             ]
         return {**message, "result": result}
 
+    async def rewrite_plain(self, method: Any, data: bytes) -> bytes:
+        """A plain JSON reply (bytes) to `initialize` / `tools/list`, rewritten as `rewrite_reply` says."""
+        if method not in REWRITTEN_REPLIES or not data:
+            return data
+        try:
+            message = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return data
+        if not isinstance(message, dict):
+            return data
+        rewritten = await self.rewrite_reply(method, message)
+        return data if rewritten is message else _dumps(rewritten).encode()
+
     def event_rewriter(self, method: str | None, request_id: Any) -> Callable[[SseEvent], Awaitable[SseEvent]] | None:
         """For the relay's SSE replies: rewrites the event that answers `request_id` (None when
         `method` needs no rewrite)."""
@@ -112,6 +127,25 @@ class V1Front:
             return event
 
         return rewrite
+
+    def status_pump(self, stream: web.StreamResponse, principal: str) -> asyncio.Task[None] | None:
+        """Write `notifications/tasks/status` for each status change of `principal`'s tasks on this
+        server to a session's open GET stream (an SSE response), until the returned task is
+        cancelled; None when the upstream has tasks of its own (its stream is left alone)."""
+        if self._upstream_tasks:
+            return None
+
+        async def pump() -> None:
+            with self.tasks.push.subscribe(principal=principal, server=self.server) as sub:
+                while True:
+                    kind, item = await sub.queue.get()
+                    if kind == "change" and item[0] is not item[1].status:
+                        try:
+                            await stream.write(encode_message(status_notification(item[1])))
+                        except (ConnectionResetError, aiohttp.ClientConnectionError):
+                            return
+
+        return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
 
     # -- what the proxy answers itself -------------------------------------------------------
 
@@ -201,3 +235,12 @@ class V1Front:
         call.task_notify = lambda message: push.publish(principal=principal, server=self.server, task_id=task_id, message=message)
         call.start()
         return create_task_result_v1(record)
+
+
+def client_capabilities(body: Any) -> JsonObject:
+    """The legacy client capabilities an `initialize` request declared that upstream calls may use
+    (elicitation, sampling, roots: `upstream_capabilities`); `{}` for anything else."""
+    if not isinstance(body, dict) or body.get("method") != "initialize":
+        return {}
+    caps = object_of(body.get("params")).get("capabilities")
+    return upstream_capabilities(caps) if isinstance(caps, dict) else {}

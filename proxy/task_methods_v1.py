@@ -199,7 +199,8 @@ class V1TaskMethods:
                 before, new = item
                 if before is not new.status:
                     await sse.write(encode_message(status_notification(new)))
-        moved = changed in done and not changed.cancelled() and changed.exception() is None and (changed.result() is None or changed.result().version != record.version)
+        now = changed.result() if changed in done and not changed.cancelled() and changed.exception() is None else record
+        moved = now is None or now.version != record.version
         if not items and not moved:
             await sse.write(KEEPALIVE)
         return await self.tasks.lookup(record.task_id, principal=record.principal, server=self.server)

@@ -21,9 +21,9 @@ from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
 from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
-from .legacy_tasks import V1Front
+from .legacy_tasks import V1Front, client_capabilities
 from .protocol import jsonrpc
-from .protocol.era import check_headers, is_modern_request, parse_envelope, upstream_capabilities
+from .protocol.era import check_headers, is_modern_request, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from .guards import default_allowed_hosts, host_guard
 from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
@@ -236,8 +236,10 @@ class ServerEndpoint:
                     return _json_error(request_id, exc)
             if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
                 bridged = self.bridge.session_of(request, principal_of(request))
-                if bridged is None:
-                    return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "unknown or missing Mcp-Session-Id; initialize first"), status=404)
+                if bridged is None:  # as the bridge answers: 404 for an unknown session, 400 for none
+                    known = bool(request.headers.get("Mcp-Session-Id"))
+                    message = "unknown or expired session; initialize a new one" if known else "missing Mcp-Session-Id: initialize first"
+                    return _json_error(request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400)
                 return await self.v1.handle(request, body, principal=principal_of(request), capabilities=bridged.capabilities)
             return await self.bridge.handle(request, body, principal_of(request))
         if request.method == "POST":
@@ -308,7 +310,7 @@ class ServerEndpoint:
                     self.legacy.end(sid.strip())
                 out_headers["Mcp-Session-Id"] = sid.strip()
             elif upstream_new_sid:
-                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request), capabilities=_client_capabilities(body))
+                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request), capabilities=client_capabilities(body))
             if upstream_new_sid and not sid:
                 session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
             if not is_sse:  # a plain reply is read whole (it is bounded), so what goes out is always JSON-RPC
@@ -318,7 +320,7 @@ class ServerEndpoint:
                     reason = str(exc) or exc.__class__.__name__
                     return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
                 status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
-                data = await self._rewrite_plain(method, data)
+                data = await self.v1.rewrite_plain(method, data)
                 if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
                     out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
                 return web.Response(status=status, body=data, headers=out_headers)
@@ -326,6 +328,8 @@ class ServerEndpoint:
             response.headers["X-Accel-Buffering"] = "no"
             await response.prepare(request)
             rewriter = self.v1.event_rewriter(method, request_id)
+            # The session's GET stream also carries v1 `notifications/tasks/status` for the principal's tasks.
+            pump = self.v1.status_pump(response, session.principal) if request.method == "GET" and sid else None
             try:
                 async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
                     if rewriter is not None:
@@ -335,33 +339,12 @@ class ServerEndpoint:
                 log.warning("legacy_relay_broken", server=self.name, reason=str(exc) or exc.__class__.__name__)
                 if request.transport is not None:
                     request.transport.close()  # the client must see a cut reply, not a complete-looking short one
+            finally:
+                if pump is not None:
+                    pump.cancel()
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 await response.write_eof()  # the client may already be gone (a GET stream it closed)
             return response
-
-
-    async def _rewrite_plain(self, method: Any, data: bytes) -> bytes:
-        """A plain JSON reply to `initialize` / `tools/list`, rewritten for v1 clients (legacy_tasks)."""
-        if method not in ("initialize", "tools/list") or not data:
-            return data
-        try:
-            message = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return data
-        if not isinstance(message, dict):
-            return data
-        rewritten = await self.v1.rewrite_reply(method, message)
-        return data if rewritten is message else _dumps(rewritten).encode()
-
-
-def _client_capabilities(body: Any) -> JsonObject:
-    """The legacy client capabilities an `initialize` request declared that upstream calls may use
-    (elicitation, sampling, roots); `{}` for anything else."""
-    if not isinstance(body, dict) or body.get("method") != "initialize":
-        return {}
-    params = body.get("params")
-    caps = params.get("capabilities") if isinstance(params, dict) else None
-    return upstream_capabilities(caps) if isinstance(caps, dict) else {}
 
 
 def _validate_legacy_response(body: Any) -> None:

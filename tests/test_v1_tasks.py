@@ -175,6 +175,35 @@ async def test_v1_tasks_belong_to_their_principal(legacy_url: str, tmp_path: Pat
             await bob.close()
 
 
+async def test_session_get_stream_carries_task_status_notifications(proxy: RunningProxy) -> None:
+    client = V1Client(proxy.url())
+    frames: list[dict] = []
+    opened = asyncio.Event()
+
+    async def read_get_stream() -> None:
+        headers = {**client._headers(), "Accept": "text/event-stream"}
+        async with client.http.get(client.url, headers=headers) as resp:
+            assert resp.status == 200
+            opened.set()
+            async for event in iter_events(resp.content.iter_any()):
+                if event.data:
+                    frames.append(json.loads(event.data))
+                    if frames[-1].get("params", {}).get("status") == "completed":
+                        return
+
+    try:
+        await client.initialize()
+        reader = asyncio.create_task(read_get_stream())
+        async with asyncio.timeout(10):
+            await opened.wait()
+            task = await client.call_as_task("slow_compute", {"seconds": 0.3})
+            await reader
+        pushed = [f["params"] for f in frames if f.get("method") == "notifications/tasks/status"]
+        assert pushed[-1]["taskId"] == task["taskId"] and pushed[-1]["status"] == "completed" and "ttl" in pushed[-1]
+    finally:
+        await client.close()
+
+
 # --- status push for v2: subscriptions/listen with taskIds ---------------------------------------
 
 
