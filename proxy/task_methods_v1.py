@@ -163,8 +163,8 @@ class V1TaskMethods:
         except (ConnectionResetError, aiohttp.ClientConnectionError):
             return sse.stream or web.Response(status=499)  # the client went away; the task goes on
         finally:
-            for proxy_id in minted:
-                self.questions.pop(proxy_id, None)
+            for minted_id in minted:
+                self.questions.pop(minted_id, None)
         if final is None:
             result, error = task_outcome_v1(record)
             final = jsonrpc.response(request_id, result) if result is not None else jsonrpc.error_response(request_id, error or {})

@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import ROOT, RunningProxy
 
 TS_SDK = "@modelcontextprotocol/sdk@1.32.2"
-MCP1 = "mcp==1.26.0"
+MCP1 = "mcp==1.30.0"
 TS_DIR = ROOT / ".node" / "ts-sdk"
 MCP1_VENV = ROOT / ".venv-mcp1"
 FIXTURES = ROOT / "tests" / "fixtures"

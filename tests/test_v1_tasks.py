@@ -223,8 +223,9 @@ async def _listen(client: ModernClient, task_ids: list[str], frames: list[dict],
 async def test_listen_pushes_own_task_transitions_and_nothing_for_another_principal(legacy_url: str, tmp_path: Path) -> None:
     auth = {"mode": "bearer", "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")}}
     async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
-        alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret"})
-        bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret"})
+        caps = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+        alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret"}, capabilities=caps)
+        bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret"}, capabilities=caps)
         try:
             mine = (await alice.call("confirm_delete", {"filename": "f", "delay": 0.3})).result["taskId"]
             theirs = (await bob.call("slow_compute", {"seconds": 0.4})).result["taskId"]

@@ -74,7 +74,8 @@ def task_outcome_v1(record: TaskRecord) -> tuple[JsonObject | None, JsonObject |
         return None, {"code": INTERNAL_ERROR, "message": f"task {record.task_id} was cancelled"}
     if "result" in outcome and isinstance(outcome["result"], dict):
         result = dict(outcome["result"])
-        result["_meta"] = {**(result.get("_meta") or {}), META_RELATED_TASK: related_task_meta(record.task_id)}
+        meta = result.get("_meta")
+        result["_meta"] = {**(meta if isinstance(meta, dict) else {}), META_RELATED_TASK: related_task_meta(record.task_id)}
         return result, None
     error: Any = outcome.get("error")
     if not isinstance(error, dict):
@@ -93,5 +94,5 @@ def tool_with_task_support(tool: Any, mode: str) -> Any:
     if not isinstance(tool, dict):
         return tool
     support = mode if mode in ("required", "forbidden") else "optional"
-    execution = tool.get("execution") if isinstance(tool.get("execution"), dict) else {}
-    return {**tool, "execution": {**execution, "taskSupport": support}}
+    execution = tool.get("execution")
+    return {**tool, "execution": {**(execution if isinstance(execution, dict) else {}), "taskSupport": support}}
