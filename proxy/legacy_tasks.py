@@ -182,7 +182,7 @@ class V1Front:
             else:
                 result = await self.call_as_task(params, principal=principal, capabilities=capabilities)
         except JsonRpcError as exc:
-            return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=exc.http_status)
+            return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc))
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
 
     async def call_as_task(self, params: JsonObject, *, principal: str, capabilities: JsonObject) -> JsonObject:
@@ -244,3 +244,10 @@ def client_capabilities(body: Any) -> JsonObject:
         return {}
     caps = object_of(body.get("params")).get("capabilities")
     return upstream_capabilities(caps) if isinstance(caps, dict) else {}
+
+
+def legacy_status(exc: JsonRpcError) -> int:
+    """The HTTP status of a JSON-RPC error on the handshake-era wire: 200, as the 2025-11-25 SDK
+    servers answer a request they understood (clients read the JSON-RPC code only from a 2xx);
+    a refusal by a limit (429) or by the store (503) keeps its status."""
+    return exc.http_status if exc.http_status in (429, 503) else 200

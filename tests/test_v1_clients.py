@@ -8,6 +8,7 @@ Both are installed on first run into ignored folders (`.node/ts-sdk/`, `.venv-mc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -44,10 +45,17 @@ def _mcp1_python() -> Path:
     return python
 
 
-def _run(argv: list[str]) -> dict:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+async def _run(argv: list[str]) -> dict:
+    """Run a client script (the proxy serves on this event loop, so never block it) and parse its JSON line."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
 
 
 def _check(out: dict) -> None:
@@ -55,14 +63,14 @@ def _check(out: dict) -> None:
     assert out["capabilities"]["requests"]["tools"]["call"] == {}
     assert out["taskSupport"]["slow_compute"] == "optional"
     assert out["cancel"]["status"] == "cancelled" and out["cancel"]["after"] == "cancelled"
-    assert out["cancel"]["again"] == -32602
+    assert out["cancel"]["again"] == -32602  # a JSON-RPC error the SDK can read (HTTP 200 on this wire)
     assert out["newSession"] == "computed later after 0.3s"
 
 
 async def test_typescript_sdk_1x_experimental_tasks_through_the_proxy(proxy: RunningProxy) -> None:
     node = shutil.which("node")
     assert node, "node is needed for this test"
-    out = _run([node, str(FIXTURES / "ts_v1_client.mjs"), str(_ts_sdk()), proxy.url()])
+    out = await _run([node, str(FIXTURES / "ts_v1_client.mjs"), str(_ts_sdk()), proxy.url()])
     _check(out)
     assert out["slow"]["result"]["content"][0]["text"] == "computed ts after 0.6s" and out["slow"]["error"] is None
     assert out["slow"]["taskId"] in out["listed"]
@@ -73,7 +81,7 @@ async def test_typescript_sdk_1x_experimental_tasks_through_the_proxy(proxy: Run
 
 
 async def test_mcp_1x_python_experimental_task_client_through_the_proxy(proxy: RunningProxy) -> None:
-    out = _run([str(_mcp1_python()), str(FIXTURES / "mcp1_v1_client.py"), proxy.url()])
+    out = await _run([str(_mcp1_python()), str(FIXTURES / "mcp1_v1_client.py"), proxy.url()])
     _check(out)
     assert out["slow"]["created"] == "working" and out["slow"]["statuses"][-1] == "completed"
     assert out["slow"]["result"] == "computed py after 0.6s"
