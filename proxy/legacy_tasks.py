@@ -29,7 +29,7 @@ from .config import Config, ToolMode
 from .protocol import jsonrpc
 from .protocol.era import META_RELATED_TASK, upstream_capabilities
 from .protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
-from .protocol.tasks_v1 import SERVER_TASKS_CAPABILITY, create_task_result_v1, status_notification, tool_with_task_support
+from .protocol.tasks_v1 import SERVER_TASKS_CAPABILITY, create_task_result_v1, status_notification, tool_with_task_support, with_related_task
 from .task_methods_v1 import V1_TASK_METHODS, V1TaskMethods
 from .tasks.service import TaskService
 from .upstream.http import UpstreamError, UpstreamPool
@@ -140,10 +140,15 @@ class V1Front:
                 while True:
                     kind, item = await sub.queue.get()
                     if kind == "change" and item[0] is not item[1].status:
-                        try:
-                            await stream.write(encode_message(status_notification(item[1])))
-                        except (ConnectionResetError, aiohttp.ClientConnectionError):
-                            return
+                        message = status_notification(item[1])
+                    elif kind == "message" and not self.tasks.push.watched(related_task_id(item)):
+                        message = item  # progress (the v1 token lives as long as the task) unless a tasks/result stream carries it
+                    else:
+                        continue
+                    try:
+                        await stream.write(encode_message(message))
+                    except (ConnectionResetError, aiohttp.ClientConnectionError):
+                        return
 
         return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
 
@@ -155,7 +160,8 @@ class V1Front:
         if not isinstance(body, dict):
             return False
         if jsonrpc.is_response(body):
-            return body.get("id") in self.methods.questions
+            target = self.methods.questions.get(body.get("id"))  # type: ignore[arg-type]
+            return target is not None and target[2] == principal
         method = body.get("method")
         if method not in V1_TASK_METHODS and not (method == "tools/call" and "task" in object_of(body.get("params"))):
             return False
@@ -232,7 +238,9 @@ class V1Front:
         )
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         push, task_id = self.tasks.push, record.task_id
-        call.task_notify = lambda message: push.publish(principal=principal, server=self.server, task_id=task_id, message=message)
+        call.task_notify = lambda message: push.publish(
+            principal=principal, server=self.server, task_id=task_id, message=with_related_task(message, task_id)
+        )
         call.start()
         return create_task_result_v1(record)
 
@@ -251,3 +259,10 @@ def legacy_status(exc: JsonRpcError) -> int:
     servers answer a request they understood (clients read the JSON-RPC code only from a 2xx);
     a refusal by a limit (429) or by the store (503) keeps its status."""
     return exc.http_status if exc.http_status in (429, 503) else 200
+
+
+def related_task_id(message: JsonObject) -> str:
+    """The task id in a message's `params._meta["io.modelcontextprotocol/related-task"]` ("" when absent)."""
+    related = object_of(object_of(object_of(message.get("params")).get("_meta")).get(META_RELATED_TASK))
+    task_id = related.get("taskId")
+    return task_id if isinstance(task_id, str) else ""

@@ -50,7 +50,15 @@ async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(legacy_u
                 await session.initialize()
                 result = await session.call_tool("greet", {"name": "legacy"})
             assert result.content[0].text == "Hello, legacy!"
-            _, after = await scrape(proxy.base)  # legacy traffic only so far
+            # The relay counts a call once its handler returns, which may be just after the client
+            # read the last SSE event: scrape until it shows (bounded, 2 s).
+            calls = {"server": "legacy", "tool": "greet", "outcome": "sync"}
+            async with asyncio.timeout(2):
+                while True:
+                    _, after = await scrape(proxy.base)  # legacy traffic only so far
+                    if metric(after, "mcp_tasks_proxy_calls_total", **calls) > metric(before, "mcp_tasks_proxy_calls_total", **calls):
+                        break
+                    await asyncio.sleep(0.01)
             modern = ModernClient(proxy.url())
             try:
                 created = (await modern.call("slow_compute", {"seconds": 0.1, "label": "x"})).result

@@ -196,10 +196,12 @@ async def test_session_get_stream_carries_task_status_notifications(proxy: Runni
         reader = asyncio.create_task(read_get_stream())
         async with asyncio.timeout(10):
             await opened.wait()
-            task = await client.call_as_task("slow_compute", {"seconds": 0.3})
+            task = await client.call_as_task("slow_compute", {"seconds": 0.3}, meta={"progressToken": "tok-get"})
             await reader
         pushed = [f["params"] for f in frames if f.get("method") == "notifications/tasks/status"]
         assert pushed[-1]["taskId"] == task["taskId"] and pushed[-1]["status"] == "completed" and "ttl" in pushed[-1]
+        progress = [f["params"] for f in frames if f.get("method") == "notifications/progress"]
+        assert progress and all(p["progressToken"] == "tok-get" and p["_meta"][RELATED] == {"taskId": task["taskId"]} for p in progress)
     finally:
         await client.close()
 
@@ -255,3 +257,26 @@ async def test_listen_pushes_own_task_transitions_and_nothing_for_another_princi
         finally:
             await alice.close()
             await bob.close()
+
+
+# --- rendering: one record, two dialects ---------------------------------------------------------
+
+
+def test_one_record_renders_per_dialect() -> None:
+    from conftest import make_record
+
+    from proxy.protocol.tasks_v1 import create_task_result_v1, task_outcome_v1, tool_with_task_support, v1_task
+    from proxy.protocol.tasks_v2 import detailed_task
+    from proxy.tasks.model import TaskStatus
+
+    failed_tool = make_record(status=TaskStatus.COMPLETED, outcome={"result": {"content": [], "isError": True, "extra": 1}})
+    assert v1_task(failed_tool)["status"] == "failed" and detailed_task(failed_tool)["status"] == "completed"
+    result, error = task_outcome_v1(failed_tool)
+    assert error is None and result is not None and result["extra"] == 1 and result["_meta"][RELATED] == {"taskId": "task-1"}
+    running = make_record(status_message="3/5")
+    created = create_task_result_v1(running)["task"]
+    assert created["ttl"] == 60_000 and created["pollInterval"] == 500 and created["statusMessage"] == "3/5" and "ttlMs" not in created
+    upstream_error = make_record(status=TaskStatus.FAILED, outcome={"error": {"code": -32000, "message": "boom", "data": {"x": 1}}})
+    assert task_outcome_v1(upstream_error) == (None, {"code": -32000, "message": "boom", "data": {"x": 1}})
+    assert tool_with_task_support({"name": "t", "execution": {"other": 1}}, "required")["execution"] == {"other": 1, "taskSupport": "required"}
+    assert tool_with_task_support({"name": "t"}, "optional")["execution"] == {"taskSupport": "optional"}

@@ -59,6 +59,10 @@ class TaskPush:
             if sub.wants(principal, server, task_id):
                 sub.offer(("message", message))
 
+    def watched(self, task_id: str) -> bool:
+        """True while a stream subscribed to `task_id` by id (a v1 `tasks/result`) is open."""
+        return any(sub.task_ids is not None and task_id in sub.task_ids for sub in self._subs)
+
     @contextlib.contextmanager
     def subscribe(
         self, *, principal: str, server: str, task_ids: frozenset[str] | None = None, queue: asyncio.Queue[Any] | None = None
