@@ -33,7 +33,7 @@ from .protocol.tasks_v1 import SERVER_TASKS_CAPABILITY, create_task_result_v1, s
 from .task_methods_v1 import V1_TASK_METHODS, V1TaskMethods
 from .tasks.service import TaskService
 from .upstream.http import UpstreamError, UpstreamPool
-from .upstream.sse import SseEvent, encode_message
+from .upstream.sse import KEEPALIVE, SseEvent, encode_message
 from .upstream.stdio import StdioPool
 
 REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
@@ -151,6 +151,27 @@ class V1Front:
                         return
 
         return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
+
+    async def serve_get_stream(self, request: web.Request, alive: Callable[[], bool], principal: str) -> web.StreamResponse:
+        """The session's standalone GET stream where the proxy itself is the legacy server (stdio
+        upstreams): v1 `notifications/tasks/status` and progress for `principal`'s tasks, an SSE
+        comment every keepalive_s (s), until the client leaves or `alive()` turns False (the
+        session ended)."""
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await stream.prepare(request)
+        pump = self.status_pump(stream, principal)
+        try:
+            while alive() and pump is not None and not pump.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(pump), timeout=self.methods.keepalive_s)
+                except TimeoutError:
+                    await stream.write(KEEPALIVE)
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass
+        finally:
+            if pump is not None:
+                pump.cancel()
+        return stream
 
     # -- what the proxy answers itself -------------------------------------------------------
 

@@ -241,6 +241,10 @@ class ServerEndpoint:
                     message = "unknown or expired session; initialize a new one" if known else "missing Mcp-Session-Id: initialize first"
                     return _json_error(request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400)
                 return await self.v1.handle(request, body, principal=principal_of(request), capabilities=bridged.capabilities)
+            if request.method == "GET" and not await self.v1.upstream_has_tasks():
+                bridge, bridge_sid = self.bridge, request.headers.get("Mcp-Session-Id", "").strip()
+                if bridge.session_of(request, principal_of(request)) is not None:  # the v1 status stream (legacy_tasks)
+                    return await self.v1.serve_get_stream(request, lambda: bridge_sid in bridge.sessions, principal_of(request))
             return await self.bridge.handle(request, body, principal_of(request))
         if request.method == "POST":
             try:

@@ -124,3 +124,25 @@ async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(everythin
         assert synchronous["content"][0]["text"].startswith("# Research Report: moons")
         records, _ = await proxy.store.list_tasks(ListFilter())
         assert [r.status for r in records if r.tool == "simulate-research-query"] == [TaskStatus.COMPLETED]
+
+
+async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(everything_url: str, tmp_path: Path) -> None:
+    """In front of an upstream with v1 tasks of its own, a v1 client talks to those: the proxy
+    neither declares its own `capabilities.tasks` nor serves `tasks/*` (they reach the upstream)."""
+    from v1_client import V1Client
+
+    config = config_from_data({"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}})
+    async with running_proxy(config) as proxy:
+        client = V1Client(proxy.url())
+        try:
+            init = await client.initialize()
+            assert init["capabilities"]["tasks"] != {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+            task = await client.call_as_task("simulate-research-query", {"topic": "reefs"})
+            status, message, _ = await client.request("tasks/get", {"taskId": task["taskId"]})
+            assert status == 200 and message["result"]["taskId"] == task["taskId"]
+            records, _ = await proxy.store.list_tasks(ListFilter())
+            assert records == []  # the upstream's task, not the proxy's
+            status, message, _ = await client.request("tasks/cancel", {"taskId": task["taskId"]})
+            assert message["result"]["status"] == "cancelled"
+        finally:
+            await client.close()

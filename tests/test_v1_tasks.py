@@ -175,8 +175,8 @@ async def test_v1_tasks_belong_to_their_principal(legacy_url: str, tmp_path: Pat
             await bob.close()
 
 
-async def test_session_get_stream_carries_task_status_notifications(proxy: RunningProxy) -> None:
-    client = V1Client(proxy.url())
+async def test_session_get_stream_carries_task_status_notifications(flow_proxy: RunningProxy) -> None:
+    client = V1Client(flow_proxy.url())
     frames: list[dict] = []
     opened = asyncio.Event()
 
