@@ -146,3 +146,24 @@ async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(
             assert message["result"]["status"] == "cancelled"
         finally:
             await client.close()
+
+
+async def test_upstream_task_question_becomes_input_required_and_is_answered(everything_url: str, tmp_path: Path) -> None:
+    """The upstream's own task asks (elicitation on its `tasks/result` stream): the v2 task goes
+    `input_required`, FastMCP answers through `tasks/update`, and the upstream's task completes."""
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store")},
+        "tasks": {"poll_interval": "200ms"},
+        "mcpServers": {"everything": {"url": everything_url}},
+    })
+    asked: list[str] = []
+
+    async def on_elicit(message, response_type, params, context):
+        asked.append(message)
+        return {"interpretation": "technical"}
+
+    async with running_proxy(config) as proxy:
+        async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
+            result = await client.call_tool("simulate-research-query", {"topic": "python", "ambiguous": True})
+    assert asked and "multiple interpretations" in asked[0]
+    assert "Clarification**: technical" in result.content[0].text
