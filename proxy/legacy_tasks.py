@@ -203,7 +203,7 @@ class V1Front:
             if method == "tasks/get":
                 result = await self.methods.get(params, principal)
             elif method == "tasks/list":
-                result = await self.methods.list(params, principal)
+                result = await self.methods.list_tasks(params, principal)
             elif method == "tasks/cancel":
                 result = await self.methods.cancel(params, principal)
             else:

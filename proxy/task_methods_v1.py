@@ -42,6 +42,7 @@ class _Sse:
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.stream: web.StreamResponse | None = None
+        self.announced: str | None = None  # the last status sent in notifications/tasks/status
 
     async def write(self, data: bytes) -> None:
         if self.stream is None:
@@ -76,7 +77,7 @@ class V1TaskMethods:
         """
         return v1_task(await self._lookup(params, principal))
 
-    async def list(self, params: JsonObject, principal: str) -> JsonObject:
+    async def list_tasks(self, params: JsonObject, principal: str) -> JsonObject:
         """`tasks/list` → `{tasks: [Task…], nextCursor?}`: the caller's own tasks on this server,
         newest first, LIST_PAGE per page. Raises JsonRpcError -32602 for a cursor the proxy did not
         hand out, -32603 (HTTP 503) when the store cannot be read."""
@@ -144,6 +145,7 @@ class V1TaskMethods:
         minted: list[RequestId] = []
         asked: set[str] = set()
         final: JsonObject | None = None
+        waited = False
         try:
             with self.tasks.push.subscribe(principal=principal, server=self.server, task_ids=frozenset({task_id})) as sub:
                 while not record.status.terminal:
@@ -156,6 +158,11 @@ class V1TaskMethods:
                             message = jsonrpc.request(proxy_id, question["method"], question.get("params"))
                             await sse.write(encode_message(with_related_task(message, task_id)))
                     record = await self._wait(sse, sub, record)
+                    waited = True
+                await self._relay(sse, sub, [], record.task_id)  # what was pushed while the last read ran
+                if waited and sse.announced != record.status.value:
+                    # The read can see the terminal record before the store's listeners ran: announce it here.
+                    await sse.write(encode_message(status_notification(record)))
         except JsonRpcError as exc:  # the task expired or the store failed while we waited
             if sse.stream is None:
                 raise
@@ -189,18 +196,24 @@ class V1TaskMethods:
                     fut.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await fut
-        items = [pushed.result()] if pushed in done and not pushed.cancelled() else []
-        while not sub.queue.empty():
-            items.append(sub.queue.get_nowait())
-        for kind, item in items:
-            if kind == "message":
-                await sse.write(encode_message(with_related_task(item, record.task_id)))
-            elif kind == "change":
-                before, new = item
-                if before is not new.status:
-                    await sse.write(encode_message(status_notification(new)))
+        items = await self._relay(sse, sub, [pushed.result()] if pushed in done and not pushed.cancelled() else [], record.task_id)
         now = changed.result() if changed in done and not changed.cancelled() and changed.exception() is None else record
         moved = now is None or now.version != record.version
         if not items and not moved:
             await sse.write(KEEPALIVE)
         return await self.tasks.lookup(record.task_id, principal=record.principal, server=self.server)
+
+    async def _relay(self, sse: _Sse, sub: Any, items: list[Any], task_id: str) -> list[Any]:
+        """Send `items` and whatever else the subscription queued: progress (with the related-task
+        `_meta`) and `notifications/tasks/status` for status changes. Returns what it sent."""
+        while not sub.queue.empty():
+            items.append(sub.queue.get_nowait())
+        for kind, item in items:
+            if kind == "message":
+                await sse.write(encode_message(with_related_task(item, task_id)))
+            elif kind == "change":
+                before, new = item
+                if before is not new.status and sse.announced != new.status.value:
+                    await sse.write(encode_message(status_notification(new)))
+                    sse.announced = new.status.value
+        return items
