@@ -130,11 +130,23 @@ class UpstreamTasks:
         return create_task_result(record)
 
     async def _wait(self, call: Call, reply: Reply) -> JsonObject:
-        """The outcome of a followed upstream task, with SSE keep-alives every keepalive_s (s)."""
+        """The outcome of a followed upstream task, with SSE keep-alives every keepalive_s (s).
+
+        A question the upstream's task asks cannot reach a client without the tasks extension: the
+        upstream task is cancelled and the client gets -32603 saying so (not a wait for
+        `input_timeout`)."""
         try:
             while not call.done:
+                if call.pending:
+                    kinds = sorted({pending.request["method"] for pending in call.pending.values()})
+                    call.cancel("the upstream task asked for input a synchronous call cannot carry")
+                    raise JsonRpcError(
+                        INTERNAL_ERROR,
+                        f"upstream {self.name}'s task asked for input ({', '.join(kinds)}), which a call without the "
+                        "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to answer it through the task",
+                    )
                 try:
-                    await asyncio.wait_for(asyncio.shield(call.outcome), timeout=self.keepalive_s)
+                    await asyncio.wait_for(call.events.get(), timeout=self.keepalive_s)  # input, done, notifications
                 except TimeoutError:
                     await reply.keepalive()
         except asyncio.CancelledError:

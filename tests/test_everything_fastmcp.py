@@ -167,3 +167,19 @@ async def test_upstream_task_question_becomes_input_required_and_is_answered(eve
             result = await client.call_tool("simulate-research-query", {"topic": "python", "ambiguous": True})
     assert asked and "multiple interpretations" in asked[0]
     assert "Clarification**: technical" in result.content[0].text
+
+
+async def test_upstream_task_question_fails_a_call_without_the_extension_at_once(everything_url: str, tmp_path: Path) -> None:
+    """Without the tasks extension nothing can carry the upstream task's question: the client gets
+    -32603 saying so as soon as it is asked (not after input_timeout), and the upstream task is cancelled."""
+    from conftest import ModernClient
+
+    config = config_from_data({"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}})
+    async with running_proxy(config) as proxy:
+        plain = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+        try:
+            async with asyncio.timeout(15):
+                reply = await plain.call("simulate-research-query", {"topic": "python", "ambiguous": True})
+            assert reply.error["code"] == -32603 and "elicitation/create" in reply.error["message"], reply.message
+        finally:
+            await plain.close()
