@@ -11,7 +11,6 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -19,7 +18,7 @@ import structlog
 from . import observability as obs
 from .protocol import jsonrpc
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS
-from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, input_request_value
+from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, PendingInput, input_request_value
 from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, object_of
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
 from .upstream.stdio import StdioPool, StdioSession
@@ -49,15 +48,6 @@ class _Discard(asyncio.Queue[tuple[str, Any]]):
 
 
 _DISCARD = _Discard()
-
-
-@dataclass
-class PendingInput:
-    """A server→client request the upstream is waiting on: its upstream id and the 2026 `{method, params}` value."""
-
-    upstream_id: RequestId
-    request: JsonObject
-    asked: float = field(default_factory=time.monotonic)
 
 
 class Call:
@@ -123,6 +113,8 @@ class Call:
         self._on_done: list[Callable[[Call], None]] = []
         # Server-wide notifications (list changes) that arrive on this call's stream go here.
         self.server_notifications: Callable[[JsonObject], None] | None = None
+        # A v1 task's `notifications/progress` (with the client's token) after it detached (v1 keeps the token valid).
+        self.task_notify: Callable[[JsonObject], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -242,6 +234,8 @@ class Call:
                 self._write_progress()
             elif self._progress_timer is None:
                 self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
+            if self.task_notify is not None and self.client_progress_token is not None:
+                self.task_notify(jsonrpc.notification("notifications/progress", dict(params, progressToken=self.client_progress_token)))
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))

@@ -26,6 +26,7 @@ from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, 
 from .protocol.translate import modern_error, modern_result
 from .task_methods import TaskMethods
 from .tasks.service import TaskService
+from .upstream_tasks import UpstreamTasks
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
 from .upstream.stdio import StdioPool, StdioSession
 
@@ -55,6 +56,7 @@ class ServerDispatcher:
         self.listeners = ListenHub()
         self.param_headers = ParamHeaderIndex(name)
         self.task_methods = TaskMethods(tasks, name)
+        self.upstream_tasks = UpstreamTasks(name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s)
         self.calls = CallRunner(
             name=name, pool=pool, tasks=tasks, parked=parked, drain=self.drain, keepalive_s=keepalive_s, on_server_notification=self.server_notification
         )
@@ -113,7 +115,10 @@ class ServerDispatcher:
     async def _listen(self, body: JsonObject, params: JsonObject, envelope: Envelope, principal: str, reply: Reply) -> JsonObject:
         session = await self._session(envelope, principal)
         caps = session.initialize_result.get("capabilities") or {}
-        return await self.listeners.listen(body["id"], params, envelope, upstream_capabilities=caps, reply=reply, keepalive_s=self.keepalive_s)
+        return await self.listeners.listen(
+            body["id"], params, envelope, upstream_capabilities=caps, reply=reply, keepalive_s=self.keepalive_s,
+            tasks=self.tasks, principal=principal, server=self.name,
+        )
 
     # -- tools/call, prompts/get, resources/read ---------------------------------------------
 
@@ -138,6 +143,11 @@ class ServerDispatcher:
         names = await self.param_headers.names(tool, principal, lambda page: self.forward("tools/list", page, envelope, principal))
         if names:
             check_param_headers(getattr(reply, "headers", {}), params.get("arguments"), names)
+        if "requestState" not in params and policy.mode is not ToolMode.FORBIDDEN:
+            # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
+            support = await self.upstream_tasks.support(tool, upstream_capabilities(envelope.capabilities), principal)
+            if support == "required" or (support == "optional" and envelope.declares_tasks):
+                return await self.upstream_tasks.call(params, envelope, principal=principal, reply=reply, policy=policy, as_task=envelope.declares_tasks)
         if policy.mode is ToolMode.REQUIRED:
             self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
         return await self.calls.run("tools/call", tool, params, envelope, principal=principal, reply=reply, policy=policy, arrived=arrived)
@@ -195,6 +205,7 @@ class ServerDispatcher:
         annotations on a tool list change, and offer it to the listen streams."""
         if message.get("method") == "notifications/tools/list_changed":
             self.param_headers.clear()
+            self.upstream_tasks.clear()
         self.listeners.publish(message)
 
 

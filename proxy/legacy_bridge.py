@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -47,6 +48,13 @@ class LegacyBridge:
         self.name = name
         self.pool = pool
         self.sessions: dict[str, BridgeSession] = {}
+        # Rewrites replies by method before they go out (v1 tasks: initialize and tools/list).
+        self.reply_hook: Callable[[str, JsonObject], Awaitable[JsonObject]] | None = None
+
+    def session_of(self, request: web.Request, principal: str) -> BridgeSession | None:
+        """The session named by the request's `Mcp-Session-Id`, when it exists and is `principal`'s."""
+        session = self.sessions.get((request.headers.get("Mcp-Session-Id") or "").strip())
+        return session if session is not None and session.principal == principal else None
 
     async def handle(self, request: web.Request, body: Any, principal: str) -> web.StreamResponse:
         """Answer one legacy-era HTTP request (POST, GET or DELETE)."""
@@ -90,7 +98,10 @@ class LegacyBridge:
         sid = secrets.token_urlsafe(24)
         self.sessions[sid] = BridgeSession(capabilities=caps, principal=principal, version=version)
         result = {**child.initialize_result, "protocolVersion": version}
-        return web.json_response(jsonrpc.response(body.get("id"), result), headers={"Mcp-Session-Id": sid})
+        reply = jsonrpc.response(body.get("id"), result)
+        if self.reply_hook is not None:
+            reply = await self.reply_hook("initialize", reply)
+        return web.json_response(reply, headers={"Mcp-Session-Id": sid})
 
     async def _notification(self, session: BridgeSession, body: JsonObject) -> None:
         if body["method"] == "notifications/initialized":
@@ -148,6 +159,8 @@ class LegacyBridge:
         try:
             reply = await child.request(body["method"], params or None, handler=relay, request_id=upstream_id)
             out = {**reply, "id": body["id"]}
+            if self.reply_hook is not None:
+                out = await self.reply_hook(body["method"], out)
         except UpstreamError as exc:
             out = jsonrpc.error_response(body["id"], jsonrpc.error_object(INTERNAL_ERROR, str(exc)))
         finally:

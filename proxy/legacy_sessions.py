@@ -33,6 +33,7 @@ class LegacySession:
     upstream_id: str | None
     principal: str = ANONYMOUS
     request_ids: dict[str, RequestId] = field(default_factory=dict)
+    capabilities: JsonObject = field(default_factory=dict)  # what its initialize declared (elicitation, sampling, roots)
 
 
 class LegacySessions:
@@ -42,10 +43,11 @@ class LegacySessions:
         self._sessions: dict[str, LegacySession] = {}
         self.sessionless = LegacySession(upstream_id=None)
 
-    def open(self, upstream_session_id: str, principal: str) -> str:
-        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`."""
+    def open(self, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None) -> str:
+        """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`
+        whose client declared `capabilities` (legacy ClientCapabilities) in its initialize."""
         sid = secrets.token_urlsafe(24)
-        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal)
+        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}))
         return sid
 
     def get(self, sid: str, principal: str) -> LegacySession | None:

@@ -21,6 +21,7 @@ from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
 from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
+from .legacy_tasks import V1Front, client_capabilities
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
@@ -140,6 +141,10 @@ class ServerEndpoint:
         entry = dispatcher.config.mcpServers.get(name)
         self.bounds = Bounds.from_entry(entry) if entry is not None else Bounds()
         self.body_timeout = dispatcher.config.listen.body_timeout
+        # v1 tasks (2025-11-25) for legacy clients, served by the proxy when the upstream has none.
+        self.v1 = V1Front(server=name, config=dispatcher.config, pool=dispatcher.pool, tasks=dispatcher.tasks, keepalive_s=dispatcher.keepalive_s)
+        if bridge is not None:
+            bridge.reply_hook = self.v1.rewrite_reply
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -230,6 +235,17 @@ class ServerEndpoint:
                     jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
                 except JsonRpcError as exc:
                     return _json_error(request_id, exc)
+            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
+                bridged = self.bridge.session_of(request, principal_of(request))
+                if bridged is None:  # as the bridge answers: 404 for an unknown session, 400 for none
+                    known = bool(request.headers.get("Mcp-Session-Id"))
+                    message = "unknown or expired session; initialize a new one" if known else "missing Mcp-Session-Id: initialize first"
+                    return _json_error(request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400)
+                return await self.v1.handle(request, body, principal=principal_of(request), capabilities=bridged.capabilities)
+            if request.method == "GET" and not await self.v1.upstream_has_tasks():
+                bridge, bridge_sid = self.bridge, request.headers.get("Mcp-Session-Id", "").strip()
+                if bridge.session_of(request, principal_of(request)) is not None:  # the v1 status stream (legacy_tasks)
+                    return await self.v1.serve_get_stream(request, lambda: bridge_sid in bridge.sessions, principal_of(request))
             return await self.bridge.handle(request, body, principal_of(request))
         if request.method == "POST":
             try:
@@ -253,6 +269,14 @@ class ServerEndpoint:
             session = found
             if found.upstream_id:
                 headers["Mcp-Session-Id"] = found.upstream_id
+        if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
+            if not sid:
+                return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"), status=400)
+            return await self.v1.handle(request, body, principal=principal_of(request), capabilities=session.capabilities)
+        if request.method == "POST" and isinstance(body, dict) and body.get("method") == "initialize":
+            stripped = await self.v1.strip_initialize(body)
+            if stripped is not body:
+                raw = _dumps(stripped).encode()
         if request.method == "POST" and jsonrpc.is_response(body) and body["id"] in session.request_ids:
             raw = _dumps({**body, "id": session.request_ids.pop(body["id"])}).encode()
         method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
@@ -291,7 +315,7 @@ class ServerEndpoint:
                     self.legacy.end(sid.strip())
                 out_headers["Mcp-Session-Id"] = sid.strip()
             elif upstream_new_sid:
-                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request))
+                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request), capabilities=client_capabilities(body))
             if upstream_new_sid and not sid:
                 session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
             if not is_sse:  # a plain reply is read whole (it is bounded), so what goes out is always JSON-RPC
@@ -301,19 +325,28 @@ class ServerEndpoint:
                     reason = str(exc) or exc.__class__.__name__
                     return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
                 status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
+                data = await self.v1.rewrite_plain(method, data)
                 if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
                     out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
                 return web.Response(status=status, body=data, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
             response.headers["X-Accel-Buffering"] = "no"
             await response.prepare(request)
+            rewriter = self.v1.event_rewriter(method, request_id)
+            # The session's GET stream also carries v1 `notifications/tasks/status` for the principal's tasks.
+            pump = self.v1.status_pump(response, session.principal) if request.method == "GET" and sid else None
             try:
                 async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
+                    if rewriter is not None:
+                        event = await rewriter(event)
                     await response.write(rewrite_server_request(event, session))
             except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
                 log.warning("legacy_relay_broken", server=self.name, reason=str(exc) or exc.__class__.__name__)
                 if request.transport is not None:
                     request.transport.close()  # the client must see a cut reply, not a complete-looking short one
+            finally:
+                if pump is not None:
+                    pump.cancel()
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 await response.write_eof()  # the client may already be gone (a GET stream it closed)
             return response

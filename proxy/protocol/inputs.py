@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .jsonrpc import JsonObject
+import time
+from dataclasses import dataclass, field
+
+from .jsonrpc import JsonObject, RequestId
 
 INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
 INPUT_METHODS = frozenset(INPUT_CAPABILITY)
@@ -22,3 +25,13 @@ def input_request_value(message: JsonObject) -> JsonObject:
     elif message["method"] != "roots/list":
         value["params"] = {}
     return value
+
+
+@dataclass
+class PendingInput:
+    """A server→client request the upstream is waiting on: its upstream id, the 2026 `{method, params}`
+    value, and when it was asked (`time.monotonic()`, s)."""
+
+    upstream_id: RequestId
+    request: JsonObject
+    asked: float = field(default_factory=time.monotonic)

@@ -39,6 +39,7 @@ from .model import (
 )
 from . import recovery
 from .audit import observe_transition
+from .push import TaskPush
 from .recovery import LOST_MESSAGE, RESTART_MESSAGE
 from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
@@ -105,6 +106,8 @@ class TaskService:
         self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
         self.store_problem: str | None = None  # the last store failure, while it lasts
         store.add_listener(observe_transition)
+        self.push = TaskPush()  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
+        store.add_listener(self.push.on_change)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

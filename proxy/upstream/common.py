@@ -21,7 +21,7 @@ class SessionExpiredError(UpstreamError):
 
 # Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
 # request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
-CALL_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+CALL_METHODS = frozenset({"tools/call", "prompts/get", "resources/read", "tasks/result"})  # bounded by the hard `timeout`
 
 
 @dataclass(frozen=True)
