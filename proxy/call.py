@@ -18,7 +18,7 @@ import structlog
 from . import observability as obs
 from .protocol import jsonrpc
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS
-from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, PendingInput, input_request_value
+from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, InputError, PendingInput, input_request_value
 from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, object_of
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
 from .upstream.stdio import StdioPool, StdioSession
@@ -330,7 +330,9 @@ class Call:
             self._cancel_timer(key)
             obs.INPUT_WAIT.observe(time.monotonic() - pending.asked)
             used.append(key)
-            if isinstance(value, dict):
+            if isinstance(value, InputError):
+                self._spawn(self._respond(pending.upstream_id, error=dict(value)))
+            elif isinstance(value, dict):
                 self._spawn(self._respond(pending.upstream_id, result=value))
             else:
                 self._spawn(self._respond(pending.upstream_id, error={"code": jsonrpc.INVALID_PARAMS, "message": "the client sent a malformed input response"}))

@@ -54,6 +54,11 @@ class V1Front:
         self.tasks = tasks
         self.methods = V1TaskMethods(tasks, server, keepalive_s=keepalive_s)
         self._upstream_tasks: bool | None = None
+        # Without client authentication every client is the one principal `anonymous`: then tasks/list
+        # and a session's stream only show the tasks that client session created (their ids are the
+        # secret; 2025-11-25 asks receivers that cannot tell requestors apart not to list others' tasks).
+        self.shared_principal = config.auth.mode == "none"
+        self._origin: dict[str, str] = {}  # task id → client session id that created it (bounded)
 
     async def upstream_has_tasks(self) -> bool:
         """True when the upstream's own `initialize` result declares `capabilities.tasks` (then the
@@ -128,10 +133,11 @@ class V1Front:
 
         return rewrite
 
-    def status_pump(self, stream: web.StreamResponse, principal: str) -> asyncio.Task[None] | None:
+    def status_pump(self, stream: web.StreamResponse, principal: str, session: str = "") -> asyncio.Task[None] | None:
         """Write `notifications/tasks/status` for each status change of `principal`'s tasks on this
         server to a session's open GET stream (an SSE response), until the returned task is
-        cancelled; None when the upstream has tasks of its own (its stream is left alone)."""
+        cancelled; None when the upstream has tasks of its own (its stream is left alone). Without
+        client authentication only the tasks client session `session` created are carried."""
         if self._upstream_tasks:
             return None
 
@@ -139,6 +145,9 @@ class V1Front:
             with self.tasks.push.subscribe(principal=principal, server=self.server) as sub:
                 while True:
                     kind, item = await sub.queue.get()
+                    task_id = item[1].task_id if kind == "change" else related_task_id(item)
+                    if self.shared_principal and self._origin.get(task_id) != session:
+                        continue
                     if kind == "change" and item[0] is not item[1].status:
                         message = status_notification(item[1])
                     elif kind == "message" and not self.tasks.push.watched(related_task_id(item)):
@@ -159,7 +168,7 @@ class V1Front:
         session ended)."""
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await stream.prepare(request)
-        pump = self.status_pump(stream, principal)
+        pump = self.status_pump(stream, principal, request.headers.get("Mcp-Session-Id", "").strip())
         try:
             while alive() and pump is not None and not pump.done():
                 try:
@@ -184,13 +193,14 @@ class V1Front:
             target = self.methods.questions.get(body.get("id"))  # type: ignore[arg-type]
             return target is not None and target[2] == principal
         method = body.get("method")
-        if method not in V1_TASK_METHODS and not (method == "tools/call" and "task" in object_of(body.get("params"))):
+        params = object_of(body.get("params"))
+        if method not in V1_TASK_METHODS and not (method == "tools/call" and ("task" in params or self._required(params.get("name")))):
             return False
         return "id" in body and not await self.upstream_has_tasks()
 
     async def handle(self, request: web.Request, body: JsonObject, *, principal: str, capabilities: JsonObject) -> web.StreamResponse:
-        """Answer an intercepted message; JSON-RPC errors go out with their HTTP status (4xx for bad
-        input, 429 for limits, 503 for the store)."""
+        """Answer an intercepted message. JSON-RPC errors go out in an HTTP 200, as on the 2025-11-25
+        wire (the SDKs read codes only from a 2xx), except limits (429) and the store (503)."""
         if jsonrpc.is_response(body):
             await self.methods.answer(body, principal)
             return web.Response(status=202)
@@ -204,13 +214,25 @@ class V1Front:
                 result = await self.methods.get(params, principal)
             elif method == "tasks/list":
                 result = await self.methods.list_tasks(params, principal)
+                if self.shared_principal:
+                    session = request.headers.get("Mcp-Session-Id", "").strip()
+                    result["tasks"] = [t for t in result["tasks"] if self._origin.get(t.get("taskId")) == session]
             elif method == "tasks/cancel":
                 result = await self.methods.cancel(params, principal)
+            elif "task" not in params:
+                raise JsonRpcError(METHOD_NOT_FOUND, f"tool {params.get('name')!r} runs only as a task (execution.taskSupport: required): send params.task")
             else:
                 result = await self.call_as_task(params, principal=principal, capabilities=capabilities)
+                self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
+                if len(self._origin) > 100_000:
+                    del self._origin[next(iter(self._origin))]
         except JsonRpcError as exc:
             return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc))
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
+
+    def _required(self, tool: Any) -> bool:
+        """True for a tool configured `mode: required` (then a call without `params.task` is -32601)."""
+        return isinstance(tool, str) and self.config.policy(self.server, tool).mode is ToolMode.REQUIRED
 
     async def call_as_task(self, params: JsonObject, *, principal: str, capabilities: JsonObject) -> JsonObject:
         """`tools/call` with `params.task` → v1 `CreateTaskResult`, committed before it is returned.

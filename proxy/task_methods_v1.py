@@ -22,6 +22,7 @@ from aiohttp import web
 
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, RequestId
+from .protocol.inputs import InputError
 from .protocol.tasks_v1 import status_notification, task_outcome_v1, v1_status, v1_task, with_related_task
 from .tasks.model import TaskRecord, TaskStatus
 from .tasks.service import TaskService
@@ -117,8 +118,8 @@ class V1TaskMethods:
     async def answer(self, body: JsonObject, principal: str) -> bool:
         """Deliver a client's JSON-RPC response to a relayed question (False: not one of ours).
 
-        A result reaches the upstream as the response to its own request id; an error becomes an
-        error response upstream (-32602, "malformed input response")."""
+        A result reaches the upstream as the response to its own request id; a JSON-RPC error goes
+        upstream as that error; anything else as -32602 ("malformed input response")."""
         target = self.questions.get(body.get("id"))  # type: ignore[arg-type]
         if target is None or target[2] != principal:
             return False
@@ -128,7 +129,8 @@ class V1TaskMethods:
             record = await self.tasks.lookup(task_id, principal=principal, server=self.server)
         except JsonRpcError:
             return True  # the task is gone: nothing left to answer
-        value = body.get("result") if isinstance(body.get("result"), dict) else None
+        error = body.get("error")
+        value = body["result"] if isinstance(body.get("result"), dict) else InputError(error) if isinstance(error, dict) else None
         await self.tasks.answer(record, {key: value})
         return True
 

@@ -334,7 +334,7 @@ class ServerEndpoint:
             await response.prepare(request)
             rewriter = self.v1.event_rewriter(method, request_id)
             # The session's GET stream also carries v1 `notifications/tasks/status` for the principal's tasks.
-            pump = self.v1.status_pump(response, session.principal) if request.method == "GET" and sid else None
+            pump = self.v1.status_pump(response, session.principal, sid.strip()) if request.method == "GET" and sid else None
             try:
                 async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
                     if rewriter is not None:

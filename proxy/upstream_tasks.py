@@ -33,6 +33,8 @@ from .upstream.stdio import StdioPool
 log = structlog.get_logger("proxy.calls")
 
 
+MAX_TOOL_PAGES = 100  # tools/list pages read at most to learn the upstream's taskSupport
+
 class UpstreamTaskCall(Call):
     """A `Call` that follows an upstream task (`tasks/result` for `upstream_task_id`); cancelling it
     also sends the upstream `tasks/cancel`."""
@@ -76,11 +78,17 @@ class UpstreamTasks:
                 call_tasks = object_of(object_of(object_of(caps.get("tasks")).get("requests")).get("tools")).get("call")
                 support: dict[str, str] = {}
                 if isinstance(call_tasks, dict):
-                    reply = await session.request("tools/list", None, handler=None)
-                    for item in object_of(reply.get("result")).get("tools") or []:
-                        value = object_of(object_of(item).get("execution")).get("taskSupport")
-                        if isinstance(item, dict) and value in ("required", "optional"):
-                            support[item["name"]] = value
+                    params: JsonObject | None = None
+                    for _ in range(MAX_TOOL_PAGES):
+                        page = object_of((await session.request("tools/list", params, handler=None)).get("result"))
+                        tools = page.get("tools")
+                        for item in tools if isinstance(tools, list) else []:
+                            value = object_of(object_of(item).get("execution")).get("taskSupport")
+                            if isinstance(item, dict) and isinstance(item.get("name"), str) and value in ("required", "optional"):
+                                support[item["name"]] = value
+                        if not isinstance(page.get("nextCursor"), str) or not page["nextCursor"]:
+                            break
+                        params = {"cursor": page["nextCursor"]}
             except UpstreamError:
                 return None
             self._support = support

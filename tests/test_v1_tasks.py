@@ -52,8 +52,25 @@ async def test_initialize_declares_tasks_and_tools_list_carries_task_support(leg
             assert support["failing_job"] == "required" and support["greet"] == "forbidden" and support["slow_compute"] == "optional"
             status, message, _ = await client.request("tools/call", {"name": "greet", "arguments": {"name": "x"}, "task": {"ttl": 1000}})
             assert status == 200 and message["error"]["code"] == -32601  # the handshake-era wire: JSON-RPC errors in a 200
+            status, message, _ = await client.request("tools/call", {"name": "failing_job", "arguments": {}})
+            assert status == 200 and message["error"]["code"] == -32601  # taskSupport required: never synchronous
         finally:
             await client.close()
+
+
+async def test_without_client_auth_a_session_lists_only_the_tasks_it_created(flow_proxy: RunningProxy) -> None:
+    alice, bob = V1Client(flow_proxy.url()), V1Client(flow_proxy.url())
+    try:
+        await alice.initialize()
+        await bob.initialize()
+        mine = (await alice.call_as_task("slow_compute", {"seconds": 0.2}))["taskId"]
+        listed = lambda message: [t["taskId"] for t in message["result"]["tasks"]]  # noqa: E731
+        assert mine in listed((await alice.request("tasks/list", {}))[1])
+        assert mine not in listed((await bob.request("tasks/list", {}))[1])  # auth none: everyone is `anonymous`
+        assert (await bob.request("tasks/get", {"taskId": mine}))[1]["result"]["taskId"] == mine  # the id still works
+    finally:
+        await alice.close()
+        await bob.close()
 
 
 async def test_slow_call_as_task_with_progress_status_push_and_blocking_result(v1: V1Client) -> None:

@@ -35,3 +35,9 @@ class PendingInput:
     upstream_id: RequestId
     request: JsonObject
     asked: float = field(default_factory=time.monotonic)
+
+
+class InputError(dict):  # type: ignore[type-arg]
+    """An input response that is a JSON-RPC error object (`{code, message, data?}`): a client that
+    declined to answer a relayed question in the v1 way. It goes upstream as an error response."""
+
