@@ -119,3 +119,15 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
     text = data[:200].decode("utf-8", errors="replace").strip()
     error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
     return (status if 400 <= status < 500 else 502), _dumps(jsonrpc.error_response(request_id, error)).encode()
+
+
+def answers(event: SseEvent, request_id: Any) -> bool:
+    """True when a relayed SSE event is the JSON-RPC response (result or error) to `request_id`."""
+    if request_id is None or '"id"' not in event.data:
+        return False
+    try:
+        message = json.loads(event.data)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and message.get("id") == request_id and ("result" in message or "error" in message)
+

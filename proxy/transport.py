@@ -26,7 +26,7 @@ from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from .guards import default_allowed_hosts, host_guard
-from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
+from .legacy_sessions import LegacySession, LegacySessions, answers, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
 from .upstream.common import Bounds
 from .upstream.sse import KEEPALIVE, EventTooLargeError, encode_message, iter_events
 
@@ -335,15 +335,22 @@ class ServerEndpoint:
             rewriter = self.v1.event_rewriter(method, request_id)
             # The session's GET stream also carries v1 `notifications/tasks/status` for the principal's tasks.
             pump = self.v1.status_pump(response, session.principal, sid.strip()) if request.method == "GET" and sid else None
+            answered = request.method != "POST" or request_id is None
             try:
                 async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
                     if rewriter is not None:
                         event = await rewriter(event)
+                    answered = answered or answers(event, request_id)
                     await response.write(rewrite_server_request(event, session))
             except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
-                log.warning("legacy_relay_broken", server=self.name, reason=str(exc) or exc.__class__.__name__)
-                if request.transport is not None:
-                    request.transport.close()  # the client must see a cut reply, not a complete-looking short one
+                reason = str(exc) or exc.__class__.__name__
+                log.warning("legacy_relay_broken", server=self.name, reason=reason)
+                if not answered:  # the request the stream left unanswered gets its JSON-RPC error (python-sdk#1577)
+                    error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} broke its stream: {reason}"})
+                    with contextlib.suppress(aiohttp.ClientError, OSError):
+                        await response.write(encode_message(error))
+                elif request.transport is not None:
+                    request.transport.close()  # a GET stream: the client sees it cut and may resume
             finally:
                 if pump is not None:
                     pump.cancel()

@@ -123,9 +123,11 @@ async def test_oversized_upstream_replies_are_errors_in_both_eras(hostile: str, 
                 async with http.post(proxy.url(), json=call, headers={**LEGACY_HEADERS, **session}) as resp:
                     if tool == "big":  # a JSON reply announces its size: refused before a byte is relayed
                         assert resp.status == 502 and "max_response_bytes" in (await resp.json())["error"]["message"]
-                    else:  # an SSE stream is cut, never relayed whole
-                        with pytest.raises(aiohttp.ClientPayloadError):
-                            await resp.read()
+                    else:  # an SSE stream is never relayed whole: the unanswered call gets its JSON-RPC error
+                        events = [json.loads(line[5:]) for line in (await resp.text()).splitlines() if line.startswith("data:")]
+                        answer = [e for e in events if e.get("id") == 2]
+                        assert len(answer) == 1 and answer[0]["error"]["code"] == -32603, events
+                        assert "broke its stream" in answer[0]["error"]["message"] and "larger than" in answer[0]["error"]["message"]
             assert (await client.call("ok")).result["content"][0]["text"] == "ok"  # still serving
         finally:
             await client.close()
