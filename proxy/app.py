@@ -11,6 +11,8 @@ from aiohttp import web
 
 from .auth import Authenticator, auth_middleware
 from .call import Call
+from .protocol.jsonrpc import object_of
+from .upstream_tasks import UpstreamTaskCall
 from .config import Config, ServerEntry
 from .console import build_console
 from .dispatcher import ServerDispatcher
@@ -127,7 +129,9 @@ def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) 
     if pool is None or record.rerun is None:
         return None
     policy = config.policy(record.server, record.tool)
-    call = Call(
+    # A task backed by the upstream's own task follows it again (and a cancel still reaches it).
+    kind = UpstreamTaskCall if record.rerun["method"] == "tasks/result" else Call
+    call = kind(
         pool=pool,
         server=record.server,
         tool=record.tool,
@@ -138,6 +142,8 @@ def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) 
         input_timeout=policy.input_timeout,
         principal=record.principal,
     )
+    if isinstance(call, UpstreamTaskCall):
+        call.upstream_task_id = str(object_of(record.rerun["params"]).get("taskId", ""))
     call.detach(record.task_id, tasks)
     call.start()
     return call

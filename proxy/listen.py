@@ -13,6 +13,7 @@ from .protocol.era import LIST_CHANGED_NOTIFICATIONS, META_SUBSCRIPTION_ID, TASK
 from .protocol.jsonrpc import INVALID_PARAMS, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError, RequestId, notification
 from .protocol.tasks_v2 import detailed_task
 from .tasks.model import TaskStatus
+from .tasks.push import QUEUE_MAX
 from .tasks.service import TaskService
 
 TASK_NOTIFICATION = "notifications/tasks"
@@ -40,12 +41,13 @@ class ListenHub:
         """Offer one upstream notification to every open stream (others than list changes are ignored)."""
         if message.get("method") in LIST_CHANGED_NOTIFICATIONS:
             for queue in list(self._queues):
-                queue.put_nowait(message)
+                with contextlib.suppress(asyncio.QueueFull):  # a stream that far behind misses a list change
+                    queue.put_nowait(message)
 
     @contextlib.contextmanager
     def subscribe(self) -> Iterator[asyncio.Queue[Any]]:
         """A queue that receives what is published while the block runs."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_MAX)  # bounded like the task push it shares
         self._queues.add(queue)
         try:
             yield queue
