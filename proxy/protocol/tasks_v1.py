@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tasks.model import TaskRecord, TaskStatus, iso, now_ms, reported_ttl_ms
+from ..tasks.model import TaskRecord, TaskStatus
+from .tasks_v2 import wire_task
 from .era import META_RELATED_TASK
 from .jsonrpc import INTERNAL_ERROR, JsonObject, notification
 
@@ -34,13 +35,10 @@ def v1_task(record: TaskRecord, at_ms: int | None = None) -> JsonObject:
 
     `ttl` makes `createdAt + ttl` the task's real end of retention at `at_ms` (epoch ms, default now).
     """
-    task: JsonObject = {"taskId": record.task_id, "status": v1_status(record)}
-    if record.status_message is not None:
-        task["statusMessage"] = record.status_message
-    task["createdAt"] = iso(record.created_ms)
-    task["lastUpdatedAt"] = iso(record.last_updated_ms)
-    task["ttl"] = reported_ttl_ms(record, at_ms or now_ms())
-    task["pollInterval"] = record.poll_interval_ms
+    task = wire_task(record, at_ms)  # the v2 fields, renamed where v1 names them otherwise
+    task["status"] = v1_status(record)
+    task["ttl"] = task.pop("ttlMs")
+    task["pollInterval"] = task.pop("pollIntervalMs")
     return task
 
 
