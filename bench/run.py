@@ -444,6 +444,7 @@ def section_c(args, workdir: Path, log) -> dict:
                     loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
                              "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": 16,
                              "max_requests": 64, "duration": 60, "warmup": 0}, lg_cpu)
+                    time.sleep(args.c_hold + 0.5)  # the warm-up's detached calls end before anything is measured
                     for conc, n in ((1, args.c_requests // 4), (16, args.c_requests)):
                         res = loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
                                        "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": conc,
