@@ -18,7 +18,7 @@ import jwt
 import structlog
 from aiohttp import web
 
-from .tasks.model import principal_hash  # noqa: F401  (re-exported: logs hash principals one way)
+from .tasks.model import principal_hash
 from .config import AuthConfig
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INVALID_REQUEST

@@ -13,7 +13,7 @@ import re
 from urllib.parse import urlsplit
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import expandvars
 import yaml

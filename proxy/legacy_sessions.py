@@ -12,7 +12,8 @@ import structlog
 from aiohttp import web
 
 from . import observability as obs
-from .auth import ANONYMOUS, principal_hash
+from .auth import ANONYMOUS
+from .tasks.model import principal_hash
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, RequestId
 from .upstream.sse import EventTooLargeError, SseEvent, encode_event

@@ -24,8 +24,7 @@ import jwt
 
 from .call import Call
 from .config import ConfigError
-from .protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError
-from .protocol.tasks_v2 import validate_input_responses  # noqa: F401  (re-exported)
+from .protocol.jsonrpc import INVALID_PARAMS, JsonRpcError
 
 KEY_FILE = "request_state.key"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,16 @@ class ServerProcess:
                 self.proc.wait()
         if self.proc.stdout:
             self.proc.stdout.close()
+
+
+def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
+    """`npm install packages` into `folder` (an ignored folder of the checkout, with its own
+    package.json), as the tests that need Node packages do on first run. Fails when npm is missing."""
+    npm = shutil.which("npm")
+    assert npm, f"npm must be on the PATH to install {', '.join(packages)} (README: Run all tests)"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "package.json").write_text('{"private": true}\n')
+    subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", *packages], cwd=folder, check=True, timeout=timeout_s)
 
 
 def make_record(**fields: Any) -> TaskRecord:

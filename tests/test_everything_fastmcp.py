@@ -4,14 +4,12 @@ FastMCP's client with the tasks extension (fastmcp-tasks)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, ServerProcess, running_proxy
+from conftest import ROOT, ServerProcess, npm_install, running_proxy
 from fastmcp import Client
 
 import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
@@ -26,11 +24,7 @@ NODE_DIR = ROOT / ".node" / "everything"
 def _install_everything() -> Path:
     entry = NODE_DIR / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
     if not entry.exists():
-        npm = shutil.which("npm")
-        assert npm, "npm is needed to install server-everything for this test"
-        NODE_DIR.mkdir(parents=True, exist_ok=True)
-        (NODE_DIR / "package.json").write_text('{"private": true}\n')
-        subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", EVERYTHING], cwd=NODE_DIR, check=True, timeout=300)
+        npm_install(NODE_DIR, EVERYTHING)
     return entry
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, RunningProxy
+from conftest import ROOT, RunningProxy, npm_install
 
 TS_SDK = "@modelcontextprotocol/sdk@1.32.2"
 MCP1 = "mcp==1.30.0"
@@ -27,11 +27,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 def _ts_sdk() -> Path:
     sdk = TS_DIR / "node_modules" / "@modelcontextprotocol" / "sdk"
     if not (sdk / "dist" / "esm" / "experimental" / "tasks").exists():
-        npm = shutil.which("npm")
-        assert npm, "npm is needed to install the TypeScript SDK for this test"
-        TS_DIR.mkdir(parents=True, exist_ok=True)
-        (TS_DIR / "package.json").write_text('{"private": true}\n')
-        subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", TS_SDK], cwd=TS_DIR, check=True, timeout=300)
+        npm_install(TS_DIR, TS_SDK)
     return sdk
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import observability as obs
 from ..tasks.model import TaskRecord
-from ..tasks.service import principal_hash
+from ..tasks.model import principal_hash
 
 PREVIEW_CHARS = 4000  # characters of a result or error shown in the detail view
 

@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import structlog
