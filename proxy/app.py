@@ -18,9 +18,11 @@ from .console import build_console
 from .dispatcher import ServerDispatcher
 from .drain import Drain
 from .legacy_bridge import LegacyBridge
-from .mrtr import ParkedCalls, load_or_create_key
+from .mrtr import ParkedCalls, load_or_create_key, shared_key
 from .observability import access_log, json_errors, metrics_handler
-from .tasks.diskcache_store import DiskcacheStore
+from .tasks.open_store import open_store, rate_storage
+from .tasks.rates import close_rate_storage
+from .tasks.redis_store import RedisTaskStore
 from .tasks.model import TaskRecord
 from .tasks.service import TaskService
 from .tasks.store import StoreUnavailableError
@@ -84,13 +86,23 @@ async def _to_console(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    store = DiskcacheStore(config.store.path, durable=config.store.durable, exclusive=True, max_result_bytes=config.limits.max_result_bytes)
+    store = open_store(config.store, max_result_bytes=config.limits.max_result_bytes, exclusive=True)
+    counters = rate_storage(config.store)
     tasks = TaskService(
         store, lease_s=config.store.lease, outcome_retry_s=config.store.write_retry,
-        max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate,
+        max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate, rate_storage=counters,
     )
     app[TASKS_KEY] = tasks
-    parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
+    try:
+        if isinstance(store, RedisTaskStore):
+            level, message = await store.persistence_report()
+            (log.warning if level == "warning" else log.info)("store_persistence", store=store.where, detail=message)
+            parked = ParkedCalls(await shared_key(store, config.request_state.secret), store.claim_once)
+        else:
+            parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
+    except BaseException:
+        await store.close()
+        raise
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     pools = []
     for name, entry in config.servers.items():
@@ -107,10 +119,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await tasks.start(lambda record: _rerun(config, app[POOLS_KEY], tasks, record))
     except BaseException:
         await store.close()
+        await close_rate_storage(counters)
         raise
     # Open each upstream session early (in the background) so the first call does not pay for initialize.
     warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
-    log.info("proxy_started", servers=list(config.servers), store=config.store.path, node=tasks.node)
+    log.info("proxy_started", servers=list(config.servers), store=store.where, node=tasks.node)
     try:
         yield
     finally:
@@ -121,6 +134,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await pool.close()
         await http.close()
         await store.close()
+        await close_rate_storage(counters)
 
 
 def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) -> Call | None:
