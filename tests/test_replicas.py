@@ -14,12 +14,15 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import aiohttp
 import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every FastMCP Client)
 import mcp.types as types
 import pytest
 from conftest import ROOT, ModernClient, Reply
+from proxy.config import ConfigError, config_from_data
+from proxy.replicas import advertised_url
 from fastmcp import Client
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
@@ -198,6 +201,38 @@ async def test_forward_hop_latency(cluster: Cluster, clients: list[ModernClient]
 
     print(f"\nreplica hop, client-observed through a non-owner: tasks/update p50 {p(update_ms, 50):.1f} ms p99 {p(update_ms, 99):.1f} ms; "
           f"tasks/cancel p50 {p(cancel_ms, 50):.1f} ms p99 {p(cancel_ms, 99):.1f} ms (n={len(update_ms)}/{len(cancel_ms)})")
+
+
+async def test_internal_endpoints_and_relay_marks_need_the_shared_secret(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"X-Mcp-Replica-Secret": "not-the-secret-" * 3}):
+            for op in ("tasks/cancel", "tasks/answer"):
+                async with http.post(f"{cluster.replica_urls[0]}/_replica/{op}", json={"taskId": "x"}, headers=headers) as resp:
+                    assert resp.status == 403
+        async with http.post(f"{cluster.replica_urls[0]}/_replica/tasks/cancel", json=[1], headers={"X-Mcp-Replica-Secret": cluster.secret}) as resp:
+            assert resp.status == 400
+        # A client that claims its request was relayed by a replica, without the secret, is routed like any other.
+        sid = await _open_legacy(http, cluster.replica_urls[0] + WEB)
+        headers = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25", "X-Mcp-Replica-Forwarded": "someone"}
+        async with http.post(cluster.replica_urls[1] + WEB, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=headers) as resp:
+            assert resp.status == 200 and '"result":{}' in (await resp.text()).replace(" ", "")
+
+
+def test_replicas_config_needs_a_shared_store_a_secret_and_an_address() -> None:
+    base: dict[str, Any] = {"mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}}}
+    redis = {"url": "redis://127.0.0.1:6379/0"}
+    with pytest.raises(ConfigError, match="replicas need a shared store"):
+        config_from_data({**base, "replicas": {"secret": "s" * 32}})
+    with pytest.raises(ConfigError, match="secret"):
+        config_from_data({**base, "store": redis, "replicas": {"secret": "short"}})
+    with pytest.raises(ConfigError, match="advertise"):
+        config_from_data({**base, "store": redis, "replicas": {"secret": "s" * 32, "advertise": "10.0.0.5:8080/x"}})
+    config = config_from_data({**base, "store": redis, "replicas": {"secret": "s" * 32, "advertise": "http://10.0.0.5:{port}"}})
+    config.listen.port = 8123
+    assert advertised_url(config) == "http://10.0.0.5:8123"
+    config = config_from_data({**base, "store": redis, "listen": {"host": "0.0.0.0"}, "replicas": {"secret": "s" * 32}})
+    with pytest.raises(ValueError, match="advertise"):
+        advertised_url(config)
 
 
 # -- a replica dies -----------------------------------------------------------------------------
