@@ -322,6 +322,11 @@ class RedisTaskStore:
         async with self.guard():
             return bool(await self.redis.set(self.keys.once(key), b"1", nx=True, px=max(1, ttl_ms)))
 
+    async def claimed(self, key: str) -> bool:
+        """True while `key` is claimed."""
+        async with self.guard():
+            return bool(await self.redis.exists(self.keys.once(key)))
+
     async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
         """Store `value` under `key` (expiring after `ttl_ms`, or never); with `only_new`, only when
         `key` is absent. Returns whether it was written."""
