@@ -19,7 +19,7 @@ CONFIG_DIR = ROOT / "config"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
 
 # Variables the example configs need (only those without a `:-default`).
-EXAMPLE_ENV = {"BUILD_TOKEN": "s3cret-token"}
+EXAMPLE_ENV = {"BUILD_TOKEN": "s3cret-token", "REDIS_PASSWORD": "redis-s3cret"}
 
 
 def cfg(servers: dict | None = None, **top) -> Config:
