@@ -3,8 +3,9 @@ temporary directory, stopped by the caller.
 
 API:
 
-- `RedisServer(workdir, *, password=None, appendonly=True, appendfsync="everysec", extra=())`:
-  describes a server whose files (AOF, log) live in `workdir` (created if missing).
+- `RedisServer(workdir, *, password=None, appendonly=True, appendfsync="everysec", extra=(), launcher=())`:
+  describes a server whose files (AOF, log) live in `workdir` (created if missing); `extra` are
+  more `redis-server` arguments, `launcher` a command put in front (the bench pins CPUs with it).
 - `server.start(timeout_s=10.0)`: picks a free port on 127.0.0.1, runs
   `redis-server --port N --bind 127.0.0.1 --dir workdir --save '' --appendonly yes|no ...`
   and waits (bounded, `timeout_s` seconds) until it answers PING; raises RuntimeError with the
@@ -46,13 +47,14 @@ class RedisServer:
 
     def __init__(
         self, workdir: str | os.PathLike[str], *, password: str | None = None, appendonly: bool = True,
-        appendfsync: str = "everysec", extra: tuple[str, ...] = (),
+        appendfsync: str = "everysec", extra: tuple[str, ...] = (), launcher: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.password = password
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra = extra
+        self.launcher = launcher
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -76,7 +78,7 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen([*args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen([*self.launcher, *args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
