@@ -102,6 +102,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
     except BaseException:
         await store.close()
+        await close_rate_storage(counters)
         raise
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     pools = []
