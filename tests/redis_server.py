@@ -15,8 +15,10 @@ API:
 - `server.kill()`: SIGKILL at once (a crash); `server.start()` again reuses `workdir` and so its
   AOF file, on a new free port unless `port` is given to `start(port=...)`.
 - `with RedisServer(tmp).start() as server:` stops it on exit.
-- `redis_server` (pytest fixture, session-scoped) is defined in conftest.py on top of this; tests
-  that need a fresh server of their own (password, persistence off, a crash) build one here.
+- conftest.py fixtures on top of this: `redis_server` (session-scoped, one server for the run;
+  `appendonly yes`, `everysec`) and `redis_prefix` (a fresh key prefix per test, so tests sharing
+  the server never see each other's keys: pass it as `store.prefix` / `RedisTaskStore(prefix=)`).
+  Tests that need a server of their own (a password, persistence off, a crash) build one here.
 """
 
 from __future__ import annotations
