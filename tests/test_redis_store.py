@@ -14,14 +14,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from conftest import ROOT, ModernClient, make_record, running_proxy
+from conftest import ROOT, TASKS_CAPS, ModernClient, envelope, make_record, running_proxy
 from redis_server import RedisServer
+from v1_client import V1Client
 
 from proxy.cli import describe
 from proxy.config import Config, ConfigError, config_from_data
 from proxy.tasks.model import Change, TaskStatus
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.store import StoreUnavailableError
+from proxy.upstream.sse import iter_events
 
 ACCEPT = {"action": "accept", "content": {"confirm": True}}
 
@@ -243,3 +245,47 @@ async def test_a_detached_call_on_one_replica_is_read_listed_and_waited_on_from_
     config_file.write_text(yaml.safe_dump({"store": {"url": redis_server.url, "prefix": redis_prefix}, "mcpServers": {"legacy": {"url": legacy_url}}}))
     listing = subprocess.run([sys.executable, "-m", "proxy", "tasks", "--config", str(config_file), "list"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert listing.returncode == 0 and task_id in listing.stdout and "completed" in listing.stdout, listing
+
+
+async def test_a_v1_client_on_one_replica_is_pushed_the_end_of_a_task_running_on_the_other(
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    async with running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as a, \
+               running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as b:
+        on_a, on_b = V1Client(a.url()), V1Client(b.url())
+        try:
+            await on_a.initialize()
+            await on_b.initialize()
+            task = await on_a.call_as_task("slow_compute", {"seconds": 0.5, "label": "pushed"})
+            status, message, notes = await on_b.request("tasks/result", {"taskId": task["taskId"]})
+            assert status == 200 and message["result"]["content"][0]["text"] == "computed pushed after 0.5s", message
+            assert [n["params"]["status"] for n in notes if n["method"] == "notifications/tasks/status"][-1:] == ["completed"], notes
+        finally:
+            await on_a.close()
+            await on_b.close()
+
+
+async def test_a_listen_stream_on_one_replica_is_pushed_the_changes_of_a_task_running_on_the_other(
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    async with running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as a, \
+               running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as b:
+        on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
+        try:
+            task_id = (await on_a.call("slow_compute", {"seconds": 0.5, "label": "listened"})).result["taskId"]
+            params = {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)}
+            body = json.dumps({"jsonrpc": "2.0", "id": "listen-b", "method": "subscriptions/listen", "params": params})
+            statuses: list[str] = []
+            async with on_b.http.post(on_b.url, data=body, headers=on_b.headers_for("subscriptions/listen", params)) as resp:
+                assert resp.status == 200
+                async with asyncio.timeout(5):
+                    async for event in iter_events(resp.content.iter_any()):
+                        frame = json.loads(event.data) if event.data else {}
+                        if frame.get("method") == "notifications/tasks":
+                            statuses.append(frame["params"]["status"])
+                            if frame["params"]["status"] == "completed":
+                                break
+            assert statuses[-1] == "completed", statuses  # pushed by B from A's commit (nothing on B polls)
+        finally:
+            await on_a.close()
+            await on_b.close()
