@@ -1,5 +1,6 @@
-"""The store contract suite: the same tests against every `TaskStore` backend, plus the pure rules
-of `tasks/model.py` (transitions, result size, retention) that hold whatever stores the records."""
+"""The store contract suite: the same tests against every `TaskStore` backend (diskcache, and Redis
+on a real redis-server of the test session), plus the pure rules of `tasks/model.py` (transitions,
+result size, retention) that hold whatever stores the records."""
 
 from __future__ import annotations
 
