@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import yaml
 from conftest import ROOT, TASKS_CAPS, ModernClient, envelope, make_record, running_proxy
-from redis_server import RedisServer
+from redis_server import RedisServer, free_port
 from v1_client import V1Client
 
 from proxy.cli import describe
@@ -289,3 +289,13 @@ async def test_a_listen_stream_on_one_replica_is_pushed_the_changes_of_a_task_ru
         finally:
             await on_a.close()
             await on_b.close()
+
+
+def test_a_proxy_whose_redis_is_unreachable_exits_naming_the_store_without_its_password(legacy_url: str, tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(yaml.safe_dump({"store": {"url": f"redis://:hunter2-secret@127.0.0.1:{port}/0", "timeout": "1s"},
+                                           "mcpServers": {"legacy": {"url": legacy_url}}}))
+    started = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert started.returncode == 1, started
+    assert f"task store redis://127.0.0.1:{port}/0" in started.stderr and "hunter2" not in started.stderr + started.stdout, started.stderr
