@@ -20,7 +20,7 @@ CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".yaml", "
 
 # Variables the example configs need (only those without a `:-default`).
 EXAMPLE_ENV = {
-    "BUILD_TOKEN": "s3cret-token",
+    "BUILD_TOKEN": "s3cret-token", "REDIS_PASSWORD": "redis-s3cret",
     # config/replicas.yaml (tests/test_replicas.py runs it for real through scripts/cluster.py)
     "MCP_REDIS_URL": "redis://127.0.0.1:6379/0", "MCP_REPLICA_SECRET": "r" * 32, "MCP_UPSTREAM_URL": "http://127.0.0.1:9000/mcp",
 }
