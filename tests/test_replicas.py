@@ -235,6 +235,36 @@ def test_replicas_config_needs_a_shared_store_a_secret_and_an_address() -> None:
         advertised_url(config)
 
 
+# -- rolling deploys: one replica drains ---------------------------------------------------------
+
+
+async def test_sigterm_drains_detached_calls_while_the_others_serve_them(cluster: Cluster, clients: list[ModernClient]) -> None:
+    c0, c1, c2 = clients
+    await c1.warm_up()
+    finishing = (await c1.call("slow_compute", {"seconds": 1.5, "label": "drained"})).result["taskId"]
+    cancelled = (await c1.call("slow_compute", {"seconds": 30, "label": "drained-cancel"})).result["taskId"]
+    terminating = asyncio.ensure_future(asyncio.to_thread(cluster.terminate, 1))
+    try:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(5):
+            while True:  # not ready at once
+                async with http.get(cluster.replica_urls[1] + "/readyz") as resp:
+                    if resp.status == 503:
+                        assert (await resp.json())["checks"]["drain"].startswith("draining")
+                        break
+                await asyncio.sleep(0.02)
+        refused = await c1.call("greet", {"name": "late"})  # a new call: refused, so a balancer retries it elsewhere
+        assert refused.status == 503 and refused.error["code"] == -32603 and "shutting down" in refused.error["message"]
+        assert (await c1.get(finishing)).result["status"] == "working"  # task methods still served while draining
+        assert (await c2.request("tasks/cancel", {"taskId": cancelled})).result == {"resultType": "complete"}  # the hop reaches it
+        assert (await _wait_cancelled_upstream(c0, "drained-cancel"))["reason"] == "notifications/cancelled"
+        done = await c0.wait_terminal(finishing)  # polled through another replica; the call ran to its end
+        assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "computed drained after 1.5s"
+        assert await asyncio.wait_for(terminating, timeout=30) == 0  # and then the replica exited
+    finally:
+        await asyncio.wait_for(terminating, timeout=60)
+        await asyncio.to_thread(cluster.restart, 1)
+
+
 # -- a replica dies -----------------------------------------------------------------------------
 
 
