@@ -23,6 +23,7 @@ import pytest
 from conftest import ROOT, ModernClient, Reply
 from proxy.config import ConfigError, config_from_data
 from proxy.replicas import advertised_url
+from v1_client import V1Client
 from fastmcp import Client
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
@@ -171,6 +172,26 @@ async def _legacy_session(url: str, calls: int = 4) -> list[str]:
 async def test_legacy_sessions_work_through_any_replica(cluster: Cluster, path: str) -> None:
     texts = await asyncio.wait_for(_legacy_session(cluster.url + path), timeout=30)
     assert texts == ["Hello, n0!", "Hello, n1!", "Hello, n2!", "Hello, n3!", "deleted legacy.txt", "computed legacy-lb after 0.3s"]
+
+
+@pytest.mark.parametrize("path", [WEB, LOCAL], ids=["http-upstream", "stdio-upstream"])
+async def test_v1_tasks_through_the_load_balancer(cluster: Cluster, clients: list[ModernClient], path: str) -> None:
+    client = V1Client(cluster.url + path)
+    try:
+        await client.initialize()
+        task = await client.call_as_task("slow_compute", {"seconds": 0.5, "label": f"v1-lb{path}"})
+        for _ in range(3):  # each lands on another replica, relayed to the session's
+            status, message, _ = await client.request("tasks/get", {"taskId": task["taskId"]})
+            assert status == 200 and message["result"]["status"] in ("working", "completed")
+        status, message, _ = await client.request("tasks/result", {"taskId": task["taskId"]})
+        assert message["result"]["content"][0]["text"] == f"computed v1-lb{path} after 0.5s"
+        doomed = await client.call_as_task("slow_compute", {"seconds": 30, "label": f"v1-cancel{path}"})
+        status, message, _ = await client.request("tasks/cancel", {"taskId": doomed["taskId"]})
+        assert message["result"]["status"] == "cancelled"
+    finally:
+        await client.close()
+    if path == WEB:  # the fixture's cancel log is per process: the HTTP upstream's
+        assert (await _wait_cancelled_upstream(clients[0], f"v1-cancel{path}"))["reason"] == "notifications/cancelled"
 
 
 async def test_forward_hop_latency(cluster: Cluster, clients: list[ModernClient]) -> None:
