@@ -9,6 +9,7 @@ notifications and server→client requests on the request's SSE stream (requests
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .protocol import jsonrpc
 from .protocol.era import LEGACY_VERSIONS, upstream_capabilities
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId, object_of
 from .upstream.http import UpstreamError
+
+REQUEST_CANCELLED = -32800  # what the MCP SDKs use for an abandoned request
 from .upstream.sse import encode_message
 from .upstream.stdio import StdioPool, StdioSession
 
@@ -34,7 +37,7 @@ class BridgeSession:
     principal: str
     version: str
     questions: dict[str, tuple[StdioSession, RequestId]] = field(default_factory=dict)
-    calls: dict[RequestId, tuple[StdioSession, RequestId]] = field(default_factory=dict)
+    calls: dict[RequestId, tuple[StdioSession, RequestId, asyncio.Future[JsonObject]]] = field(default_factory=dict)
 
 
 def _error(request_id: Any, code: int, message: str, status: int) -> web.Response:
@@ -110,8 +113,11 @@ class LegacyBridge:
         if body["method"] == "notifications/cancelled":
             request_id = params.get("requestId")
             target = session.calls.get(request_id) if isinstance(request_id, (str, int)) else None
-            if target is not None:
-                child, upstream_id = target
+            if target is not None:  # an answered (or unknown) request: the child never hears of it
+                child, upstream_id, waiting = target
+                if not child.sent(upstream_id):  # still queued for a slot: it is never sent
+                    waiting.cancel()
+                    return
                 await _quiet(child.notify("notifications/cancelled", {**params, "requestId": upstream_id}))
             return
         try:
@@ -140,7 +146,6 @@ class LegacyBridge:
             meta["progressToken"] = "mtp-" + secrets.token_urlsafe(9)
             params["_meta"] = meta
         upstream_id = child.next_id()
-        session.calls[body["id"]] = (child, upstream_id)
         stream: web.StreamResponse | None = None
 
         async def relay(msg: JsonObject) -> None:
@@ -156,8 +161,18 @@ class LegacyBridge:
                 msg = {**msg, "params": {**msg.get("params", {}), "progressToken": client_token}}
             await stream.write(encode_message(msg))
 
+        waiting = asyncio.ensure_future(child.request(body["method"], params or None, handler=relay, request_id=upstream_id))
+        session.calls[body["id"]] = (child, upstream_id, waiting)
         try:
-            reply = await child.request(body["method"], params or None, handler=relay, request_id=upstream_id)
+            try:
+                reply = await waiting
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not waiting.cancelled() or (current is not None and current.cancelling()):
+                    waiting.cancel()
+                    raise
+                # The client cancelled it while it waited for a slot: nothing reached the child.
+                reply = jsonrpc.error_response(body["id"], jsonrpc.error_object(REQUEST_CANCELLED, "cancelled by the client before it was sent"))
             out = {**reply, "id": body["id"]}
             if self.reply_hook is not None:
                 out = await self.reply_hook(body["method"], out)
