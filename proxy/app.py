@@ -117,6 +117,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for warmup in warmups:
             warmup.cancel()
         await tasks.stop()
+        for endpoint in app[ENDPOINTS_KEY].values():
+            endpoint.legacy.close()  # the legacy relay's stream pumps
         for pool in pools:
             await pool.close()
         await http.close()

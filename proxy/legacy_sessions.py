@@ -28,7 +28,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-MAX_STREAMS = 64  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
+MAX_STREAMS = 16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
 
 
 @dataclass
