@@ -40,6 +40,7 @@ FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Versi
 LINGER_S = 60.0  # how long (s) a stream no client reads keeps its buffer (and a GET stream its upstream reader)
 MAX_RESUME_ATTEMPTS = 2  # upstream resumptions in a row that bring no event before the request fails
 MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming it
+MAX_OPEN_QUESTIONS = 1024  # server→client requests per session awaiting the client's answer, at most
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -101,6 +102,10 @@ class LegacyRelay:
             return await self.v1.handle(request, body, principal=principal, capabilities=session.capabilities)
         if request.method == "GET" and request.headers.get("Last-Event-ID") is not None:
             return await self._resume(request, session, sid, headers)
+        live = session.get_stream
+        if request.method == "GET" and live is not None and live.pump is not None and not live.pump.done():
+            # The upstream GET stream is still read (the last client left it lately): go on from now.
+            return await self._serve(request, live, live.last_seq)
         upstream_rid: int | None = None
         if request.method == "POST" and isinstance(body, dict):
             if body.get("method") == "initialize":
@@ -194,7 +199,6 @@ class LegacyRelay:
             session.get_stream = stream
             stream.pump = loop.create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
         else:
-            assert upstream_rid is not None or request_id is None
             stream.pump = loop.create_task(
                 self._pump_post(session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key),
                 name=f"legacy POST relay {self.name}",
@@ -304,6 +308,8 @@ class LegacyRelay:
         if jsonrpc.is_request(message):
             proxy_id = "mtp-" + secrets.token_urlsafe(9)
             session.request_ids[proxy_id] = message["id"]
+            while len(session.request_ids) > MAX_OPEN_QUESTIONS:  # never answered: the oldest are forgotten
+                del session.request_ids[next(iter(session.request_ids))]
             return SseEvent(event.event, _dumps({**message, "id": proxy_id}), None, event.retry), False
         if jsonrpc.is_response(message):
             if upstream_rid is not None and message.get("id") == upstream_rid:

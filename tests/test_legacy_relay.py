@@ -240,6 +240,44 @@ async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str,
             assert (await next_message(it))[1] == 4
 
 
+async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(upstream: str, tmp_path: Path) -> None:
+    async with running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+                assert r.status == 204
+
+        async def messages(resp: aiohttp.ClientResponse, count: int) -> list[tuple[str, int]]:
+            out: list[tuple[str, int]] = []
+            async with asyncio.timeout(5):
+                async for event in iter_events(resp.content.iter_any()):
+                    if event.data:
+                        out.append((event.id, json.loads(event.data)["params"]["data"]))
+                        if len(out) == count:
+                            return out
+            return out
+
+        resp = await http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")).__aenter__()
+        await push(1)
+        [(first_id, _)] = await messages(resp, 1)
+        resp.close()
+        for n in (2, 3, 4, 5):
+            await push(n)
+        await asyncio.sleep(0.2)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert [n for _, n in await messages(again, 2)] == [4, 5]  # only the last replay_events are kept
+        async with http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as fresh:
+            assert fresh.status == 200
+            await push(6)
+            assert [n for _, n in await messages(fresh, 1)] == [6]
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/gets") as r:
+        mine = [g for g in await r.json() if g["session"] == upstream_sid]
+    assert mine == [{"session": upstream_sid, "last_event_id": None}]  # one upstream GET served all three
+
+
 async def test_unknown_or_foreign_last_event_id_is_refused(proxy_url: str) -> None:
     async with aiohttp.ClientSession() as http:
         a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
