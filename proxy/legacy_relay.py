@@ -105,7 +105,7 @@ class LegacyRelay:
         live = session.get_stream
         if request.method == "GET" and live is not None and live.pump is not None and not live.pump.done():
             # The upstream GET stream is still read (the last client left it lately): go on from now.
-            return await self._serve(request, live, live.last_seq)
+            return await self._serve(request, session, live, live.last_seq)
         upstream_rid: int | None = None
         if request.method == "POST" and isinstance(body, dict):
             if body.get("method") == "initialize":
@@ -132,12 +132,9 @@ class LegacyRelay:
         try:
             return await self._forward(request, session, sid, headers, body=body, raw=raw, request_id=request_id, upstream_rid=upstream_rid, principal=principal)
         finally:
-            if upstream_rid is not None and session.pending.get(request_id) == upstream_rid and not self._streaming(session, upstream_rid):
+            streaming = any(s.upstream_rid == upstream_rid and not s.closed for s in session.streams.values())
+            if upstream_rid is not None and session.pending.get(request_id) == upstream_rid and not streaming:
                 session.pending.pop(request_id, None)
-
-    @staticmethod
-    def _streaming(session: LegacySession, upstream_rid: int) -> bool:
-        return any(s.upstream_rid == upstream_rid and not s.closed for s in session.streams.values())
 
     # -- one exchange with the upstream ---------------------------------------------------------
 
@@ -203,7 +200,7 @@ class LegacyRelay:
                 self._pump_post(session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key),
                 name=f"legacy POST relay {self.name}",
             )
-        return await self._serve(request, stream, 0, status=upstream.status, headers=out_headers)
+        return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
 
     async def _plain(self, upstream: aiohttp.ClientResponse, out_headers: dict[str, str], method: Any, request_id: Any, upstream_rid: int | None) -> web.Response:
         """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC, under the client's id."""
@@ -228,7 +225,9 @@ class LegacyRelay:
 
     # -- client side of a stream ------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, stream: RelayStream, after: int, *, status: int = 200, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, session: LegacySession, stream: RelayStream, after: int, *, status: int = 200, headers: dict[str, str] | None = None,
+    ) -> web.StreamResponse:
         """Write `stream` to the client from event `after` on (keepalives included) until it ends,
         is cut, or the client leaves; the stream itself goes on either way."""
         response = web.StreamResponse(status=status, headers={**(headers or {}), **SSE_HEADERS})
@@ -244,20 +243,21 @@ class LegacyRelay:
             stream.attached -= 1
             if stream.attached == 0:
                 stream.idle_since = asyncio.get_running_loop().time()
-                asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, stream)
+                asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
         return response
 
-    def _linger_over(self, stream: RelayStream) -> None:
+    def _linger_over(self, session: LegacySession, stream: RelayStream) -> None:
+        """LINGER_S after the last client left `stream`: stop reading a standalone stream nobody
+        reads, forget an ended one."""
         if stream.attached or asyncio.get_running_loop().time() - stream.idle_since < LINGER_S - 0.01:
             return
         if stream.kind == "get" and stream.pump is not None:
-            stream.pump.cancel()  # nobody reads the standalone stream any more
-        if stream.closed:
-            for session in self._sessions_of(stream):
-                session.streams.pop(stream.token, None)
-
-    def _sessions_of(self, stream: RelayStream) -> list[LegacySession]:
-        return [s for s in self.legacy.all() if s.streams.get(stream.token) is stream]
+            stream.pump.cancel()
+        if stream.closed or stream.kind == "get":
+            if session.streams.get(stream.token) is stream:
+                del session.streams[stream.token]
+            if session.get_stream is stream:
+                session.get_stream = None
 
     async def _resume(self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str]) -> web.StreamResponse:
         """GET with `Last-Event-ID`: replay that stream's later events from the proxy's buffer, then go on live."""
@@ -277,7 +277,7 @@ class LegacyRelay:
                 stream.reopen()
                 session.get_stream = stream
                 stream.pump = asyncio.get_running_loop().create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
-        return await self._serve(request, stream, start - 1)
+        return await self._serve(request, session, stream, start - 1)
 
     async def _open_get(self, headers: dict[str, str], last_event_id: str | None = None) -> aiohttp.ClientResponse | None:
         """An upstream GET stream (resuming after `last_event_id`), or None when the upstream refuses one."""
@@ -374,6 +374,9 @@ class LegacyRelay:
             stream.close()
             if request_id is not None and session.pending.get(request_id) == upstream_rid:
                 session.pending.pop(request_id, None)
+            if not stream.attached:  # nobody reads it now: kept LINGER_S for a resumption, then forgotten
+                stream.idle_since = asyncio.get_running_loop().time()
+                asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
 
     async def _pump_get(self, session: LegacySession, stream: RelayStream, upstream: aiohttp.ClientResponse, sid: str) -> None:
         """Read the upstream's standalone GET stream into `stream` (with the v1 status notifications
