@@ -316,6 +316,7 @@ class UpstreamSession:
             fruitless = 0 if state["events"] > before else fruitless + 1
             if state["retry"] is None or state["last_id"] is None or fruitless >= MAX_RESUME_ATTEMPTS:
                 break
+            log.info("upstream_stream_resume", server=self.server, reason=reason, after_ms=state["retry"])
             await asyncio.sleep(min(state["retry"] / 1000, MAX_RETRY_WAIT_S))
             current = await self._resume(state["last_id"])
             if current is None:
