@@ -338,6 +338,27 @@ async def test_update_and_cancel_race_sends_one_response(upstream: str, proxy_ur
     assert counts and set(counts.values()) == {1}
 
 
+@pytest.mark.parametrize("stubborn", [False, True])
+async def test_cancel_answers_questions_first_and_cancels_only_a_request_still_running(upstream: str, proxy_url: str, stubborn: bool) -> None:
+    client = ModernClient(proxy_url, capabilities=ELICIT_TASKS)
+    try:
+        created = (await client.call("ask", {"delay_ms": 150, "stubborn": stubborn})).result
+        await client.wait_status(created["taskId"], ("input_required",))
+        before = len(await upstream_log(upstream))
+        await client.request("tasks/cancel", {"taskId": created["taskId"]})
+        await asyncio.sleep(1.0)  # past the grace the proxy gives the upstream to end the request itself
+    finally:
+        await client.close()
+    after = [e["message"] for e in (await upstream_log(upstream))[before:]]
+    answers = [i for i, m in enumerate(after) if "method" not in m]
+    cancels = [i for i, m in enumerate(after) if m.get("method") == "notifications/cancelled"]
+    assert len(answers) == 1 and after[answers[0]]["error"]["code"] == -32800
+    if stubborn:  # still running after its question failed: cancelled, after the answer
+        assert len(cancels) == 1 and cancels[0] > answers[0]
+    else:  # it ended by itself: a cancel would name a request already answered
+        assert cancels == []
+
+
 async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(upstream: str, proxy_url: str) -> None:
     client = ModernClient(proxy_url, capabilities={})
     try:
