@@ -364,13 +364,9 @@ class Call:
         self._release(reason, {"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"})
 
     def _release(self, reason: str, error: JsonObject) -> None:
-        """Answer every pending question with `error`, then cancel the upstream request if it still runs.
-
-        Never both at once: an upstream whose question fails usually ends the request by itself, and
-        a `notifications/cancelled` racing that end crashes fragile SDKs (`mcp` 1.26 loses the whole
-        session: python-sdk#2416). So the answers go first; the cancel follows only if the request
-        is still running CANCEL_GRACE_S (s) after they were delivered (then it is not sent at all
-        once the request has ended)."""
+        """Answer the pending questions with `error` first; cancel the request only if it still runs
+        CANCEL_GRACE_S (s) later. Never both at once: a refused question usually ends the request,
+        and a cancel racing that end crashes fragile SDKs (`mcp` 1.26 loses the session, python-sdk#2416)."""
         questions = [pending.upstream_id for pending in self.pending.values()]
         for key in list(self.pending):
             self._cancel_timer(key)
@@ -381,12 +377,8 @@ class Call:
         runner = self._runner
         for upstream_id in questions:
             await self._respond(upstream_id, error=error)
-        if runner is None or runner.done():
-            return
-        if questions:
-            await asyncio.wait({runner}, timeout=CANCEL_GRACE_S)
-            if runner.done():
-                return  # the upstream ended it: a cancel now would name a request already answered
+        if runner is None or runner.done() or (questions and (await asyncio.wait({runner}, timeout=CANCEL_GRACE_S))[0]):
+            return  # ended (by itself): a cancel now would name a request already answered
         await self._send_cancelled(reason)
         runner.cancel()
 
