@@ -28,7 +28,7 @@ from aiohttp import web
 from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, read_limited
 from .legacy_tasks import V1Front, client_capabilities
 from .protocol import jsonrpc
-from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
 from .replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, RelayStream, parse_event_id
 from .upstream.common import Bounds
 from .upstream.sse import EventTooLargeError, SseEvent, iter_events

@@ -9,7 +9,6 @@ JSON-RPC ids and SSE event ids), or the proxy as the legacy server itself for st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
