@@ -10,13 +10,14 @@ notifications and server→client requests on the request's SSE stream (requests
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientConnectionError, web
 
 from .protocol import jsonrpc
 from .protocol.era import LEGACY_VERSIONS, upstream_capabilities
@@ -24,7 +25,7 @@ from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonR
 from .upstream.http import UpstreamError
 
 REQUEST_CANCELLED = -32800  # what the MCP SDKs use for an abandoned request
-from .upstream.sse import encode_message
+from .upstream.sse import KEEPALIVE, encode_message
 from .upstream.stdio import StdioPool, StdioSession
 
 
@@ -51,6 +52,7 @@ class LegacyBridge:
         self.name = name
         self.pool = pool
         self.sessions: dict[str, BridgeSession] = {}
+        self.keepalive_s = 15.0  # SSE comment interval (s) on a silent call (listen.sse_keepalive)
         # Rewrites replies by method before they go out (v1 tasks: initialize and tools/list).
         self.reply_hook: Callable[[str, JsonObject], Awaitable[JsonObject]] | None = None
 
@@ -148,11 +150,15 @@ class LegacyBridge:
         upstream_id = child.next_id()
         stream: web.StreamResponse | None = None
 
-        async def relay(msg: JsonObject) -> None:
+        async def open_stream() -> web.StreamResponse:
             nonlocal stream
             if stream is None:
-                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 await stream.prepare(request)
+            return stream
+
+        async def relay(msg: JsonObject) -> None:
+            stream = await open_stream()
             if jsonrpc.is_request(msg):
                 proxy_id = "mtp-" + secrets.token_urlsafe(9)
                 session.questions[proxy_id] = (child, msg["id"])
@@ -165,6 +171,10 @@ class LegacyBridge:
         session.calls[body["id"]] = (child, upstream_id, waiting)
         try:
             try:
+                while not (await asyncio.wait({waiting}, timeout=self.keepalive_s))[0]:
+                    # A silent call: an SSE comment every keepalive_s (s) keeps idle-cutting intermediaries off.
+                    with contextlib.suppress(ConnectionResetError, ClientConnectionError):
+                        await (await open_stream()).write(KEEPALIVE)
                 reply = await waiting
             except asyncio.CancelledError:
                 current = asyncio.current_task()
@@ -182,8 +192,9 @@ class LegacyBridge:
             session.calls.pop(body["id"], None)
         if stream is None:
             return web.json_response(out, dumps=lambda o: json.dumps(o, separators=(",", ":")))
-        await stream.write(encode_message(out))
-        await stream.write_eof()
+        with contextlib.suppress(ConnectionResetError, ClientConnectionError):
+            await stream.write(encode_message(out))
+            await stream.write_eof()
         return stream
 
 

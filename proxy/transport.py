@@ -143,6 +143,7 @@ class ServerEndpoint:
         self.v1 = V1Front(server=name, config=dispatcher.config, pool=dispatcher.pool, tasks=dispatcher.tasks, keepalive_s=dispatcher.keepalive_s)
         if bridge is not None:
             bridge.reply_hook = self.v1.rewrite_reply
+            bridge.keepalive_s = dispatcher.config.listen.sse_keepalive
         listen = dispatcher.config.listen
         # An HTTP upstream: the legacy relay (own ids toward the upstream, own SSE event ids toward the client).
         self.relay = LegacyRelay(

@@ -425,3 +425,16 @@ async def test_stdio_queued_call_cancelled_is_never_sent(tmp_path: Path) -> None
         assert "B" not in [entry["label"] for entry in json.loads(text)]
         resp.release()
         done.release()
+
+
+async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
+    config = stdio_config(tmp_path)
+    config.listen.sse_keepalive = 0.05
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call("k", "slow_compute", seconds=0.3, label="K") as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            raw = await resp.read()
+    assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
+    final = json.loads([e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1])
+    assert final["id"] == "k" and final["result"]["content"][0]["text"] == "computed K after 0.3s"
