@@ -155,6 +155,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await tasks.stop()
         if replicas is not None:
             await replicas.stop()
+        for endpoint in app[ENDPOINTS_KEY].values():
+            endpoint.legacy.close()  # the legacy relay's stream pumps
         for pool in pools:
             await pool.close()
         await http.close()

@@ -26,6 +26,7 @@ from .upstream.stdio import StdioPool, StdioSession
 log = structlog.get_logger("proxy.calls")
 
 PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call (or its poll interval, if longer)
+CANCEL_GRACE_S = 0.5  # how long (s) a call whose questions were just refused may take to end before it is cancelled
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
 
@@ -355,23 +356,31 @@ class Call:
             return
         message = f"input timed out: the client did not answer within {timeout_s:g} s"
         self.ended_by = "input_timeout"
-        for pending in self.pending.values():
-            self._spawn(self._respond(pending.upstream_id, error={"code": INTERNAL_ERROR, "message": message}))
-        self.pending.clear()
         self._finish({"error": {"code": INTERNAL_ERROR, "message": message}})
-        if self._runner is not None and not self._runner.done():
-            self._spawn(self._send_cancelled(message))
-            self._runner.cancel()
+        self._release(message, {"code": INTERNAL_ERROR, "message": message})
 
     def cancel(self, reason: str) -> None:
         """Abandon the call: release pending input requests, tell the upstream, stop reading."""
-        for key, pending in self.pending.items():
+        self._release(reason, {"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"})
+
+    def _release(self, reason: str, error: JsonObject) -> None:
+        """Answer the pending questions with `error` first; cancel the request only if it still runs
+        CANCEL_GRACE_S (s) later. Never both at once: a refused question usually ends the request,
+        and a cancel racing that end crashes fragile SDKs (`mcp` 1.26 loses the session, python-sdk#2416)."""
+        questions = [pending.upstream_id for pending in self.pending.values()]
+        for key in list(self.pending):
             self._cancel_timer(key)
-            self._spawn(self._respond(pending.upstream_id, error={"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"}))
         self.pending.clear()
-        if self._runner is not None and not self._runner.done():
-            self._spawn(self._send_cancelled(reason))
-            self._runner.cancel()
+        self._spawn(self._release_then_cancel(questions, reason, error))
+
+    async def _release_then_cancel(self, questions: list[RequestId], reason: str, error: JsonObject) -> None:
+        runner = self._runner
+        for upstream_id in questions:
+            await self._respond(upstream_id, error=error)
+        if runner is None or runner.done() or (questions and (await asyncio.wait({runner}, timeout=CANCEL_GRACE_S))[0]):
+            return  # ended (by itself): a cancel now would name a request already answered
+        await self._send_cancelled(reason)
+        runner.cancel()
 
     async def _send_cancelled(self, reason: str) -> None:
         if self.session is None or self.upstream_request_id is None:

@@ -31,7 +31,9 @@ class ListenConfig(_Strict):
         None, description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any"
     )
     max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
-    sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls")
+    sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls and every relayed legacy SSE stream")
+    replay_events: int = Field(256, ge=1, le=100_000, description="events kept per relayed legacy SSE stream for Last-Event-ID resumption")
+    replay_bytes: int = Field(1024 * 1024, ge=1024, description="bytes kept per relayed legacy SSE stream for Last-Event-ID resumption")
     drain_timeout: Duration = Field("30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish")
     drain_detached: Duration = Field(
         "10m", validate_default=True,

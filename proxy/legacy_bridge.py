@@ -9,19 +9,23 @@ notifications and server→client requests on the request's SSE stream (requests
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientConnectionError, web
 
 from .protocol import jsonrpc
 from .protocol.era import LEGACY_VERSIONS, upstream_capabilities
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId, object_of
 from .upstream.http import UpstreamError
-from .upstream.sse import encode_message
+
+REQUEST_CANCELLED = -32800  # what the MCP SDKs use for an abandoned request
+from .upstream.sse import KEEPALIVE, encode_message
 from .upstream.stdio import StdioPool, StdioSession
 
 
@@ -34,7 +38,7 @@ class BridgeSession:
     principal: str
     version: str
     questions: dict[str, tuple[StdioSession, RequestId]] = field(default_factory=dict)
-    calls: dict[RequestId, tuple[StdioSession, RequestId]] = field(default_factory=dict)
+    calls: dict[RequestId, tuple[StdioSession, RequestId, asyncio.Future[JsonObject]]] = field(default_factory=dict)
 
 
 def _error(request_id: Any, code: int, message: str, status: int) -> web.Response:
@@ -48,6 +52,7 @@ class LegacyBridge:
         self.name = name
         self.pool = pool
         self.sessions: dict[str, BridgeSession] = {}
+        self.keepalive_s = 15.0  # SSE comment interval (s) on a silent call (listen.sse_keepalive)
         # Rewrites replies by method before they go out (v1 tasks: initialize and tools/list).
         self.reply_hook: Callable[[str, JsonObject], Awaitable[JsonObject]] | None = None
 
@@ -110,8 +115,11 @@ class LegacyBridge:
         if body["method"] == "notifications/cancelled":
             request_id = params.get("requestId")
             target = session.calls.get(request_id) if isinstance(request_id, (str, int)) else None
-            if target is not None:
-                child, upstream_id = target
+            if target is not None:  # an answered (or unknown) request: the child never hears of it
+                child, upstream_id, waiting = target
+                if not child.sent(upstream_id):  # still queued for a slot: it is never sent
+                    waiting.cancel()
+                    return
                 await _quiet(child.notify("notifications/cancelled", {**params, "requestId": upstream_id}))
             return
         try:
@@ -140,14 +148,17 @@ class LegacyBridge:
             meta["progressToken"] = "mtp-" + secrets.token_urlsafe(9)
             params["_meta"] = meta
         upstream_id = child.next_id()
-        session.calls[body["id"]] = (child, upstream_id)
         stream: web.StreamResponse | None = None
 
-        async def relay(msg: JsonObject) -> None:
+        async def open_stream() -> web.StreamResponse:
             nonlocal stream
             if stream is None:
-                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 await stream.prepare(request)
+            return stream
+
+        async def relay(msg: JsonObject) -> None:
+            stream = await open_stream()
             if jsonrpc.is_request(msg):
                 proxy_id = "mtp-" + secrets.token_urlsafe(9)
                 session.questions[proxy_id] = (child, msg["id"])
@@ -156,8 +167,22 @@ class LegacyBridge:
                 msg = {**msg, "params": {**msg.get("params", {}), "progressToken": client_token}}
             await stream.write(encode_message(msg))
 
+        waiting = asyncio.ensure_future(child.request(body["method"], params or None, handler=relay, request_id=upstream_id))
+        session.calls[body["id"]] = (child, upstream_id, waiting)
         try:
-            reply = await child.request(body["method"], params or None, handler=relay, request_id=upstream_id)
+            try:
+                while not (await asyncio.wait({waiting}, timeout=self.keepalive_s))[0]:
+                    # A silent call: an SSE comment every keepalive_s (s) keeps idle-cutting intermediaries off.
+                    with contextlib.suppress(ConnectionResetError, ClientConnectionError):
+                        await (await open_stream()).write(KEEPALIVE)
+                reply = await waiting
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not waiting.cancelled() or (current is not None and current.cancelling()):
+                    waiting.cancel()
+                    raise
+                # The client cancelled it while it waited for a slot: nothing reached the child.
+                reply = jsonrpc.error_response(body["id"], jsonrpc.error_object(REQUEST_CANCELLED, "cancelled by the client before it was sent"))
             out = {**reply, "id": body["id"]}
             if self.reply_hook is not None:
                 out = await self.reply_hook(body["method"], out)
@@ -167,8 +192,9 @@ class LegacyBridge:
             session.calls.pop(body["id"], None)
         if stream is None:
             return web.json_response(out, dumps=lambda o: json.dumps(o, separators=(",", ":")))
-        await stream.write(encode_message(out))
-        await stream.write_eof()
+        with contextlib.suppress(ConnectionResetError, ClientConnectionError):
+            await stream.write(encode_message(out))
+            await stream.write_eof()
         return stream
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,8 @@ from .auth import ANONYMOUS
 from .tasks.model import principal_hash
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, RequestId
-from .upstream.sse import EventTooLargeError, SseEvent, encode_event
+from .replay import RelayStream
+from .upstream.sse import EventTooLargeError
 
 log = structlog.get_logger("proxy.transport")
 
@@ -25,16 +28,50 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+MAX_STREAMS = 16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
+
+
 @dataclass
 class LegacySession:
     """One downstream legacy session: the upstream's session id, the principal that opened it (only
-    they may use it), and the server→client request ids the proxy rewrote (proxy id → upstream id),
-    so two clients' ids never cross."""
+    they may use it), and the ids the proxy owns toward both sides:
+
+    - `request_ids`: server→client requests relayed to the client (proxy id → upstream id), each
+      answered at most once, so two upstream sessions' ids never cross;
+    - `pending`: the client's requests in flight (client id → the proxy's upstream id), for
+      cancellation; an answered request leaves it at once;
+    - `streams`: the SSE streams relayed to the client (token → RelayStream) for `Last-Event-ID`,
+      `get_stream` the standalone GET stream.
+    """
 
     upstream_id: str | None
     principal: str = ANONYMOUS
     request_ids: dict[str, RequestId] = field(default_factory=dict)
     capabilities: JsonObject = field(default_factory=dict)  # what its initialize declared (elicitation, sampling, roots)
+    pending: dict[RequestId, int] = field(default_factory=dict)
+    streams: dict[str, RelayStream] = field(default_factory=dict)
+    get_stream: RelayStream | None = None
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def mint(self) -> int:
+        """A fresh JSON-RPC id toward the upstream for one client request."""
+        return next(self._ids)
+
+    def add_stream(self, stream: RelayStream) -> None:
+        """Remember `stream` for resumption; past MAX_STREAMS the oldest ended stream is forgotten."""
+        self.streams[stream.token] = stream
+        while len(self.streams) > MAX_STREAMS:
+            victim = next((s for s in self.streams.values() if s.closed and s is not self.get_stream), None)
+            if victim is None:
+                break
+            del self.streams[victim.token]
+
+    def end(self) -> None:
+        """Stop every pump of this session (it ended)."""
+        for stream in self.streams.values():
+            if stream.pump is not None:
+                stream.pump.cancel()
+            stream.close()
 
 
 class LegacySessions:
@@ -70,21 +107,19 @@ class LegacySessions:
         self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}))
 
     def end(self, sid: str) -> None:
-        """Forget `sid` (DELETE, or the upstream expired it)."""
-        self._sessions.pop(sid, None)
+        """Forget `sid` (DELETE, or the upstream expired it) and stop its streams' pumps."""
+        session = self._sessions.pop(sid, None)
+        if session is not None:
+            session.end()
 
+    def all(self) -> list[LegacySession]:
+        """Every open session, and the session-less one."""
+        return [*self._sessions.values(), self.sessionless]
 
-def rewrite_server_request(event: SseEvent, session: LegacySession) -> bytes:
-    """Re-encode one upstream SSE event; a server→client request gets a proxy-minted id."""
-    try:
-        msg = json.loads(event.data) if event.data.strip() else None
-    except ValueError:
-        msg = None
-    if isinstance(msg, dict) and jsonrpc.is_request(msg):
-        proxy_id = "mtp-" + secrets.token_urlsafe(9)
-        session.request_ids[proxy_id] = msg["id"]
-        event = SseEvent(event.event, _dumps({**msg, "id": proxy_id}), event.id, event.retry)
-    return encode_event(event)
+    def close(self) -> None:
+        """Stop every session's pumps (proxy shutdown)."""
+        for session in [*self._sessions.values(), self.sessionless]:
+            session.end()
 
 
 def observe_legacy(server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float) -> None:
@@ -129,15 +164,3 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
     text = data[:200].decode("utf-8", errors="replace").strip()
     error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
     return (status if 400 <= status < 500 else 502), _dumps(jsonrpc.error_response(request_id, error)).encode()
-
-
-def answers(event: SseEvent, request_id: Any) -> bool:
-    """True when a relayed SSE event is the JSON-RPC response (result or error) to `request_id`."""
-    if request_id is None or '"id"' not in event.data:
-        return False
-    try:
-        message = json.loads(event.data)
-    except ValueError:
-        return False
-    return isinstance(message, dict) and message.get("id") == request_id and ("result" in message or "error" in message)
-

@@ -2,13 +2,13 @@
 
 Modern era (2026-07-28, transports §"Streamable HTTP"): POST only, per-request envelope and routing
 headers, JSON reply or an SSE stream scoped to the request. Legacy era (2025-06-18 / 2025-11-25):
-a transparent relay to the upstream with the upstream session mapped to a proxy session id.
+the relay to the upstream (legacy_relay.py: the upstream session mapped to a proxy session id, own
+JSON-RPC ids and SSE event ids), or the proxy as the legacy server itself for stdio (legacy_bridge.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,21 +22,19 @@ from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
 from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
-from .legacy_tasks import V1Front, client_capabilities
+from .legacy_tasks import V1Front
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from .guards import default_allowed_hosts, host_guard
-from .legacy_sessions import LegacySession, LegacySessions, answers, as_jsonrpc_reply, observe_legacy, read_limited, rewrite_server_request
+from .legacy_relay import LegacyRelay
+from .legacy_sessions import LegacySession, LegacySessions, observe_legacy
 from .upstream.common import Bounds
-from .upstream.sse import KEEPALIVE, EventTooLargeError, encode_message, iter_events
+from .upstream.sse import KEEPALIVE, encode_message
 
 log = structlog.get_logger("proxy.transport")
 
 __all__ = ["LegacySession", "LegacySessions", "ModernReply", "ServerEndpoint", "default_allowed_hosts", "host_guard", "principal_of", "prefers_sse"]
-
-_FORWARD_REQUEST_HEADERS = ("Accept", "Content-Type", "MCP-Protocol-Version", "Last-Event-ID")
-_FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
 
 
 def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:
@@ -148,6 +146,13 @@ class ServerEndpoint:
         self.v1 = V1Front(server=name, config=dispatcher.config, pool=dispatcher.pool, tasks=dispatcher.tasks, keepalive_s=dispatcher.keepalive_s)
         if bridge is not None:
             bridge.reply_hook = self.v1.rewrite_reply
+            bridge.keepalive_s = dispatcher.config.listen.sse_keepalive
+        listen = dispatcher.config.listen
+        # An HTTP upstream: the legacy relay (own ids toward the upstream, own SSE event ids toward the client).
+        self.relay = LegacyRelay(
+            name=name, url=url, headers=headers, http=http, bounds=self.bounds, v1=self.v1, sessions=self.legacy,
+            keepalive_s=listen.sse_keepalive, replay_events=listen.replay_events, replay_bytes=listen.replay_bytes,
+        ) if url is not None else None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -259,111 +264,8 @@ class ServerEndpoint:
                 jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
             except JsonRpcError as exc:
                 return _json_error(request_id, exc)
-        headers = {**self.headers}
-        for name in _FORWARD_REQUEST_HEADERS:
-            if name in request.headers:
-                headers[name] = request.headers[name]
-        for name, value in request.headers.items():
-            if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
-                headers[name] = value
-        sid = request.headers.get("Mcp-Session-Id")
-        session = self.legacy.sessionless
-        if sid:
-            found = self.legacy.get(sid.strip(), principal_of(request))
-            if found is None:
-                err = JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one")
-                return _json_error(request_id, err, status=404)
-            session = found
-            if found.upstream_id:
-                headers["Mcp-Session-Id"] = found.upstream_id
-        if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
-            if not sid:
-                return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"), status=400)
-            return await self.v1.handle(request, body, principal=principal_of(request), capabilities=session.capabilities)
-        if request.method == "POST" and isinstance(body, dict) and body.get("method") == "initialize":
-            stripped = await self.v1.strip_initialize(body)
-            if stripped is not body:
-                raw = _dumps(stripped).encode()
-        if request.method == "POST" and jsonrpc.is_response(body) and body["id"] in session.request_ids:
-            raw = _dumps({**body, "id": session.request_ids.pop(body["id"])}).encode()
-        method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
-        # A POSTed request is bounded like the proxy's own (its hard timeout for calls); a GET stream
-        # lasts as long as the client keeps it open, but its connect and each read are bounded.
-        bound, key = self.bounds.for_method(method) if isinstance(method, str) else (None, "")
-        assert self.url is not None
-        try:
-            upstream = await self.http.request(
-                request.method,
-                self.url,
-                data=raw if request.method == "POST" else None,
-                headers=headers,
-                allow_redirects=False,  # configured headers (credentials) never follow a redirect
-                timeout=aiohttp.ClientTimeout(total=bound, sock_connect=self.bounds.connect_timeout),
-            )
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) and bound else f"{exc.__class__.__name__}: {exc}"
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
-            return _json_error(request_id, err, status=504 if isinstance(exc, asyncio.TimeoutError) else 502)
-        if 300 <= upstream.status < 400:
-            upstream.release()
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed")
-            return _json_error(request_id, err, status=502)
-        limit = self.bounds.max_response_bytes
-        is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
-            upstream.release()
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)")
-            return _json_error(request_id, err, status=502)
-        async with upstream:
-            out_headers = {n: upstream.headers[n] for n in _FORWARD_RESPONSE_HEADERS if n in upstream.headers}
-            upstream_new_sid = upstream.headers.get("Mcp-Session-Id")
-            if sid:
-                if upstream.status == 404 or (request.method == "DELETE" and upstream.status < 300):
-                    self.legacy.end(sid.strip())
-                out_headers["Mcp-Session-Id"] = sid.strip()
-            elif upstream_new_sid:
-                out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal_of(request), capabilities=client_capabilities(body))
-            if upstream_new_sid and not sid:
-                session = self.legacy.get(out_headers["Mcp-Session-Id"], principal_of(request)) or session
-            if not is_sse:  # a plain reply is read whole (it is bounded), so what goes out is always JSON-RPC
-                try:
-                    data = await read_limited(upstream, limit)
-                except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
-                    reason = str(exc) or exc.__class__.__name__
-                    return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
-                status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
-                data = await self.v1.rewrite_plain(method, data)
-                if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
-                    out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
-                return web.Response(status=status, body=data, headers=out_headers)
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            response.headers["X-Accel-Buffering"] = "no"
-            await response.prepare(request)
-            rewriter = self.v1.event_rewriter(method, request_id)
-            # The session's GET stream also carries v1 `notifications/tasks/status` for the principal's tasks.
-            pump = self.v1.status_pump(response, session.principal, sid.strip()) if request.method == "GET" and sid else None
-            answered = request.method != "POST" or request_id is None
-            try:
-                async for event in iter_events(upstream.content.iter_any(), max_event_bytes=limit):
-                    if rewriter is not None:
-                        event = await rewriter(event)
-                    answered = answered or answers(event, request_id)
-                    await response.write(rewrite_server_request(event, session))
-            except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
-                reason = str(exc) or exc.__class__.__name__
-                log.warning("legacy_relay_broken", server=self.name, reason=reason)
-                if not answered:  # the request the stream left unanswered gets its JSON-RPC error (python-sdk#1577)
-                    error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} broke its stream: {reason}"})
-                    with contextlib.suppress(aiohttp.ClientError, OSError):
-                        await response.write(encode_message(error))
-                elif request.transport is not None:
-                    request.transport.close()  # a GET stream: the client sees it cut and may resume
-            finally:
-                if pump is not None:
-                    pump.cancel()
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                await response.write_eof()  # the client may already be gone (a GET stream it closed)
-            return response
+        assert self.relay is not None
+        return await self.relay.handle(request, body=body, raw=raw, request_id=request_id, principal=principal_of(request))
 
 
 def _validate_legacy_response(body: Any) -> None:

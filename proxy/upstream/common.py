@@ -19,6 +19,42 @@ class SessionExpiredError(UpstreamError):
     """The upstream answered 404 for our session id: it must be initialized again."""
 
 
+class SessionBrokenError(SessionExpiredError):
+    """A request went onto a session that had already broken and got nothing back: it was never
+    delivered, so it may be sent again on a new session (retried like an expired session)."""
+
+
+class OpenQuestions:
+    """The server→client request ids an upstream session asked that the proxy has not answered.
+
+    `claim(id)` is True exactly once per asked id, so whatever races (an answer, a cancel, an input
+    timeout, a shutdown) the upstream gets one response per id. At most `limit` ids are kept (the
+    oldest unanswered are forgotten first).
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._ids: dict[tuple[str, Any], None] = {}
+
+    @staticmethod
+    def _key(request_id: Any) -> tuple[str, Any]:
+        return type(request_id).__name__, request_id
+
+    def asked(self, request_id: Any) -> None:
+        """The upstream sent a request with this id."""
+        self._ids[self._key(request_id)] = None
+        while len(self._ids) > self.limit:
+            del self._ids[next(iter(self._ids))]
+
+    def claim(self, request_id: Any) -> bool:
+        """True when `request_id` was asked and not answered yet (it is answered from now on)."""
+        key = self._key(request_id)
+        if key not in self._ids:
+            return False
+        del self._ids[key]
+        return True
+
+
 # Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
 # request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
 CALL_METHODS = frozenset({"tools/call", "prompts/get", "resources/read", "tasks/result"})  # bounded by the hard `timeout`

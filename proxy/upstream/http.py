@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import structlog
@@ -21,16 +22,19 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import CALL_METHODS, Bounds, SessionExpiredError, UpstreamError, caps_key, probe
+from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe
 from .sse import EventTooLargeError, iter_events
 
 log = structlog.get_logger("proxy.upstream")
 
-__all__ = ["CALL_METHODS", "Bounds", "SessionExpiredError", "UpstreamError", "UpstreamPool", "UpstreamSession", "caps_key", "probe"]
+__all__ = ["CALL_METHODS", "Bounds", "SessionBrokenError", "SessionExpiredError", "UpstreamError", "UpstreamPool", "UpstreamSession", "caps_key", "probe"]
 
 # Called with every message that arrives on a request's stream before its response:
 # notifications and server→client requests. Returns nothing; answers go through `respond`.
 MessageHandler = Callable[[JsonObject], Awaitable[None]]
+
+MAX_RESUME_ATTEMPTS = 2  # resumptions in a row that bring no event before a request fails
+MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's SSE `retry` hint makes the proxy wait
 
 
 class UpstreamSession:
@@ -62,6 +66,10 @@ class UpstreamSession:
         self.initialize_result: JsonObject = {}
         self._ids = itertools.count(1)
         self.closed = False
+        self.in_flight = 0
+        self._deleted = False
+        self.broken: str | None = None  # why the session is no longer trusted (a stream died before answering)
+        self.questions = OpenQuestions()  # server→client request ids not answered yet: one response each
         self.on_notification: Callable[[JsonObject], None] | None = None
         self._listener: asyncio.Task[None] | None = None
 
@@ -147,6 +155,7 @@ class UpstreamSession:
         except ValueError:
             return
         if isinstance(msg, dict) and jsonrpc.is_request(msg):
+            self.questions.asked(msg["id"])
             if msg["method"] == "ping":
                 await self._answer_ping(msg["id"])
             else:
@@ -181,7 +190,12 @@ class UpstreamSession:
         await self._send_no_reply(jsonrpc.notification(method, params))
 
     async def respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
-        """Answer a server→client request under the upstream's own id. Raises UpstreamError."""
+        """Answer a server→client request under the upstream's own id, once: a second answer for the
+        same id (a race between an answer, a cancel, a timeout) or one for an id the upstream never
+        asked is dropped and logged. Raises UpstreamError."""
+        if not self.questions.claim(request_id):
+            log.warning("upstream_answer_dropped", server=self.server, reason="already answered or never asked")
+            return
         msg = jsonrpc.error_response(request_id, error) if error is not None else jsonrpc.response(request_id, result or {})
         await self._send_no_reply(msg)
 
@@ -210,15 +224,30 @@ class UpstreamSession:
         Cancel the awaiting task to abandon the request (the caller sends `notifications/cancelled`).
         """
         bound, key = self.bounds.for_method(method)
+        self.in_flight += 1
         try:
             async with asyncio.timeout(bound):
                 return await self._request(method, params, handler, request_id)
         except TimeoutError:
             raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
+        finally:
+            self.in_flight -= 1
+            if self.closed and self.broken is not None and self.in_flight == 0:
+                asyncio.get_running_loop().create_task(self._delete())
+
+    def retire(self) -> None:
+        """Out of the pool: no new requests, no GET stream; a broken session is ended (DELETE) once
+        its requests in flight are over (an expired one needs nothing more)."""
+        self.closed = True
+        if self._listener is not None:
+            self._listener.cancel()
+        if self.broken is not None and self.in_flight == 0:
+            asyncio.get_running_loop().create_task(self._delete())
 
     async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
         message = jsonrpc.request(rid, method, params)
+        was_broken = self.broken is not None
         resp = await self._post(message)
         async with resp:
             if method == "initialize":
@@ -227,7 +256,7 @@ class UpstreamSession:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
-                return await self._read_stream(resp, rid, handler)
+                return await self._read_stream(resp, rid, handler, was_broken)
             raw = await self._read_body(resp)
             try:
                 body = json.loads(raw)
@@ -261,9 +290,50 @@ class UpstreamSession:
             raise UpstreamError(f"upstream {self.server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
         return bytes(body)
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None) -> JsonObject:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, was_broken: bool) -> JsonObject:
+        """The response to `rid` from an SSE reply. When the upstream ends the stream on purpose
+        (SSE polling, SEP-1699: an event id and `retry`, then a close) the stream is resumed with GET
+        and `Last-Event-ID`. A stream that dies or closes before answering marks the session broken
+        (the pool opens a new one); on a session already broken, a request that got nothing back
+        raises SessionBrokenError (never delivered: safe to send again)."""
+        state: dict[str, Any] = {"last_id": None, "retry": None, "events": 0}
+        current: aiohttp.ClientResponse | None = resp
+        fruitless = 0
+        reason = "closed the stream before answering"
+        while current is not None:
+            before = state["events"]
+            try:
+                reply = await self._read_events(current, rid, handler, state)
+            except (aiohttp.ClientError, OSError) as exc:
+                reason = f"broke the stream mid-call: {exc.__class__.__name__}: {exc}"
+                state["retry"] = None
+                reply = None
+            finally:
+                if current is not resp:
+                    current.release()
+            if reply is not None:
+                return reply
+            fruitless = 0 if state["events"] > before else fruitless + 1
+            if state["retry"] is None or state["last_id"] is None or fruitless >= MAX_RESUME_ATTEMPTS:
+                break
+            log.info("upstream_stream_resume", server=self.server, reason=reason, after_ms=state["retry"])
+            await asyncio.sleep(min(state["retry"] / 1000, MAX_RETRY_WAIT_S))
+            current = await self._resume(state["last_id"])
+            if current is None:
+                reason = "closed the stream before answering and refused to resume it"
+        if was_broken and state["events"] == 0:
+            raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
+        self.broken = self.broken or reason
+        raise UpstreamError(f"upstream {self.server} {reason}")
+
+    async def _read_events(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, state: dict[str, Any]) -> JsonObject | None:
+        """Read one SSE reply until the response to `rid` (returned) or its end (None); `state`
+        keeps the last event id, the `retry` hint (ms) and the count of events seen."""
         try:
             async for event in iter_events(resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
+                state["events"] += 1
+                state["last_id"] = event.id if event.id is not None else state["last_id"]
+                state["retry"] = event.retry if event.retry is not None else state["retry"]
                 if event.event != "message" or not event.data.strip():
                     continue
                 try:
@@ -275,6 +345,8 @@ class UpstreamSession:
                     if "result" in msg and not isinstance(msg["result"], dict):
                         raise UpstreamError(f"upstream {self.server} sent a non-object result")
                     return msg
+                if jsonrpc.is_request(msg):
+                    self.questions.asked(msg["id"])
                 if jsonrpc.is_request(msg) and msg.get("method") == "ping":
                     asyncio.get_running_loop().create_task(self._answer_ping(msg["id"]))
                     continue
@@ -282,9 +354,21 @@ class UpstreamSession:
                     await handler(msg)
         except EventTooLargeError:
             raise UpstreamError(f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.server} broke the stream mid-call: {exc.__class__.__name__}: {exc}") from exc
-        raise UpstreamError(f"upstream {self.server} closed the stream before answering")
+        return None
+
+    async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
+        """A GET resuming the session's stream after `last_event_id`; None when refused."""
+        headers = {k: v for k, v in self._headers().items() if k != "Content-Type"}
+        headers["Accept"] = "text/event-stream"
+        headers["Last-Event-ID"] = last_event_id
+        try:
+            resp = await self.http.get(self.url, headers=headers, allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return None
+        if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            resp.release()
+            return None
+        return resp
 
     async def _answer_ping(self, request_id: RequestId) -> None:
         try:
@@ -299,8 +383,12 @@ class UpstreamSession:
         self.closed = True
         if self._listener is not None:
             self._listener.cancel()
-        if not self.session_id:
+        await self._delete()
+
+    async def _delete(self) -> None:
+        if not self.session_id or self._deleted:
             return
+        self._deleted = True
         try:
             async with self.http.delete(self.url, headers=self._headers(), allow_redirects=False, timeout=aiohttp.ClientTimeout(total=self.bounds.connect_timeout)):
                 pass
@@ -308,53 +396,4 @@ class UpstreamSession:
             pass
 
 
-class UpstreamPool:
-    """The upstream sessions of one server, one per distinct client-capability set.
-
-    Legacy servers decide what they offer from the `initialize` capabilities (protocol.md §3.4),
-    so each capability set gets its own session, opened on first use.
-    """
-
-    def __init__(self, http: aiohttp.ClientSession, server: str, url: str, headers: dict[str, str], *, bounds: Bounds | None = None) -> None:
-        self.http = http
-        self.server = server
-        self.url = url
-        self.headers = headers
-        self.bounds = bounds or Bounds()
-        self._sessions: dict[str, UpstreamSession] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
-
-    async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
-        """The open session for `capabilities`, initializing it if needed (`principal` is not used:
-        HTTP sessions are shared). Raises UpstreamError."""
-        key = caps_key(capabilities)
-        existing = self._sessions.get(key)
-        if existing is not None and not existing.closed:
-            return existing
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            existing = self._sessions.get(key)
-            if existing is not None and not existing.closed:
-                return existing
-            session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities, bounds=self.bounds)
-            session.on_notification = self.on_notification
-            await session.open()
-            self._sessions[key] = session
-            return session
-
-    async def check(self, timeout_s: float = 5.0) -> str | None:
-        """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
-        return await probe(self, timeout_s)
-
-    def discard(self, session: UpstreamSession) -> None:
-        """Forget a session the upstream expired, so the next use initializes a new one."""
-        session.closed = True
-        key = caps_key(session.capabilities)
-        if self._sessions.get(key) is session:
-            del self._sessions[key]
-
-    async def close(self) -> None:
-        """Close every session."""
-        sessions, self._sessions = list(self._sessions.values()), {}
-        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+from .http_pool import UpstreamPool  # noqa: E402  (re-exported; the pool module imports this one)

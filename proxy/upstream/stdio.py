@@ -28,7 +28,7 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import Bounds, UpstreamError
+from .common import Bounds, OpenQuestions, UpstreamError
 from .http import MessageHandler
 
 log = structlog.get_logger("proxy.upstream.stdio")
@@ -94,6 +94,7 @@ class StdioSession:
         self.exit_status: int | None = None
         self.last_used = time.monotonic()
         self._pending: dict[RequestId, _Pending] = {}
+        self.questions = OpenQuestions()  # the child's requests not answered yet: one response each
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._readers: list[asyncio.Task[None]] = []
@@ -191,6 +192,11 @@ class StdioSession:
         """A fresh upstream JSON-RPC request id for this child."""
         return next(self._ids)
 
+    def sent(self, request_id: RequestId) -> bool:
+        """True once request `request_id` holds its `max_concurrency` slot and went (or is going) to
+        the child; False while it still waits for a slot (or after its response)."""
+        return request_id in self._pending
+
     async def _write(self, message: JsonObject) -> None:
         proc = self.proc
         if proc is None or proc.stdin is None or proc.returncode is not None or self.exited.is_set():
@@ -212,7 +218,11 @@ class StdioSession:
         await self._write(jsonrpc.notification(method, params))
 
     async def respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
-        """Answer a server→client request under the child's own id. Raises UpstreamError."""
+        """Answer a server→client request under the child's own id, once (a second answer for the
+        same id, or one for an id never asked, is dropped and logged). Raises UpstreamError."""
+        if not self.questions.claim(request_id):
+            log.warning("upstream_answer_dropped", server=self.server, reason="already answered or never asked")
+            return
         msg = jsonrpc.error_response(request_id, error) if error is not None else jsonrpc.response(request_id, result or {})
         await self._write(msg)
 
@@ -329,6 +339,8 @@ class StdioSession:
             return
         if "method" not in msg:
             return
+        if jsonrpc.is_request(msg):
+            self.questions.asked(msg["id"])
         if jsonrpc.is_request(msg) and msg["method"] == "ping":
             asyncio.get_running_loop().create_task(self._quiet(self.respond(msg["id"], result={})))
             return

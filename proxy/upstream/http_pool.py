@@ -1,0 +1,71 @@
+"""The pool of HTTP upstream sessions of one server (one per client-capability set)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiohttp
+import structlog
+
+from ..protocol.jsonrpc import JsonObject
+from .common import Bounds, caps_key, probe
+from .http import UpstreamSession
+
+log = structlog.get_logger("proxy.upstream")
+
+
+class UpstreamPool:
+    """The upstream sessions of one server, one per distinct client-capability set.
+
+    Legacy servers decide what they offer from the `initialize` capabilities (protocol.md §3.4),
+    so each capability set gets its own session, opened on first use.
+    """
+
+    def __init__(self, http: aiohttp.ClientSession, server: str, url: str, headers: dict[str, str], *, bounds: Bounds | None = None) -> None:
+        self.http = http
+        self.server = server
+        self.url = url
+        self.headers = headers
+        self.bounds = bounds or Bounds()
+        self._sessions: dict[str, UpstreamSession] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
+
+    async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
+        """The open session for `capabilities`, initializing it if needed (`principal` is not used:
+        HTTP sessions are shared). Raises UpstreamError."""
+        key = caps_key(capabilities)
+        existing = self._sessions.get(key)
+        if existing is not None and not existing.closed and existing.broken is None:
+            return existing
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            existing = self._sessions.get(key)
+            if existing is not None and not existing.closed and existing.broken is None:
+                return existing
+            if existing is not None and existing.broken is not None:  # out of the pool before another call is put on it
+                log.warning("upstream_session_broken", server=self.server, reason=existing.broken)
+                self.discard(existing)
+            session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities, bounds=self.bounds)
+            session.on_notification = self.on_notification
+            await session.open()
+            self._sessions[key] = session
+            return session
+
+    async def check(self, timeout_s: float = 5.0) -> str | None:
+        """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
+        return await probe(self, timeout_s)
+
+    def discard(self, session: UpstreamSession) -> None:
+        """Forget a session the upstream expired (or that broke), so the next use initializes a new
+        one; a broken session is ended (DELETE) once its requests in flight are over."""
+        session.retire()
+        key = caps_key(session.capabilities)
+        if self._sessions.get(key) is session:
+            del self._sessions[key]
+
+    async def close(self) -> None:
+        """Close every session."""
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)

@@ -1,0 +1,440 @@
+"""The HTTP legacy relay owns its protocol state (issue 13), tested over raw HTTP against an upstream
+that gets ids, sessions and streams wrong on purpose (tests/fixtures/relay_upstream.py): the proxy's
+own JSON-RPC ids toward the upstream and SSE event ids toward the client, `Last-Event-ID` served
+from its own buffer, keepalives on relayed streams, an error for every request a stream leaves
+unanswered, cancels that never reach the upstream for answered or queued requests, and exactly one
+response per upstream request id."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from conftest import ModernClient, ServerProcess, running_proxy
+from proxy.config import config_from_data
+from proxy.upstream.http import SessionBrokenError, UpstreamError, UpstreamSession
+from proxy.upstream.sse import iter_events
+from test_stdio import stdio_config
+
+LEGACY = "2025-11-25"
+ELICIT_TASKS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    server = ServerProcess([sys.executable, "tests/fixtures/relay_upstream.py", "--port", "0"])
+    yield server.url
+    server.stop()
+
+
+def relay_config(upstream_url: str, tmp_path: Path, **listen: object):
+    return config_from_data({
+        "listen": {"sse_keepalive": "50ms", **listen},
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "50ms"},
+        "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s"}},
+    })
+
+
+@pytest.fixture
+async def proxy_url(upstream: str, tmp_path: Path) -> AsyncIterator[str]:
+    async with running_proxy(relay_config(upstream, tmp_path)) as proxy:
+        yield proxy.url()
+
+
+class Legacy:
+    """A raw 2025-11-25 client session through the proxy."""
+
+    def __init__(self, url: str, http: aiohttp.ClientSession) -> None:
+        self.url, self.http, self.sid = url, http, ""
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": LEGACY}
+        if self.sid:
+            h["Mcp-Session-Id"] = self.sid
+        return {**h, **extra}
+
+    async def open(self, capabilities: dict | None = None) -> Legacy:
+        body = {"jsonrpc": "2.0", "id": "init", "method": "initialize",
+                "params": {"protocolVersion": LEGACY, "capabilities": capabilities or {}, "clientInfo": {"name": "raw", "version": "0"}}}
+        async with self.http.post(self.url, json=body, headers=self.headers()) as resp:
+            assert resp.status == 200, await resp.text()
+            self.sid = resp.headers["Mcp-Session-Id"]
+            assert (await resp.json())["id"] == "init"
+        await self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return self
+
+    async def post(self, body: dict) -> int:
+        async with self.http.post(self.url, json=body, headers=self.headers()) as resp:
+            await resp.read()
+            return resp.status
+
+    def call(self, rid: object, tool: str, **args: object):
+        body = {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {"name": tool, "arguments": args}}
+        return self.http.post(self.url, json=body, headers=self.headers())
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list:
+    return [event async for event in iter_events(resp.content.iter_any())]
+
+
+async def upstream_log(upstream: str) -> list[dict]:
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/log") as resp:
+        return await resp.json()
+
+
+async def upstream_sessions(upstream: str) -> list[str]:
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/sessions") as resp:
+        return await resp.json()
+
+
+# -- item 1: ids ---------------------------------------------------------------------------------
+
+
+async def test_own_request_ids_toward_the_upstream(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
+        async with a.call("same-id", "echo", x=1) as resp:  # JSON reply
+            assert (await resp.json())["id"] == "same-id"
+        async with b.call("same-id", "sse_echo") as resp:  # SSE reply
+            events = await read_events(resp)
+        final = json.loads(events[-1].data)
+        assert final["id"] == "same-id" and final["result"]["content"][0]["text"] == "sse_echo done"
+    seen = [entry["message"] for entry in await upstream_log(upstream) if entry["message"].get("method") == "tools/call"]
+    assert seen and all(isinstance(m["id"], int) for m in seen[-2:])  # the proxy's ids, never the client's
+
+
+async def test_own_event_ids_scoped_to_session_and_stream(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
+        ids = []
+        for client in (a, a, b):
+            async with client.call(1, "sse_echo") as resp:
+                ids.append([e.id for e in await read_events(resp)])
+    assert all(i not in ("1", "2") for stream in ids for i in stream)  # never the upstream's reused ids
+    tokens = {i.rpartition(":")[0] for stream in ids for i in stream}
+    assert len(tokens) == 3  # one token per stream, none shared between sessions
+    assert [i.rpartition(":")[2] for i in ids[0]] == ["1", "2"]
+
+
+async def test_server_requests_get_proxy_ids_and_one_answer_each(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open({"elicitation": {}}), await Legacy(proxy_url, http).open({"elicitation": {}})
+
+        async def ask(client: Legacy, answer: str) -> tuple[str, dict]:
+            async with client.call(5, "ask") as resp:
+                it = iter_events(resp.content.iter_any())
+                question = json.loads((await anext(it)).data)
+                assert question["method"] == "elicitation/create" and question["id"] != 0
+                reply = {"jsonrpc": "2.0", "id": question["id"], "result": {"action": "accept", "content": {"who": answer}}}
+                assert await client.post(reply) == 202
+                assert await client.post(reply) == 202  # a duplicate: dropped, never forwarded
+                assert await client.post({**reply, "id": "mtp-unknown"}) == 202
+                final = json.loads((await anext(it)).data)
+                return question["id"], final
+
+        (qa, ra), (qb, rb) = await asyncio.gather(ask(a, "alice"), ask(b, "bob"))
+    assert qa != qb
+    assert "alice" in ra["result"]["content"][0]["text"] and "bob" in rb["result"]["content"][0]["text"]
+    responses = [e for e in await upstream_log(upstream) if "method" not in e["message"]]
+    per_session: dict[str, int] = {}
+    for entry in responses[-2:]:
+        assert entry["message"]["id"] == 0  # both sessions asked with id 0
+        per_session[entry["session"]] = per_session.get(entry["session"], 0) + 1
+    assert len(per_session) == 2 and set(per_session.values()) == {1}
+    assert len([e for e in responses if e["message"].get("id") == "mtp-unknown"]) == 0
+
+
+# -- item 1: streams -----------------------------------------------------------------------------
+
+
+async def test_keepalive_on_relayed_post_and_get_streams(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(1, "slow", ms=300) as resp:
+            raw = await resp.read()
+        assert raw.count(b": keepalive") >= 2 and raw.rstrip().endswith(b"}")
+        async with http.get(proxy_url, headers=client.headers(Accept="text/event-stream")) as resp:
+            assert resp.status == 200
+            chunk = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2)
+        assert chunk.startswith(b": keepalive")
+
+
+@pytest.mark.parametrize("tool", ["die", "close_early"])
+async def test_stream_that_dies_or_closes_gets_an_error(proxy_url: str, tool: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call("mine", tool) as resp:
+            events = await asyncio.wait_for(read_events(resp), 5)
+    messages = [json.loads(e.data) for e in events if e.data]
+    assert messages[0]["method"] == "notifications/message"
+    assert messages[-1]["id"] == "mine" and messages[-1]["error"]["code"] == -32603
+    assert "upstream bad" in messages[-1]["error"]["message"]
+
+
+async def test_polling_upstream_resumed_through_the_proxys_ids(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(9, "poll") as resp:
+            events = await asyncio.wait_for(read_events(resp), 5)  # cut like the upstream cut it
+        assert len(events) == 1 and events[0].data == "" and events[0].retry == 50 and ":" in (events[0].id or "")
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": events[0].id})
+        async with http.get(proxy_url, headers=headers) as resp:
+            assert resp.status == 200
+            rest = await asyncio.wait_for(read_events(resp), 5)
+    final = json.loads(rest[-1].data)
+    assert final["id"] == 9 and final["result"]["content"][0]["text"] == "poll done"
+
+
+async def test_resume_after_client_disconnect_without_upstream_event_store(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        resp = await client.call(3, "sse_echo", ms=200).__aenter__()
+        first = await anext(iter_events(resp.content.iter_any()))
+        resp.close()  # the connection is gone; the call goes on in the proxy
+        await asyncio.sleep(0.4)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first.id})
+        async with http.get(proxy_url, headers=headers) as again:
+            rest = await asyncio.wait_for(read_events(again), 5)
+    assert [json.loads(e.data).get("id") for e in rest] == [3]
+    assert rest[0].id.rpartition(":")[2] == "2"
+
+
+async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+                assert r.status == 204
+
+        async def next_message(it: AsyncIterator) -> tuple[str, int]:
+            async with asyncio.timeout(5):
+                while True:
+                    event = await anext(it)
+                    if event.data:
+                        return event.id, json.loads(event.data)["params"]["data"]
+
+        resp = await http.get(proxy_url, headers=client.headers(Accept="text/event-stream")).__aenter__()
+        await push(1)
+        first_id, n = await next_message(iter_events(resp.content.iter_any()))
+        assert n == 1
+        resp.close()
+        await asyncio.sleep(0.1)
+        await push(2)
+        await push(3)
+        await asyncio.sleep(0.2)  # both are read from the upstream while no client is attached
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy_url, headers=headers) as again:
+            it = iter_events(again.content.iter_any())
+            assert [(await next_message(it))[1] for _ in range(2)] == [2, 3]
+            await push(4)
+            assert (await next_message(it))[1] == 4
+
+
+async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(upstream: str, tmp_path: Path) -> None:
+    async with running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+                assert r.status == 204
+
+        async def messages(resp: aiohttp.ClientResponse, count: int) -> list[tuple[str, int]]:
+            out: list[tuple[str, int]] = []
+            async with asyncio.timeout(5):
+                async for event in iter_events(resp.content.iter_any()):
+                    if event.data:
+                        out.append((event.id, json.loads(event.data)["params"]["data"]))
+                        if len(out) == count:
+                            return out
+            return out
+
+        resp = await http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")).__aenter__()
+        await push(1)
+        [(first_id, _)] = await messages(resp, 1)
+        resp.close()
+        for n in (2, 3, 4, 5):
+            await push(n)
+        await asyncio.sleep(0.2)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert [n for _, n in await messages(again, 2)] == [4, 5]  # only the last replay_events are kept
+        async with http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as fresh:
+            assert fresh.status == 200
+            await push(6)
+            assert [n for _, n in await messages(fresh, 1)] == [6]
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/gets") as r:
+        mine = [g for g in await r.json() if g["session"] == upstream_sid]
+    assert mine == [{"session": upstream_sid, "last_event_id": None}]  # one upstream GET served all three
+
+
+async def test_unknown_or_foreign_last_event_id_is_refused(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
+        async with a.call(1, "sse_echo") as resp:
+            event_id = (await read_events(resp))[0].id
+        for client, value in ((b, event_id), (a, "not-ours"), (a, "zzz:1")):
+            async with http.get(proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": value})) as resp:
+                assert resp.status == 400
+                assert "Last-Event-ID" in (await resp.json())["error"]["message"]
+
+
+# -- item 1: cancels -----------------------------------------------------------------------------
+
+
+async def test_cancel_maps_in_flight_and_drops_answered_or_unknown(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(1, "echo") as resp:
+            await resp.read()
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+        assert await client.post(cancel) == 202  # answered already
+        assert await client.post({**cancel, "params": {"requestId": "never"}}) == 202
+        before = len(await upstream_log(upstream))
+        async with client.call("slow-one", "wait_cancel") as resp:
+            await asyncio.sleep(0.2)
+            assert await client.post({**cancel, "params": {"requestId": "slow-one", "reason": "user"}}) == 202
+            events = await asyncio.wait_for(read_events(resp), 3)
+        assert json.loads(events[-1].data)["id"] == "slow-one"
+    log = await upstream_log(upstream)
+    cancels = [e["message"] for e in log if e["message"].get("method") == "notifications/cancelled"]
+    assert cancels and all(c["params"]["requestId"] not in (1, "never", "slow-one") for c in cancels)
+    call_id = next(e["message"]["id"] for e in log[before:] if e["message"].get("method") == "tools/call")
+    assert cancels[-1]["params"]["requestId"] == call_id
+
+
+# -- item 2: one response per upstream id; broken sessions ----------------------------------------
+
+
+async def test_update_and_cancel_race_sends_one_response(upstream: str, proxy_url: str) -> None:
+    client = ModernClient(proxy_url, capabilities=ELICIT_TASKS)
+    try:
+        for _ in range(3):
+            created = (await client.call("ask", {"delay_ms": 150})).result
+            assert created["resultType"] == "task"
+            task = await client.wait_status(created["taskId"], ("input_required",))
+            key = next(iter(task["inputRequests"]))
+            answer = {"taskId": created["taskId"], "inputResponses": {key: {"action": "accept", "content": {}}}}
+            await asyncio.gather(client.request("tasks/update", answer), client.request("tasks/cancel", {"taskId": created["taskId"]}))
+            await asyncio.sleep(0.2)
+            assert (await client.call("echo", {"after": "race"})).result["content"][0]["text"] == '{"after": "race"}'
+    finally:
+        await client.close()
+    counts: dict[tuple, int] = {}
+    for entry in await upstream_log(upstream):
+        message = entry["message"]
+        if "method" not in message:
+            counts[(entry["session"], message["id"])] = counts.get((entry["session"], message["id"]), 0) + 1
+    assert counts and set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+async def test_cancel_answers_questions_first_and_cancels_only_a_request_still_running(upstream: str, proxy_url: str, stubborn: bool) -> None:
+    client = ModernClient(proxy_url, capabilities=ELICIT_TASKS)
+    try:
+        created = (await client.call("ask", {"delay_ms": 150, "stubborn": stubborn})).result
+        await client.wait_status(created["taskId"], ("input_required",))
+        before = len(await upstream_log(upstream))
+        await client.request("tasks/cancel", {"taskId": created["taskId"]})
+        await asyncio.sleep(1.0)  # past the grace the proxy gives the upstream to end the request itself
+    finally:
+        await client.close()
+    after = [e["message"] for e in (await upstream_log(upstream))[before:]]
+    answers = [i for i, m in enumerate(after) if "method" not in m]
+    cancels = [i for i, m in enumerate(after) if m.get("method") == "notifications/cancelled"]
+    assert len(answers) == 1 and after[answers[0]]["error"]["code"] == -32800
+    if stubborn:  # still running after its question failed: cancelled, after the answer
+        assert len(cancels) == 1 and cancels[0] > answers[0]
+    else:  # it ended by itself: a cancel would name a request already answered
+        assert cancels == []
+
+
+async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(upstream: str, proxy_url: str) -> None:
+    client = ModernClient(proxy_url, capabilities={})
+    try:
+        assert (await client.call("echo", {"n": 1})).status == 200
+        before = await upstream_sessions(upstream)
+        reply = await client.call("break")
+        assert "closed the stream before answering" in reply.error["message"]
+        assert (await client.call("echo", {"n": 2})).result["content"][0]["text"] == '{"n": 2}'
+        assert len(await upstream_sessions(upstream)) == len(before) + 1  # a new upstream session
+    finally:
+        await client.close()
+    async with aiohttp.ClientSession() as http:
+        session = UpstreamSession(http, upstream, server="bad")
+        await session.open()
+        with pytest.raises(UpstreamError):
+            await session.request("tools/call", {"name": "break"}, handler=None)
+        assert session.broken
+        with pytest.raises(SessionBrokenError):  # nothing came back on a broken session: not delivered
+            await session.request("tools/call", {"name": "echo"}, handler=None)
+        await session.close()
+
+
+async def test_second_answer_for_one_upstream_id_is_never_sent(upstream: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        session = UpstreamSession(http, upstream, server="bad", capabilities={"elicitation": {}})
+        await session.open()
+
+        async def on_message(msg: dict) -> None:
+            if msg.get("method") == "elicitation/create":
+                await asyncio.gather(  # an answer and a cancel's error at once
+                    session.respond(msg["id"], error={"code": -32800, "message": "cancelled"}),
+                    session.respond(msg["id"], result={"action": "accept", "content": {}}),
+                )
+
+        reply = await session.request("tools/call", {"name": "ask"}, handler=on_message)
+        assert "cancelled" in reply["result"]["content"][0]["text"]
+        assert (await session.request("tools/call", {"name": "echo", "arguments": {"ok": 1}}, handler=None))["result"]
+        sid = session.session_id
+        await session.close()
+    answers = [e for e in await upstream_log(upstream) if e["session"] == sid and "method" not in e["message"]]
+    assert len(answers) == 1
+
+
+# -- stdio: a cancelled queued call is never sent ------------------------------------------------
+
+
+async def test_stdio_queued_call_cancelled_is_never_sent(tmp_path: Path) -> None:
+    async with running_proxy(stdio_config(tmp_path, server={"max_concurrency": 1})) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        first = asyncio.ensure_future(client.call("a", "slow_compute", seconds=1.0, label="A").__aenter__())
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        queued = asyncio.ensure_future(client.call("b", "slow_compute", seconds=0.1, label="B").__aenter__())
+        await asyncio.sleep(0.2)
+        assert await client.post({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "b"}}) == 202
+        resp = await asyncio.wait_for(queued, 2)
+        body = await resp.json()
+        assert body["id"] == "b" and body["error"]["code"] == -32800
+        assert time.monotonic() - started < 0.9  # answered while A still held the only slot
+        done = await first
+        assert (await done.json())["result"]["content"][0]["text"] == "computed A after 1s"
+        async with client.call("log", "cancelled_log") as log_resp:
+            text = (await log_resp.json())["result"]["content"][0]["text"]
+        assert "B" not in [entry["label"] for entry in json.loads(text)]
+        resp.release()
+        done.release()
+
+
+async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
+    config = stdio_config(tmp_path)
+    config.listen.sse_keepalive = 0.05
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call("k", "slow_compute", seconds=0.3, label="K") as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            raw = await resp.read()
+    assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
+    final = json.loads([e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1])
+    assert final["id"] == "k" and final["result"]["content"][0]["text"] == "computed K after 0.3s"
