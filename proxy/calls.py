@@ -69,7 +69,10 @@ class CallRunner:
     ) -> JsonObject:
         """Start (or, on an MRTR retry, resume) a proxy-owned upstream call and answer with what comes
         first: its result, an InputRequiredResult, or a flat CreateTaskResult once `policy.detach_after`
-        (s) has passed since `arrived` (event-loop time, s).
+        (s) has passed since `arrived` (event-loop time, s). A `mode: required` tool composes the same
+        way (SEP-2663 "resolve MRTR exchanges before the task"): questions before the deadline are
+        MRTR rounds, and the round that reaches the deadline or the outcome mints the task (an
+        outcome that came first is recorded in it), so it never answers synchronously.
 
         Raises JsonRpcError: -32602 for a bad `requestState` or `inputResponses`, -32021 when the
         upstream needs a capability the client did not declare, a limit error (HTTP 429), the
@@ -88,16 +91,19 @@ class CallRunner:
         else:
             call = self._start(method, name, params, envelope, principal=principal, policy=policy)
 
-        if method == "tools/call" and policy.mode is ToolMode.REQUIRED and not call.pending:
-            return await self._detach(call, policy, f"running upstream on {self.name} as a task")
+        # `mode: required` never answers synchronously: its outcome, had it come first, goes into a task.
+        required = method == "tools/call" and policy.mode is ToolMode.REQUIRED
         loop = asyncio.get_running_loop()
         deadline = arrived + policy.detach_after if may_detach else None
         try:
             while True:
                 if call.done:
-                    return self._result(call)
+                    return await self._detach(call, policy, f"finished upstream on {self.name}") if required else self._result(call)
                 if call.pending:
-                    return await self._ask_client(call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply)
+                    answer = await self._ask_client(call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply)
+                    if answer is None:  # the call ended while the round was being gathered
+                        continue
+                    return answer
                 wait = self.keepalive_s
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - loop.time()))
@@ -155,8 +161,9 @@ class CallRunner:
         structlog.contextvars.bind_contextvars(task_id=record.task_id)
         return create_task_result(record)
 
-    async def _ask_client(self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply) -> JsonObject:
-        """Answer with an InputRequiredResult for every outstanding question (SEP-2322), parking the call.
+    async def _ask_client(self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply) -> JsonObject | None:
+        """Answer with an InputRequiredResult for every outstanding question (SEP-2322), parking the
+        call; None when the call ended meanwhile (the caller then answers with its outcome).
 
         Questions that arrive within INPUT_GATHER_S of each other go out in the same round.
         """
@@ -175,7 +182,7 @@ class CallRunner:
             elif kind == "input":
                 quiet_until = loop.time() + INPUT_GATHER_S
         if call.done:
-            return self._result(call)
+            return None
         state = self.parked.park(call, principal=principal, server=self.name, digest=digest, timeout_s=timeout_s)
         return {"resultType": "input_required", "inputRequests": call.input_requests(), "requestState": state}
 

@@ -21,7 +21,10 @@ from .drain import Drain
 from .listen import ListenHub, Reply
 from .mrtr import ParkedCalls
 from .param_headers import ParamHeaderIndex
-from .protocol.era import LEGACY_VERSIONS, META_SERVER_INFO, MODERN_VERSIONS, TASKS_EXTENSION, Envelope, check_param_headers, strip_envelope, upstream_capabilities
+from .protocol.era import (
+    LEGACY_VERSIONS, META_SERVER_INFO, MODERN_VERSIONS, TASKS_EXTENSION, Envelope, check_param_headers, modern_method_refusal, strip_envelope,
+    upstream_capabilities,
+)
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError
 from .protocol.translate import modern_error, modern_result
 from .task_methods import TaskMethods
@@ -31,11 +34,6 @@ from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, Ups
 from .upstream.stdio import StdioPool, StdioSession
 
 log = structlog.get_logger("proxy.dispatch")
-
-# Methods the 2026-07-28 core removed; the proxy answers -32601 (HTTP 404) itself.
-REMOVED_METHODS = frozenset(
-    {"initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe", "tasks/result", "tasks/list"}
-)
 
 Handler = Callable[[JsonObject, JsonObject, Envelope, str, Reply], Awaitable[JsonObject]]
 
@@ -73,17 +71,16 @@ class ServerDispatcher:
 
     async def dispatch(self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
         """Answer one request; return the `result` object. Raises JsonRpcError for error replies
-        (-32601 for methods the 2026-07-28 wire removed and unknown `tasks/*` methods)."""
+        (-32601, HTTP 404, for any method outside the 2026-07-28 surface: it never reaches the upstream)."""
         method = body["method"]
         params = body.get("params") or {}
         structlog.contextvars.bind_contextvars(rpc_method=method, server=self.name)
+        refusal = modern_method_refusal(method)
+        if refusal is not None:
+            raise refusal
         handler = self.routes.get(method)
         if handler is not None:
             return await handler(body, params, envelope, principal, reply)
-        if method in REMOVED_METHODS:
-            raise JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire")
-        if method.startswith("tasks/"):
-            raise JsonRpcError(METHOD_NOT_FOUND, f"unknown tasks method {method!r}")
         return await self.forward(method, params, envelope, principal)
 
     # -- server/discover ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .dispatcher import Reply, ServerDispatcher
 from .legacy_bridge import LegacyBridge
 from .legacy_tasks import V1Front
 from .protocol import jsonrpc
-from .protocol.era import check_headers, is_modern_request, parse_envelope
+from .protocol.era import check_headers, is_modern_request, legacy_method_refusal, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from .guards import default_allowed_hosts, host_guard
 from .legacy_relay import LegacyRelay
@@ -230,6 +230,8 @@ class ServerEndpoint:
         request_id = body.get("id") if isinstance(body, dict) else None
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             request_id = None
+        if (refusal := legacy_method_refusal(request.headers, body)) is not None:  # outside the era's surface
+            return _json_error(request_id, refusal)
         method = body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
         started = asyncio.get_running_loop().time()
         response: web.StreamResponse | None = None

@@ -83,6 +83,20 @@ def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
     subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", *packages], cwd=folder, check=True, timeout=timeout_s)
 
 
+def python_venv(folder: Path, requirement: str, *, timeout_s: float = 600) -> Path:
+    """A virtual environment in `folder` (an ignored folder of the checkout) with `requirement`
+    pip-installed, for tests that run an SDK other than the project's own (e.g. `mcp==1.26.0`).
+    Built on first use and reused while its marker file names the same requirement; returns its
+    `python`. Fails when the venv cannot be created or pip cannot install (network, index)."""
+    python = folder / "bin" / "python"
+    marker = folder / f".installed-{requirement}"
+    if not marker.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True, timeout=120)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement], check=True, timeout=timeout_s)
+        marker.write_text("")
+    return python
+
+
 def make_record(**fields: Any) -> TaskRecord:
     """A task record with test defaults (principal `p`, server `s`, owner `ghost`); `fields` override."""
     defaults: dict[str, Any] = {"task_id": "task-1", "principal": "p", "server": "s", "tool": "t", "created_ms": now_ms(),

@@ -160,6 +160,30 @@ async def test_mrtr_then_long_work_becomes_a_task(flow_proxy: RunningProxy) -> N
         await client.close()
 
 
+async def test_required_tool_asks_in_mrtr_rounds_then_is_a_task_even_when_its_result_comes_first(legacy_url: str, tmp_path) -> None:
+    """`mode: required` composes with MRTR (SEP-2663): a question asked before the task exists is an
+    MRTR round, and the final round mints the task, even when the upstream's result is there before
+    `detach_after` (never a synchronous result); -32021 without the extension."""
+    server = {"tasks": {"tools": {"ask_then_work": {"mode": "required", "detach_after": "2s"}}}}
+    async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
+        client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
+        try:
+            await client.warm_up()  # the upstream session for these capabilities is open
+            args = {"seconds": 0, "key_hint": "name"}
+            first = (await client.call("ask_then_work", args)).result
+            assert first["resultType"] == "input_required" and "taskId" not in first and list(first["inputRequests"]) == ["name"]
+            retry = {"name": "ask_then_work", "arguments": args, "inputResponses": {"name": {"action": "accept", "content": {"name": "Ada"}}},
+                     "requestState": first["requestState"]}
+            created = (await client.request("tools/call", retry)).result
+            assert created["resultType"] == "task" and "requestState" not in created and "inputRequests" not in created
+            done = await client.wait_terminal(created["taskId"])
+            assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "Hello Ada, the work took 0s"
+            refused = await client.call("ask_then_work", args, capabilities={"elicitation": {}})
+            assert refused.status == 400 and refused.error["code"] == -32021
+        finally:
+            await client.close()
+
+
 async def test_concurrent_questions_share_one_round_and_partial_answers_get_a_new_round(proxy: RunningProxy) -> None:
     client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
     try:

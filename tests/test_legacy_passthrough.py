@@ -109,3 +109,39 @@ async def test_proxy_session_id_is_not_the_upstream_one(proxy: RunningProxy) -> 
     data = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()]
     seen = json.loads(data[-1]["result"]["content"][0]["text"])
     assert seen["headers"]["mcp-session-id"] and seen["headers"]["mcp-session-id"] != sid
+
+
+async def test_methods_outside_the_legacy_surface_get_method_not_found_from_the_proxy(proxy: RunningProxy) -> None:
+    """-32601 from the proxy itself (never relayed: `mcp` 1.x upstreams say -32602), in an HTTP 200 as
+    JSON-RPC errors are on this wire (a 404 would tell the client its session is gone). v1 tasks
+    methods belong to 2025-11-25 sessions only."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    init = {
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {"tasks": {}}, "clientInfo": {"name": "t", "version": "1"}},
+    }
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=init, headers=headers) as resp:
+            sid = resp.headers["Mcp-Session-Id"]
+            await resp.read()
+        session_headers = {**headers, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+        async with http.post(proxy.url(), json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=session_headers) as resp:
+            assert resp.status == 202
+
+        async def post(body: dict, version: str = "2025-11-25") -> tuple[int, dict]:
+            async with http.post(proxy.url(), json=body, headers={**session_headers, "MCP-Protocol-Version": version}) as resp:
+                text = await resp.text()
+                if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    text = [line[5:] for line in text.splitlines() if line.startswith("data:") and line[5:].strip()][-1]
+                return resp.status, json.loads(text)
+
+        for method in ("unknown/method", "server/discover", "tasks/update", "subscriptions/listen"):
+            status, body = await post({"jsonrpc": "2.0", "id": "x-1", "method": method, "params": {}})
+            assert status == 200 and body["id"] == "x-1", method
+            assert body["error"]["code"] == -32601 and body["error"]["message"] == f"method {method!r} not found", method
+        status, body = await post({"jsonrpc": "2.0", "id": 2, "method": "tasks/list", "params": {}})
+        assert status == 200 and body["result"]["tasks"] == []  # v1 tasks, served for this 2025-11-25 session
+        status, body = await post({"jsonrpc": "2.0", "id": 3, "method": "tasks/list", "params": {}}, version="2025-06-18")
+        assert status == 200 and body["error"]["code"] == -32601
+        status, body = await post({"jsonrpc": "2.0", "id": 4, "method": "ping"})
+        assert status == 200 and body["result"] == {}  # the session is still there

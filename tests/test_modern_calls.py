@@ -229,7 +229,7 @@ async def test_client_disconnect_before_detach_cancels_upstream(legacy_url: str,
             await client.close()
 
 
-async def test_required_tool_is_a_task_at_once_and_refused_without_extension(legacy_url: str, tmp_path) -> None:
+async def test_required_tool_is_always_a_task_and_refused_without_extension(legacy_url: str, tmp_path) -> None:
     server = {"tasks": {"tools": {"greet": {"mode": "required"}}}}
     async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
         client = ModernClient(proxy.url())

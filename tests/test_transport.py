@@ -60,9 +60,10 @@ async def test_routing_header_rules(client: ModernClient) -> None:
 
 
 async def test_unknown_and_removed_methods_are_404(client: ModernClient) -> None:
-    for method in ("initialize", "ping", "logging/setLevel", "resources/subscribe", "no/such/method"):
+    for method in ("initialize", "ping", "logging/setLevel", "resources/subscribe", "no/such/method", "unknown/method", "tasks/result"):
         reply = await client.request(method, {})
         assert reply.status == 404 and reply.error["code"] == -32601, method
+        assert reply.error["message"].startswith(f"method {method!r}"), reply.error  # the proxy's own answer, never the upstream's
 
 
 async def test_oversized_body_is_refused_and_the_proxy_keeps_serving(client: ModernClient, proxy: RunningProxy) -> None:

@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from conftest import ROOT, RunningProxy, npm_install
+from conftest import ROOT, RunningProxy, npm_install, python_venv
 
 TS_SDK = "@modelcontextprotocol/sdk@1.32.2"
 MCP1 = "mcp==1.30.0"
@@ -32,13 +30,7 @@ def _ts_sdk() -> Path:
 
 
 def _mcp1_python() -> Path:
-    python = MCP1_VENV / "bin" / "python"
-    marker = MCP1_VENV / f".installed-{MCP1}"
-    if not marker.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(MCP1_VENV)], check=True, timeout=120)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", MCP1], check=True, timeout=600)
-        marker.write_text("")
-    return python
+    return python_venv(MCP1_VENV, MCP1)
 
 
 async def _run(argv: list[str]) -> dict:

@@ -19,6 +19,7 @@ from typing import Any
 from .jsonrpc import (
     HEADER_MISMATCH,
     INVALID_PARAMS,
+    METHOD_NOT_FOUND,
     UNSUPPORTED_PROTOCOL_VERSION,
     JsonObject,
     JsonRpcError,
@@ -48,6 +49,34 @@ LIST_CHANGED_NOTIFICATIONS = {
     "notifications/resources/list_changed": ("resources", "resourcesListChanged"),
 }
 
+# The client→server requests of each era (protocol.md §1.6). A request outside its era's surface is
+# answered -32601 by the proxy itself, never relayed: upstream SDKs disagree on what to say (the
+# `mcp` 1.x line answers -32602, "Invalid request parameters", for a method it cannot parse).
+MODERN_METHODS = frozenset(
+    {
+        "server/discover", "subscriptions/listen",
+        "tools/list", "tools/call", "prompts/list", "prompts/get",
+        "resources/list", "resources/templates/list", "resources/read", "completion/complete",
+        "tasks/get", "tasks/update", "tasks/cancel",  # the io.modelcontextprotocol/tasks extension (SEP-2663)
+    }
+)
+# Methods of the legacy era that the 2026-07-28 core removed (the proxy names them in its -32601).
+REMOVED_METHODS = frozenset(
+    {"initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe", "tasks/result", "tasks/list"}
+)
+LEGACY_METHODS = frozenset(
+    {
+        "initialize", "ping", "logging/setLevel",
+        "tools/list", "tools/call", "prompts/list", "prompts/get",
+        "resources/list", "resources/templates/list", "resources/read", "resources/subscribe", "resources/unsubscribe",
+        "completion/complete",
+    }
+)
+# v1 tasks (2025-11-25 experimental tasks): in the surface unless the client's MCP-Protocol-Version
+# names an older revision.
+LEGACY_TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
+LEGACY_BEFORE_TASKS = frozenset(LEGACY_VERSIONS) - {"2025-11-25"}
+
 # Methods whose `Mcp-Name` header mirrors a body field (SEP-2243 core table, plus the tasks extension).
 NAME_FIELDS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 TASK_NAME_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
@@ -72,6 +101,37 @@ def is_modern_request(headers: Mapping[str, str], body: Any) -> bool:
         return False  # a bare initialize starts a legacy session, whatever the header says
     version = (headers.get("MCP-Protocol-Version") or "").strip()
     return bool(version) and version not in LEGACY_VERSIONS
+
+
+def modern_method_refusal(method: str) -> JsonRpcError | None:
+    """The -32601 (HTTP 404) for a 2026-07-28 request outside the modern surface, else None.
+
+    2026-07-28 basic/transports: a method the server does not implement gets HTTP 404 with -32601,
+    whatever the upstream would answer (MODERN_METHODS; removed legacy methods are named as such).
+    """
+    if method in MODERN_METHODS:
+        return None
+    if method in REMOVED_METHODS:
+        return JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire", status=404)
+    return JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} not found", status=404)
+
+
+def legacy_method_refusal(headers: Mapping[str, str], body: Any) -> JsonRpcError | None:
+    """The -32601 for a legacy-era (handshake) *request* outside the legacy surface, else None.
+
+    `body` is the parsed POST body; responses, notifications and malformed bodies pass (None), as
+    do the v1 `tasks/*` methods unless `MCP-Protocol-Version` names a revision before 2025-11-25.
+    The error carries HTTP 200, as JSON-RPC errors do on the legacy wire: a 404 there would tell a
+    client its session is gone (2025-11-25 basic/transports, "Session Management").
+    """
+    if not isinstance(body, dict) or "id" not in body or not isinstance(body.get("method"), str):
+        return None
+    method = body["method"]
+    if method in LEGACY_METHODS:
+        return None
+    if method in LEGACY_TASK_METHODS and (headers.get("MCP-Protocol-Version") or "").strip() not in LEGACY_BEFORE_TASKS:
+        return None
+    return JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} not found", status=200)
 
 
 @dataclass(frozen=True)
