@@ -124,8 +124,8 @@ def legacy_method_refusal(headers: Mapping[str, str], body: Any) -> JsonRpcError
     The error carries HTTP 200, as JSON-RPC errors do on the legacy wire: a 404 there would tell a
     client its session is gone (2025-11-25 basic/transports, "Session Management").
     """
-    if not isinstance(body, dict) or "id" not in body or not isinstance(body.get("method"), str):
-        return None
+    if not isinstance(body, dict) or body.get("jsonrpc") != "2.0" or "id" not in body or not isinstance(body.get("method"), str):
+        return None  # not a well-formed request: the relay's own checks answer it (-32600)
     method = body["method"]
     if method in LEGACY_METHODS:
         return None
