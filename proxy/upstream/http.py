@@ -33,6 +33,39 @@ __all__ = ["CALL_METHODS", "Bounds", "SessionExpiredError", "UpstreamError", "Up
 MessageHandler = Callable[[JsonObject], Awaitable[None]]
 
 
+STREAM_DRAIN_S = 1.0  # how long (s) a reply stream may take to end after its response before its connection is closed
+_DRAINS: set[asyncio.Task[None]] = set()
+
+
+def _drain_later(resp: aiohttp.ClientResponse) -> bool:
+    """Read the rest of a reply stream whose response has arrived in the background, so its
+    connection goes back to the pool instead of being closed (the server ends the stream right
+    after the response, but the end usually arrives a moment later). Bounded by STREAM_DRAIN_S.
+    Returns False when the stream already ended (the caller releases it)."""
+    if resp.content.is_eof():
+        return False
+    task = asyncio.get_running_loop().create_task(_drain(resp))
+    _DRAINS.add(task)
+    task.add_done_callback(_DRAINS.discard)
+    return True
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    ended = False
+    try:
+        async with asyncio.timeout(STREAM_DRAIN_S):
+            while await resp.content.readany():
+                pass
+        ended = True
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass
+    finally:
+        if ended:
+            resp.release()  # back to the pool
+        else:
+            resp.close()
+
+
 class UpstreamSession:
     """One initialized legacy session with an upstream server, multiplexing concurrent requests.
 
@@ -220,14 +253,17 @@ class UpstreamSession:
         rid = self.next_id() if request_id is None else request_id
         message = jsonrpc.request(rid, method, params)
         resp = await self._post(message)
-        async with resp:
+        handed_off = False
+        try:
             if method == "initialize":
                 sid = resp.headers.get("Mcp-Session-Id")
                 if sid:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
-                return await self._read_stream(resp, rid, handler)
+                answer = await self._read_stream(resp, rid, handler)
+                handed_off = _drain_later(resp)
+                return answer
             raw = await self._read_body(resp)
             try:
                 body = json.loads(raw)
@@ -244,6 +280,10 @@ class UpstreamSession:
             if body.get("id") != rid:
                 raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
             return body
+        finally:
+            if not handed_off:  # what `async with resp` does
+                resp.release()
+                await resp.wait_for_close()
 
     async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
         """The whole reply body, refused (UpstreamError) once larger than `max_response_bytes`."""
