@@ -9,7 +9,6 @@ notifications and server→client requests on the request's SSE stream (requests
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
@@ -166,7 +165,7 @@ class LegacyBridge:
         finally:
             session.calls.pop(body["id"], None)
         if stream is None:
-            return web.json_response(out, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+            return web.json_response(out, dumps=jsonrpc.dumps_str)
         await stream.write(encode_message(out))
         await stream.write_eof()
         return stream

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ log = structlog.get_logger("proxy.transport")
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return jsonrpc.dumps_str(obj)
 
 
 @dataclass
@@ -68,7 +67,7 @@ class LegacySessions:
 def rewrite_server_request(event: SseEvent, session: LegacySession) -> bytes:
     """Re-encode one upstream SSE event; a server→client request gets a proxy-minted id."""
     try:
-        msg = json.loads(event.data) if event.data.strip() else None
+        msg = jsonrpc.loads(event.data) if event.data.strip() else None
     except ValueError:
         msg = None
     if isinstance(msg, dict) and jsonrpc.is_request(msg):
@@ -111,7 +110,7 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
             return status, data
     else:
         try:
-            message = json.loads(data)
+            message = jsonrpc.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
@@ -127,7 +126,7 @@ def answers(event: SseEvent, request_id: Any) -> bool:
     if request_id is None or '"id"' not in event.data:
         return False
     try:
-        message = json.loads(event.data)
+        message = jsonrpc.loads(event.data)
     except ValueError:
         return False
     return isinstance(message, dict) and message.get("id") == request_id and ("result" in message or "error" in message)

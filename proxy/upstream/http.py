@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -176,7 +175,7 @@ class UpstreamSession:
 
     async def _on_stream_message(self, data: str) -> None:
         try:
-            msg = json.loads(data) if data.strip() else None
+            msg = jsonrpc.loads(data) if data.strip() else None
         except ValueError:
             return
         if isinstance(msg, dict) and jsonrpc.is_request(msg):
@@ -192,7 +191,7 @@ class UpstreamSession:
         try:
             resp = await self.http.post(
                 self.url,
-                data=json.dumps(message, separators=(",", ":")),
+                data=jsonrpc.dumps(message),
                 headers=self._headers(),
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
@@ -266,7 +265,7 @@ class UpstreamSession:
                 return answer
             raw = await self._read_body(resp)
             try:
-                body = json.loads(raw)
+                body = jsonrpc.loads(raw)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 if resp.status >= 400:
                     raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
@@ -307,7 +306,7 @@ class UpstreamSession:
                 if event.event != "message" or not event.data.strip():
                     continue
                 try:
-                    msg = json.loads(event.data)
+                    msg = jsonrpc.loads(event.data)
                 except ValueError:
                     log.warning("upstream_invalid_sse_data", server=self.server, sample=event.data[:120])
                     continue
