@@ -343,6 +343,10 @@ def section_a(args, workdir: Path, log) -> dict:
     for r in rows:
         if "rps" in r and base["rps"]:
             r["ratio_vs_direct"] = round(r["rps"] / base["rps"], 3)
+    if args.a_more:  # issue "Performance": fast upstream rows and an even layout (bench/section_a_more.py)
+        import section_a_more
+
+        rows += section_a_more.rows(args, workdir, log, sys.modules[__name__])
     return {"rows": rows, "layout": "upstream + loadgen on CPU 0, middle tier on CPU 1" if args.pin else "unpinned"}
 
 
@@ -647,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-durable", action=argparse.BooleanOptionalAction, default=False, help="fsync store in (d) (default off: RSS is the figure)")
     ap.add_argument("--e-repeats", type=int, default=5)
     ap.add_argument("--no-peers", action="store_true", help="skip mcp-proxy and FastMCP rows in (a)")
+    ap.add_argument("--a-more", action=argparse.BooleanOptionalAction, default=True,
+                    help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned (bench/section_a_more.py)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True, help="pin processes to CPUs (needs 2+ CPUs)")
     ap.add_argument("--out", help="JSON results file (default bench/results/<timestamp>.json)")
     ap.add_argument("--wait-idle", type=float, default=0, help="before each section, wait up to this many seconds for the 1-min load "

