@@ -94,9 +94,13 @@ def iso(ms: int) -> str:
     return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{ms % 1000:03d}Z"
 
 
-@functools.lru_cache(maxsize=4096)  # one hash per principal, not per request
 def principal_key(principal: str) -> str:
     """A fixed-length key for a principal inside store keys (SHA-256, 32 hex characters)."""
+    return _principal_key(principal) if len(principal) <= 256 else hashlib.sha256(principal.encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1024)  # one hash per principal, not per request (bounded: at most ~1 MB)
+def _principal_key(principal: str) -> str:
     return hashlib.sha256(principal.encode()).hexdigest()[:32]
 
 
