@@ -109,7 +109,7 @@ def principal_hash(principal: str) -> str:
     return principal_key(principal)[:16]
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a live task keeps its record in memory (TaskService snapshots)
 class TaskRecord:
     """One task as stored. Times are epoch milliseconds.
 
