@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="mtp-ab-"))
     out: dict = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args), "load_average": [os.getloadavg()[0]],

@@ -4,7 +4,7 @@ A store of N completed tasks (principal `anonymous`, server `bench`, a small res
 one SQLite transaction through the store's own record and key layout (`DiskcacheStore`), about
 25 µs per task here; it is then kept under bench/.cache/store-<N>-<layout hash> and copied into the
 run's work directory (the proxy writes its lease into the store it serves). The layout hash covers
-`TaskRecord` and the store's `create` / `_index_keys` as imported (so `--ref` gets a store
+`TaskRecord`'s fields and `to_dict` and the store's `create` / `_index_keys` as imported (so `--ref` gets a store
 of its own layout when the layout changed). Records keep a 400-day TTL so a cached store stays valid.
 """
 
@@ -26,7 +26,10 @@ def _layout_hash() -> str:
 
     from proxy.tasks import diskcache_store, model
 
-    h = hashlib.sha256(inspect.getsource(model.TaskRecord).encode())
+    from dataclasses import fields
+
+    h = hashlib.sha256(repr([(f.name, str(f.type)) for f in fields(model.TaskRecord)]).encode())
+    h.update(inspect.getsource(model.TaskRecord.to_dict).encode())
     h.update(inspect.getsource(diskcache_store.DiskcacheStore._index_keys).encode())
     h.update(inspect.getsource(diskcache_store.DiskcacheStore.create).encode())
     return h.hexdigest()[:10]
