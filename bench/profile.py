@@ -30,6 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run  # noqa: E402  (bench/run.py: process lifecycle, configs, loadgen)
 
 
+def _package(frame: str) -> str:
+    """The package of a frame's file: aiohttp, asyncio, proxy/<module>, structlog, ... (for the by-package table)."""
+    where = frame.rpartition("(")[2]
+    for name in ("aiohttp", "aiohappyeyeballs", "multidict", "yarl", "structlog", "prometheus_client", "pydantic", "diskcache", "orjson"):
+        if f"/{name}/" in where or where.startswith(f"{name}/"):
+            return name
+    if "/proxy/" in where or where.startswith("proxy/"):
+        return "proxy/" + where.split("proxy/", 1)[1].split(":")[0]
+    if "asyncio/" in where or "selectors.py" in where:
+        return "asyncio (event loop, sockets)"
+    if "json/" in where:
+        return "json (stdlib)"
+    return "other (stdlib)"
+
+
 def summarize(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]], int]:
     """py-spy `--format raw` (collapsed stacks `frame;frame;... count`) -> (own %, inclusive %, samples)."""
     own: collections.Counter[str] = collections.Counter()
@@ -45,10 +60,14 @@ def summarize(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[
         if not frames:
             continue
         own[_short(frames[-1])] += n
+        PACKAGES[_package(frames[-1])] += n
         for f in {_short(f) for f in frames}:
             incl[f] += n
     pct = (lambda c: [(k, round(100 * v / max(1, total), 1)) for k, v in c.most_common(top)])
     return pct(own), pct(incl), total
+
+
+PACKAGES: collections.Counter[str] = collections.Counter()  # own samples by package, filled by summarize
 
 
 def _short(frame: str) -> str:
@@ -130,6 +149,7 @@ def main() -> int:
     lines = [f"# py-spy profile of the proxy: {what}; proxy/ at {label}",
              f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}; concurrency {args.concurrency}, "
              f"{args.duration:g} s, {res['total_ok']} calls ({res['rps']} req/s), proxy CPU {cpu_ms:.3f} ms/call; {total} samples at {args.rate}/s",
+             "", "## own time by package (% of samples)", *[f"{100 * v / max(1, total):6.1f}  {k}" for k, v in PACKAGES.most_common()],
              "", "## own time (% of samples)", *[f"{p:6.1f}  {k}" for k, p in own], "",
              "## inclusive time (% of samples)", *[f"{p:6.1f}  {k}" for k, p in incl]]
     text = "\n".join(lines) + "\n"
