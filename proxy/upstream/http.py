@@ -21,6 +21,7 @@ from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
 from .common import CALL_METHODS, Bounds, SessionExpiredError, UpstreamError, caps_key, probe
+from .pooling import drain_later
 from .sse import EventTooLargeError, iter_events
 
 log = structlog.get_logger("proxy.upstream")
@@ -30,39 +31,6 @@ __all__ = ["CALL_METHODS", "Bounds", "SessionExpiredError", "UpstreamError", "Up
 # Called with every message that arrives on a request's stream before its response:
 # notifications and server→client requests. Returns nothing; answers go through `respond`.
 MessageHandler = Callable[[JsonObject], Awaitable[None]]
-
-
-STREAM_DRAIN_S = 1.0  # how long (s) a reply stream may take to end after its response before its connection is closed
-_DRAINS: set[asyncio.Task[None]] = set()
-
-
-def _drain_later(resp: aiohttp.ClientResponse) -> bool:
-    """Read the rest of a reply stream whose response has arrived in the background, so its
-    connection goes back to the pool instead of being closed (the server ends the stream right
-    after the response, but the end usually arrives a moment later). Bounded by STREAM_DRAIN_S.
-    Returns False when the stream already ended (the caller releases it)."""
-    if resp.content.is_eof():
-        return False
-    task = asyncio.get_running_loop().create_task(_drain(resp))
-    _DRAINS.add(task)
-    task.add_done_callback(_DRAINS.discard)
-    return True
-
-
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    ended = False
-    try:
-        async with asyncio.timeout(STREAM_DRAIN_S):
-            while await resp.content.readany():
-                pass
-        ended = True
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        pass
-    finally:
-        if ended:
-            resp.release()  # back to the pool
-        else:
-            resp.close()
 
 
 class UpstreamSession:
@@ -261,7 +229,7 @@ class UpstreamSession:
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
                 answer = await self._read_stream(resp, rid, handler)
-                handed_off = _drain_later(resp)
+                handed_off = drain_later(resp)
                 return answer
             raw = await self._read_body(resp)
             try:
