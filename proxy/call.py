@@ -65,12 +65,10 @@ class Call:
     """
 
     # Slots: ~10,000 detached calls may be alive at once, and a per-instance dict costs ~1.8 KB each.
-    __slots__ = (
-        "call_id", "_progress_text", "_progress_written", "_progress_timer", "progress_write_s", "ended_by", "started", "principal",
-        "pool", "server", "method", "tool", "params", "input_timeout", "prefilled", "_used_keys", "_input_timers", "capabilities",
-        "timeout", "sink", "client_progress_token", "relay_logs", "progress_token", "outcome", "events", "task_id", "session",
-        "upstream_request_id", "pending", "_runner", "_on_done", "server_notifications", "task_notify", "__weakref__",
-    )
+    __slots__ = ("call_id", "_progress_text", "_progress_written", "_progress_timer", "progress_write_s", "ended_by", "started", "principal", "pool",
+                 "server", "method", "tool", "params", "input_timeout", "prefilled", "_used_keys", "_input_timers", "capabilities", "timeout", "sink",
+                 "client_progress_token", "relay_logs", "progress_token", "outcome", "events", "task_id", "session", "upstream_request_id", "pending",
+                 "_runner", "_on_done", "server_notifications", "task_notify", "__weakref__")
 
     def __init__(
         self,
@@ -289,10 +287,7 @@ class Call:
             key = hint
         else:
             key = "in_" + secrets.token_urlsafe(9)
-        if not self._used_keys:
-            self._used_keys = set()
-        assert isinstance(self._used_keys, set)
-        self._used_keys.add(key)
+        self._used_keys = {*self._used_keys, key}  # input keys are few: a new set each time is fine
         return key
 
     def _on_upstream_cancelled(self, request_id: Any) -> None:
