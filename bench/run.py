@@ -7,11 +7,12 @@
 Sections (bench/README.md has the method and the latest figures):
  a. pass-through of a short tools/call: direct, this proxy (legacy relay and 2026-07-28 path),
     PyPI mcp-proxy, FastMCP 4.x create_proxy; requests/s and p50/p99 at fixed concurrency;
- b. tasks/get throughput and p99 with N stored tasks (1,000 and 100,000), diskcache and Redis;
+ b. tasks/get throughput and p99 with N stored tasks (1,000, 100,000 and 1,000,000), diskcache and
+    Redis;
  c. delay between detach_after expiring and the CreateTaskResult arriving (p50/p99), diskcache
     durable or not and Redis with `appendfsync always` or `everysec` (--stores picks the stores);
  d. proxy RSS per detached in-flight call with 10,000 concurrent detached calls;
- e. start-up time (process start -> /healthz 200) with 100,000 tasks in the store.
+ e. start-up time (process start -> /healthz 200) with 1,000,000 tasks in the store.
 
 Every server is a child process on 127.0.0.1, stopped in a `finally` (SIGINT, then SIGKILL), also
 on Ctrl-C / SIGTERM. Load comes from bench/loadgen.py in its own process, bounded in time and count.
@@ -348,6 +349,10 @@ def section_a(args, workdir: Path, log) -> dict:
     for r in rows:
         if "rps" in r and base["rps"]:
             r["ratio_vs_direct"] = round(r["rps"] / base["rps"], 3)
+    if args.a_more:  # issue "Performance": fast upstream rows and an even layout (bench/section_a_more.py)
+        import section_a_more
+
+        rows += section_a_more.rows(args, workdir, log, sys.modules[__name__])
     return {"rows": rows, "layout": "upstream + loadgen on CPU 0, middle tier on CPU 1" if args.pin else "unpinned"}
 
 
@@ -675,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each load point")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop workers for (a)")
     ap.add_argument("--b-concurrency", default="1,16", help="comma list of workers for (b)")
-    ap.add_argument("--store-sizes", default="1000,100000", help="stored tasks for (b); the largest is used for (e)")
+    ap.add_argument("--store-sizes", default="1000,100000,1000000", help="stored tasks for (b); the largest is used for (e) "
+                    "(seeded stores are cached in bench/.cache: the 1,000,000 one takes ~3 min and 1.2 GB once)")
     ap.add_argument("--c-requests", type=int, default=400, help="detached calls at concurrency 16 for (c) (a quarter at concurrency 1)")
     ap.add_argument("--c-rounds", type=int, default=3, help="rounds of (c), alternating which store setting goes first; medians reported")
     ap.add_argument("--stores", default="diskcache,redis", help="task stores measured in (b) and (c): diskcache and/or redis "
@@ -686,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-durable", action=argparse.BooleanOptionalAction, default=False, help="fsync store in (d) (default off: RSS is the figure)")
     ap.add_argument("--e-repeats", type=int, default=5)
     ap.add_argument("--no-peers", action="store_true", help="skip mcp-proxy and FastMCP rows in (a)")
+    ap.add_argument("--a-more", action=argparse.BooleanOptionalAction, default=True,
+                    help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned (bench/section_a_more.py)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True, help="pin processes to CPUs (needs 2+ CPUs)")
     ap.add_argument("--out", help="JSON results file (default bench/results/<timestamp>.json)")
     ap.add_argument("--wait-idle", type=float, default=0, help="before each section, wait up to this many seconds for the 1-min load "
@@ -732,10 +740,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stores: dict[int, tuple[Path, list[str]]] = {}
         if "b" in sections or "e" in sections:
+            import stores as seeded  # bench/stores.py: one-transaction fill, cached in bench/.cache
+
             for n in sizes:
-                ids, secs = fill_store(workdir / f"store-{n}", n)
+                ids, secs, hit = seeded.seeded_store(workdir / f"store-{n}", n, log)
                 stores[n] = (workdir / f"store-{n}", ids)
-                log(f"  filled a store with {n} tasks in {secs:.1f} s")
+                log(f"  {'copied the cached' if hit else 'filled a'} store with {n} tasks in {secs:.1f} s")
         for name in sections:
             waited = 0.0
             while args.wait_idle and waited < args.wait_idle and os.getloadavg()[0] > 1.0:

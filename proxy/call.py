@@ -49,6 +49,8 @@ class _Discard(asyncio.Queue[tuple[str, Any]]):
 
 
 _DISCARD = _Discard()
+_NO_KEYS: frozenset[str] = frozenset()
+_BACKGROUND: set[asyncio.Task[Any]] = set()
 
 
 class Call:
@@ -62,6 +64,12 @@ class Call:
     `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)` and
     `("done", None)` items for the attached client.
     """
+
+    # Slots: ~10,000 detached calls may be alive at once, and a per-instance dict costs ~1.8 KB each.
+    __slots__ = ("call_id", "_progress_text", "_progress_written", "_progress_timer", "progress_write_s", "ended_by", "started", "principal", "pool",
+                 "server", "method", "tool", "params", "input_timeout", "prefilled", "_used_keys", "_input_timers", "capabilities", "timeout", "sink",
+                 "client_progress_token", "relay_logs", "progress_token", "outcome", "events", "task_id", "session", "upstream_request_id", "pending",
+                 "_runner", "_on_done", "server_notifications", "task_notify", "__weakref__")
 
     def __init__(
         self,
@@ -95,7 +103,7 @@ class Call:
         self.params = params
         self.input_timeout = input_timeout
         self.prefilled = dict(prefilled or {})
-        self._used_keys: set[str] = set()
+        self._used_keys: set[str] | frozenset[str] = _NO_KEYS  # a set once the first input key is handed out
         self._input_timers: dict[str, asyncio.TimerHandle] = {}
         self.capabilities = capabilities
         self.timeout = timeout
@@ -109,7 +117,6 @@ class Call:
         self.session: UpstreamSession | StdioSession | None = None
         self.upstream_request_id: RequestId | None = None
         self.pending: dict[str, PendingInput] = {}
-        self._background: set[asyncio.Task[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._on_done: list[Callable[[Call], None]] = []
         # Server-wide notifications (list changes) that arrive on this call's stream go here.
@@ -281,7 +288,7 @@ class Call:
             key = hint
         else:
             key = "in_" + secrets.token_urlsafe(9)
-        self._used_keys.add(key)
+        self._used_keys = {*self._used_keys, key}  # input keys are few: a new set each time is fine
         return key
 
     def _on_upstream_cancelled(self, request_id: Any) -> None:
@@ -400,5 +407,5 @@ class Call:
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        _BACKGROUND.add(task)  # one set for all calls (held until done), not one per call
+        task.add_done_callback(_BACKGROUND.discard)

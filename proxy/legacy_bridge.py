@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
@@ -191,7 +190,7 @@ class LegacyBridge:
         finally:
             session.calls.pop(body["id"], None)
         if stream is None:
-            return web.json_response(out, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+            return web.json_response(out, dumps=jsonrpc.dumps_str)
         with contextlib.suppress(ConnectionResetError, ClientConnectionError):
             await stream.write(encode_message(out))
             await stream.write_eof()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ log = structlog.get_logger("proxy.transport")
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return jsonrpc.dumps_str(obj)
 
 
 MAX_STREAMS = 16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
@@ -155,7 +154,7 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
             return status, data
     else:
         try:
-            message = json.loads(data)
+            message = jsonrpc.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":

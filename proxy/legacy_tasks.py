@@ -17,7 +17,6 @@ plain pass-through to the upstream's own tasks.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,7 +39,7 @@ REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return jsonrpc.dumps_str(obj)
 
 
 class V1Front:
@@ -108,7 +107,7 @@ class V1Front:
         if method not in REWRITTEN_REPLIES or not data:
             return data
         try:
-            message = json.loads(data)
+            message = jsonrpc.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError):
             return data
         if not isinstance(message, dict):
@@ -124,7 +123,7 @@ class V1Front:
 
         async def rewrite(event: SseEvent) -> SseEvent:
             try:
-                msg = json.loads(event.data) if event.data.strip() else None
+                msg = jsonrpc.loads(event.data) if event.data.strip() else None
             except ValueError:
                 return event
             if isinstance(msg, dict) and jsonrpc.is_response(msg) and msg.get("id") == request_id:

@@ -9,7 +9,6 @@ JSON-RPC ids and SSE event ids), or the proxy as the legacy server itself for st
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -111,7 +110,7 @@ class ModernReply(Reply):
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return jsonrpc.dumps_str(obj)
 
 
 class ServerEndpoint:
@@ -185,7 +184,7 @@ class ServerEndpoint:
             request.content.feed_eof()  # nothing more can be read: aiohttp must not try to drain it (and log a traceback)
             return _closing(_json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400))
         try:
-            body = json.loads(raw)
+            body = jsonrpc.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return _json_error(None, JsonRpcError(PARSE_ERROR, f"the body is not valid JSON: {exc}"))
         except RecursionError:

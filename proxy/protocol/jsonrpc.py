@@ -5,7 +5,11 @@ Spec: JSON-RPC 2.0 §4-5; MCP 2026-07-28 basic/index "Error Codes" (protocol.md 
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
+
+import orjson
 
 JsonObject = dict[str, Any]
 RequestId = str | int
@@ -70,6 +74,58 @@ def limit_error(limit: str, message: str, **data: Any) -> JsonRpcError:
 def http_status_for(code: int) -> int:
     """Map a JSON-RPC error code to the HTTP status the 2026-07-28 transport prescribes."""
     return _HTTP_STATUS.get(code, 200)
+
+
+# -- the codec: orjson on the hot path, byte for byte what `json` gave -------------------------
+
+_OPTS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME  # those stay TypeErrors, as with json
+# orjson output that json.dumps would write differently: floats in exponent form (`1e-07` vs
+# `1e-7`) or below 1e-4 (`1e-05` vs `0.00001`), and any non-ASCII byte (json escapes it).
+_DIFFERS = re.compile(rb"[0-9][eE]|0\.0000")
+# Integers longer than 19 digits: orjson reads them as floats where json keeps an int.
+_BIG_INT_B = re.compile(rb"[0-9]{20}")
+_BIG_INT_S = re.compile(r"[0-9]{20}")
+
+
+class _NonFinite(float):
+    """NaN / Infinity read by the fallback parser: orjson refuses to write a float subclass, so
+    `dumps` falls back to json, which writes them back as `NaN` / `Infinity` (as before)."""
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes, identical to `json.dumps(obj, separators=(",", ":")).encode()`
+    (ASCII with `\\uXXXX` escapes, same float forms); orjson does the work when that gives the
+    same bytes. Raises TypeError / ValueError as json does."""
+    try:
+        out = orjson.dumps(obj, option=_OPTS)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+    if out.isascii() and _DIFFERS.search(out) is None:
+        return out
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def dumps_str(obj: Any) -> str:
+    """`dumps` as a str (for APIs that take text)."""
+    return dumps(obj).decode()
+
+
+def loads(raw: bytes | bytearray | str) -> Any:
+    """Parse JSON like `json.loads` (same values, same errors: ValueError, UnicodeDecodeError,
+    RecursionError), with orjson where it reads the same values: big integers, NaN / Infinity,
+    lone surrogates, a BOM and bad input go through `json` so results and messages are unchanged."""
+    big = _BIG_INT_S if isinstance(raw, str) else _BIG_INT_B
+    if big.search(raw) is None:  # type: ignore[arg-type]
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw, parse_constant=_NonFinite, parse_float=_float)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    return value if value - value == 0 else _NonFinite(text)  # 1e400 reads as inf
 
 
 def object_of(value: Any) -> JsonObject:

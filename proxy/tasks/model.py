@@ -12,12 +12,12 @@ terminal; the store may forget it at `terminal_ms + ttl_ms`. The `ttlMs` a clien
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -90,11 +90,17 @@ def now_ms() -> int:
 
 def iso(ms: int) -> str:
     """RFC 3339 UTC timestamp with millisecond precision and a `Z`, from epoch milliseconds."""
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+    t = time.gmtime(ms // 1000)  # what datetime.strftime gave, at a fifth of the cost
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{ms % 1000:03d}Z"
 
 
 def principal_key(principal: str) -> str:
     """A fixed-length key for a principal inside store keys (SHA-256, 32 hex characters)."""
+    return _principal_key(principal) if len(principal) <= 256 else hashlib.sha256(principal.encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1024)  # one hash per principal, not per request (bounded: at most ~1 MB)
+def _principal_key(principal: str) -> str:
     return hashlib.sha256(principal.encode()).hexdigest()[:32]
 
 
@@ -103,7 +109,7 @@ def principal_hash(principal: str) -> str:
     return principal_key(principal)[:16]
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a live task keeps its record in memory (TaskService snapshots)
 class TaskRecord:
     """One task as stored. Times are epoch milliseconds.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
 from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe
+from .pooling import drain_later
 from .sse import EventTooLargeError, iter_events
 
 log = structlog.get_logger("proxy.upstream")
@@ -151,7 +151,7 @@ class UpstreamSession:
 
     async def _on_stream_message(self, data: str) -> None:
         try:
-            msg = json.loads(data) if data.strip() else None
+            msg = jsonrpc.loads(data) if data.strip() else None
         except ValueError:
             return
         if isinstance(msg, dict) and jsonrpc.is_request(msg):
@@ -168,7 +168,7 @@ class UpstreamSession:
         try:
             resp = await self.http.post(
                 self.url,
-                data=json.dumps(message, separators=(",", ":")),
+                data=jsonrpc.dumps(message),
                 headers=self._headers(),
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
@@ -249,17 +249,20 @@ class UpstreamSession:
         message = jsonrpc.request(rid, method, params)
         was_broken = self.broken is not None
         resp = await self._post(message)
-        async with resp:
+        handed_off = False
+        try:
             if method == "initialize":
                 sid = resp.headers.get("Mcp-Session-Id")
                 if sid:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
-                return await self._read_stream(resp, rid, handler, was_broken)
+                answer = await self._read_stream(resp, rid, handler, was_broken)
+                handed_off = drain_later(resp)
+                return answer
             raw = await self._read_body(resp)
             try:
-                body = json.loads(raw)
+                body = jsonrpc.loads(raw)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 if resp.status >= 400:
                     raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
@@ -273,6 +276,10 @@ class UpstreamSession:
             if body.get("id") != rid:
                 raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
             return body
+        finally:
+            if not handed_off:  # what `async with resp` does
+                resp.release()
+                await resp.wait_for_close()
 
     async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
         """The whole reply body, refused (UpstreamError) once larger than `max_response_bytes`."""
@@ -337,7 +344,7 @@ class UpstreamSession:
                 if event.event != "message" or not event.data.strip():
                     continue
                 try:
-                    msg = json.loads(event.data)
+                    msg = jsonrpc.loads(event.data)
                 except ValueError:
                     log.warning("upstream_invalid_sse_data", server=self.server, sample=event.data[:120])
                     continue

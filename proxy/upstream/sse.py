@@ -5,9 +5,10 @@ Only what MCP's Streamable HTTP uses: `event`, `data` (multi-line), `id`, `retry
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from ..protocol import jsonrpc
 
 
 @dataclass
@@ -86,7 +87,7 @@ def encode_event(event: SseEvent) -> bytes:
 
 def encode_message(message: dict) -> bytes:
     """One SSE `message` event carrying a JSON-RPC message."""
-    return b"event: message\ndata: " + json.dumps(message, separators=(",", ":")).encode() + b"\n\n"
+    return b"event: message\ndata: " + jsonrpc.dumps(message) + b"\n\n"
 
 
 KEEPALIVE = b": keepalive\n\n"

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import ctypes
 import itertools
-import json
 import os
 import signal
 import time
@@ -201,7 +200,7 @@ class StdioSession:
         proc = self.proc
         if proc is None or proc.stdin is None or proc.returncode is not None or self.exited.is_set():
             raise UpstreamError(self._gone_message())
-        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        data = jsonrpc.dumps(message) + b"\n"
         async with self._write_lock:
             try:
                 proc.stdin.write(data)
@@ -298,7 +297,7 @@ class StdioSession:
                 if not line:
                     continue
                 try:
-                    msg = json.loads(line)
+                    msg = jsonrpc.loads(line)
                 except ValueError:
                     msg = None
                 if not isinstance(msg, dict) or msg.get("jsonrpc") != "2.0":

@@ -1,0 +1,135 @@
+"""A/B of proxy CPU per call across git revisions, interleaved in one run (a shared machine's load
+drifts between two separate runs; within one run every revision sees the same drift).
+
+    python bench/ab.py 0494dd5 eb020f5 HEAD               # rows: a-legacy, a-modern (SDK and fake upstream), b 100k / 1M
+    python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
+
+Each round measures every row for every revision (the revision order alternates by round); a
+revision's proxy/ comes from `git archive` on PYTHONPATH (as bench/run.py --ref). Layout as in
+bench/run.py: (a) upstream + load generator on CPU 0, proxy on CPU 1; (b) proxy on CPU 0, load
+generator on CPU 1. Reported per row and revision: the median over rounds of the proxy's CPU ms per
+call (psutil user+system) and of req/s, and each revision's ratio to the first one. JSON goes to
+bench/results/ab-<time>.json, a markdown table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run  # noqa: E402
+import stores  # noqa: E402
+
+ROWS = ["a-legacy-sdk", "a-modern-sdk", "a-legacy-fake", "a-modern-fake", "b-100000", "b-1000000"]
+GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"}
+
+
+def extract(rev: str, workdir: Path) -> tuple[str, Path]:
+    short = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True, cwd=run.ROOT, check=True).stdout.strip()
+    src = workdir / f"src-{short}"
+    if not src.exists():
+        src.mkdir()
+        archive = subprocess.run(["git", "archive", short, "proxy"], capture_output=True, cwd=run.ROOT, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    return short, src
+
+
+def measure_row(row: str, src: Path, workdir: Path, args, ups: dict, store_ids: dict) -> dict:
+    run.PROXY_ENV["PYTHONPATH"] = str(src)
+    kind, _, what = row.partition("-")
+    if kind == "a":
+        mode, upstream = what.split("-")
+        up_url = ups[upstream]
+        cfg = run.write_config(workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{src.name}", durable=True)
+        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{src.name}", cfg, "1")
+        spec = {"mode": mode, **GREET}
+        lg_cpu = "0"
+    else:
+        n = int(what)
+        store, ids_file = store_ids[n]
+        cfg = run.write_config(workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True)
+        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{src.name}", cfg, "0")
+        spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
+        lg_cpu = "1"
+    try:
+        run.wait_ready(url.rsplit("/", 1)[0], proxy)
+        cpu0 = run.cpu_seconds(proxy.pid, children=False)
+        res = run.loadgen({**spec, "url": url, "concurrency": args.concurrency, "duration": args.duration, "warmup": args.warmup}, lg_cpu)
+        cpu = (run.cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"])
+    finally:
+        proxy.stop()
+    return {"cpu_ms_per_call": round(cpu, 4), "rps": res["rps"], "p50_ms": res["p50_ms"], "errors": res["errors"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("revs", nargs="+", help="git revisions; the first is the reference for ratios")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--concurrency", type=int, default=16)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    workdir = Path(tempfile.mkdtemp(prefix="mtp-ab-"))
+    out: dict = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args), "load_average": [os.getloadavg()[0]],
+                 "samples": {}}
+    try:
+        revs = [extract(r, workdir) for r in args.revs]
+        ups: dict[str, str] = {}
+        if any(r.endswith("-sdk") for r in rows):
+            ups["sdk"] = run.start_sdk_upstream(workdir, "0", "ab-upstream-sdk")[1]
+        ups["fake"] = run.start_fake_upstream(workdir, "0", "ab-upstream-fake")[1]
+        store_ids: dict[int, tuple[Path, Path]] = {}
+        for row in rows:
+            if row.startswith("b-"):
+                n = int(row.split("-")[1])
+                ids, secs, hit = stores.seeded_store(workdir / f"store-{n}", n)
+                ids_file = workdir / f"ids-{n}.json"
+                ids_file.write_text(json.dumps(ids[:20000]))
+                store_ids[n] = (workdir / f"store-{n}", ids_file)
+        for rnd in range(args.rounds):
+            order = revs if rnd % 2 == 0 else list(reversed(revs))
+            for row in rows:
+                for short, src in order:
+                    res = measure_row(row, src, workdir, args, ups, store_ids)
+                    out["samples"].setdefault(row, {}).setdefault(short, []).append(res)
+                    print(f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, {res['rps']} req/s, errors {res['errors']}",
+                          flush=True)
+            out["load_average"].append(os.getloadavg()[0])
+    finally:
+        run.Proc.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+    names = [s for s, _ in revs]
+    lines = [f"A/B {out['date']}, {args.rounds} rounds x {args.duration:g} s, concurrency {args.concurrency}; load average {out['load_average']}", "",
+             "| row | " + " | ".join(f"{n} CPU ms/call" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | "
+             + " | ".join(f"{n} req/s" for n in names) + " |", "|---|" + "---:|" * (3 * len(names) - 1)]
+    summary: dict = {}
+    for row in rows:
+        med = {n: statistics.median(s["cpu_ms_per_call"] for s in out["samples"][row][n]) for n in names}
+        rps = {n: statistics.median(s["rps"] for s in out["samples"][row][n]) for n in names}
+        summary[row] = {"cpu_ms_per_call_median": med, "rps_median": rps}
+        lines.append(f"| {row} | " + " | ".join(f"{med[n]:.3f}" for n in names) + " | "
+                     + " | ".join(f"{med[n] / med[names[0]]:.2f}" for n in names[1:]) + " | " + " | ".join(f"{rps[n]:.0f}" for n in names) + " |")
+    out["summary"] = summary
+    out["table"] = "\n".join(lines)
+    path = run.BENCH / "results" / f"ab-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print("\n" + out["table"] + f"\n\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
