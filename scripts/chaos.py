@@ -24,12 +24,12 @@ Checks (exit status 1 on any violation):
 - `not_terminal`: a handed-out task not terminal when the run ends (`--settle` s after the load);
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
-split in `cut`, `refused`, `timeouts`), HTTP 503 while the store is down (`store_unavailable`), and
+split by call/poll and cut/refused/timeouts/other), HTTP 503 while the store is down (`store_unavailable`), and
 tasks of a killed process ending `failed` (or re-run).
 
 Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_kill (seen before
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
-kills_with_requests_in_flight, transport_errors{...}, store_unavailable, unknown_ids,
+kills_with_requests_in_flight, transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
 lost_results, terminal_changed, not_terminal, final{status: count}, violations[...].
 Loopback only; every process it starts is stopped.
 """
@@ -193,7 +193,8 @@ class Run:
         "calls": 0, "sync_results": 0, "sync_errors": 0, "polls": 0, "store_unavailable": 0,
         "kills": 0, "kills_with_requests_in_flight": 0, "calls_in_flight_at_kills": 0, "polls_in_flight_at_kills": 0,
         "redis_restarts": 0})
-    transport: dict[str, int] = field(default_factory=lambda: {"cut": 0, "refused": 0, "timeouts": 0, "other": 0})
+    transport: dict[str, int] = field(default_factory=lambda: {f"{what}_{kind}": 0 for what in ("call", "poll")
+                                                               for kind in ("cut", "refused", "timeouts", "other")})
     samples: list[str] = field(default_factory=list)
 
     def note(self, msg: str) -> None:
@@ -278,7 +279,7 @@ async def rpc(http: aiohttp.ClientSession, url: str, method: str, params: dict, 
 
 
 def transport_error(run: Run, exc: Transport, what: str) -> None:
-    run.transport[exc.kind] += 1
+    run.transport[f"{what}_{exc.kind}"] += 1
     if exc.kind == "other":
         run.note(f"{what}: {exc}")
 
@@ -361,11 +362,11 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
 
             while not stop_polling.is_set():
                 ids = list(run.handed)
-                refused = run.transport["refused"]
+                refused = run.transport["poll_refused"]
                 if ids:
                     await asyncio.gather(*(gated(t) for t in ids))
                 try:  # a longer pause while nothing answers
-                    pause = args.poll_pause * (4 if run.transport["refused"] > refused else 1)
+                    pause = args.poll_pause * (4 if run.transport["poll_refused"] > refused else 1)
                     await asyncio.wait_for(stop_polling.wait(), timeout=pause)
                 except asyncio.TimeoutError:
                     pass
