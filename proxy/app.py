@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,6 +22,9 @@ from .drain import Drain
 from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key
 from .observability import access_log, json_errors, metrics_handler
+from .replicas import REPLICAS_KEY, Replicas, SharedMap, advertised_url, make_router, on_response_prepare
+from .replicas.internal import PREFIX as REPLICA_PREFIX, add_routes as add_replica_routes
+from .tasks.recovery import RESTART_MESSAGE
 from .tasks.diskcache_store import DiskcacheStore
 from .tasks.model import TaskRecord
 from .tasks.service import TaskService
@@ -35,6 +40,7 @@ TASKS_KEY = web.AppKey("tasks", TaskService)
 ENDPOINTS_KEY = web.AppKey("endpoints", dict)
 POOLS_KEY = web.AppKey("pools", dict)
 DRAIN_KEY = web.AppKey("drain", Drain)
+PARKED_KEY = web.AppKey("parked", ParkedCalls)
 
 
 def build_app(config: Config) -> web.Application:
@@ -50,7 +56,10 @@ def build_app(config: Config) -> web.Application:
         access_log(payloads=config.logging.log_payloads),
         json_errors(),
         host_guard(allowed),
-        auth_middleware(Authenticator(config.auth), own_auth_prefix="/console" if config.console is not None else None),
+        auth_middleware(
+            Authenticator(config.auth), own_auth_prefix="/console" if config.console is not None else None,
+            internal_prefix=REPLICA_PREFIX if config.replicas is not None else None,
+        ),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
     app[CONFIG_KEY] = config
@@ -72,6 +81,9 @@ def build_app(config: Config) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", metrics_handler)
+    if config.replicas is not None:
+        add_replica_routes(app)
+        app.on_response_prepare.append(on_response_prepare)
     if config.console is not None:
         app.router.add_get("/console", _to_console)
         app.add_subapp("/console/", build_console(config))
@@ -90,7 +102,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate,
     )
     app[TASKS_KEY] = tasks
-    parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
+    replicas: Replicas | None = None
+    if config.replicas is not None:
+        if not isinstance(store, SharedMap):
+            await store.close()
+            raise StoreUnavailableError(f"task store {store.where}: replicas need a shared store (store.url: redis://...)")
+        replicas = Replicas(config, tasks=tasks, shared=store, url=advertised_url(config))
+        tasks.remote = replicas
+        app[REPLICAS_KEY] = replicas
+    parked = ParkedCalls(load_or_create_key(config.store.path, _request_state_secret(config)))
+    parked.node = tasks.node
+    app[PARKED_KEY] = parked
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     pools = []
     for name, entry in config.servers.items():
@@ -101,10 +123,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         )
         pool.on_notification = dispatcher.server_notification
         bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None
-        app[ENDPOINTS_KEY][name] = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
+        endpoint = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
+        if replicas is not None:
+            endpoint.router = make_router(replicas, endpoint, parked).route
+        app[ENDPOINTS_KEY][name] = endpoint
     app[POOLS_KEY] = {pool.server: pool for pool in pools}
     try:
-        await tasks.start(lambda record: _rerun(config, app[POOLS_KEY], tasks, record))
+        await tasks.start(lambda record: _rerun(config, app[POOLS_KEY], tasks, record), restart_message=None if replicas else RESTART_MESSAGE)
+        if replicas is not None:
+            await replicas.start()
     except BaseException:
         await store.close()
         raise
@@ -117,10 +144,20 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for warmup in warmups:
             warmup.cancel()
         await tasks.stop()
+        if replicas is not None:
+            await replicas.stop()
         for pool in pools:
             await pool.close()
         await http.close()
         await store.close()
+
+
+def _request_state_secret(config: Config) -> str | None:
+    """The MRTR signing secret: `request_state.secret`, else (replicas) one derived from
+    `replicas.secret` so every replica verifies every other's states, else None (a key file)."""
+    if config.request_state.secret or config.replicas is None:
+        return config.request_state.secret
+    return hmac.new(config.replicas.secret.encode(), b"mcp-tasks-proxy request_state", hashlib.sha256).hexdigest()
 
 
 def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) -> Call | None:
@@ -174,6 +211,8 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     checks: dict[str, str] = {}
+    if request.app[DRAIN_KEY].started:  # shutting down: a load balancer sends nothing new here
+        checks["drain"] = "draining: this proxy is shutting down"
     try:
         await asyncio.wait_for(request.app[TASKS_KEY].store.check_writable(), timeout=2.0)
         checks["store"] = "ok"

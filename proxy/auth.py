@@ -143,12 +143,13 @@ def _bearer(request: web.Request) -> str:
     return token.strip()
 
 
-def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None = None):
+def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None = None, internal_prefix: str | None = None):
     """aiohttp middleware: set `request[PRINCIPAL_KEY]`, or answer 401 with a JSON-RPC error.
 
     Health and metrics paths stay open. Paths under `own_auth_prefix` (the console, `/console`)
     are left to their own authentication: no client principal is set there, so a client
-    credential never opens them. Failures are logged as security events (without secrets).
+    credential never opens them. So are paths under `internal_prefix` (the replicas' `/_replica`,
+    which check the replicas' shared secret themselves). Failures are logged as security events (without secrets).
     """
 
     @web.middleware
@@ -156,6 +157,8 @@ def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None
         if request.path in OPEN_PATHS:
             return await handler(request)
         if own_auth_prefix is not None and (request.path == own_auth_prefix or request.path.startswith(own_auth_prefix + "/")):
+            return await handler(request)
+        if internal_prefix is not None and request.path.startswith(internal_prefix + "/"):
             return await handler(request)
         try:
             request[PRINCIPAL_KEY] = await authenticator.principal(request)

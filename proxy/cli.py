@@ -19,9 +19,11 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import structlog
+from aiohttp import web
 
 from . import __version__, listener
-from .app import DRAIN_KEY, build_app
+from .app import DRAIN_KEY, PARKED_KEY, build_app
+from .replicas import REPLICAS_KEY
 from .auth import hash_token
 from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
@@ -103,6 +105,7 @@ async def serve(config: Config, *, announce: bool = True, demo: bool = False) ->
 
 async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
     sock = listener.bind(config.listen.host, config.listen.port)
+    config.listen.port = sock.getsockname()[1]  # the bound port (0 picked one): replicas advertise it
     loop = asyncio.get_running_loop()
     listener.quiet_accept_errors(loop)
     app = build_app(config)
@@ -125,7 +128,31 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
         await stop.wait()
     finally:
         app[DRAIN_KEY].start(config.listen.drain_timeout)
+        await _drain_replica(app, config)
         await runner.cleanup()
+
+
+async def _drain_replica(app: web.Application, config: Config) -> None:
+    """A replica keeps serving while it drains: /readyz says 503 at once, new calls and sessions are
+    refused (503, so a load balancer retries them elsewhere), and the detached calls it runs (and
+    MRTR calls parked here) go on for up to `listen.drain_detached` (s) while other replicas serve
+    their polls; a second SIGTERM or SIGINT ends the wait. Nothing happens without `replicas`."""
+    replicas = app.get(REPLICAS_KEY)
+    if replicas is None:
+        return
+    await replicas.begin_drain()
+    parked = app.get(PARKED_KEY)
+    waiting = asyncio.ensure_future(replicas.wait_idle(config.listen.drain_detached, busy=(lambda: len(parked) > 0) if parked is not None else None))
+    again = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, again.set)
+    interrupted = asyncio.ensure_future(again.wait())
+    try:
+        await asyncio.wait({waiting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        interrupted.cancel()
 
 
 def _demo_hint(base: str) -> str:

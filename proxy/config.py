@@ -28,13 +28,14 @@ from .config_sections import (
     ListenConfig,
     LoggingConfig,
     MetricsConfig,
+    ReplicasConfig,
     RequestStateConfig,
     TrustedHeaderConfig,
 )
 
 __all__ = [
     "AuthConfig", "Config", "ConsoleConfig", "ConfigError", "Duration", "JwtConfig", "LimitsConfig", "ListenConfig", "LoggingConfig", "MetricsConfig",
-    "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "ToolMode", "TrustedHeaderConfig", "config_from_data", "config_json_schema",
+    "ReplicasConfig", "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "ToolMode", "TrustedHeaderConfig", "config_from_data", "config_json_schema",
     "load_config", "parse_duration",
 ]
 
@@ -241,6 +242,7 @@ class Config(_Strict):
     tasks: DefaultTasks = Field(default_factory=DefaultTasks)
     mcpServers: dict[str, ServerEntry] = Field(default_factory=dict)
     console: ConsoleConfig | None = Field(None, description="the operator console at /console/; off when absent")
+    replicas: ReplicasConfig | None = Field(None, description="several proxies on one shared store; off when absent")
 
     @model_validator(mode="after")
     def _names(self) -> Config:

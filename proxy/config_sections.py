@@ -31,6 +31,10 @@ class ListenConfig(_Strict):
     max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
     sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls")
     drain_timeout: Duration = Field("30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish")
+    drain_detached: Duration = Field(
+        "10m", validate_default=True,
+        description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on (other replicas serve their polls)",
+    )
     header_timeout: Duration = Field(
         "10s", validate_default=True, description="how long a connection may take to send a complete request head, and stay idle between requests"
     )
@@ -45,6 +49,30 @@ class ListenConfig(_Strict):
         return self.max_body
 
 
+
+
+class ReplicasConfig(_Strict):
+    """Several proxy processes (replicas) on one shared store, started from one config file.
+
+    `secret` (at least 32 characters, usually `${MCP_REPLICA_SECRET}`) authenticates the replicas
+    to each other on their internal endpoints (`/_replica/...`, which do not exist without it).
+    `advertise` is the base URL the other replicas reach this one at; `{port}` (and `{host}`) are
+    replaced by the address this process listens on, so one file serves every replica. Without it
+    the address is derived from the listen host and port (the host must then be a concrete address,
+    not `0.0.0.0`). `hop_timeout` (s) bounds one replica-to-replica request (connect and answer).
+    """
+
+    secret: str = Field(min_length=32, description="shared by all replicas; authenticates their internal requests")
+    advertise: str | None = Field(None, description="base URL the other replicas use, like http://10.0.0.5:{port}; default from listen host/port")
+    hop_timeout: Duration = Field("2s", validate_default=True, description="bound on one replica-to-replica request")
+
+    @model_validator(mode="after")
+    def _advertise(self) -> ReplicasConfig:
+        if self.advertise is not None and not re.match(r"^https?://[^/?#]+/?$", self.advertise):
+            raise ValueError("advertise must be a base URL like http://10.0.0.5:{port} (scheme and host[:port], no path)")
+        if self.hop_timeout <= 0:
+            raise ValueError("hop_timeout must be longer than 0s")
+        return self
 
 
 class RequestStateConfig(_Strict):

@@ -60,6 +60,15 @@ class LegacySessions:
             return None
         return session
 
+    def peek(self, sid: str) -> LegacySession | None:
+        """The session behind `sid` whoever opened it (for replica routing), or None."""
+        return self._sessions.get(sid)
+
+    def adopt(self, sid: str, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None) -> None:
+        """Hold under its own id a session another replica opened (replica routing; the upstream
+        session is the same)."""
+        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}))
+
     def end(self, sid: str) -> None:
         """Forget `sid` (DELETE, or the upstream expired it)."""
         self._sessions.pop(sid, None)

@@ -115,9 +115,25 @@ class ParkedCalls:
     cancelled upstream (the `input_timeout` of its tool).
     """
 
+    node = ""  # this process's node id, named in each state when set (replicas route retries by it)
+
     def __init__(self, key: bytes) -> None:
         self._key = key
         self._parked: dict[str, Parked] = {}
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def owner_of(self, state: Any) -> str | None:
+        """The node a valid, unexpired `requestState` names as holding its call; None for anything else."""
+        if not isinstance(state, str):
+            return None
+        try:
+            claims = jwt.decode(state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]})
+        except jwt.InvalidTokenError:
+            return None
+        owner = claims.get("o")
+        return owner if isinstance(owner, str) and owner else None
 
     def park(self, call: Call, *, principal: str, server: str, digest: str, timeout_s: float) -> str:
         """Park `call` (or re-park it for a new round) and return the new `requestState`."""
@@ -133,6 +149,8 @@ class ParkedCalls:
             entry.timer.cancel()
         entry.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, pid, timeout_s)
         claims = {"pid": pid, "n": nonce, "p": principal_digest(principal), "s": server, "d": digest, "exp": int(time.time() + timeout_s)}
+        if self.node:
+            claims["o"] = self.node
         return jwt.encode(claims, self._key, algorithm="HS256")
 
     def resume(self, state: Any, *, principal: str, server: str, digest: str) -> Call:

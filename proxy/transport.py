@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -132,6 +133,8 @@ class ServerEndpoint:
         bridge: LegacyBridge | None = None,
     ) -> None:
         self.bridge = bridge
+        # Replicas: decides first whether a request is served by another replica (or refused while draining).
+        self.router: Callable[[web.Request, Any, bytes | None], Awaitable[web.StreamResponse | None]] | None = None
         self.name = name
         self.url = url
         self.headers = headers
@@ -152,7 +155,8 @@ class ServerEndpoint:
         if request.method == "POST":
             return await self._post(request)
         if request.headers.get("Mcp-Session-Id"):
-            return await self._relay_legacy(request, body=None, raw=b"")
+            routed = await self.router(request, None, None) if self.router is not None else None
+            return routed if routed is not None else await self._relay_legacy(request, body=None, raw=b"")
         # GET/DELETE without a session: modern clients have no GET stream (2026-07-28 §4.2).
         err = JsonRpcError(INVALID_REQUEST, f"{request.method} is not served here without an Mcp-Session-Id; send JSON-RPC with POST")
         response = _json_error(None, err, status=405)
@@ -183,6 +187,9 @@ class ServerEndpoint:
             return _json_error(None, JsonRpcError(PARSE_ERROR, "the body nests JSON too deeply"))
         if isinstance(body, dict):
             bind_request(body)
+        routed = await self.router(request, body, raw) if self.router is not None else None
+        if routed is not None:
+            return routed
         if is_modern_request(request.headers, body):
             return await self._modern(request, body)
         structlog.contextvars.bind_contextvars(era="legacy")

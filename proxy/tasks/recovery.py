@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("proxy.tasks")
 
 RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
-LOST_MESSAGE = "the proxy process running this call (node {node}) stopped renewing its lease; the upstream call was lost"
+LOST_MESSAGE = "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; the upstream call was lost"
 
 
 async def sweep(service: TaskService, message: str | None = None) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from . import recovery
 from .audit import observe_transition
 from .push import TaskPush
 from .recovery import LOST_MESSAGE, RESTART_MESSAGE
-from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
+from .store import RemoteOwner, StoreUnavailableError, TaskNotFoundError, TaskStore
 
 log = structlog.get_logger("proxy.tasks")
 
@@ -104,6 +104,7 @@ class TaskService:
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
+        self.remote: RemoteOwner | None = None  # the live calls of other replicas (set by proxy.replicas)
         self.store_problem: str | None = None  # the last store failure, while it lasts
         store.add_listener(observe_transition)
         self.push = TaskPush()  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
@@ -111,12 +112,13 @@ class TaskService:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, rerun: Rerun | None = None) -> tuple[int, int]:
-        """Take this node's lease, end (or re-run) the tasks earlier processes left running, and
-        start the lease/sweep loop. Returns (re-run, failed) counts of the first sweep."""
+    async def start(self, rerun: Rerun | None = None, *, restart_message: str | None = RESTART_MESSAGE) -> tuple[int, int]:
+        """Take this node's lease, end (or re-run) the tasks earlier processes left running (saying
+        `restart_message`, or naming the lost node when None), and start the lease/sweep loop.
+        Returns (re-run, failed) counts of the first sweep."""
         self.rerun = rerun
         await self.store.renew_lease(self.node, int(self.lease_s * 1000))
-        counts = await self.sweep(message=RESTART_MESSAGE)
+        counts = await self.sweep(message=restart_message)
         self._loop_task = asyncio.get_running_loop().create_task(self._maintain(), name="task-lease-and-sweep")
         return counts
 
@@ -352,6 +354,8 @@ class TaskService:
         """Deliver input responses to the task's live call (if it runs here); the answered keys have
         left the stored `inputRequests` when this returns. Returns the keys used."""
         call = self.live.get(record.task_id)
+        if call is None and self.remote is not None and record.owner != self.node and not record.status.terminal:
+            return await self.remote.answer(record, responses)  # the call runs on another replica
         if call is None or record.status.terminal:
             return []
         keys = call.answer(responses)
@@ -379,6 +383,8 @@ class TaskService:
         self._forget(record.task_id)
         if call is not None:
             call.cancel(f"task {message}")
+        elif self.remote is not None and record.owner != self.node:
+            await self.remote.cancel(record, f"task {message}")  # the call runs on another replica
         log.info("task_cancelled", task_id=record.task_id, by=by, principal=principal_hash(record.principal))
         return record
 

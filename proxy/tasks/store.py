@@ -44,6 +44,16 @@ class ListFilter:
     tool: str | None = None
 
 
+class RemoteOwner(Protocol):
+    """Reaches the live call of a task another node (replica) runs (`proxy.replicas`)."""
+
+    async def answer(self, record: TaskRecord, responses: dict) -> list[str]:
+        """Deliver input responses (by key) there; the keys used."""
+
+    async def cancel(self, record: TaskRecord, reason: str) -> None:
+        """Stop the call there (the store already says `cancelled`)."""
+
+
 @runtime_checkable
 class TaskStore(Protocol):
     """Async persistence of task records, leases and retention (design.md "Where the code goes next" 1).

@@ -1,0 +1,13 @@
+"""Replicas: several proxy processes on one shared store, any of them serving any task
+(design.md "Where the code goes next" 1; README "Replicas").
+
+The only path to another replica's live state (a running call's cancel or input answers, a
+parked MRTR call, a legacy session) is the authenticated replica-to-replica HTTP hop of
+`forward`; everything else is read from the shared store.
+"""
+
+from .node import REPLICAS_KEY, Replicas, advertised_url
+from .registry import Peer, Registry, SharedMap
+from .routing import EndpointRouter, make_router, on_response_prepare
+
+__all__ = ["REPLICAS_KEY", "EndpointRouter", "Peer", "Registry", "Replicas", "SharedMap", "advertised_url", "make_router", "on_response_prepare"]

@@ -1,0 +1,114 @@
+"""The replica-to-replica hop: small authenticated JSON requests to a peer's internal endpoints,
+and whole client HTTP requests relayed to the replica that holds their live state (the response,
+SSE included, streams back as it comes).
+
+Every hop is bounded (`hop_timeout` for connecting and for a JSON answer), never follows a
+redirect, and reports an unreachable peer as None so the caller can fall back to the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import aiohttp
+import structlog
+from aiohttp import web
+from prometheus_client import Histogram
+
+from ..protocol.jsonrpc import JsonObject
+from .registry import Peer
+
+log = structlog.get_logger("proxy.replicas")
+
+SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared in constant time)
+FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
+_HOP_BY_HOP = frozenset(
+    h.lower() for h in ("Host", "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "TE", "Trailer", "Upgrade",
+                        "Proxy-Connection", "Proxy-Authorization", SECRET_HEADER, FORWARDED_HEADER)
+)
+
+HOP_SECONDS = Histogram(
+    "mcp_proxy_replica_hop_seconds", "Replica-to-replica requests (internal operations), seconds", ["op"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+
+
+class Forwarder:
+    """Talks to peers with the shared `secret`; `node` is this replica's id, `timeout_s` (s) the hop bound."""
+
+    def __init__(self, *, node: str, secret: str, timeout_s: float) -> None:
+        self.node = node
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self._http: aiohttp.ClientSession | None = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            # No decompression: a relayed body passes byte for byte, with its Content-Encoding.
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        return self._http
+
+    async def close(self) -> None:
+        """Close the hop's connections."""
+        if self._http is not None:
+            await self._http.close()
+
+    async def call(self, peer: Peer, op: str, payload: JsonObject) -> JsonObject | None:
+        """POST `payload` to the peer's `/_replica/<op>`; its JSON answer, or None when the peer cannot
+        be reached, does not answer within `timeout_s`, or refuses (any non-200 status)."""
+        started = time.perf_counter()
+        try:
+            async with self._session().post(
+                f"{peer.url}/_replica/{op}", json=payload, headers={SECRET_HEADER: self.secret},
+                allow_redirects=False, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    log.warning("replica_hop_refused", peer=peer.node, op=op, status=resp.status)
+                    return None
+                answer = await resp.json()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("replica_unreachable", peer=peer.node, op=op, reason=str(exc) or exc.__class__.__name__)
+            return None
+        finally:
+            HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
+        return answer if isinstance(answer, dict) else None
+
+    async def relay(self, request: web.Request, peer: Peer, raw: bytes | None) -> web.StreamResponse | None:
+        """Send the client's request (method, path, headers, `raw` body) to `peer` and stream its
+        response back. None when the peer cannot be reached (nothing was sent to the client then).
+
+        Connecting is bounded by `timeout_s`; the response is as long as the peer makes it (the
+        peer bounds its own calls), and a client that goes away closes the hop.
+        """
+        # The body was already decoded by this replica: it goes on without its Content-Encoding.
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"}
+        headers[SECRET_HEADER] = self.secret
+        headers[FORWARDED_HEADER] = self.node
+        try:
+            upstream = await self._session().request(
+                request.method, f"{peer.url}{request.path_qs}", data=raw if raw else None, headers=headers, allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, connect=self.timeout_s),
+            )
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("replica_unreachable", peer=peer.node, op="relay", reason=str(exc) or exc.__class__.__name__)
+            return None
+        async with upstream:
+            out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _HOP_BY_HOP:
+                    out.headers.add(name, value)
+            if upstream.content_length is not None:
+                out.content_length = upstream.content_length
+            await out.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await out.write(chunk)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                log.warning("replica_relay_broken", peer=peer.node, reason=str(exc) or exc.__class__.__name__)
+                if request.transport is not None:
+                    request.transport.close()  # the client sees the stream cut, as it would from the peer
+                return out
+            with contextlib.suppress(aiohttp.ClientError, OSError, ConnectionError):
+                await out.write_eof()
+            return out

@@ -1,0 +1,142 @@
+"""This replica among the others: its registry record, the hop to peers, drain, and the remote
+half of `tasks/update` and `tasks/cancel` for tasks whose call runs on another replica."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from ..config import Config
+from ..protocol.jsonrpc import JsonObject
+from ..tasks.model import TaskRecord
+from ..tasks.service import TaskService
+from ..tasks.store import StoreUnavailableError
+from .forward import FORWARDED_HEADER, SECRET_HEADER, Forwarder
+from .registry import Peer, Registry, SharedMap
+
+log = structlog.get_logger("proxy.replicas")
+
+def advertised_url(config: Config) -> str:
+    """The base URL other replicas reach this one at: `replicas.advertise` with `{host}` and
+    `{port}` replaced by the listen address (the bound port when it was 0), else
+    `http://<listen.host>:<listen.port>`. Raises ValueError when the listen host is a wildcard
+    (`0.0.0.0`, `::`, empty) and no `advertise` is configured."""
+    assert config.replicas is not None
+    host, port = config.listen.host, config.listen.port
+    if config.replicas.advertise:
+        return config.replicas.advertise.replace("{host}", host).replace("{port}", str(port)).rstrip("/")
+    if host in ("", "0.0.0.0", "::", "*"):
+        raise ValueError(f"replicas.advertise is needed when listening on {host or 'every address'!r}: other replicas cannot reach a wildcard")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class Replicas:
+    """The replica side of one proxy process over a shared store (`shared`).
+
+    `url` is this replica's advertised base URL; the registry record is renewed every third of
+    the lease `lease_s` (s). `draining` turns true on SIGTERM (`begin_drain`).
+    """
+
+    def __init__(self, config: Config, *, tasks: TaskService, shared: SharedMap, url: str) -> None:
+        assert config.replicas is not None
+        self.secret = config.replicas.secret
+        self.tasks = tasks
+        self.node = tasks.node
+        self.registry = Registry(shared, node=tasks.node, url=url, lease_ms=int(tasks.lease_s * 1000))
+        self.forwarder = Forwarder(node=tasks.node, secret=self.secret, timeout_s=config.replicas.hop_timeout)
+        self.shared = shared
+        self.draining = False
+        self._loop: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Announce this replica and keep its record renewed. Raises StoreUnavailableError."""
+        await self.registry.announce()
+        self._loop = asyncio.get_running_loop().create_task(self._renew(), name="replica-announce")
+        log.info("replica_started", node=self.node, url=self.registry.url)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.tasks.lease_s / 3)
+            try:
+                await self.registry.announce()
+            except StoreUnavailableError as exc:
+                log.warning("replica_announce_failed", reason=str(exc))
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("replica_announce_failed")
+
+    async def begin_drain(self) -> None:
+        """Mark this replica draining (in memory at once, then in its registry record)."""
+        self.draining = True
+        self.registry.draining = True
+        with contextlib.suppress(StoreUnavailableError):
+            await self.registry.announce()
+        log.info("replica_draining", node=self.node, detached=len(self.tasks.live))
+
+    async def wait_idle(self, timeout_s: float, busy: Any = None) -> bool:
+        """Wait (at most `timeout_s` s) until this replica runs no detached call and `busy()` (other
+        live work, e.g. parked MRTR calls) is false. True when idle, False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.tasks.live or (busy is not None and busy()):
+            if loop.time() >= deadline:
+                log.warning("replica_drain_timeout", node=self.node, still_running=len(self.tasks.live))
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def stop(self) -> None:
+        """Stop renewing, remove the registry record, close the hop."""
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        with contextlib.suppress(StoreUnavailableError):
+            await self.registry.withdraw()
+        await self.forwarder.close()
+
+    # -- trust -------------------------------------------------------------------------------
+
+    def authentic(self, request: web.Request) -> bool:
+        """True when the request carries the shared secret (constant-time comparison)."""
+        given = request.headers.get(SECRET_HEADER, "")
+        return hmac.compare_digest(given.encode(), self.secret.encode())
+
+    def forwarded(self, request: web.Request) -> bool:
+        """True for a client request another replica relayed here (authentic: it is served here as is)."""
+        return FORWARDED_HEADER in request.headers and self.authentic(request)
+
+    async def peer(self, node: Any) -> Peer | None:
+        """The live peer `node`, or None (unknown, gone, this replica, or the store unreadable)."""
+        try:
+            return await self.registry.peer(node)
+        except StoreUnavailableError:
+            return None
+
+    # -- the remote owner of a task (TaskService.remote) ---------------------------------------
+
+    async def answer(self, record: TaskRecord, responses: JsonObject) -> list[str]:
+        """Deliver input responses to the replica running `record`'s call; the keys it used
+        (none when that replica is gone: its lease lapses and recovery ends the task)."""
+        peer = await self.peer(record.owner)
+        if peer is None:
+            return []
+        answer = await self.forwarder.call(peer, "tasks/answer", {"taskId": record.task_id, "inputResponses": responses})
+        keys = answer.get("keys") if answer else None
+        return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+
+    async def cancel(self, record: TaskRecord, reason: str) -> None:
+        """Stop the call of a task another replica runs (the task is already `cancelled` in the
+        store; an unreachable owner stops it at its next sweep, or died with it)."""
+        peer = await self.peer(record.owner)
+        if peer is not None:
+            await self.forwarder.call(peer, "tasks/cancel", {"taskId": record.task_id, "reason": reason})
+
+
+REPLICAS_KEY = web.AppKey("replicas", Replicas)

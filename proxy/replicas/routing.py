@@ -1,0 +1,201 @@
+"""Which replica serves a client request: the hook each MCP endpoint calls before handling one.
+
+- A legacy session (`Mcp-Session-Id`) lives on the replica that opened it (the shared session
+  map names it): its requests are relayed there whole while it is up. When it is gone (or, for an
+  HTTP upstream, draining) a session of an HTTP upstream is adopted here (same upstream session),
+  and one of a stdio upstream ends: 404, and the client initializes again (2025-11-25 transports
+  §"Session Management").
+- An MRTR retry (`requestState`) goes to the replica where its call is parked (the state names it).
+- While draining, this replica refuses new calls and new sessions with HTTP 503 and a JSON-RPC
+  error, so a load balancer retries them on another replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from ..auth import ANONYMOUS, PRINCIPAL_KEY
+from ..mrtr import ParkedCalls
+from ..protocol import jsonrpc
+from ..protocol.era import is_modern_request
+from ..protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
+from ..tasks.model import principal_hash
+from ..tasks.store import StoreUnavailableError
+from .node import Replicas
+
+log = structlog.get_logger("proxy.replicas")
+
+MRTR_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+ROUTER_KEY = "mcp_tasks_proxy.replica_router"
+SESSION_TTL_MS = 24 * 3600 * 1000  # a legacy session's map entry outlives any sane session
+
+
+def drain_refusal(request_id: Any, what: str) -> web.Response:
+    """HTTP 503 with a JSON-RPC -32603 saying this replica is shutting down (retry elsewhere)."""
+    err = JsonRpcError(INTERNAL_ERROR, f"this proxy replica is shutting down and takes no {what}; send it again (another replica takes it)")
+    response = web.json_response(jsonrpc.error_response(request_id, err.to_error()), status=503)
+    response.headers["Retry-After"] = "0"
+    return response
+
+
+def _request_id(body: Any) -> Any:
+    rid = body.get("id") if isinstance(body, dict) else None
+    return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+class EndpointRouter:
+    """Routing for the endpoint of server `server`. `sessions` answers whether a legacy session id
+    is held here (`knows`), and adopts one (`adopt`); `kind` is `http` or `stdio`."""
+
+    def __init__(self, replicas: Replicas, *, server: str, kind: str, sessions: Any, parked: ParkedCalls) -> None:
+        self.replicas = replicas
+        self.server = server
+        self.kind = kind
+        self.sessions = sessions
+        self.parked = parked
+
+    def _key(self, sid: str) -> str:
+        return f"session:{self.server}:{sid}"
+
+    async def route(self, request: web.Request, body: Any, raw: bytes | None) -> web.StreamResponse | None:
+        """A response when the request is served elsewhere or refused; None to serve it here."""
+        request[ROUTER_KEY] = self
+        if self.replicas.forwarded(request):
+            return None
+        sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        if sid:
+            return await self._session(request, sid, body, raw)
+        if body is None or not isinstance(body, dict):
+            return None
+        method = body.get("method")
+        if is_modern_request(request.headers, body):
+            params = body.get("params")
+            if method in MRTR_METHODS and isinstance(params, dict) and "requestState" in params:
+                return await self._mrtr(request, body, params["requestState"], raw)
+            if self.replicas.draining and method in MRTR_METHODS:
+                return drain_refusal(_request_id(body), "new calls")
+            return None
+        if self.replicas.draining and method == "initialize":
+            return drain_refusal(_request_id(body), "new sessions")
+        return None
+
+    async def _mrtr(self, request: web.Request, body: Any, state: Any, raw: bytes | None) -> web.StreamResponse | None:
+        owner = self.parked.owner_of(state)
+        if owner is None or owner == self.replicas.node:
+            return None  # parked here (or not a valid state: refused here as usual)
+        peer = await self.replicas.peer(owner)
+        if peer is not None:
+            relayed = await self.replicas.forwarder.relay(request, peer, raw)
+            if relayed is not None:
+                return relayed
+        err = JsonRpcError(INVALID_PARAMS, "requestState belongs to a call on a proxy replica that is gone; send the request again without it")
+        return web.json_response(jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status)
+
+    async def _session(self, request: web.Request, sid: str, body: Any, raw: bytes | None) -> web.StreamResponse | None:
+        new_call = request.method == "POST" and isinstance(body, dict) and body.get("method") == "tools/call"
+        if self.sessions.knows(sid):
+            if self.replicas.draining and new_call and self.kind == "http":
+                return drain_refusal(_request_id(body), "new calls")  # retried elsewhere, which adopts the session
+            return None
+        try:
+            entry = await self.replicas.shared.session_get(self._key(sid))
+        except StoreUnavailableError:
+            return None
+        if not isinstance(entry, dict):
+            return None  # unknown anywhere: 404 here
+        peer = await self.replicas.peer(entry.get("owner"))
+        if peer is not None and not (peer.draining and self.kind == "http"):
+            relayed = await self.replicas.forwarder.relay(request, peer, raw)
+            if relayed is not None:
+                return relayed
+        principal = request.get(PRINCIPAL_KEY, ANONYMOUS)
+        if self.kind == "http" and entry.get("principal") == principal_hash(principal) and isinstance(entry.get("upstream"), str):
+            capabilities = entry.get("capabilities")
+            self.sessions.adopt(sid, entry["upstream"], principal, capabilities if isinstance(capabilities, dict) else {})
+            await self.record(sid, upstream=entry["upstream"], principal=principal, capabilities=capabilities)
+            log.info("legacy_session_adopted", server=self.server, previous_owner=entry.get("owner"))
+        return None  # adopted, or a stdio session whose replica is gone: 404 here
+
+    async def record(self, sid: str, *, upstream: str | None, principal: str, capabilities: Any) -> None:
+        """Write the session map entry of a session this replica holds (owner: this replica)."""
+        value = {"owner": self.replicas.node, "kind": self.kind, "upstream": upstream, "principal": principal_hash(principal),
+                 "capabilities": capabilities if isinstance(capabilities, dict) else {}}
+        try:
+            await self.replicas.shared.session_put(self._key(sid), value, SESSION_TTL_MS)
+        except StoreUnavailableError as exc:
+            log.warning("session_map_write_failed", reason=str(exc))
+
+    async def forget(self, sid: str) -> None:
+        """Remove the session map entry of a session that ended here."""
+        try:
+            await self.replicas.shared.session_delete(self._key(sid))
+        except StoreUnavailableError as exc:
+            log.warning("session_map_write_failed", reason=str(exc))
+
+
+async def on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp signal, before a response's head goes out: a legacy session this replica just opened
+    is written to the session map first (so the client's next request, wherever it lands, finds
+    it), and one it ended (DELETE) is removed."""
+    router = request.get(ROUTER_KEY)
+    if not isinstance(router, EndpointRouter) or response.status >= 300:
+        return
+    asked = (request.headers.get("Mcp-Session-Id") or "").strip()
+    if asked:
+        if request.method == "DELETE" and router.sessions.knows(asked) is False:
+            await router.forget(asked)
+        return
+    sid = (response.headers.get("Mcp-Session-Id") or "").strip()
+    if sid and router.sessions.knows(sid):
+        upstream, principal, capabilities = router.sessions.describe(sid)
+        await router.record(sid, upstream=upstream, principal=principal, capabilities=capabilities)
+
+
+class HttpSessions:
+    """The relay's legacy sessions (HTTP upstream) as the router sees them."""
+
+    def __init__(self, legacy: Any) -> None:
+        self.legacy = legacy
+
+    def knows(self, sid: str) -> bool:
+        """True when session `sid` is held here."""
+        return self.legacy.peek(sid) is not None
+
+    def describe(self, sid: str) -> tuple[str | None, str, Any]:
+        """(upstream session id, principal, capabilities) of a session held here."""
+        session = self.legacy.peek(sid)
+        return session.upstream_id, session.principal, session.capabilities
+
+    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any) -> None:
+        """Hold session `sid` here from now on (its upstream session is `upstream`)."""
+        self.legacy.adopt(sid, upstream, principal, capabilities)
+
+
+class BridgeSessions:
+    """The stdio bridge's legacy sessions as the router sees them (never adopted: their state is
+    in the replica that opened them)."""
+
+    def __init__(self, bridge: Any) -> None:
+        self.bridge = bridge
+
+    def knows(self, sid: str) -> bool:
+        """True when session `sid` is held here."""
+        return sid in self.bridge.sessions
+
+    def describe(self, sid: str) -> tuple[str | None, str, Any]:
+        """(None, principal, capabilities) of a session held here."""
+        session = self.bridge.sessions[sid]
+        return None, session.principal, session.capabilities
+
+    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any) -> None:
+        """Not possible for a stdio upstream (never called)."""
+
+
+def make_router(replicas: Replicas, endpoint: Any, parked: ParkedCalls) -> EndpointRouter:
+    """The router of one `ServerEndpoint` (HTTP relay sessions, or the stdio bridge's)."""
+    if endpoint.bridge is not None:
+        return EndpointRouter(replicas, server=endpoint.name, kind="stdio", sessions=BridgeSessions(endpoint.bridge), parked=parked)
+    return EndpointRouter(replicas, server=endpoint.name, kind="http", sessions=HttpSessions(endpoint.legacy), parked=parked)
