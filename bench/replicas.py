@@ -158,7 +158,7 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
             time.sleep(1.5)  # first health checks pass
             try:
                 tiers = {"haproxy": [haproxy], "replicas": replicas, "redis": [redis], "upstream": [upstream]}
-                loads = {
+                loads: dict[str, dict[str, Any]] = {
                     "call": {"mode": "modern", "tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"},
                     "tasks_get": {"mode": "tasks_get", "ids_file": str(ids_file)},
                 }

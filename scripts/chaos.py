@@ -39,9 +39,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -160,6 +160,105 @@ class SingleProxy:
         if self.proxy is not None:
             self.proxy.stop()
         self.upstream.stop()
+
+
+class AofRedis:
+    """redis-server with `appendonly yes` and `appendfsync always` (a write is on disk before Redis
+    acknowledges it), on one loopback port and data dir across restarts. Duck-types the
+    `RedisServer` of scripts/cluster.py (start/stop/url/port), which runs Redis without persistence."""
+
+    def __init__(self, workdir: Path) -> None:
+        from cluster import free_port
+
+        self.dir = workdir / "redis"
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start (again: the AOF in `dir` is replayed) and wait until it answers PING (bounded)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "yes", "--daemonize", "no",
+             "--logfile", str(self.dir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited ({self.dir / 'redis.log'})")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):  # not -LOADING: the AOF is replayed
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer PING")
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: only what the AOF has survives)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Replicas:
+    """N replicas of config/replicas.yaml behind HAProxy on an AOF Redis (scripts/cluster.py), the
+    legacy fixture server as upstream `web`; every request goes through HAProxy."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        from cluster import Cluster
+
+        self.upstream = Child([sys.executable, "tests/fixtures/legacy_server.py", "--port", "0"])
+        self.cluster = Cluster(
+            upstream_url=self.upstream.url, replicas=args.replicas, workdir=workdir / "cluster", check_inter="100ms",
+            settings={"MCP_LEASE": args.lease, "MCP_DETACH_AFTER": "100ms", "MCP_POLL_INTERVAL": "100ms", "MCP_STDIO_DISABLED": "true",
+                      "MCP_DRAIN_TIMEOUT": "1s", "MCP_DRAIN_DETACHED": "1s"},
+        )
+        self.redis = AofRedis(workdir)
+        self.cluster.redis = self.redis  # type: ignore[assignment]
+        try:
+            self.cluster.start()
+        except BaseException:
+            self.upstream.stop()
+            raise
+        self.url = f"{self.cluster.url}/servers/web/mcp"
+        self.killed = -1
+
+    def kill(self, rng: random.Random) -> str:
+        self.killed = rng.randrange(self.cluster.n)
+        self.cluster.kill(self.killed)
+        return f"replica {self.killed}"
+
+    def revive(self) -> None:
+        self.cluster.restart(self.killed)
+
+    def extra_chaos(self) -> list[str]:
+        return ["redis"]
+
+    def extra(self, name: str, down_s: float) -> None:
+        self.redis.kill()
+        time.sleep(down_s)
+        self.redis.start()
+
+    def stop(self) -> None:
+        try:
+            self.cluster.stop()
+        finally:
+            self.upstream.stop()
 
 
 def mixed_call(i: int, rng: random.Random) -> tuple[str, dict]:
@@ -320,13 +419,18 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         async def load() -> None:
             # At least --calls calls, and on until the last kill (so every kill has calls to cut).
             pending: set[asyncio.Task[None]] = set()
+
+            def done(task: asyncio.Task[None]) -> None:
+                pending.discard(task)
+                call_budget.release()
+
             i = 0
             while i < args.calls or not kills_done.is_set():
                 i += 1
                 await call_budget.acquire()
                 task = asyncio.create_task(one_call(i))
                 pending.add(task)
-                task.add_done_callback(lambda t: (pending.discard(t), call_budget.release()))
+                task.add_done_callback(done)
                 await asyncio.sleep(rng.uniform(0, 2 * args.spacing))
             if pending:
                 await asyncio.wait(pending, timeout=args.request_timeout + 5)
@@ -500,9 +604,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
 def make_target(args: argparse.Namespace, workdir: Path) -> Target:
     if not args.replicas:
         return SingleProxy(workdir)
-    from chaos_cluster import ClusterTarget  # scripts/chaos_cluster.py (next to this file)
-
-    return ClusterTarget(args, workdir)
+    return Replicas(args, workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -543,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report["violations"] else 0
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/cluster.py
+
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -40,3 +40,11 @@ def test_small_chaos_run_single_process() -> None:
     report = chaos("--calls", "40", "--kills", "3", "--seed", "7", "--min-seen", "2", timeout=120)
     assert_proved(report, 3)
     assert report["transport"]["call_cut"] > 0  # some kill cut a request mid-way (not just refused ones after it)
+
+
+@pytest.mark.skipif(not (shutil.which("redis-server") and (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy"))),
+                    reason="needs redis-server and haproxy")
+def test_small_chaos_run_three_replicas_and_a_redis_restart() -> None:
+    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "7", "--lease", "500ms", timeout=180)
+    assert_proved(report, 3)
+    assert report["redis_restarts"] == 1
