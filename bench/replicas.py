@@ -10,7 +10,9 @@ front, and the SDK fixture upstream behind. The same closed-loop load as section
 (bench/loadgen.py) goes through HAProxy:
 
 - `call`: a short 2026-07-28 `tools/call` (`greet`) passed through to the upstream;
-- `tasks_get`: `tasks/get` of tasks stored in Redis (filled through the proxy's own store class).
+- `tasks_get`: `tasks/get` of tasks stored in Redis (filled through the proxy's own store class);
+- `detached`: a `tools/call` of `slow_compute` (50 ms upstream) that detaches after 20 ms, so each
+  call is a task: its record created in Redis, the CreateTaskResult sent, the outcome written.
 
 Measured per point: requests/s, p50/p99, and the CPU seconds per call of each tier (psutil
 user+system of haproxy, of the replicas summed, of redis-server, of the upstream; the load
@@ -41,6 +43,8 @@ from typing import Any
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 PROJECT_N = (1, 2, 3, 4, 8, 16, 32)
+DETACH_MS = 20
+HOLD_S = 0.05
 
 
 def start_redis(h: ModuleType, workdir: Path, name: str) -> tuple[Any, str]:
@@ -85,7 +89,8 @@ def replica_config(workdir: Path, name: str, upstream_url: str, redis_url: str, 
         "listen": {"host": "127.0.0.1", "port": 0},
         "store": {"url": redis_url, "prefix": prefix, "lease": "5s"},
         "tasks": {"detach_after": "10s", "ttl": "1h", "poll_interval": "500ms"},
-        "mcpServers": {"bench": {"url": upstream_url}},
+        # slow_compute detaches after 20 ms: each such call becomes a task (record, outcome) in Redis.
+        "mcpServers": {"bench": {"url": upstream_url, "tasks": {"tools": {"slow_compute": {"detach_after": f"{DETACH_MS}ms"}}}}},
     }
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config, indent=2))
@@ -161,6 +166,8 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                 loads: dict[str, dict[str, Any]] = {
                     "call": {"mode": "modern", "tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"},
                     "tasks_get": {"mode": "tasks_get", "ids_file": str(ids_file)},
+                    "detached": {"mode": "detach", "tool": "slow_compute", "arguments": {"seconds": HOLD_S}, "expect": '"resultType":"task"',
+                                 "detach_after_s": DETACH_MS / 1000},
                 }
                 for load, spec in loads.items():
                     before = {t: sum(h.cpu_seconds(p.pid, children=False) for p in ps) for t, ps in tiers.items()}
@@ -170,6 +177,8 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                     cpu = {t: round((sum(h.cpu_seconds(p.pid, children=False) for p in ps) - before[t]) * 1000 / calls, 3)
                            for t, ps in tiers.items()}
                     cpu["loadgen"] = round(res["loadgen_cpu_s"] * 1000 / calls, 3)
+                    if load == "detached":
+                        time.sleep(HOLD_S + 0.5)  # the last tasks' outcomes are written (and counted) before the CPU is read
                     row = {"replicas": n, "load": load, "rps": res["rps"], "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"],
                            "errors": res["errors"], "error_samples": res["error_samples"], "total_ok": res["total_ok"],
                            "cpu_ms_per_call": cpu, "concurrency": args.r_concurrency}
