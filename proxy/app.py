@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,12 +18,14 @@ from .console import build_console
 from .dispatcher import ServerDispatcher
 from .drain import Drain
 from .legacy_bridge import LegacyBridge
-from .mrtr import ParkedCalls, load_or_create_key
+from .mrtr import ParkedCalls, load_or_create_key, shared_key
 from .observability import access_log, json_errors, metrics_handler
-from .replicas import REPLICAS_KEY, Replicas, SharedMap, advertised_url, make_router, on_response_prepare
+from .replicas import REPLICAS_KEY, Replicas, advertised_url, make_router, on_response_prepare
 from .replicas.internal import PREFIX as REPLICA_PREFIX, add_routes as add_replica_routes
 from .tasks.recovery import RESTART_MESSAGE
-from .tasks.diskcache_store import DiskcacheStore
+from .tasks.open_store import open_store, rate_storage
+from .tasks.rates import close_rate_storage
+from .tasks.redis_store import RedisTaskStore
 from .tasks.model import TaskRecord
 from .tasks.service import TaskService
 from .tasks.store import StoreUnavailableError
@@ -96,23 +96,30 @@ async def _to_console(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    store = DiskcacheStore(config.store.path, durable=config.store.durable, exclusive=True, max_result_bytes=config.limits.max_result_bytes)
+    store = open_store(config.store, max_result_bytes=config.limits.max_result_bytes, exclusive=True)
+    counters = rate_storage(config.store)
     tasks = TaskService(
         store, lease_s=config.store.lease, outcome_retry_s=config.store.write_retry,
-        max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate,
+        max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate, rate_storage=counters,
     )
     app[TASKS_KEY] = tasks
+    try:
+        if isinstance(store, RedisTaskStore):
+            level, message = await store.persistence_report()
+            (log.warning if level == "warning" else log.info)("store_persistence", store=store.where, detail=message)
+            parked = ParkedCalls(await shared_key(store, config.request_state.secret), store.claim_once)
+        else:
+            parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
+    except BaseException:
+        await store.close()
+        raise
+    parked.node = tasks.node
+    app[PARKED_KEY] = parked
     replicas: Replicas | None = None
-    if config.replicas is not None:
-        if not isinstance(store, SharedMap):
-            await store.close()
-            raise StoreUnavailableError(f"task store {store.where}: replicas need a shared store (store.url: redis://...)")
+    if config.replicas is not None and isinstance(store, RedisTaskStore):  # the config requires store.url with replicas
         replicas = Replicas(config, tasks=tasks, shared=store, url=advertised_url(config))
         tasks.remote = replicas
         app[REPLICAS_KEY] = replicas
-    parked = ParkedCalls(load_or_create_key(config.store.path, _request_state_secret(config)))
-    parked.node = tasks.node
-    app[PARKED_KEY] = parked
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     pools = []
     for name, entry in config.servers.items():
@@ -134,10 +141,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await replicas.start()
     except BaseException:
         await store.close()
+        await close_rate_storage(counters)
         raise
     # Open each upstream session early (in the background) so the first call does not pay for initialize.
     warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
-    log.info("proxy_started", servers=list(config.servers), store=config.store.path, node=tasks.node)
+    log.info("proxy_started", servers=list(config.servers), store=store.where, node=tasks.node)
     try:
         yield
     finally:
@@ -150,14 +158,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await pool.close()
         await http.close()
         await store.close()
-
-
-def _request_state_secret(config: Config) -> str | None:
-    """The MRTR signing secret: `request_state.secret`, else (replicas) one derived from
-    `replicas.secret` so every replica verifies every other's states, else None (a key file)."""
-    if config.request_state.secret or config.replicas is None:
-        return config.request_state.secret
-    return hmac.new(config.replicas.secret.encode(), b"mcp-tasks-proxy request_state", hashlib.sha256).hexdigest()
+        await close_rate_storage(counters)
 
 
 def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) -> Call | None:

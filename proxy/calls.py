@@ -82,7 +82,7 @@ class CallRunner:
         if responses is not None:
             validate_input_responses(responses)
         if "requestState" in params:
-            call = self.parked.resume(params["requestState"], principal=principal, server=self.name, digest=digest)
+            call = await self.parked.resume(params["requestState"], principal=principal, server=self.name, digest=digest)
             call.resume(meta.get("progressToken"))
             call.answer(responses or {})
         else:

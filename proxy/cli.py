@@ -25,10 +25,10 @@ from . import __version__, listener
 from .app import DRAIN_KEY, PARKED_KEY, build_app
 from .replicas import REPLICAS_KEY
 from .auth import hash_token
-from .config import Config, ConfigError, config_from_data, config_json_schema, load_config
+from .config import Config, ConfigError, StoreConfig, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
 from .protocol.tasks_v2 import detailed_task
-from .tasks.diskcache_store import DiskcacheStore
+from .tasks.open_store import open_store
 from .tasks.dirlock import lock_directory, unlock_directory
 from .tasks.model import Change, TaskStatus, TerminalTaskError, iso
 from .tasks.store import ListFilter, StoreLockedError, StoreUnavailableError, TaskNotFoundError
@@ -92,7 +92,11 @@ async def serve(config: Config, *, announce: bool = True, demo: bool = False) ->
 
     The store directory's serving lock is taken first (StoreLockedError names the holder), then the
     address is bound: when that fails (OSError) nothing has started or been logged as started.
+    A Redis store (`store.url`) has no lock: any number of replicas serve from it.
     """
+    if config.store.redis:
+        await _serve_locked(config, announce=announce, demo=demo)
+        return
     try:
         lock_directory(config.store.path)
     except OSError as exc:
@@ -186,7 +190,8 @@ def describe(config: Config, source: str) -> str:
     """What a config will serve, as text: listen address, store, and per server its upstream,
     routes and task policy (durations in seconds)."""
     base = f"http://{config.listen.host}:{config.listen.port}"
-    lines = [f"{source}: valid", f"listen {base}  store {config.store.path}  (durable: {config.store.durable})"]
+    durability = "Redis persistence" if config.store.redis else config.store.durable
+    lines = [f"{source}: valid", f"listen {base}  store {config.store.where}  (durable: {durability})"]
     d = config.tasks
     lines.append(f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s")
     for name, entry in config.mcpServers.items():
@@ -246,7 +251,7 @@ def _tasks_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mcp-tasks-proxy tasks", description="Inspect or cancel tasks in a store directory.")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--store", help="the store directory (store.path)")
-    where.add_argument("--config", help="a config file; its store.path is used")
+    where.add_argument("--config", help="a config file; its store (store.path or store.url) is used")
     sub = parser.add_subparsers(dest="action", required=True)
     listing = sub.add_parser("list", help="one line per task, newest first")
     listing.add_argument("--status", choices=[s.value for s in TaskStatus])
@@ -260,20 +265,24 @@ def _tasks_command(argv: list[str]) -> int:
             break
     args = parser.parse_args(argv)
     try:
-        path = args.store or load_config(args.config).store.path
+        store_cfg = StoreConfig(path=args.store) if args.store else load_config(args.config).store
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
-    if not os.path.isdir(path):
-        print(f"mcp-tasks-proxy: no store at {path}", file=sys.stderr)
+    if not store_cfg.redis and not os.path.isdir(store_cfg.path):
+        print(f"mcp-tasks-proxy: no store at {store_cfg.path}", file=sys.stderr)
         return 2
-    return asyncio.run(_tasks_action(args, path))
+    try:
+        return asyncio.run(_tasks_action(args, store_cfg))
+    except StoreUnavailableError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 1
 
 
-async def _tasks_action(args: argparse.Namespace, path: str) -> int:
+async def _tasks_action(args: argparse.Namespace, store_cfg: StoreConfig) -> int:
     """The `tasks` subcommand's work on an open (shared, unlocked) store; returns the exit status."""
     try:
-        store = DiskcacheStore(path, durable=True)
+        store = open_store(store_cfg.model_copy(update={"durable": True}), max_result_bytes=16 * 1024 * 1024, exclusive=False)
     except StoreUnavailableError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 1

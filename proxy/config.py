@@ -30,40 +30,18 @@ from .config_sections import (
     MetricsConfig,
     ReplicasConfig,
     RequestStateConfig,
+    StoreConfig,
     TrustedHeaderConfig,
 )
 
 __all__ = [
     "AuthConfig", "Config", "ConsoleConfig", "ConfigError", "Duration", "JwtConfig", "LimitsConfig", "ListenConfig", "LoggingConfig", "MetricsConfig",
-    "ReplicasConfig", "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "ToolMode", "TrustedHeaderConfig", "config_from_data", "config_json_schema",
+    "ReplicasConfig", "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "StoreConfig", "ToolMode", "TrustedHeaderConfig", "config_from_data",
+    "config_json_schema",
     "load_config", "parse_duration",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-class StoreConfig(_Strict):
-    """The task store: a diskcache directory, served by one proxy process at a time (an OS lock).
-
-    `durable` fsyncs every batch of writes (group commit). `lease` (s): how long this process's
-    claim on the calls it runs lasts without renewal (renewed every third of it); a task whose
-    owner's lease lapsed is ended (or re-run) by the sweep, which runs every half lease.
-    `write_retry` (s): how long an outcome write the store refuses is retried before the task is
-    shown `failed`, naming the store.
-    """
-
-    path: str = "./var/tasks"
-    durable: bool = True
-    lease: Duration = Field("15s", validate_default=True)
-    write_retry: Duration = Field("5s", validate_default=True)
-
-    @field_validator("lease", "write_retry")
-    @classmethod
-    def _positive_store_durations(cls, value: float, info: ValidationInfo) -> float:
-        _positive(value, f"store.{info.field_name}")
-        if info.field_name == "lease" and value < 0.1:
-            raise ValueError("store.lease must be at least 100ms (it is renewed every third of it)")
-        return value
 
 
 class ToolMode(StrEnum):
@@ -251,6 +229,8 @@ class Config(_Strict):
                 raise ValueError(f"server name {name!r} must match {_NAME.pattern} (it becomes a URL path)")
         if not self.servers:
             raise ValueError("mcpServers must configure at least one enabled server")
+        if self.replicas is not None and not self.store.redis:
+            raise ValueError("replicas need a shared store: set store.url (redis://host:port/db)")
         if self.console is not None:
             clients = {digest.removeprefix("sha256:").lower() for digest in self.auth.tokens.values()}
             for name, digest in self.console.tokens.items():

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ipaddress
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 import limits
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .config_base import Duration, Strict as _Strict
+from .tasks.redis_keys import redact_url
 
 
 class ListenConfig(_Strict):
@@ -73,6 +75,66 @@ class ReplicasConfig(_Strict):
         if self.hop_timeout <= 0:
             raise ValueError("hop_timeout must be longer than 0s")
         return self
+
+class StoreConfig(_Strict):
+    """The task store: a diskcache directory (`path`, served by one proxy process at a time: an OS
+    lock), or a Redis server (`url`, shared by any number of replicas). Give one of the two;
+    without either, `path` defaults to `./var/tasks`.
+
+    `url`: `redis://[:password@]host[:port][/db]` or `rediss://` (TLS); write the password as
+    `${VAR}` (it never appears in logs, errors, /readyz or the console). `prefix`: the start of
+    every Redis key. `timeout` (s): bound on each Redis call (connect, reply, pooled connection).
+    `durable` (diskcache only) fsyncs every batch of writes (group commit); with Redis, durability
+    is Redis's own persistence setting (README "Redis store"). `lease` (s): how long this
+    process's claim on the calls it runs lasts without renewal (renewed every third of it); a task
+    whose owner's lease lapsed is ended (or re-run) by the sweep, which runs every half lease.
+    `write_retry` (s): how long an outcome write the store refuses is retried before the task is
+    shown `failed`, naming the store.
+    """
+
+    path: str = "./var/tasks"
+    url: str | None = Field(None, description="redis:// or rediss:// URL of a shared Redis store (instead of `path`)")
+    prefix: str = Field("mcp-tasks-proxy:", min_length=1, max_length=100, description="start of every Redis key (Redis store only)")
+    timeout: Duration = Field("5s", validate_default=True, description="bound on each Redis call (Redis store only)")
+    durable: bool = True
+    lease: Duration = Field("15s", validate_default=True)
+    write_retry: Duration = Field("5s", validate_default=True)
+
+    @field_validator("lease", "write_retry", "timeout")
+    @classmethod
+    def _positive_store_durations(cls, value: float, info: ValidationInfo) -> float:
+        if value <= 0:
+            raise ValueError(f"store.{info.field_name} must be longer than 0s")
+        if info.field_name == "lease" and value < 0.1:
+            raise ValueError("store.lease must be at least 100ms (it is renewed every third of it)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> StoreConfig:
+        if self.url is None:
+            return self
+        if "path" in self.model_fields_set:
+            raise ValueError("give either store.path (a diskcache directory) or store.url (Redis), not both")
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018 (raises ValueError for a bad port)
+        except ValueError:
+            raise ValueError("store.url is not a valid URL (redis://host:port/db)") from None
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ValueError("store.url must be redis://host[:port][/db] or rediss://host[:port][/db]")
+        if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ValueError("store.url: the path must be a database number (redis://host:port/0)")
+        return self
+
+    @property
+    def redis(self) -> bool:
+        """True when the store is Redis (`url` given)."""
+        return self.url is not None
+
+    @property
+    def where(self) -> str:
+        """The store for messages: the directory, or the Redis URL without its password."""
+        return self.path if self.url is None else redact_url(self.url)
 
 
 class RequestStateConfig(_Strict):

@@ -5,7 +5,9 @@ client still waits on the original request, the proxy answers that request with 
 `InputRequiredResult` and parks the live upstream call. The `requestState` it hands out is a
 signed token (HS256 JWT) that names the parked call, binds it to the principal, the server and a
 digest of the request, expires, and is single-use: each round mints a fresh nonce and a retry
-must present the current one. Anything else is refused with -32602 before anything is touched.
+must present the current one; the nonce is also claimed once in the task store (`claim_once`), so
+with replicas on one Redis a state replayed to another replica is refused just the same. Anything
+else is refused with -32602 before anything is touched.
 """
 
 from __future__ import annotations
@@ -16,17 +18,37 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jwt
 
 from .call import Call
 from .config import ConfigError
-from .protocol.jsonrpc import INVALID_PARAMS, JsonRpcError
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
+from .tasks.store import StoreUnavailableError
+
+if TYPE_CHECKING:
+    from .tasks.store import TaskStore
 
 KEY_FILE = "request_state.key"
+KEY_BLOB = "request_state.key"  # the shared key's name in a Redis store
+ClaimOnce = Callable[[str, int], Awaitable[bool]]
+
+
+async def shared_key(store: TaskStore, configured: str | None) -> bytes:
+    """The HMAC key for `requestState` shared by every replica of a Redis store: the configured
+    secret, else 32 random bytes stored once in the store (the first replica's write wins).
+    Raises StoreUnavailableError."""
+    if configured:
+        return configured.encode()
+    await store.put_blob(KEY_BLOB, secrets.token_bytes(32), None, only_new=True)
+    key = await store.get_blob(KEY_BLOB)
+    if key is None or len(key) < 32:
+        raise ConfigError(f"task store {store.where}: the shared request_state key is missing or short; set request_state.secret")
+    return key
 
 
 def load_or_create_key(store_path: str, configured: str | None) -> bytes:
@@ -112,13 +134,15 @@ class ParkedCalls:
     """The calls of this proxy process waiting for an MRTR retry.
 
     `key` signs the states; `timeout_s` is how long a parked call waits for its retry before it is
-    cancelled upstream (the `input_timeout` of its tool).
+    cancelled upstream (the `input_timeout` of its tool). `claim_once(key, ttl_ms)` (the task
+    store's) marks each state's nonce used, store-wide; without it only this process remembers.
     """
 
     node = ""  # this process's node id, named in each state when set (replicas route retries by it)
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, claim_once: ClaimOnce | None = None) -> None:
         self._key = key
+        self._claim_once = claim_once
         self._parked: dict[str, Parked] = {}
 
     def __len__(self) -> int:
@@ -153,11 +177,12 @@ class ParkedCalls:
             claims["o"] = self.node
         return jwt.encode(claims, self._key, algorithm="HS256")
 
-    def resume(self, state: Any, *, principal: str, server: str, digest: str) -> Call:
+    async def resume(self, state: Any, *, principal: str, server: str, digest: str) -> Call:
         """Verify a retry's `requestState` and take its call out of the parked set.
 
         Raises JsonRpcError(-32602) for a malformed, tampered, expired, foreign or replayed state;
-        nothing changes then.
+        nothing changes then (a state that passed every check but the store-wide claim stays
+        claimed); JsonRpcError(-32603, HTTP 503) when the claim cannot be written.
         """
         if not isinstance(state, str):
             raise JsonRpcError(INVALID_PARAMS, "requestState must be the string this server sent")
@@ -168,12 +193,19 @@ class ParkedCalls:
         except jwt.InvalidTokenError:
             raise JsonRpcError(INVALID_PARAMS, "requestState is not valid (it was altered or not issued here)") from None
         pid = claims.get("pid")
+        if claims.get("p") != principal_digest(principal) or claims.get("s") != server or claims.get("d") != digest:
+            raise JsonRpcError(INVALID_PARAMS, "requestState does not belong to this request")
+        if self._claim_once is not None:
+            ttl_ms = max(1, int((float(claims["exp"]) - time.time()) * 1000) + 1000)
+            try:
+                first = await self._claim_once(f"mrtr:{pid}:{claims.get('n')}", ttl_ms)
+            except StoreUnavailableError as exc:
+                raise JsonRpcError(INTERNAL_ERROR, f"requestState cannot be checked: {exc}", status=503) from None
+            if not first:
+                raise JsonRpcError(INVALID_PARAMS, "requestState was already used; retry with the latest one")
         entry = self._parked.get(pid) if isinstance(pid, str) else None
         if (
             entry is None
-            or claims.get("p") != principal_digest(principal)
-            or claims.get("s") != server
-            or claims.get("d") != digest
             or entry.principal != principal
             or entry.server != server
             or entry.digest != digest

@@ -38,7 +38,7 @@ class TaskMethods:
 
     async def _record(self, method: str, params: Any, envelope: Envelope, principal: str):
         require_tasks_extension(envelope, method)
-        self.tasks.check_rate(principal)
+        await self.tasks.check_rate(principal)
         task_id = params.get("taskId") if isinstance(params, dict) else None
         return await self.tasks.lookup(task_id, principal=principal, server=self.server)
 

@@ -67,7 +67,7 @@ class V1TaskMethods:
         self.questions: dict[RequestId, tuple[str, str, str]] = {}
 
     async def _lookup(self, params: JsonObject, principal: str) -> TaskRecord:
-        self.tasks.check_rate(principal)
+        await self.tasks.check_rate(principal)
         return await self.tasks.lookup(params.get("taskId"), principal=principal, server=self.server)
 
     async def get(self, params: JsonObject, principal: str) -> JsonObject:
@@ -82,7 +82,7 @@ class V1TaskMethods:
         """`tasks/list` → `{tasks: [Task…], nextCursor?}`: the caller's own tasks on this server,
         newest first, LIST_PAGE per page. Raises JsonRpcError -32602 for a cursor the proxy did not
         hand out, -32603 (HTTP 503) when the store cannot be read."""
-        self.tasks.check_rate(principal)
+        await self.tasks.check_rate(principal)
         cursor = params.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
             raise JsonRpcError(INVALID_PARAMS, "params.cursor must be a string")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
 import io
 import os
 import secrets
@@ -83,43 +84,13 @@ def _end(proc: subprocess.Popen[Any] | None, sig: int = signal.SIGTERM, timeout:
         proc.wait(timeout=10)
 
 
-class RedisServer:
-    """A private redis-server on a free loopback port, in its own directory, no persistence."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.dir = workdir / "redis"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        """`redis://127.0.0.1:<port>/0`."""
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> None:
-        """Start it and wait until it accepts connections (TimeoutError after `timeout` s)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--appendonly", "no",
-             "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-
-        def answers() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (see {self.dir / 'redis.log'})")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-            return False
-
-        _wait(answers, timeout, "redis-server answering PING")
-
-    def stop(self) -> None:
-        """Stop it (SIGTERM, then SIGKILL) and reap it."""
-        _end(self.proc)
+def _redis_server_class() -> Any:
+    """`RedisServer` of tests/redis_server.py (the test suite's launcher: free port, own directory)."""
+    spec = importlib.util.spec_from_file_location("mcp_tasks_proxy_redis_server", ROOT / "tests" / "redis_server.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RedisServer
 
 
 class Cluster:
@@ -147,7 +118,7 @@ class Cluster:
         self.ready_timeout_s = ready_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.secret = secrets.token_urlsafe(32)
-        self.redis = RedisServer(self.workdir)
+        self.redis = _redis_server_class()(self.workdir / "redis", appendonly=False)
         self.ports = [free_port() for _ in range(replicas)]
         self.lb_port = free_port()
         self.stats_port = free_port()

@@ -19,6 +19,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from redis_server import RedisServer
+
 from proxy import listener
 from proxy.app import POOLS_KEY, TASKS_KEY, build_app
 from proxy.config import Config, config_from_data
@@ -103,6 +105,21 @@ def seed_store(path: Path, *records: TaskRecord) -> None:
             await store.close()
 
     asyncio.run(seed())
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server (appendonly yes, everysec) on a free loopback port with its own temp
+    directory, one per test session; tests keep apart through key prefixes (`redis_prefix`)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix of this test's own on the shared `redis_server`."""
+    return f"test-{os.urandom(6).hex()}:"
 
 
 @pytest.fixture(scope="session")

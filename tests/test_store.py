@@ -14,6 +14,7 @@ import pytest
 from conftest import make_record
 
 from proxy.tasks.diskcache_store import DiskcacheStore
+from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.model import (
     HISTORY_MAX,
     Change,
@@ -28,12 +29,17 @@ from proxy.tasks.model import (
 )
 from proxy.tasks.store import ListFilter, TaskNotFoundError, TaskStore
 
-BACKENDS = ["diskcache"]
+BACKENDS = ["diskcache", "redis"]
 
 
 @pytest.fixture(params=BACKENDS)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[TaskStore]:
-    backend = DiskcacheStore(tmp_path / "store", durable=False, max_result_bytes=2048)
+    backend: TaskStore
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        backend = RedisTaskStore(server.url, prefix=request.getfixturevalue("redis_prefix"), max_result_bytes=2048, timeout_s=5)
+    else:
+        backend = DiskcacheStore(tmp_path / "store", durable=False, max_result_bytes=2048)
     assert isinstance(backend, TaskStore)
     try:
         yield backend

@@ -1,7 +1,8 @@
 """The console's change stream: store commits of this process, fanned out as server-sent events.
 
-The hub subscribes once to `TaskStore.add_listener` (changes this proxy process commits; the
-operator CLI's writes from another process are not seen) and offers each change to every open
+The hub subscribes once to `TaskStore.add_remote_listener` (changes this proxy process commits,
+and on a Redis store those of every replica; the operator CLI's writes to a diskcache directory
+from another process are not seen) and offers each change to every open
 stream through a bounded queue. A stream that falls `QUEUE_MAX` changes behind gets one
 `resync` event instead of the changes it missed (the page then reloads its list).
 """
@@ -46,7 +47,7 @@ class ConsoleHub:
         """Listen to `store`'s commits (once per store object)."""
         if id(store) not in self._attached:
             self._attached.add(id(store))
-            store.add_listener(self.publish)
+            store.add_remote_listener(self.publish)  # with Redis: every replica's changes
 
     def publish(self, before: TaskStatus | None, record: TaskRecord) -> None:
         """Offer one committed change to every open stream (never blocks)."""

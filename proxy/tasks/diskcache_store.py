@@ -9,7 +9,8 @@
   never a status or a result). WAL checkpoints run on a thread of their own, off the commit path.
 - Keys: `task:<id>` the record; `ip:<principal>\\x1f<server>\\x1f<rev>\\x1f<id>` and
   `ia:<rev>\\x1f<id>` listing indexes (`rev` orders newest first); `live:<id>` non-terminal tasks;
-  `node:<id>` leases. Index keys expire with their record.
+  `node:<id>` leases. Index keys expire with their record. `once:`, `blob:`, `session:`: small
+  shared state (`diskcache_shared.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import diskcache
 
 from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, apply, now_ms, principal_key
+from .diskcache_shared import DiskcacheSharedState
 from .dirlock import lock_directory, unlock_directory
 from .store import ListFilter, StoreUnavailableError, TaskNotFoundError
 
@@ -43,7 +45,7 @@ def _rev(created_ms: int) -> str:
     return f"{_REV_BASE - created_ms:013d}"
 
 
-class DiskcacheStore:
+class DiskcacheStore(DiskcacheSharedState):
     """Task records in a diskcache directory; see the module docstring.
 
     `path` is the directory (created 0700 if missing). `durable=True` fsyncs every batch (SQLite

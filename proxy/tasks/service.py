@@ -14,10 +14,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-import limits as limits_lib
 import structlog
-from limits.storage import MemoryStorage
-from limits.strategies import MovingWindowRateLimiter
+from limits.aio.storage import Storage
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from .. import observability as obs
@@ -40,6 +38,7 @@ from .model import (
 from . import recovery
 from .audit import observe_transition
 from .push import TaskPush
+from .rates import TaskRate
 from .recovery import LOST_MESSAGE, RESTART_MESSAGE
 from .store import RemoteOwner, StoreUnavailableError, TaskNotFoundError, TaskStore
 
@@ -75,7 +74,8 @@ class TaskService:
     expired records) runs every half of it. `outcome_retry_s` (s) bounds the retries of
     an outcome write the store refused; after that the task is shown `failed`, naming the store,
     while the write goes on being retried in the background. Limits: `max_tasks_per_principal`
-    (live tasks) and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods).
+    (live tasks) and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods), counted in
+    `rate_storage` (a `limits.aio` storage; default in memory, Redis for replicas).
     """
 
     def __init__(
@@ -87,6 +87,7 @@ class TaskService:
         outcome_retry_s: float = 5.0,
         max_tasks_per_principal: int | None = None,
         tasks_rate: str | None = None,
+        rate_storage: Storage | None = None,
     ) -> None:
         self.store = store
         self.node = node or new_node_id()
@@ -95,8 +96,7 @@ class TaskService:
         self.live: dict[str, LiveCall] = {}
         self.max_tasks_per_principal = max_tasks_per_principal
         self.tasks_rate = tasks_rate
-        self._rate = limits_lib.parse(tasks_rate) if tasks_rate else None
-        self._limiter = MovingWindowRateLimiter(MemoryStorage()) if self._rate else None
+        self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
         self._snapshots: dict[str, TaskRecord] = {}  # live task → record at detach (for the store-failure view)
         self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown to readers
         self._retrieved: dict[str, None] = {}
@@ -108,7 +108,7 @@ class TaskService:
         self.store_problem: str | None = None  # the last store failure, while it lasts
         store.add_listener(observe_transition)
         self.push = TaskPush()  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
-        store.add_listener(self.push.on_change)
+        store.add_remote_listener(self.push.on_change)  # every replica's changes (Redis)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -310,12 +310,10 @@ class TaskService:
 
     # -- readers -----------------------------------------------------------------------------
 
-    def check_rate(self, principal: str) -> None:
-        """Raise a limit error (HTTP 429) when `principal` exceeds `tasks_rate`."""
-        if self._limiter is not None and self._rate is not None and not self._limiter.hit(self._rate, principal):
-            log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
-            obs.LIMIT_REJECTIONS.labels("tasks_rate").inc()
-            raise limit_error("tasks_rate", f"more than {self.tasks_rate} tasks/* calls", rate=self.tasks_rate)
+    async def check_rate(self, principal: str) -> None:
+        """Raise a limit error (HTTP 429) when `principal` exceeds `tasks_rate` (see `rates.TaskRate.check`;
+        -32603, HTTP 503, when Redis-held counters cannot be reached)."""
+        await self.rate.check(principal)
 
     async def lookup(self, task_id: Any, *, principal: str, server: str) -> TaskRecord:
         """The record of `task_id` as `principal` may see it on `server`, ending it first if it is an orphan.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .model import Change, TaskRecord, TaskStatus
 
@@ -114,4 +114,30 @@ class TaskStore(Protocol):
 
     def add_listener(self, listener: Callable[[TaskStatus | None, TaskRecord], None]) -> None:
         """Call `listener(previous status, or None on create; new record)` after each change this
-        store object commits (in this process; for metrics, logs and status push)."""
+        store object commits (in this process; for metrics and logs: never counted twice)."""
+
+    def add_remote_listener(self, listener: Callable[[TaskStatus | None, TaskRecord], None]) -> None:
+        """Call `listener(previous status or None; record)` for the changes every process serving
+        this store commits (all replicas on a Redis store; this process alone on diskcache), for
+        status push and the console's event stream. Changes of other processes may come late, or
+        (Redis connection lost) not at all; the record may be newer than the change."""
+
+    async def claim_once(self, key: str, ttl_ms: int) -> bool:
+        """True for the first claim of `key` within `ttl_ms` ms by any process on this store, False
+        after (single-use MRTR states)."""
+
+    async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
+        """Keep a small `value` under `key` for `ttl_ms` ms (None: no expiry); with `only_new`, only
+        when `key` is absent. Returns whether it was written."""
+
+    async def get_blob(self, key: str) -> bytes | None:
+        """The value under `key`, or None when absent or expired."""
+
+    async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
+        """Keep `info` (JSON-able) for a legacy session id for `ttl_ms` ms from now (the legacy session map)."""
+
+    async def session_get(self, session_id: str) -> dict[str, Any] | None:
+        """The info of a legacy session id, or None when unknown or expired."""
+
+    async def session_delete(self, session_id: str) -> None:
+        """Forget a legacy session id."""

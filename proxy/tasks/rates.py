@@ -1,0 +1,66 @@
+"""The `tasks_rate` limit: tasks/* calls per principal in a moving window (the `limits` library).
+
+Counters live in the process (`limits`' memory storage) with the diskcache store, and in Redis
+(`limits`' async Redis storage on redis-py, keys under `<store prefix>limits`) with the Redis
+store, so replicas share one count per principal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import limits as limits_lib
+import structlog
+from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.strategies import MovingWindowRateLimiter
+from limits.errors import StorageError
+
+from .. import observability as obs
+from ..protocol.jsonrpc import INTERNAL_ERROR, JsonRpcError, limit_error
+from .model import principal_hash, principal_key
+
+log = structlog.get_logger("proxy.tasks")
+
+
+def redis_rate_storage(url: str, *, prefix: str, timeout_s: float) -> RedisStorage:
+    """`limits`' async Redis storage on redis-py for a `redis://` or `rediss://` `url`, keys under
+    `<prefix>limits`, each call bounded by `timeout_s` (s). Storage errors raise StorageError."""
+    return RedisStorage(
+        "async+" + url, implementation="redispy", key_prefix=prefix + "limits", wrap_exceptions=True,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+    )
+
+
+async def close_rate_storage(storage: Storage | None) -> None:
+    """Close the Redis connections of a storage from `redis_rate_storage` (nothing for None or memory)."""
+    client = getattr(getattr(storage, "bridge", None), "storage", None)
+    if client is not None and hasattr(client, "aclose"):
+        with contextlib.suppress(Exception):
+            await client.aclose()
+
+
+class TaskRate:
+    """`rate` (`N/second`-style, None: no limit) per principal over `storage` (default: in memory).
+    `where` names the store in errors."""
+
+    def __init__(self, rate: str | None, storage: Storage | None = None, *, where: str = "") -> None:
+        self.text = rate
+        self._rate = limits_lib.parse(rate) if rate else None
+        self._limiter = MovingWindowRateLimiter(storage or MemoryStorage()) if self._rate else None
+        self.where = where
+
+    async def check(self, principal: str) -> None:
+        """Count one call of `principal`. Raises a limit error (HTTP 429) past the rate, and
+        JsonRpcError -32603 (HTTP 503) when the counters cannot be reached (Redis down)."""
+        if self._limiter is None or self._rate is None:
+            return
+        try:
+            allowed = await self._limiter.hit(self._rate, principal_key(principal))
+        except (StorageError, OSError) as exc:
+            reason = exc.storage_error if isinstance(exc, StorageError) else exc
+            message = f"task store {self.where}: the tasks_rate counters cannot be reached ({reason.__class__.__name__})"
+            raise JsonRpcError(INTERNAL_ERROR, message, {"store": self.where}, status=503) from None
+        if not allowed:
+            log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
+            obs.LIMIT_REJECTIONS.labels("tasks_rate").inc()
+            raise limit_error("tasks_rate", f"more than {self.text} tasks/* calls", rate=self.text)
