@@ -24,12 +24,17 @@ Checks (exit status 1 on any violation):
 - `not_terminal`: a handed-out task not terminal when the run ends (`--settle` s after the load);
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
-split by call/poll and cut/refused/timeouts/other), HTTP 503 while the store is down (`store_unavailable`), and
-tasks of a killed process ending `failed` (or re-run).
+split by call/poll and cut / refused / no_backend (HAProxy's own 503: no replica up) / timeouts /
+other), JSON-RPC answers with HTTP 503 while the store is down (`store_unavailable`), and tasks of
+a killed process ending `failed` (or re-run). HAProxy (config/haproxy.cfg) re-sends a request cut
+by a kill to another replica, so in replica mode cuts mostly show as nothing at all; a replica is
+chosen among those HAProxy counts as serving requests (`scur`), and `requests_at_killed_replicas`
+sums what they were serving when killed.
 
 Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_kill (seen before
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
-kills_with_requests_in_flight, transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
+kills_with_requests_in_flight (single: the client's requests outstanding; replicas: HAProxy's count
+at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
 lost_results, terminal_changed, not_terminal, final{status: count}, violations[...].
 Loopback only; every process it starts is stopped.
 """
@@ -38,10 +43,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
+import io
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -100,8 +106,9 @@ class Target(Protocol):
 
     url: str
 
-    def kill(self, rng: random.Random) -> str:
-        """SIGKILL one serving process now; return its label."""
+    def kill(self, rng: random.Random) -> tuple[str, int | None]:
+        """SIGKILL one serving process now; return its label and how many requests that process
+        itself was serving (None when only the client's own count is known)."""
 
     def revive(self) -> None:
         """Start again what the last kill() stopped (blocking; runs in a thread)."""
@@ -133,11 +140,11 @@ class SingleProxy:
         self.url = self.proxy.url
         self.port = self.url.split(":")[2].split("/")[0]
 
-    def kill(self, rng: random.Random) -> str:
+    def kill(self, rng: random.Random) -> tuple[str, int | None]:
         assert self.proxy is not None
         self.proxy.kill()
         self.proxy = None
-        return "proxy"
+        return "proxy", None  # the client's outstanding requests are all at this process
 
     def revive(self) -> None:
         # The same port, so the client's URL stays valid (a restarted service keeps its address).
@@ -162,74 +169,23 @@ class SingleProxy:
         self.upstream.stop()
 
 
-class AofRedis:
-    """redis-server with `appendonly yes` and `appendfsync always` (a write is on disk before Redis
-    acknowledges it), on one loopback port and data dir across restarts. Duck-types the
-    `RedisServer` of scripts/cluster.py (start/stop/url/port), which runs Redis without persistence."""
-
-    def __init__(self, workdir: Path) -> None:
-        from cluster import free_port
-
-        self.dir = workdir / "redis"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 15.0) -> None:
-        """Start (again: the AOF in `dir` is replayed) and wait until it answers PING (bounded)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "yes", "--daemonize", "no",
-             "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited ({self.dir / 'redis.log'})")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):  # not -LOADING: the AOF is replayed
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer PING")
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: only what the AOF has survives)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 class Replicas:
     """N replicas of config/replicas.yaml behind HAProxy on an AOF Redis (scripts/cluster.py), the
     legacy fixture server as upstream `web`; every request goes through HAProxy."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        from cluster import Cluster
+        from cluster import Cluster, _redis_server_class
 
         self.upstream = Child([sys.executable, "tests/fixtures/legacy_server.py", "--port", "0"])
+        (workdir / "cluster").mkdir()  # Cluster writes its logs there but does not create a given dir
         self.cluster = Cluster(
             upstream_url=self.upstream.url, replicas=args.replicas, workdir=workdir / "cluster", check_inter="100ms",
             settings={"MCP_LEASE": args.lease, "MCP_DETACH_AFTER": "100ms", "MCP_POLL_INTERVAL": "100ms", "MCP_STDIO_DISABLED": "true",
                       "MCP_DRAIN_TIMEOUT": "1s", "MCP_DRAIN_DETACHED": "1s"},
         )
-        self.redis = AofRedis(workdir)
-        self.cluster.redis = self.redis  # type: ignore[assignment]
+        # Persistence on: every write on disk (AOF, fsync per write) before Redis acknowledges it.
+        self.redis = _redis_server_class()(workdir / "redis", appendonly=True, appendfsync="always")
+        self.cluster.redis = self.redis
         try:
             self.cluster.start()
         except BaseException:
@@ -238,10 +194,22 @@ class Replicas:
         self.url = f"{self.cluster.url}/servers/web/mcp"
         self.killed = -1
 
-    def kill(self, rng: random.Random) -> str:
-        self.killed = rng.randrange(self.cluster.n)
+    def sessions(self) -> dict[int, int]:
+        """Requests each replica is serving now, per HAProxy (`scur` of its server line)."""
+        from cluster import _get
+
+        status, body = _get(f"http://127.0.0.1:{self.cluster.stats_port}/stats;csv")
+        rows = csv.DictReader(io.StringIO(body.decode().lstrip("# "))) if status == 200 else []
+        return {int(r["svname"][1:]): int(r["scur"] or 0) for r in rows
+                if r.get("pxname") == "replicas" and r["svname"][1:].isdigit() and int(r["svname"][1:]) < self.cluster.n}
+
+    def kill(self, rng: random.Random) -> tuple[str, int | None]:
+        # A random replica among those serving requests right now (any replica when none is).
+        load = self.sessions()
+        busy = [i for i, n in load.items() if n > 0]
+        self.killed = rng.choice(busy) if busy else rng.randrange(self.cluster.n)
         self.cluster.kill(self.killed)
-        return f"replica {self.killed}"
+        return f"replica {self.killed}", load.get(self.killed, 0)
 
     def revive(self) -> None:
         self.cluster.restart(self.killed)
@@ -250,9 +218,10 @@ class Replicas:
         return ["redis"]
 
     def extra(self, name: str, down_s: float) -> None:
-        self.redis.kill()
+        port = self.redis.port
+        self.redis.kill()  # SIGKILL: what the AOF holds is all that comes back
         time.sleep(down_s)
-        self.redis.start()
+        self.redis.start(port=port)  # same port and data dir; returns once it answers PING
 
     def stop(self) -> None:
         try:
@@ -290,10 +259,10 @@ class Run:
     inflight_polls: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {
         "calls": 0, "sync_results": 0, "sync_errors": 0, "polls": 0, "store_unavailable": 0,
-        "kills": 0, "kills_with_requests_in_flight": 0, "calls_in_flight_at_kills": 0, "polls_in_flight_at_kills": 0,
+        "kills": 0, "kills_with_requests_in_flight": 0, "requests_at_killed_processes": 0, "calls_in_flight_at_kills": 0, "polls_in_flight_at_kills": 0,
         "redis_restarts": 0})
     transport: dict[str, int] = field(default_factory=lambda: {f"{what}_{kind}": 0 for what in ("call", "poll")
-                                                               for kind in ("cut", "refused", "timeouts", "other")})
+                                                               for kind in ("cut", "refused", "no_backend", "timeouts", "other")})
     samples: list[str] = field(default_factory=list)
 
     def note(self, msg: str) -> None:
@@ -332,7 +301,7 @@ class Run:
 
 
 class Transport(Exception):
-    """A request that got no JSON-RPC answer: `kind` is cut, refused, timeouts or other."""
+    """A request that got no JSON-RPC answer: `kind` is cut, refused, no_backend, timeouts or other."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
@@ -369,7 +338,7 @@ async def rpc(http: aiohttp.ClientSession, url: str, method: str, params: dict, 
             msg = json.loads(text)
     except (ValueError, IndexError):
         # HAProxy's own page: 502/504 = the backend died under the request, 503 = no backend up.
-        raise Transport("cut" if status in (502, 504) else "refused" if status == 503 else "other",
+        raise Transport("cut" if status in (502, 504) else "no_backend" if status == 503 else "other",
                         f"HTTP {status} {text[:120]!r}") from None
     if not isinstance(msg, dict):
         raise Transport("other", f"HTTP {status} {text[:120]!r}")
@@ -466,11 +435,11 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
 
             while not stop_polling.is_set():
                 ids = list(run.handed)
-                refused = run.transport["poll_refused"]
+                refused = run.transport["poll_refused"] + run.transport["poll_no_backend"]
                 if ids:
                     await asyncio.gather(*(gated(t) for t in ids))
                 try:  # a longer pause while nothing answers
-                    pause = args.poll_pause * (4 if run.transport["poll_refused"] > refused else 1)
+                    pause = args.poll_pause * (4 if run.transport["poll_refused"] + run.transport["poll_no_backend"] > refused else 1)
                     await asyncio.wait_for(stop_polling.wait(), timeout=pause)
                 except asyncio.TimeoutError:
                     pass
@@ -506,14 +475,17 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.uniform(0, 0.3))
                 await wait_for(calls_reached_server, 10)  # land while calls are outstanding
                 calls, polls = len(run.inflight_calls), run.inflight_polls
-                label = target.kill(rng)
+                label, at_process = target.kill(rng)
                 run.kill_times.append(time.monotonic())
                 run.counts["kills"] += 1
                 run.counts["calls_in_flight_at_kills"] += calls
                 run.counts["polls_in_flight_at_kills"] += polls
-                if calls + polls:
+                if (calls + polls if at_process is None else at_process) > 0:
                     run.counts["kills_with_requests_in_flight"] += 1
-                print(f"kill {k + 1}: {label} with {calls} calls and {polls} polls in flight", file=sys.stderr, flush=True)
+                if at_process is not None:
+                    run.counts["requests_at_killed_processes"] += at_process
+                print(f"kill {k + 1}: {label} with {calls} calls and {polls} polls of the client in flight"
+                      + ("" if at_process is None else f", {at_process} at the killed process (HAProxy)"), file=sys.stderr, flush=True)
                 await asyncio.sleep(rng.uniform(0.1, 0.5))
                 await asyncio.to_thread(target.revive)
                 if k + 1 == extra_after:
@@ -577,6 +549,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         "kills_with_requests_in_flight": run.counts["kills_with_requests_in_flight"],
         "calls_in_flight_at_kills": run.counts["calls_in_flight_at_kills"],
         "polls_in_flight_at_kills": run.counts["polls_in_flight_at_kills"],
+        **({"requests_at_killed_replicas": run.counts["requests_at_killed_processes"]} if args.replicas else {}),
         "transport_errors": sum(run.transport.values()),
         "transport": run.transport,
         "store_unavailable": run.counts["store_unavailable"],
