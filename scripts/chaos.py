@@ -35,7 +35,9 @@ Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_k
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
 kills_with_requests_in_flight (single: the client's requests outstanding; replicas: HAProxy's count
 at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
-lost_results, terminal_changed, not_terminal, final{status: count}, violations[...].
+lost_results, terminal_changed, not_terminal, final{status: count}, violations[...]; in replica mode
+also requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
+handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked).
 Loopback only; every process it starts is stopped.
 """
 
@@ -204,9 +206,15 @@ class Replicas:
                 if r.get("pxname") == "replicas" and r["svname"][1:].isdigit() and int(r["svname"][1:]) < self.cluster.n}
 
     def kill(self, rng: random.Random) -> tuple[str, int | None]:
-        # A random replica among those serving requests right now (any replica when none is).
-        load = self.sessions()
-        busy = [i for i, n in load.items() if n > 0]
+        # A random replica among those serving requests right now (waiting up to 2 s for one; any
+        # replica when none is).
+        deadline = time.monotonic() + 2
+        while True:
+            load = self.sessions()
+            busy = [i for i, n in load.items() if n > 0]
+            if busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
         self.killed = rng.choice(busy) if busy else rng.randrange(self.cluster.n)
         self.cluster.kill(self.killed)
         return f"replica {self.killed}", load.get(self.killed, 0)
@@ -255,6 +263,7 @@ class Run:
     lost: set[str] = field(default_factory=set)
     changed: set[str] = field(default_factory=set)
     kill_times: list[float] = field(default_factory=list)
+    extra_times: dict[str, float] = field(default_factory=dict)  # e.g. redis -> when it was first killed
     inflight_calls: dict[int, float] = field(default_factory=dict)  # call number -> monotonic start
     inflight_polls: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {
@@ -475,7 +484,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.uniform(0, 0.3))
                 await wait_for(calls_reached_server, 10)  # land while calls are outstanding
                 calls, polls = len(run.inflight_calls), run.inflight_polls
-                label, at_process = target.kill(rng)
+                label, at_process = await asyncio.to_thread(target.kill, rng)
                 run.kill_times.append(time.monotonic())
                 run.counts["kills"] += 1
                 run.counts["calls_in_flight_at_kills"] += calls
@@ -493,6 +502,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                         await asyncio.sleep(rng.uniform(0.2, 0.8))
                         await wait_for(calls_reached_server, 10)
                         print(f"{name} restart with {len(run.inflight_calls)} calls in flight", file=sys.stderr, flush=True)
+                        run.extra_times.setdefault(name, time.monotonic())
                         await asyncio.to_thread(target.extra, name, rng.uniform(0.3, 1.0))
                         run.counts[f"{name}_restarts"] += 1
 
@@ -561,11 +571,16 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     }
     if run.counts["redis_restarts"]:
         report["redis_restarts"] = run.counts["redis_restarts"]
+        at = run.extra_times["redis"]
+        report["seen_completed_before_redis_restart"] = sum(1 for t in run.completed_at.values() if t < at)
+        report["handed_out_before_redis_restart"] = sum(1 for t in run.handed.values() if t < at)
     violations = [k for k in ("unknown_ids", "lost_results", "terminal_changed", "not_terminal") if report[k]]
     if args.kills and report["seen_completed_before_first_kill"] == 0:
         violations.append("no completed result seen before the first kill")
     if args.kills and report["kills_with_requests_in_flight"] == 0:
         violations.append("no kill landed with requests in flight")
+    if args.replicas and args.kills and not report.get("seen_completed_before_redis_restart"):
+        violations.append("no completed result seen before the Redis restart")
     if report["kills"] < args.kills:
         violations.append("fewer kills than asked")
     report["violations"] = violations
