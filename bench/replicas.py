@@ -11,7 +11,7 @@ front, and the SDK fixture upstream behind. The same closed-loop load as section
 
 - `call`: a short 2026-07-28 `tools/call` (`greet`) passed through to the upstream;
 - `tasks_get`: `tasks/get` of tasks stored in Redis (filled through the proxy's own store class);
-- `detached`: a `tools/call` of `slow_compute` (50 ms upstream) that detaches after 20 ms, so each
+- `detached`: a `tools/call` of `slow_compute` (200 ms upstream) that detaches after 20 ms, so each
   call is a task: its record created in Redis, the CreateTaskResult sent, the outcome written.
 
 Measured per point: requests/s, p50/p99, and the CPU seconds per call of each tier (psutil
@@ -44,7 +44,7 @@ HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 PROJECT_N = (1, 2, 3, 4, 8, 16, 32)
 DETACH_MS = 20
-HOLD_S = 0.05
+HOLD_S = 0.2
 
 
 def start_redis(h: ModuleType, workdir: Path, name: str) -> tuple[Any, str]:
