@@ -438,17 +438,21 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             # Every handed id, again and again (terminal ones too: a seen result must not change).
             gate = asyncio.Semaphore(args.poll_concurrency)
 
-            async def gated(task_id: str) -> None:
+            def refusals() -> int:
+                return run.transport["poll_refused"] + run.transport["poll_no_backend"]
+
+            async def gated(task_id: str, refused: int) -> None:
                 async with gate:
-                    await poll(task_id)
+                    if refusals() == refused:  # the round ends at the first refusal (nothing serves)
+                        await poll(task_id)
 
             while not stop_polling.is_set():
                 ids = list(run.handed)
-                refused = run.transport["poll_refused"] + run.transport["poll_no_backend"]
+                refused = refusals()
                 if ids:
-                    await asyncio.gather(*(gated(t) for t in ids))
+                    await asyncio.gather(*(gated(t, refused) for t in ids))
                 try:  # a longer pause while nothing answers
-                    pause = args.poll_pause * (4 if run.transport["poll_refused"] + run.transport["poll_no_backend"] > refused else 1)
+                    pause = args.poll_pause * (4 if refusals() > refused else 1)
                     await asyncio.wait_for(stop_polling.wait(), timeout=pause)
                 except asyncio.TimeoutError:
                     pass
