@@ -183,7 +183,7 @@ class Replicas:
         self.cluster = Cluster(
             upstream_url=self.upstream.url, replicas=args.replicas, workdir=workdir / "cluster", check_inter="100ms",
             settings={"MCP_LEASE": args.lease, "MCP_DETACH_AFTER": "100ms", "MCP_POLL_INTERVAL": "100ms", "MCP_STDIO_DISABLED": "true",
-                      "MCP_DRAIN_TIMEOUT": "1s", "MCP_DRAIN_DETACHED": "1s"},
+                      "MCP_DRAIN_TIMEOUT": "1s", "MCP_DRAIN_DETACHED": "1s", "MCP_RERUN_POLICY": "rerun" if args.rerun else "fail"},
         )
         # Persistence on: every write on disk (AOF, fsync per write) before Redis acknowledges it.
         self.redis = _redis_server_class()(workdir / "redis", appendonly=True, appendfsync="always")
@@ -612,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-pause", type=float, default=0.05, help="seconds between two polling rounds")
     parser.add_argument("--request-timeout", type=float, default=20.0, help="seconds per request")
     parser.add_argument("--lease", default="500ms", help="store.lease of the replicas (replica mode)")
+    parser.add_argument("--rerun", action="store_true", help="replica mode: slow_compute on_restart: rerun (a lost replica's calls run again)")
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     args = parser.parse_args(argv)
