@@ -49,6 +49,7 @@ import csv
 import io
 import json
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -80,6 +81,8 @@ class Child:
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                break  # nothing printed in time
             line = self.proc.stdout.readline()
             if not line:
                 break
