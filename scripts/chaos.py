@@ -48,12 +48,13 @@ import asyncio
 import csv
 import io
 import json
+import queue
 import random
-import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,11 +80,21 @@ class Child:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True)
         self.url = ""
         assert self.proc.stdout is not None
+        lines: queue.Queue[str] = queue.Queue()
+        stdout = self.proc.stdout
+
+        def read() -> None:  # also keeps draining stdout after the line came
+            for line in stdout:
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.001, deadline - time.monotonic()))
+            except queue.Empty:
                 break  # nothing printed in time
-            line = self.proc.stdout.readline()
             if not line:
                 break
             if line.startswith("listening on "):
