@@ -159,6 +159,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await http.close()
         await store.close()
         await close_rate_storage(counters)
+        log.info("proxy_stopped", node=tasks.node)
 
 
 def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) -> Call | None:

@@ -157,6 +157,10 @@ async def _drain_replica(app: web.Application, config: Config) -> None:
     finally:
         waiting.cancel()
         interrupted.cancel()
+    # Synchronous calls keep their drain_timeout (the shutdown waits for them); streams that last as
+    # long as their client would hold it that long: they are cut now, and their clients reconnect.
+    streams = replicas.close_streams()
+    structlog.get_logger("proxy.cli").info("replica_drained", node=replicas.node, still_running=len(replicas.tasks.live), streams_cut=streams)
 
 
 def _demo_hint(base: str) -> str:

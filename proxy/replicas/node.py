@@ -52,6 +52,9 @@ class Replicas:
         self.shared = shared
         self.draining = False
         self._loop: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._streams: set[asyncio.Task[Any]] = set()
+        self._requests: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -62,7 +65,7 @@ class Replicas:
         log.info("replica_started", node=self.node, url=self.registry.url)
 
     async def _renew(self) -> None:
-        while True:
+        while not self._stopping:  # a flag too: redis-py can swallow a cancel (redis/redis-py#2028)
             await asyncio.sleep(self.tasks.lease_s / 3)
             try:
                 await self.registry.announce()
@@ -80,23 +83,42 @@ class Replicas:
         log.info("replica_draining", node=self.node, detached=len(self.tasks.live))
 
     async def wait_idle(self, timeout_s: float, busy: Any = None) -> bool:
-        """Wait (at most `timeout_s` s) until this replica runs no detached call and `busy()` (other
-        live work, e.g. parked MRTR calls) is false. True when idle, False on timeout."""
+        """Wait (at most `timeout_s` s) until this replica runs no detached call, no request in flight
+        (a call still attached may yet detach), and `busy()` (other live work, e.g. parked MRTR calls)
+        is false. True when idle, False on timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.tasks.live or (busy is not None and busy()):
+        while self.tasks.live or any(not t.done() for t in self._requests) or (busy is not None and busy()):
             if loop.time() >= deadline:
                 log.warning("replica_drain_timeout", node=self.node, still_running=len(self.tasks.live))
                 return False
             await asyncio.sleep(0.05)
         return True
 
+    def track(self, *, stream: bool) -> None:
+        """Remember the current request handler: a `stream` (a GET or listen stream that lasts as long
+        as its client; `close_streams` ends it at exit), or a request that ends by itself (a call
+        that may still detach: `wait_idle` waits for it)."""
+        task = asyncio.current_task()
+        if task is not None:
+            held = self._streams if stream else self._requests
+            held.add(task)
+            task.add_done_callback(held.discard)
+
+    def close_streams(self) -> int:
+        """End every open stream (the client sees it cut and reconnects, through the balancer, to a
+        replica that is up); returns how many. Called once the drain is over, before the listener closes."""
+        streams = [task for task in self._streams if not task.done()]
+        for task in streams:
+            task.cancel()
+        return len(streams)
+
     async def stop(self) -> None:
         """Stop renewing, remove the registry record, close the hop."""
+        self._stopping = True
         if self._loop is not None:
             self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
+            await asyncio.wait({self._loop}, timeout=2.0)
         with contextlib.suppress(StoreUnavailableError):
             await self.registry.withdraw()
         await self.forwarder.close()

@@ -29,6 +29,7 @@ from .node import Replicas
 log = structlog.get_logger("proxy.replicas")
 
 MRTR_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+STREAM_METHODS = frozenset({"subscriptions/listen", "tasks/result"})  # POSTs answered by a stream of open-ended length
 ROUTER_KEY = "mcp_tasks_proxy.replica_router"
 SESSION_TTL_MS = 24 * 3600 * 1000  # a legacy session's map entry outlives any sane session
 
@@ -63,6 +64,10 @@ class EndpointRouter:
     async def route(self, request: web.Request, body: Any, raw: bytes | None) -> web.StreamResponse | None:
         """A response when the request is served elsewhere or refused; None to serve it here."""
         request[ROUTER_KEY] = self
+        if request.method == "GET" or (isinstance(body, dict) and body.get("method") in STREAM_METHODS):
+            self.replicas.track(stream=True)  # open until the client leaves: cut when this replica exits
+        elif request.method == "POST":
+            self.replicas.track(stream=False)  # a request that ends by itself (bounded): waited for on drain
         if self.replicas.forwarded(request):
             return None
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()

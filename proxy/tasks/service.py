@@ -103,6 +103,7 @@ class TaskService:
         self.cancelling: set[str] = set()  # tasks this node is cancelling right now
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
         self.remote: RemoteOwner | None = None  # the live calls of other replicas (set by proxy.replicas)
         self.store_problem: str | None = None  # the last store failure, while it lasts
@@ -126,7 +127,7 @@ class TaskService:
         """Every sixth of the lease: renew it every second tick (a third of the lease), sweep for
         orphans and purge expired records every third tick (half the lease)."""
         tick = 0
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.lease_s / 6)
             tick += 1
             try:
@@ -146,10 +147,10 @@ class TaskService:
 
     async def stop(self) -> None:
         """On shutdown: record `failed` for every detached call still running, cancel it, give the lease up."""
+        self._stopping = True  # the loop also checks it: redis-py can swallow a cancel (redis/redis-py#2028)
         if self._loop_task is not None:
             self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+            await asyncio.wait({self._loop_task}, timeout=2.0)
         calls = list(self.live.items())
         await asyncio.gather(*(self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown") for task_id, _ in calls))
         for _, call in calls:

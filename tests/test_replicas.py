@@ -1,0 +1,350 @@
+"""Replicas (README "Replicas"): a real redis-server, three proxy replicas of config/replicas.yaml and
+HAProxy (config/haproxy.cfg, round-robin, no stickiness) in front, started by scripts/cluster.py;
+driven by the `mcp` SDK client (legacy era), FastMCP's client with fastmcp-tasks, and raw HTTP
+where a test must pick the replica. Timings are scaled down: lease 600 ms."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every FastMCP Client)
+import mcp.types as types
+import pytest
+from conftest import ROOT, ModernClient, Reply
+from fastmcp import Client
+from mcp.client.session import ClientRequestContext, ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+sys.path.insert(0, str(ROOT))
+from scripts.cluster import Cluster  # noqa: E402
+
+LEASE_S = 0.6
+SETTINGS = {
+    "MCP_LEASE": "600ms", "MCP_DETACH_AFTER": "150ms", "MCP_POLL_INTERVAL": "50ms", "MCP_DRAIN_TIMEOUT": "5s",
+    "MCP_DRAIN_DETACHED": "20s", "MCP_INPUT_TIMEOUT": "30s", "MCP_HOP_TIMEOUT": "2s",
+}
+ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+ACCEPT = {"action": "accept", "content": {"confirm": True}}
+WEB, LOCAL = "/servers/web/mcp", "/servers/local/mcp"
+LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+@pytest.fixture(scope="module")
+def cluster(legacy_url: str) -> Iterator[Cluster]:
+    """One cluster for the module (the destructive tests run last and leave it whole)."""
+    with Cluster(upstream_url=legacy_url, settings=SETTINGS, check_inter="100ms") as running:
+        yield running
+
+
+@pytest.fixture
+async def clients(cluster: Cluster) -> AsyncIterator[list[ModernClient]]:
+    """A raw 2026-07-28 client (tasks extension and elicitation) on each replica directly."""
+    made = [ModernClient(url + WEB, capabilities=ELICIT_CAPS) for url in cluster.replica_urls]
+    yield made
+    for client in made:
+        await client.close()
+
+
+async def _cancelled_upstream(client: ModernClient, label: str) -> list[dict]:
+    reply = await client.call("cancelled_log")
+    return [e for e in json.loads(reply.result["content"][0]["text"]) if e["label"] == label]
+
+
+async def _wait_cancelled_upstream(client: ModernClient, label: str, timeout: float = 5.0) -> dict:
+    async with asyncio.timeout(timeout):
+        while not (seen := await _cancelled_upstream(client, label)):
+            await asyncio.sleep(0.02)
+    return seen[0]
+
+
+async def _metric(url: str, name: str) -> float:
+    """The sum of a Prometheus sample `name` (all labels) on a replica's /metrics."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _node_of(cluster: Cluster, i: int) -> str:
+    """Replica `i`'s node id, from its latest start line in its log."""
+    nodes = re.findall(r'"node": ?"([^"]+)"', cluster.log_path(i).read_text(errors="replace"))
+    assert nodes, "replica log has no node id"
+    return nodes[-1]
+
+
+# -- any replica serves any task ----------------------------------------------------------------
+
+
+async def test_poll_answer_and_cancel_through_other_replicas(cluster: Cluster, clients: list[ModernClient]) -> None:
+    c0, c1, c2 = clients
+    await c0.warm_up()
+    created = (await c0.call("slow_compute", {"seconds": 30, "label": "xr-cancel"})).result
+    assert created["resultType"] == "task"
+    task_id = created["taskId"]
+    assert (await c1.get(task_id)).result["status"] == "working"
+    assert (await c2.get(task_id)).result["status"] == "working"
+    hops_before = await _metric(cluster.replica_urls[2], 'mcp_proxy_replica_hop_seconds_count{op="tasks/cancel"}')
+    assert (await c2.request("tasks/cancel", {"taskId": task_id})).result == {"resultType": "complete"}
+    assert (await c1.get(task_id)).result["status"] == "cancelled"
+    # The owner (replica 0) got the cancel over the hop and sent notifications/cancelled for the
+    # upstream's own request id: the SDK upstream only cancels the handler on a matching id.
+    seen = await _wait_cancelled_upstream(c1, "xr-cancel")
+    assert seen["reason"] == "notifications/cancelled"
+    assert await _metric(cluster.replica_urls[2], 'mcp_proxy_replica_hop_seconds_count{op="tasks/cancel"}') == hops_before + 1
+
+    # A question asked on replica 0's call, answered through replica 2, polled through replica 1.
+    created = (await c0.call("confirm_delete", {"filename": "xr.txt", "delay": 0.3})).result
+    assert created["resultType"] == "task"
+    task = await c1.wait_status(created["taskId"], ("input_required",))
+    (key, question), = task["inputRequests"].items()
+    assert question["method"] == "elicitation/create"
+    assert (await c2.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: ACCEPT}})).result == {"resultType": "complete"}
+    assert "inputRequests" not in (await c1.get(created["taskId"])).result  # the answered key left before the ack
+    done = await c1.wait_terminal(created["taskId"])
+    assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "deleted xr.txt"
+
+
+async def test_mrtr_rounds_on_different_replicas(clients: list[ModernClient]) -> None:
+    c0, c1, c2 = clients
+    await c0.warm_up()
+    first = (await c0.call("ask_then_work", {"seconds": 0})).result
+    assert first["resultType"] == "input_required"
+    (key, _), = first["inputRequests"].items()
+    retry = {"name": "ask_then_work", "arguments": {"seconds": 0}, "inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}},
+             "requestState": first["requestState"]}
+    second = await c1.request("tools/call", retry)
+    assert second.result["content"][0]["text"] == "Hello Ada, the work took 0s"
+    replayed = await c2.request("tools/call", retry)  # single use, whichever replica sees it
+    assert replayed.error["code"] == -32602
+
+    # Round 2 that outlives detach_after becomes a task on the replica holding the call.
+    first = (await c2.call("ask_then_work", {"seconds": 0.5})).result
+    (key, _), = first["inputRequests"].items()
+    handle = (await c0.request("tools/call", {**retry, "arguments": {"seconds": 0.5}, "requestState": first["requestState"],
+                                               "inputResponses": {key: {"action": "accept", "content": {"name": "Bo"}}}})).result
+    assert handle["resultType"] == "task"
+    done = await c1.wait_terminal(handle["taskId"])
+    assert done["result"]["content"][0]["text"] == "Hello Bo, the work took 0.5s"
+
+
+async def test_fastmcp_client_through_the_load_balancer(cluster: Cluster) -> None:
+    asked: list[str] = []
+
+    async def on_elicit(message, response_type, params, context):
+        asked.append(message)
+        return {"confirm": True}
+
+    async with Client(cluster.url + WEB, elicitation_handler=on_elicit) as client:
+        slow = await client.call_tool("slow_compute", {"seconds": 0.6, "label": "fastmcp-lb"})
+        confirmed = await client.call_tool("confirm_delete", {"filename": "lb.txt", "delay": 0.3})
+    assert slow.content[0].text == "computed fastmcp-lb after 0.6s"
+    assert confirmed.content[0].text == "deleted lb.txt" and asked == ["Delete lb.txt?"]
+
+
+async def _legacy_session(url: str, calls: int = 4) -> list[str]:
+    async def on_elicit(context: ClientRequestContext, params: types.ElicitRequestParams) -> types.ElicitResult:
+        return types.ElicitResult(action="accept", content={"confirm": True})
+
+    texts = []
+    async with streamable_http_client(url) as (read, write), ClientSession(read, write, elicitation_callback=on_elicit) as session:
+        await session.initialize()
+        assert "greet" in [t.name for t in (await session.list_tools()).tools]
+        for i in range(calls):  # round-robin: most of these land on a replica that relays to the session's owner
+            texts.append((await session.call_tool("greet", {"name": f"n{i}"})).content[0].text)
+        texts.append((await session.call_tool("confirm_delete", {"filename": "legacy.txt"})).content[0].text)
+        texts.append((await session.call_tool("slow_compute", {"seconds": 0.3, "label": "legacy-lb"})).content[0].text)
+    return texts
+
+
+@pytest.mark.parametrize("path", [WEB, LOCAL], ids=["http-upstream", "stdio-upstream"])
+async def test_legacy_sessions_work_through_any_replica(cluster: Cluster, path: str) -> None:
+    texts = await asyncio.wait_for(_legacy_session(cluster.url + path), timeout=30)
+    assert texts == ["Hello, n0!", "Hello, n1!", "Hello, n2!", "Hello, n3!", "deleted legacy.txt", "computed legacy-lb after 0.3s"]
+
+
+async def test_forward_hop_latency(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """Cancels and updates through a replica that does not own the task: the figure is printed
+    (the issue's target is p99 < 100 ms on loopback; not asserted on a shared 2-core machine)."""
+    c0, c1, _ = clients
+    await c0.warm_up()
+    created = await asyncio.gather(*(c0.call("slow_compute", {"seconds": 30, "label": f"hop-{i}"}) for i in range(30)))
+    ids = [r.result["taskId"] for r in created]
+    asking = (await c0.call("multi_input", {"delay": 0.2})).result
+    await c1.wait_status(asking["taskId"], ("input_required",))
+    update_ms = []
+    for _ in range(100):  # answers for keys the call does not have: a full hop each, nothing changes
+        started = time.perf_counter()
+        assert (await c1.request("tasks/update", {"taskId": asking["taskId"], "inputResponses": {"nope": ACCEPT}})).status == 200
+        update_ms.append((time.perf_counter() - started) * 1000)
+    cancel_ms = []
+    for task_id in ids:
+        started = time.perf_counter()
+        assert (await c1.request("tasks/cancel", {"taskId": task_id})).result == {"resultType": "complete"}
+        cancel_ms.append((time.perf_counter() - started) * 1000)
+    await c1.request("tasks/cancel", {"taskId": asking["taskId"]})
+    for i in range(30):  # every cancel reached the upstream call
+        assert (await _wait_cancelled_upstream(c1, f"hop-{i}"))["reason"] == "notifications/cancelled"
+
+    def p(values: list[float], q: float) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+    print(f"\nreplica hop, client-observed through a non-owner: tasks/update p50 {p(update_ms, 50):.1f} ms p99 {p(update_ms, 99):.1f} ms; "
+          f"tasks/cancel p50 {p(cancel_ms, 50):.1f} ms p99 {p(cancel_ms, 99):.1f} ms (n={len(update_ms)}/{len(cancel_ms)})")
+
+
+# -- a replica dies -----------------------------------------------------------------------------
+
+
+async def _open_legacy(http: aiohttp.ClientSession, url: str) -> str:
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    async with http.post(url, json=init, headers=LEGACY_HEADERS) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers["Mcp-Session-Id"]
+
+
+async def _legacy_ping(http: aiohttp.ClientSession, url: str, sid: str) -> int:
+    headers = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+    async with http.post(url, json={"jsonrpc": "2.0", "id": 7, "method": "ping"}, headers=headers) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(cluster: Cluster, clients: list[ModernClient]) -> None:
+    c0, c1, c2 = clients
+    await c2.warm_up()
+    failing = (await c2.call("slow_compute", {"seconds": 30, "label": "killed"})).result["taskId"]
+    unread = (await c2.call("slow_compute", {"seconds": 30, "label": "killed-unread"})).result["taskId"]
+    rerun = (await c2.call("quiet_compute", {"seconds": 1})).result["taskId"]
+    node = _node_of(cluster, 2)
+    async with aiohttp.ClientSession() as http:
+        web_sid = await _open_legacy(http, cluster.replica_urls[2] + WEB)
+        stdio_sid = await _open_legacy(http, cluster.replica_urls[2] + LOCAL)
+        assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200  # relayed to replica 2
+
+        cluster.kill(2)
+        killed_at = time.monotonic()
+        task = await c0.wait_status(failing, ("failed",), timeout=10)
+        elapsed = time.monotonic() - killed_at
+        assert elapsed < 2 * LEASE_S + 0.3, f"took {elapsed:.2f} s"  # the bound plus polling/scheduling slack
+        assert re.search(rf"proxy replica running this call \(node {re.escape(node)}\) was lost", task["statusMessage"])
+        # Nobody read `unread`: the survivors' sweep (every half lease) ended it; the CLI reads the store as is.
+        await asyncio.sleep(max(0.0, 2 * LEASE_S - (time.monotonic() - killed_at)))
+        shown = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "proxy", "tasks", "--config", str(ROOT / "config" / "replicas.yaml"), "show", unread],
+            env=cluster.env, cwd=ROOT, capture_output=True, text=True, timeout=30,
+        )
+        assert json.loads(shown.stdout)["status"] == "failed", shown.stdout + shown.stderr
+        # on_restart: rerun: a survivor sends the call again and it completes.
+        done = await c1.wait_terminal(rerun, timeout=10)
+        assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "quietly computed after 1s"
+        # Legacy sessions of the dead replica: HTTP upstream adopted (same upstream session), stdio gone (404).
+        assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200
+        assert await _legacy_ping(http, cluster.replica_urls[1] + WEB, web_sid) == 200  # now relayed to replica 0
+        assert await _legacy_ping(http, cluster.replica_urls[0] + LOCAL, stdio_sid) == 404
+    await asyncio.to_thread(cluster.restart, 2)
+
+
+# -- rolling restart under load -----------------------------------------------------------------
+
+
+class _Client(ModernClient):
+    """A raw client that keeps a reply that is not JSON-RPC (a balancer's error page) as `{"raw": ...}`."""
+
+    async def post_raw(self, data: bytes, headers: dict[str, str]) -> Reply:
+        try:
+            return await super().post_raw(data, headers)
+        except ValueError:
+            async with self.http.post(self.url, data=data, headers=headers) as resp:  # not sent twice in the passing case
+                return Reply(resp.status, {"raw": (await resp.text())[:300], "again": True}, [], resp.headers.get("Content-Type", ""))
+
+
+class Load:
+    """Continuous mixed load through HAProxy until `stop` is set: detached and synchronous modern
+    calls (tasks polled to the end through the balancer) and a legacy session's calls."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stop = asyncio.Event()
+        self.problems: list[str] = []
+        self.tasks_done = 0
+        self.sync_done = 0
+        self.legacy_done = 0
+
+    async def detached(self, worker: int) -> None:
+        client = _Client(self.url + WEB)
+        try:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                label, seconds = f"roll-{worker}-{n}", round(random.uniform(0.2, 1.0), 2)
+                reply = await client.call("slow_compute", {"seconds": seconds, "label": label})
+                if "result" not in reply.message:
+                    self.problems.append(f"{label} {time.strftime('%X')}: {reply.status} {reply.message}")
+                    continue
+                result = reply.result
+                if result.get("resultType") == "task":
+                    async with asyncio.timeout(30):
+                        while True:
+                            got = await client.get(result["taskId"])
+                            if "result" not in got.message:
+                                self.problems.append(f"{label} tasks/get {time.strftime('%X')}: {got.status} {got.message}")  # unknown id, or worse
+                                break
+                            if got.result["status"] in ("completed", "failed", "cancelled"):
+                                result = got.result.get("result", got.result)
+                                break
+                            await asyncio.sleep(0.05)
+                    self.tasks_done += 1
+                if result.get("content", [{}])[0].get("text") != f"computed {label} after {seconds:g}s":
+                    self.problems.append(f"{label}: {result}")
+        finally:
+            await client.close()
+
+    async def sync(self) -> None:
+        client = _Client(self.url + WEB, capabilities={})
+        try:
+            while not self.stop.is_set():
+                reply = await client.call("greet", {"name": "sync"})
+                if reply.message.get("result", {}).get("content", [{}])[0].get("text") != "Hello, sync!":
+                    self.problems.append(f"sync greet: {reply.status} {reply.message}")
+                self.sync_done += 1
+                await asyncio.sleep(0.02)
+        finally:
+            await client.close()
+
+    async def legacy(self) -> None:
+        async with streamable_http_client(self.url + WEB) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            while not self.stop.is_set():
+                text = (await session.call_tool("greet", {"name": "legacy"})).content[0].text
+                if text != "Hello, legacy!":
+                    self.problems.append(f"legacy greet: {text}")
+                self.legacy_done += 1
+                await asyncio.sleep(0.05)
+
+
+async def test_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> None:
+    load = Load(cluster.url)
+    workers = [asyncio.ensure_future(load.detached(i)) for i in range(4)] + [asyncio.ensure_future(load.sync()),
+                                                                              asyncio.ensure_future(load.legacy())]
+    try:
+        await asyncio.sleep(0.5)
+        await asyncio.wait_for(asyncio.to_thread(cluster.rolling_restart), timeout=120)
+        await asyncio.sleep(0.5)
+    finally:
+        load.stop.set()
+        results = await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), timeout=60)
+    errors = [repr(r) for r in results if isinstance(r, BaseException)]
+    print(f"\nrolling restart: {load.tasks_done} tasks, {load.sync_done} sync calls, {load.legacy_done} legacy calls")
+    assert errors == [] and load.problems == [], "\n".join(errors + load.problems)
+    assert load.tasks_done >= 8 and load.sync_done > 0 and load.legacy_done > 0
+    assert all(cluster.alive(i) for i in range(3))
