@@ -7,8 +7,9 @@
 Sections (bench/README.md has the method and the latest figures):
  a. pass-through of a short tools/call: direct, this proxy (legacy relay and 2026-07-28 path),
     PyPI mcp-proxy, FastMCP 4.x create_proxy; requests/s and p50/p99 at fixed concurrency;
- b. tasks/get throughput and p99 with N stored tasks (1,000 and 100,000);
- c. delay between detach_after expiring and the CreateTaskResult arriving (p50/p99);
+ b. tasks/get throughput and p99 with N stored tasks (1,000 and 100,000), diskcache and Redis;
+ c. delay between detach_after expiring and the CreateTaskResult arriving (p50/p99), diskcache
+    durable or not and Redis with `appendfsync always` or `everysec` (--stores picks the stores);
  d. proxy RSS per detached in-flight call with 10,000 concurrent detached calls;
  e. start-up time (process start -> /healthz 200) with 100,000 tasks in the store;
  r. (only when asked: --sections r) 1 vs 3 replicas behind HAProxy on Redis, CPU per call per tier (bench/replicas.py).
@@ -40,6 +41,9 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PY = sys.executable
+sys.path.insert(0, str(BENCH))
+import redis_bench  # noqa: E402  (bench/redis_bench.py)
+
 PEERS_VENV = BENCH / ".venv-peers"
 MCP_PROXY_VERSION = "0.13.0"
 SERVER = "bench"  # server name in every proxy config (tasks/get needs records for this name)
@@ -199,10 +203,11 @@ def start_fake_upstream(workdir: Path, cpus: str | None, name: str = "upstream-f
     return proc, proc.wait_line("listening on ")
 
 
-def write_config(workdir: Path, name: str, server: dict, store: Path, *, durable: bool, detach_after: str = "10s") -> Path:
+def write_config(workdir: Path, name: str, server: dict, store: Path | dict, *, durable: bool, detach_after: str = "10s") -> Path:
+    """A proxy config file; `store` is a diskcache directory or a whole `store` section (Redis)."""
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "store": {"path": str(store), "durable": durable},
+        "store": store if isinstance(store, dict) else {"path": str(store), "durable": durable},
         "tasks": {"detach_after": detach_after, "ttl": "1h", "poll_interval": "500ms"},
         "mcpServers": {SERVER: server},
     }
@@ -393,53 +398,75 @@ def fill_store(path: Path, n: int) -> tuple[list[str], float]:
 
 
 def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]]) -> dict:
-    """tasks/get with N stored tasks; proxy alone on CPU 0, load generator on CPU 1."""
+    """tasks/get with N stored tasks, per store (diskcache, Redis); proxy (and redis-server) on CPU 0, load generator on CPU 1."""
     px_cpu, lg_cpu = ("0", "1") if args.pin else (None, None)
     rows = []
+    targets: list[tuple[str, int, Path | dict, list[str]]] = [("diskcache", n, store, ids) for n, (store, ids) in sorted(stores.items())]
+    redis = None
     upstream, up_url = start_fake_upstream(workdir, lg_cpu, "b-upstream-fake")
     try:
-        for n, (store, ids) in sorted(stores.items()):
-            ids_file = workdir / f"ids-{n}.json"
+        if "redis" in args.stores:
+            redis = redis_bench.start_redis(workdir, "b-redis", appendfsync="everysec", cpus=px_cpu)
+            for n in sorted(stores):
+                ids, secs = redis_bench.fill_redis(redis.url, f"b{n}:", n, SERVER)
+                targets.append(("redis", n, redis_bench.redis_store(redis.url, f"b{n}:"), ids))
+                log(f"  filled Redis with {n} tasks in {secs:.1f} s")
+        for kind, n, store, ids in targets:
+            ids_file = workdir / f"ids-{kind}-{n}.json"
             ids_file.write_text(json.dumps(ids[: min(len(ids), 20000)]))
-            cfg = write_config(workdir, f"b-proxy-{n}", {"url": up_url}, store, durable=True)
-            proxy, url, _ = start_proxy(workdir, f"b-proxy-{n}", cfg, px_cpu)
+            cfg = write_config(workdir, f"b-proxy-{kind}-{n}", {"url": up_url}, store, durable=True)
+            proxy, url, _ = start_proxy(workdir, f"b-proxy-{kind}-{n}", cfg, px_cpu)
             try:
                 for conc in args.b_concurrency:
                     cpu0 = cpu_seconds(proxy.pid, children=False)
                     res = loadgen({"mode": "tasks_get", "url": url, "ids_file": str(ids_file), "concurrency": conc,
                                    "duration": args.duration, "warmup": args.warmup}, lg_cpu)
                     res["proxy_cpu_ms_per_call"] = round((cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3)
-                    res.update(stored_tasks=n)
+                    res.update(stored_tasks=n, store=kind)
                     rows.append(res)
-                    log(f"  b: {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
+                    log(f"  b: {kind:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
                         f"  errors {res['errors']}  proxy CPU {res['proxy_cpu_ms_per_call']} ms/call")
             finally:
                 proxy.stop()
     finally:
         upstream.stop()
+        if redis is not None:
+            redis.stop()
     smallest = min(r["stored_tasks"] for r in rows)
     for r in rows:
-        ref = next(x for x in rows if x["stored_tasks"] == smallest and x["concurrency"] == r["concurrency"])
+        ref = next(x for x in rows if x["stored_tasks"] == smallest and x["concurrency"] == r["concurrency"] and x["store"] == r["store"])
         r["ratio_vs_smallest_store"] = round(r["rps"] / ref["rps"], 3) if ref["rps"] else None
-    return {"rows": rows, "layout": "proxy alone on CPU 0, loadgen on CPU 1" if args.pin else "unpinned"}
+    layout = "proxy (and redis-server) on CPU 0, loadgen on CPU 1" if args.pin else "unpinned"
+    return {"rows": rows, "layout": layout}
 
 
 def section_c(args, workdir: Path, log) -> dict:
-    """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress every 0.1 s)."""
+    """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress every 0.1 s).
+    Store settings: diskcache durable (fsync) and not; Redis (with --stores redis) `appendfsync always` and `everysec`."""
     up_cpu, px_cpu, lg_cpu = ("0", "1", "0") if args.pin else (None, None, None)
     rows = []
     detach_ms = 50
+    settings: list[tuple[str, bool]] = [("diskcache", True), ("diskcache", False)]
+    if "redis" in args.stores:
+        settings += [("redis", True), ("redis", False)]  # appendfsync always / everysec
     upstream, up_url = start_sdk_upstream(workdir, up_cpu, "c-upstream-sdk")
     try:
         # Rounds alternate which store setting goes first; the summary is the median p99 over rounds
         # (single runs of this load swing 2-5x at the tail either way on a shared 2-core machine).
         for rnd in range(args.c_rounds):
-            for durable in ((True, False) if rnd % 2 == 0 else (False, True)):
-                cfg = write_config(workdir, f"c-proxy-{durable}-{rnd}", {"url": up_url}, workdir / f"c-store-{durable}-{rnd}", durable=durable,
-                                   detach_after=f"{detach_ms}ms")
-                proxy, url, _ = start_proxy(workdir, f"c-proxy-{'durable' if durable else 'normal'}-{rnd}", cfg, px_cpu)
-                wait_ready(url.rsplit("/", 1)[0], proxy)
+            for kind, durable in (settings if rnd % 2 == 0 else settings[::-1]):
+                label = f"{kind}-{'durable' if durable else 'normal'}"
+                redis = None
+                if kind == "redis":
+                    redis = redis_bench.start_redis(workdir, f"c-redis-{label}-{rnd}", appendfsync="always" if durable else "everysec", cpus=px_cpu)
+                    store: Path | dict = redis_bench.redis_store(redis.url, "c:")
+                else:
+                    store = workdir / f"c-store-{durable}-{rnd}"
+                cfg = write_config(workdir, f"c-proxy-{label}-{rnd}", {"url": up_url}, store, durable=durable, detach_after=f"{detach_ms}ms")
+                proxy = None
                 try:
+                    proxy, url, _ = start_proxy(workdir, f"c-proxy-{label}-{rnd}", cfg, px_cpu)
+                    wait_ready(url.rsplit("/", 1)[0], proxy)
                     # Unmeasured warm-up at concurrency 16 (the SDK upstream's own warm-up otherwise
                     # lands on whichever setting is measured first).
                     loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
@@ -450,19 +477,23 @@ def section_c(args, workdir: Path, log) -> dict:
                         res = loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
                                        "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": conc,
                                        "max_requests": max(conc, n), "duration": 120, "warmup": 0}, lg_cpu)
-                        res.update(durable=durable, detach_after_ms=detach_ms, round=rnd + 1, upstream="SDK slow_compute (progress every 100 ms)")
+                        res.update(durable=durable, store=kind, detach_after_ms=detach_ms, round=rnd + 1, upstream="SDK slow_compute (progress every 100 ms)")
                         rows.append(res)
-                        log(f"  c: round {rnd + 1} durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
+                        log(f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
                             f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors {res['errors']}")
                 finally:
-                    proxy.stop()
+                    if proxy is not None:
+                        proxy.stop()
+                    if redis is not None:
+                        redis.stop()
     finally:
         upstream.stop()
     summary = {}
-    for durable in (True, False):
+    for kind, durable in settings:
         for conc in (1, 16):
-            p99s = sorted(r["late_p99_ms"] for r in rows if r["durable"] == durable and r["concurrency"] == conc)
-            summary[f"{'durable' if durable else 'normal'}_c{conc}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
+            p99s = sorted(r["late_p99_ms"] for r in rows if r["store"] == kind and r["durable"] == durable and r["concurrency"] == conc)
+            name = ("" if kind == "diskcache" else "redis_") + ("durable" if durable else "normal")  # diskcache keys kept as before
+            summary[f"{name}_c{conc}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
     if summary.get("normal_c16_median_p99_ms"):
         summary["c16_durable_over_normal"] = round(summary["durable_c16_median_p99_ms"] / summary["normal_c16_median_p99_ms"], 2)
     log(f"  c: median p99 over {args.c_rounds} round(s): {summary}")
@@ -479,7 +510,7 @@ def section_c(args, workdir: Path, log) -> dict:
                 res = loadgen({"mode": "detach", "url": url, "tool": "hold", "arguments": {"seconds": args.c_hold}, "expect": '"resultType":"task"',
                                "detach_after_s": detach_ms / 1000, "concurrency": 16, "max_requests": max(16, args.c_requests), "duration": 120,
                                "warmup": 0}, lg_cpu)
-                res.update(durable=durable, detach_after_ms=detach_ms, upstream="fake upstream hold (no progress)")
+                res.update(durable=durable, store="diskcache", detach_after_ms=detach_ms, upstream="fake upstream hold (no progress)")
                 rows.append(res)
                 log(f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 {res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
                     f"  errors {res['errors']}")
@@ -588,6 +619,12 @@ def machine() -> dict:
             "python": platform.python_version(), "kernel": platform.release(), "commit": head}
 
 
+def _c_store_label(row: dict) -> str:
+    if row.get("store") == "redis":
+        return "Redis appendfsync always" if row["durable"] else "Redis appendfsync everysec"
+    return "durable (fsync)" if row["durable"] else "durable: false"
+
+
 def report(results: dict, args) -> str:
     lines = [f"machine: {results['machine']}", f"1-min load average at start/end of each section: {results.get('load_average', {})}", ""]
     if "a" in results:
@@ -604,17 +641,17 @@ def report(results: dict, args) -> str:
         lines.append("")
     if "b" in results:
         lines += [f"### b. tasks/get ({results['b']['layout']}, {args.duration:g} s per point)", "",
-                  "| stored tasks | concurrency | tasks/get/s | vs 1k store | p50 ms | p99 ms | proxy CPU ms/call | errors |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| store | stored tasks | concurrency | tasks/get/s | vs smallest store | p50 ms | p99 ms | proxy CPU ms/call | errors |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in results["b"]["rows"]:
-            lines.append(f"| {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | {r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
+            lines.append(f"| {r.get('store', 'diskcache')} | {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | {r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
                          f"{r['proxy_cpu_ms_per_call']} | {r['errors']} |")
         lines.append("")
     if "c" in results:
         lines += ["### c. detach_after (50 ms) expiry -> CreateTaskResult at the client", "",
                   "| upstream | round | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | errors |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in results["c"]["rows"]:
-            lines.append(f"| {r['upstream']} | {r.get('round', '')} | {'durable (fsync)' if r['durable'] else 'durable: false'} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
+            lines.append(f"| {r['upstream']} | {r.get('round', '')} | {_c_store_label(r)} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
                          f"{r['late_p99_ms']} | {r['late_max_ms']} | {r['errors']} |")
         lines += ["", f"Median late p99 over rounds: {results['c'].get('summary')}", ""]
     if "d" in results:
@@ -643,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-sizes", default="1000,100000", help="stored tasks for (b); the largest is used for (e)")
     ap.add_argument("--c-requests", type=int, default=400, help="detached calls at concurrency 16 for (c) (a quarter at concurrency 1)")
     ap.add_argument("--c-rounds", type=int, default=3, help="rounds of (c), alternating which store setting goes first; medians reported")
+    ap.add_argument("--stores", default="diskcache,redis", help="task stores measured in (b) and (c): diskcache and/or redis "
+                    "(a redis-server of the bench's own; skipped with a warning when redis-server is not installed)")
     ap.add_argument("--c-hold", type=float, default=1.0, help="seconds each slow_compute call runs upstream in (c)")
     ap.add_argument("--mem-calls", type=int, default=10000, help="concurrent detached calls for (d)")
     ap.add_argument("--d-concurrency", type=int, default=64, help="client workers creating the detached calls in (d)")
@@ -668,6 +707,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
+    if "redis" in args.stores and not redis_bench.redis_available():
+        print("warning: redis-server is not installed; the Redis rows of (b) and (c) are skipped", flush=True)
+        args.stores.remove("redis")
 
     def log(msg: str) -> None:
         print(msg, flush=True)

@@ -107,11 +107,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if isinstance(store, RedisTaskStore):
             level, message = await store.persistence_report()
             (log.warning if level == "warning" else log.info)("store_persistence", store=store.where, detail=message)
-            parked = ParkedCalls(await shared_key(store, config.request_state.secret), store.claim_once)
+            parked = ParkedCalls(await shared_key(store, config.request_state.secret), store)
         else:
             parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
     except BaseException:
         await store.close()
+        await close_rate_storage(counters)
         raise
     parked.node = tasks.node
     app[PARKED_KEY] = parked

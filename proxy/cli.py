@@ -196,6 +196,9 @@ def describe(config: Config, source: str) -> str:
     base = f"http://{config.listen.host}:{config.listen.port}"
     durability = "Redis persistence" if config.store.redis else config.store.durable
     lines = [f"{source}: valid", f"listen {base}  store {config.store.where}  (durable: {durability})"]
+    if config.replicas is not None:
+        lines.append(f"replica of a shared store: advertised as {config.replicas.advertise or base}, hop_timeout {config.replicas.hop_timeout:g}s, "
+                     f"drain_detached {config.listen.drain_detached:g}s")
     d = config.tasks
     lines.append(f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s")
     for name, entry in config.mcpServers.items():

@@ -139,7 +139,8 @@ class StoreConfig(_Strict):
 
 class RequestStateConfig(_Strict):
     """Signing of MRTR `requestState` (HMAC-SHA256). Without `secret`, a key is generated once and
-    kept beside the store (`<store.path>/request_state.key`)."""
+    kept beside the store (`<store.path>/request_state.key`), or in Redis with a Redis store (one
+    key for every replica)."""
 
     secret: str | None = Field(None, min_length=32)
 

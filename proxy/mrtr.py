@@ -18,10 +18,10 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jwt
 
@@ -35,7 +35,24 @@ if TYPE_CHECKING:
 
 KEY_FILE = "request_state.key"
 KEY_BLOB = "request_state.key"  # the shared key's name in a Redis store
-ClaimOnce = Callable[[str, int], Awaitable[bool]]
+
+
+class OnceClaims(Protocol):
+    """The single-use claims of a task store (`TaskStore.claim_once`, `TaskStore.claimed`)."""
+
+    async def claim_once(self, key: str, ttl_ms: int) -> bool:
+        """True for the first claim of `key` within `ttl_ms` ms."""
+
+    async def claimed(self, key: str) -> bool:
+        """True while `key` is claimed."""
+
+
+async def _store_call(call: Awaitable[bool]) -> bool:
+    """`await call`, a store unavailable becoming JsonRpcError -32603 (HTTP 503)."""
+    try:
+        return await call
+    except StoreUnavailableError as exc:
+        raise JsonRpcError(INTERNAL_ERROR, f"requestState cannot be checked: {exc}", status=503) from None
 
 
 async def shared_key(store: TaskStore, configured: str | None) -> bytes:
@@ -134,15 +151,16 @@ class ParkedCalls:
     """The calls of this proxy process waiting for an MRTR retry.
 
     `key` signs the states; `timeout_s` is how long a parked call waits for its retry before it is
-    cancelled upstream (the `input_timeout` of its tool). `claim_once(key, ttl_ms)` (the task
-    store's) marks each state's nonce used, store-wide; without it only this process remembers.
+    cancelled upstream (the `input_timeout` of its tool). `once` (the task store, on Redis) marks
+    each state's nonce used store-wide (`claim_once`), so that a replica the call is not parked on
+    refuses a replay as used too (`claimed`); without it only this process remembers.
     """
 
     node = ""  # this process's node id, named in each state when set (replicas route retries by it)
 
-    def __init__(self, key: bytes, claim_once: ClaimOnce | None = None) -> None:
+    def __init__(self, key: bytes, once: OnceClaims | None = None) -> None:
         self._key = key
-        self._claim_once = claim_once
+        self._once = once
         self._parked: dict[str, Parked] = {}
 
     def __len__(self) -> int:
@@ -181,8 +199,8 @@ class ParkedCalls:
         """Verify a retry's `requestState` and take its call out of the parked set.
 
         Raises JsonRpcError(-32602) for a malformed, tampered, expired, foreign or replayed state;
-        nothing changes then (a state that passed every check but the store-wide claim stays
-        claimed); JsonRpcError(-32603, HTTP 503) when the claim cannot be written.
+        nothing changes then; JsonRpcError(-32603, HTTP 503) when the store-wide claim cannot be
+        checked or written.
         """
         if not isinstance(state, str):
             raise JsonRpcError(INVALID_PARAMS, "requestState must be the string this server sent")
@@ -195,24 +213,19 @@ class ParkedCalls:
         pid = claims.get("pid")
         if claims.get("p") != principal_digest(principal) or claims.get("s") != server or claims.get("d") != digest:
             raise JsonRpcError(INVALID_PARAMS, "requestState does not belong to this request")
-        if self._claim_once is not None:
-            ttl_ms = max(1, int((float(claims["exp"]) - time.time()) * 1000) + 1000)
-            try:
-                first = await self._claim_once(f"mrtr:{pid}:{claims.get('n')}", ttl_ms)
-            except StoreUnavailableError as exc:
-                raise JsonRpcError(INTERNAL_ERROR, f"requestState cannot be checked: {exc}", status=503) from None
-            if not first:
-                raise JsonRpcError(INVALID_PARAMS, "requestState was already used; retry with the latest one")
+        once_key = f"mrtr:{pid}:{claims.get('n')}"
         entry = self._parked.get(pid) if isinstance(pid, str) else None
-        if (
-            entry is None
-            or entry.principal != principal
-            or entry.server != server
-            or entry.digest != digest
-        ):
+        if entry is None or entry.principal != principal or entry.server != server or entry.digest != digest:
+            # Not parked here: a state another replica already took is refused as used, as it would be there.
+            if self._once is not None and await _store_call(self._once.claimed(once_key)):
+                raise JsonRpcError(INVALID_PARAMS, "requestState was already used; retry with the latest one")
             raise JsonRpcError(INVALID_PARAMS, "requestState does not belong to this request")
         if entry.nonce != claims.get("n"):
             raise JsonRpcError(INVALID_PARAMS, "requestState was already used; retry with the latest one")
+        if self._once is not None:
+            ttl_ms = max(1, int((float(claims["exp"]) - time.time()) * 1000) + 1000)
+            if not await _store_call(self._once.claim_once(once_key, ttl_ms)):
+                raise JsonRpcError(INVALID_PARAMS, "requestState was already used; retry with the latest one")
         entry.nonce = ""  # single use: the next round mints a new one
         if entry.timer is not None:
             entry.timer.cancel()

@@ -3,8 +3,9 @@ temporary directory, stopped by the caller.
 
 API:
 
-- `RedisServer(workdir, *, password=None, appendonly=True, appendfsync="everysec", extra=())`:
-  describes a server whose files (AOF, log) live in `workdir` (created if missing).
+- `RedisServer(workdir, *, password=None, appendonly=True, appendfsync="everysec", extra=(), launcher=())`:
+  describes a server whose files (AOF, log) live in `workdir` (created if missing); `extra` are
+  more `redis-server` arguments, `launcher` a command put in front (the bench pins CPUs with it).
 - `server.start(timeout_s=10.0)`: picks a free port on 127.0.0.1, runs
   `redis-server --port N --bind 127.0.0.1 --dir workdir --save '' --appendonly yes|no ...`
   and waits (bounded, `timeout_s` seconds) until it answers PING; raises RuntimeError with the
@@ -14,8 +15,10 @@ API:
 - `server.kill()`: SIGKILL at once (a crash); `server.start()` again reuses `workdir` and so its
   AOF file, on a new free port unless `port` is given to `start(port=...)`.
 - `with RedisServer(tmp).start() as server:` stops it on exit.
-- `redis_server` (pytest fixture, session-scoped) is defined in conftest.py on top of this; tests
-  that need a fresh server of their own (password, persistence off, a crash) build one here.
+- conftest.py fixtures on top of this: `redis_server` (session-scoped, one server for the run;
+  `appendonly yes`, `everysec`) and `redis_prefix` (a fresh key prefix per test, so tests sharing
+  the server never see each other's keys: pass it as `store.prefix` / `RedisTaskStore(prefix=)`).
+  Tests that need a server of their own (a password, persistence off, a crash) build one here.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ class RedisServer:
 
     def __init__(
         self, workdir: str | os.PathLike[str], *, password: str | None = None, appendonly: bool = True,
-        appendfsync: str = "everysec", extra: tuple[str, ...] = (),
+        appendfsync: str = "everysec", extra: tuple[str, ...] = (), launcher: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.password = password
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra = extra
+        self.launcher = launcher
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -76,7 +80,7 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen([*args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen([*self.launcher, *args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

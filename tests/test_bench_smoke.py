@@ -35,6 +35,8 @@ def test_bench_quick_run_reports_every_section(tmp_path: Path) -> None:
         assert r["requests"] > 0 and r["errors"] == 0 and r["p99_ms"] is not None and "ratio_vs_direct" in r, r
 
     assert {r["stored_tasks"] for r in results["b"]["rows"]} == {200, 1000}
+    assert {r["store"] for r in results["b"]["rows"]} == {"diskcache", "redis"}  # side by side in one run
+    assert {(r["store"], r["durable"]) for r in results["c"]["rows"]} >= {("redis", True), ("redis", False), ("diskcache", True)}
     for r in results["b"]["rows"]:
         assert r["requests"] > 0 and r["errors"] == 0 and r["p99_ms"] is not None, r
 

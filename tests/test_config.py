@@ -19,7 +19,11 @@ CONFIG_DIR = ROOT / "config"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
 
 # Variables the example configs need (only those without a `:-default`).
-EXAMPLE_ENV = {"BUILD_TOKEN": "s3cret-token"}
+EXAMPLE_ENV = {
+    "BUILD_TOKEN": "s3cret-token", "REDIS_PASSWORD": "redis-s3cret",
+    # config/replicas.yaml (tests/test_replicas.py runs it for real through scripts/cluster.py)
+    "MCP_REDIS_URL": "redis://127.0.0.1:6379/0", "MCP_REPLICA_SECRET": "r" * 32, "MCP_UPSTREAM_URL": "http://127.0.0.1:9000/mcp",
+}
 
 
 def cfg(servers: dict | None = None, **top) -> Config:

@@ -1,5 +1,6 @@
-"""The store contract suite: the same tests against every `TaskStore` backend, plus the pure rules
-of `tasks/model.py` (transitions, result size, retention) that hold whatever stores the records."""
+"""The store contract suite: the same tests against every `TaskStore` backend (diskcache, and Redis
+on a real redis-server of the test session), plus the pure rules of `tasks/model.py` (transitions,
+result size, retention) that hold whatever stores the records."""
 
 from __future__ import annotations
 
@@ -211,6 +212,33 @@ async def test_group_commit_lands_every_concurrent_write(store: TaskStore) -> No
     await asyncio.gather(*(store.update(i, Change(status=TaskStatus.COMPLETED, outcome={"result": {"n": n}})) for n, i in enumerate(ids)))
     assert [(await store.get(i)).outcome["result"]["n"] for i in ids] == list(range(200))
     await store.check_writable()
+
+
+# -- small shared state: single-use claims, blobs, the legacy session map ------------------------
+
+
+async def test_a_claim_is_single_use_until_its_ttl(store: TaskStore) -> None:
+    results = await asyncio.gather(*(store.claim_once("mrtr:a:n1", 150) for _ in range(10)))
+    assert sorted(results) == [False] * 9 + [True]
+    assert await store.claimed("mrtr:a:n1") and not await store.claimed("mrtr:a:n2")
+    await asyncio.sleep(0.2)
+    assert not await store.claimed("mrtr:a:n1") and await store.claim_once("mrtr:a:n1", 1000)
+
+
+async def test_blobs_and_the_session_map_round_trip_and_expire(store: TaskStore) -> None:
+    assert await store.put_blob("k", b"\x00first", None, only_new=True)
+    assert not await store.put_blob("k", b"second", None, only_new=True)
+    assert await store.get_blob("k") == b"\x00first" and await store.get_blob("nope") is None
+    assert await store.put_blob("short", b"x", 100) and await store.get_blob("short") == b"x"
+    info = {"server": "s", "principal": "p", "upstream_session": "abc", "node": "n1"}
+    await store.session_put("sess-1", info, 10_000)
+    await store.session_put("sess-2", {"n": 2}, 100)
+    assert await store.session_get("sess-1") == info and await store.session_get("sess-2") == {"n": 2}
+    await store.session_delete("sess-1")
+    assert await store.session_get("sess-1") is None and await store.session_get("never") is None
+    await asyncio.sleep(0.15)
+    assert await store.session_get("sess-2") is None and await store.get_blob("short") is None
+    assert await store.count() == 0  # none of it counts as a task
 
 
 # -- the diskcache backend ------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Which replica serves a client request: the hook each MCP endpoint calls before handling one.
 
 - A legacy session (`Mcp-Session-Id`) lives on the replica that opened it (the shared session
-  map names it): its requests are relayed there whole while it is up. When it is gone (or, for an
-  HTTP upstream, draining) a session of an HTTP upstream is adopted here (same upstream session),
-  and one of a stdio upstream ends: 404, and the client initializes again (2025-11-25 transports
-  §"Session Management").
+  map names it): its requests are relayed there whole while it is up. When it is gone, a session
+  of an HTTP upstream is adopted here (same upstream session; so are the new requests of one whose
+  replica is draining), and one of a stdio upstream ends: 404, and the client initializes again
+  (2025-11-25 transports §"Session Management").
 - An MRTR retry (`requestState`) goes to the replica where its call is parked (the state names it).
 - While draining, this replica refuses new calls and new sessions with HTTP 503 and a JSON-RPC
   error, so a load balancer retries them on another replica.
@@ -112,7 +112,10 @@ class EndpointRouter:
         if not isinstance(entry, dict):
             return None  # unknown anywhere: 404 here
         peer = await self.replicas.peer(entry.get("owner"))
-        if peer is not None and not (peer.draining and self.kind == "http"):
+        # A draining owner still gets what belongs to running exchanges (answers to its questions,
+        # notifications, streams); new requests of an HTTP upstream's session move here.
+        is_request = request.method == "POST" and isinstance(body, dict) and "method" in body and "id" in body
+        if peer is not None and not (peer.draining and self.kind == "http" and is_request):
             relayed = await self.replicas.forwarder.relay(request, peer, raw)
             if relayed is not None:
                 return relayed

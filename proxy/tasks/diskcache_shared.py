@@ -44,6 +44,10 @@ class DiskcacheSharedState:
         """See TaskStore.claim_once (diskcache `add`, which writes only an absent key)."""
         return bool(await self._write(lambda: self._cache.add("once:" + key, 1, expire=max(1, ttl_ms) / 1000)))
 
+    async def claimed(self, key: str) -> bool:
+        """See TaskStore.claimed."""
+        return self._read("once:" + key) is not None
+
     async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
         """See TaskStore.put_blob."""
         expire = None if ttl_ms is None else max(1, ttl_ms) / 1000

@@ -48,7 +48,8 @@ class RedisTaskStore:
     `url`: `redis://[[user]:password@]host[:port][/db]` or `rediss://` (TLS). `prefix`: the start
     of every key (several proxies may share a Redis under different prefixes). `timeout_s` (s):
     bound on connecting, on each reply, and on waiting for one of `max_connections` pooled
-    connections. `max_result_bytes` feeds `model.apply`. Raises StoreUnavailableError for a URL
+    connections; a call that fails on a connection error is tried once more, so one call takes
+    at most about twice `timeout_s`. `max_result_bytes` feeds `model.apply`. Raises StoreUnavailableError for a URL
     redis-py cannot use; connecting happens at the first call.
     """
 
@@ -63,7 +64,7 @@ class RedisTaskStore:
         try:
             self._pool = BlockingConnectionPool.from_url(
                 url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),  # one retry: a connection Redis dropped is re-made once
             )
         except (ValueError, RedisError) as exc:
             raise StoreUnavailableError(self._message(exc)) from None
@@ -321,6 +322,11 @@ class RedisTaskStore:
         """True for the first claim of `key` within `ttl_ms` (across all replicas), False after (`SET NX PX`)."""
         async with self.guard():
             return bool(await self.redis.set(self.keys.once(key), b"1", nx=True, px=max(1, ttl_ms)))
+
+    async def claimed(self, key: str) -> bool:
+        """True while `key` is claimed."""
+        async with self.guard():
+            return bool(await self.redis.exists(self.keys.once(key)))
 
     async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
         """Store `value` under `key` (expiring after `ttl_ms`, or never); with `only_new`, only when

@@ -126,6 +126,9 @@ class TaskStore(Protocol):
         """True for the first claim of `key` within `ttl_ms` ms by any process on this store, False
         after (single-use MRTR states)."""
 
+    async def claimed(self, key: str) -> bool:
+        """True while `key` is claimed (its claim's `ttl_ms` has not passed)."""
+
     async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
         """Keep a small `value` under `key` for `ttl_ms` ms (None: no expiry); with `only_new`, only
         when `key` is absent. Returns whether it was written."""
