@@ -32,7 +32,6 @@ scaling: the CPU per call is the figure that carries over.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import time
@@ -40,22 +39,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import redis_bench
+
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
-REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 PROJECT_N = (1, 2, 3, 4, 8, 16, 32)
 DETACH_MS = 20
 HOLD_S = 0.2
-
-
-def start_redis(h: ModuleType, workdir: Path, name: str) -> tuple[Any, str]:
-    """redis-server on a free loopback port, AOF on with fsync per write; returns (Proc, redis:// URL)."""
-    port = h.free_port()
-    data = workdir / f"{name}-data"
-    data.mkdir(parents=True, exist_ok=True)
-    proc = h.Proc(name, [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--save", "", "--appendonly", "yes",
-                         "--appendfsync", "always", "--protected-mode", "no", "--daemonize", "no"], workdir)
-    h._wait_port(port, proc)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def start_haproxy(h: ModuleType, workdir: Path, name: str, backends: list[int]) -> tuple[Any, str]:
@@ -97,34 +86,6 @@ def replica_config(workdir: Path, name: str, upstream_url: str, redis_url: str, 
     return path
 
 
-def fill_redis(redis_url: str, prefix: str, n: int) -> list[str]:
-    """N completed tasks of principal `anonymous` on server `bench`, written with the proxy's Redis store."""
-    import logging
-
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id, now_ms
-    from proxy.tasks.redis_store import RedisTaskStore
-
-    now = now_ms()
-    outcome = {"result": {"content": [{"type": "text", "text": "report ready"}], "isError": False}}
-    records = [TaskRecord(task_id=new_task_id(), principal="anonymous", server="bench", tool="slow_report", created_ms=now,
-                          ttl_ms=24 * 3600 * 1000, poll_interval_ms=500, owner="bench-fill", status=TaskStatus.COMPLETED,
-                          status_message="done", terminal_ms=now, outcome=outcome) for _ in range(n)]
-
-    async def fill() -> None:
-        store = RedisTaskStore(redis_url, prefix=prefix)
-        try:
-            for start in range(0, n, 500):
-                await asyncio.gather(*(store.create(r) for r in records[start:start + 500]))
-        finally:
-            await store.close()
-
-    asyncio.run(fill())
-    return [r.task_id for r in records]
-
-
 def projection(cpu: dict[str, float]) -> dict[str, Any]:
     """calls/s for N replicas on N machines from CPU ms per call of each tier (see the module docstring)."""
     rep, redis, hap = cpu.get("replicas", 0.0), cpu.get("redis", 0.0), cpu.get("haproxy", 0.0)
@@ -146,23 +107,27 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
     upstream, up_url = h.start_sdk_upstream(workdir, None, "r-upstream-sdk")
     try:
         for n in counts:
-            redis, redis_url = start_redis(h, workdir, f"r{n}-redis")
-            prefix = f"bench-r{n}:"
-            ids = fill_redis(redis_url, prefix, args.r_tasks)
-            ids_file = workdir / f"r{n}-ids.json"
-            ids_file.write_text(json.dumps(ids))
-            replicas = []
-            ports = []
-            for i in range(n):
-                cfg = replica_config(workdir, f"r{n}-replica{i}", up_url, redis_url, prefix)
-                proc, url, _ = h.start_proxy(workdir, f"r{n}-replica{i}", cfg, None)
-                h.wait_ready(url.rsplit("/", 1)[0], proc)
-                replicas.append(proc)
-                ports.append(int(url.split(":")[2].split("/")[0]))
-            haproxy, front = start_haproxy(h, workdir, f"r{n}-haproxy", ports)
-            time.sleep(1.5)  # first health checks pass
+            # Redis as in sections b/c (bench/redis_bench.py, tests/redis_server.py): AOF, fsync per write.
+            redis = redis_bench.start_redis(workdir, f"r{n}-redis", appendfsync="always", cpus=None)
+            replicas: list[Any] = []
+            haproxy = None
             try:
-                tiers = {"haproxy": [haproxy], "replicas": replicas, "redis": [redis], "upstream": [upstream]}
+                redis_url, prefix = redis.url, f"bench-r{n}:"
+                ids, _ = redis_bench.fill_redis(redis_url, prefix, args.r_tasks, "bench")
+                ids_file = workdir / f"r{n}-ids.json"
+                ids_file.write_text(json.dumps(ids))
+                ports = []
+                for i in range(n):
+                    cfg = replica_config(workdir, f"r{n}-replica{i}", up_url, redis_url, prefix)
+                    proc, url, _ = h.start_proxy(workdir, f"r{n}-replica{i}", cfg, None)
+                    h.wait_ready(url.rsplit("/", 1)[0], proc)
+                    replicas.append(proc)
+                    ports.append(int(url.split(":")[2].split("/")[0]))
+                haproxy, front = start_haproxy(h, workdir, f"r{n}-haproxy", ports)
+                time.sleep(1.5)  # first health checks pass
+                assert redis.process is not None
+                tiers = {"haproxy": [haproxy.pid], "replicas": [p.pid for p in replicas], "redis": [redis.process.pid],
+                         "upstream": [upstream.pid]}
                 loads: dict[str, dict[str, Any]] = {
                     "call": {"mode": "modern", "tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"},
                     "tasks_get": {"mode": "tasks_get", "ids_file": str(ids_file)},
@@ -170,15 +135,15 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                                  "detach_after_s": DETACH_MS / 1000},
                 }
                 for load, spec in loads.items():
-                    before = {t: sum(h.cpu_seconds(p.pid, children=False) for p in ps) for t, ps in tiers.items()}
+                    before = {t: sum(h.cpu_seconds(pid, children=False) for pid in pids) for t, pids in tiers.items()}
                     res = h.loadgen({**spec, "url": front, "concurrency": args.r_concurrency, "duration": args.duration,
                                      "warmup": args.warmup}, None)
-                    calls = max(1, res["total_ok"])
-                    cpu = {t: round((sum(h.cpu_seconds(p.pid, children=False) for p in ps) - before[t]) * 1000 / calls, 3)
-                           for t, ps in tiers.items()}
-                    cpu["loadgen"] = round(res["loadgen_cpu_s"] * 1000 / calls, 3)
                     if load == "detached":
                         time.sleep(HOLD_S + 0.5)  # the last tasks' outcomes are written (and counted) before the CPU is read
+                    calls = max(1, res["total_ok"])
+                    cpu = {t: round((sum(h.cpu_seconds(pid, children=False) for pid in pids) - before[t]) * 1000 / calls, 3)
+                           for t, pids in tiers.items()}
+                    cpu["loadgen"] = round(res["loadgen_cpu_s"] * 1000 / calls, 3)
                     row = {"replicas": n, "load": load, "rps": res["rps"], "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"],
                            "errors": res["errors"], "error_samples": res["error_samples"], "total_ok": res["total_ok"],
                            "cpu_ms_per_call": cpu, "concurrency": args.r_concurrency}
@@ -186,7 +151,8 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                     log(f"  r: {n} replica(s), {load:<9} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors "
                         f"{res['errors']}  CPU ms/call {cpu}")
             finally:
-                haproxy.stop()
+                if haproxy is not None:
+                    haproxy.stop()
                 for proc in replicas:
                     proc.stop()
                 redis.stop()
