@@ -152,7 +152,11 @@ class SingleProxy:
         }))
         self.argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
         self.log = workdir / "proxy.log"
-        self.proxy: Child | None = Child(self.argv, self.log)
+        try:
+            self.proxy: Child | None = Child(self.argv, self.log)
+        except BaseException:
+            self.upstream.stop()  # no process outlives a failed start
+            raise
         self.url = self.proxy.url
         self.port = self.url.split(":")[2].split("/")[0]
 
@@ -632,12 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.mode = f"replicas={args.replicas}" if args.replicas else "single"
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-chaos-"))
-    target = make_target(args, workdir)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_term)  # SIGTERM stops every process started, like Ctrl-C
+    target = make_target(args, workdir)
     try:
         report = asyncio.run(chaos(target, args))
     finally:
