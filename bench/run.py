@@ -12,7 +12,8 @@ Sections (bench/README.md has the method and the latest figures):
  c. delay between detach_after expiring and the CreateTaskResult arriving (p50/p99), diskcache
     durable or not and Redis with `appendfsync always` or `everysec` (--stores picks the stores);
  d. proxy RSS per detached in-flight call with 10,000 concurrent detached calls;
- e. start-up time (process start -> /healthz 200) with 1,000,000 tasks in the store.
+ e. start-up time (process start -> /healthz 200) with 1,000,000 tasks in the store;
+ r. (only when asked: --sections r) 1 vs 3 replicas behind HAProxy on Redis, CPU per call per tier (bench/replicas.py).
 
 Every server is a child process on 127.0.0.1, stopped in a `finally` (SIGINT, then SIGKILL), also
 on Ctrl-C / SIGTERM. Load comes from bench/loadgen.py in its own process, bounded in time and count.
@@ -669,6 +670,7 @@ def report(results: dict, args) -> str:
         for r in e["rows"]:
             lines.append(f"| {r['stored_tasks']} | {r['median_s']} | {r['max_s']} | {round(r['median_s'] / e['rows'][0]['median_s'], 3)} |")
         lines += [f"(`python -c 'import proxy.cli'` alone: {e['import_only_s']} s)", ""]
+    lines += results.get("r", {}).get("table_md", [])
     return "\n".join(lines)
 
 
@@ -691,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-concurrency", type=int, default=64, help="client workers creating the detached calls in (d)")
     ap.add_argument("--d-durable", action=argparse.BooleanOptionalAction, default=False, help="fsync store in (d) (default off: RSS is the figure)")
     ap.add_argument("--e-repeats", type=int, default=5)
+    ap.add_argument("--r-replicas", default="1,3", help="replica counts for (r); --r-concurrency workers, --r-tasks stored tasks")
+    ap.add_argument("--r-concurrency", type=int, default=16)
+    ap.add_argument("--r-tasks", type=int, default=1000)
     ap.add_argument("--no-peers", action="store_true", help="skip mcp-proxy and FastMCP rows in (a)")
     ap.add_argument("--a-more", action=argparse.BooleanOptionalAction, default=True,
                     help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned (bench/section_a_more.py)")
@@ -769,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["d"] = section_d(args, workdir, log)
                 elif name == "e":
                     results["e"] = section_e(args, workdir, log, stores)
+                elif name == "r":
+                    results["r"] = __import__("replicas").section_r(args, workdir, log, sys.modules[__name__])
                 else:
                     raise ValueError(f"unknown section {name!r}")
             except Exception as exc:
