@@ -52,6 +52,13 @@ def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -
     return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status)
 
 
+def _upstream_error(request_id: Any, exc: JsonRpcError, status: int) -> web.Response:
+    """An upstream failure as the legacy client gets it: for a request, its JSON-RPC error in an
+    HTTP 200 (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole
+    transport dies); for a notification, response or GET (no id to answer), `status` (502/504)."""
+    return _json_error(request_id, exc, status=200 if request_id is not None else status)
+
+
 def _decode(data: str) -> Any:
     try:
         return json.loads(data) if data.strip() else None
@@ -155,17 +162,17 @@ class LegacyRelay:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) and bound else f"{exc.__class__.__name__}: {exc}"
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
-            return _json_error(request_id, err, status=504 if isinstance(exc, asyncio.TimeoutError) else 502)
+            return _upstream_error(request_id, err, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
         if 300 <= upstream.status < 400:
             upstream.release()
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed")
-            return _json_error(request_id, err, status=502)
+            return _upstream_error(request_id, err, 502)
         limit = self.bounds.max_response_bytes
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300
         if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
             upstream.release()
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)")
-            return _json_error(request_id, err, status=502)
+            return _upstream_error(request_id, err, 502)
         out_headers = {n: upstream.headers[n] for n in FORWARD_RESPONSE_HEADERS if n in upstream.headers}
         upstream_new_sid = upstream.headers.get("Mcp-Session-Id")
         if sid:
@@ -208,7 +215,7 @@ class LegacyRelay:
             data = await read_limited(upstream, self.bounds.max_response_bytes)
         except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
             reason = str(exc) or exc.__class__.__name__
-            return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
+            return _upstream_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), 502)
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
@@ -217,7 +224,7 @@ class LegacyRelay:
             elif message.get("id") is not None and message.get("id") != request_id:
                 log.warning("legacy_foreign_response_dropped", server=self.name, reason="a reply for another request id")
                 err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered with a response for another request id")
-                return _json_error(request_id, err, status=502)
+                return _upstream_error(request_id, err, 502)
         data = await self.v1.rewrite_plain(method, data)
         if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
             out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")

@@ -148,8 +148,11 @@ async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
 def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
     """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
     an empty body passes for a success status (202 to a notification); anything else (an HTML
-    error page, plain text) becomes a JSON-RPC error naming the upstream's status, and an upstream
-    5xx becomes 502."""
+    error page, plain text) becomes a JSON-RPC error naming the upstream's status. An upstream 5xx
+    answering a request (`request_id` not None) goes out as HTTP 200, the JSON-RPC error inside
+    (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole transport
+    dies); answering a notification or response, as 502. An upstream 4xx passes (404: session gone)."""
+    failed = 200 if request_id is not None else 502
     if not data.strip():
         if status < 400:
             return status, data
@@ -159,8 +162,8 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
         except (ValueError, UnicodeDecodeError, RecursionError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
-            return (status if status < 500 else 502), data
+            return (status if status < 500 else failed), data
     code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
     text = data[:200].decode("utf-8", errors="replace").strip()
     error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
-    return (status if 400 <= status < 500 else 502), _dumps(jsonrpc.error_response(request_id, error)).encode()
+    return (status if 400 <= status < 500 else failed), _dumps(jsonrpc.error_response(request_id, error)).encode()

@@ -34,12 +34,12 @@ def upstream() -> Iterator[str]:
     server.stop()
 
 
-def relay_config(upstream_url: str, tmp_path: Path, **listen: object):
+def relay_config(upstream_url: str, tmp_path: Path, server: dict | None = None, **listen: object):
     return config_from_data({
         "listen": {"sse_keepalive": "50ms", **listen},
         "store": {"path": str(tmp_path / "store"), "durable": False},
         "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "50ms"},
-        "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s"}},
+        "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s", **(server or {})}},
     })
 
 
@@ -438,3 +438,36 @@ async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
     assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
     final = json.loads([e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1])
     assert final["id"] == "k" and final["result"]["content"][0]["text"] == "computed K after 0.3s"
+
+
+# -- review fixes ---------------------------------------------------------------------------------
+
+
+async def _run_json(argv: list[str]) -> object:
+    """Run a client script off the event loop the proxy serves on; its last stdout line as JSON."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(upstream: str, tmp_path: Path) -> None:
+    """protocol.md §1.4.4: on the legacy wire a JSON-RPC error for a request comes in an HTTP 200;
+    an `mcp` 1.x client raises on any other status inside its task group and loses its transport."""
+    from conftest import ROOT, python_venv
+
+    async with running_proxy(relay_config(upstream, tmp_path, {"timeout": "200ms"})) as proxy:
+        async with aiohttp.ClientSession() as http:
+            client = await Legacy(proxy.url(), http).open()
+            async with client.call(1, "slow_json", ms=500) as resp:  # timed out before its headers
+                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603
+        python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
+        calls = await _run_json([str(python), "tests/fixtures/mcp1_relay_client.py", proxy.url(),
+                                 'slow_json:{"ms": 500}', 'echo:{"x": 1}'])
+    assert isinstance(calls, list) and calls[0]["error"] == -32603 and "timeout" in calls[0]["message"], calls
+    assert calls[1] == {"text": '{"x": 1}'}, calls
