@@ -95,7 +95,7 @@ class LegacyRelay:
             if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
                 headers[name] = value
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
-        session = self.legacy.sessionless
+        session = self.legacy.sessionless(principal)  # session-less traffic: scoped to its principal
         if sid:
             found = self.legacy.get(sid, principal)
             if found is None:

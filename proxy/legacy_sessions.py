@@ -28,6 +28,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+MAX_SESSIONLESS = 1024  # principals whose session-less id maps are kept while idle
 MAX_STREAMS = 16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
 
 
@@ -79,7 +80,23 @@ class LegacySessions:
 
     def __init__(self) -> None:
         self._sessions: dict[str, LegacySession] = {}
-        self.sessionless = LegacySession(upstream_id=None)
+        self._sessionless: dict[str, LegacySession] = {}  # principal -> its session-less traffic
+        self._sessionless_ids = itertools.count(1)  # shared: one upstream sees every principal's ids
+
+    def sessionless(self, principal: str) -> LegacySession:
+        """The id maps of `principal`'s traffic without a session (a session-less upstream): its
+        pending requests and server→client requests are its own, so a cancel or an answer from
+        another principal never reaches them; upstream ids come from one counter shared by every
+        principal (the upstream sees them all on one endpoint). Idle entries are forgotten past MAX_SESSIONLESS."""
+        session = self._sessionless.get(principal)
+        if session is None:
+            if len(self._sessionless) >= MAX_SESSIONLESS:
+                for key, old in list(self._sessionless.items()):
+                    if not old.pending and not old.request_ids and all(s.closed for s in old.streams.values()):
+                        del self._sessionless[key]
+            session = LegacySession(upstream_id=None, principal=principal, _ids=self._sessionless_ids)
+            self._sessionless[principal] = session
+        return session
 
     def open(self, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None) -> str:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`
@@ -113,12 +130,12 @@ class LegacySessions:
             session.end()
 
     def all(self) -> list[LegacySession]:
-        """Every open session, and the session-less one."""
-        return [*self._sessions.values(), self.sessionless]
+        """Every open session, and each principal's session-less one."""
+        return [*self._sessions.values(), *self._sessionless.values()]
 
     def close(self) -> None:
         """Stop every session's pumps (proxy shutdown)."""
-        for session in [*self._sessions.values(), self.sessionless]:
+        for session in self.all():
             session.end()
 
 

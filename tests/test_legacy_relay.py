@@ -471,3 +471,44 @@ async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
                                  'slow_json:{"ms": 500}', 'echo:{"x": 1}'])
     assert isinstance(calls, list) and calls[0]["error"] == -32603 and "timeout" in calls[0]["message"], calls
     assert calls[1] == {"text": '{"x": 1}'}, calls
+
+
+async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream: str, tmp_path: Path) -> None:
+    """A session-less upstream: Bob's cancel for id 1 never touches Alice's request 1, and two
+    principals using id 1 at once keep their own mappings (fresh upstream id per request)."""
+    config = config_from_data({
+        "listen": {"sse_keepalive": "50ms"},
+        "auth": {"mode": "header", "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]}},
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "mcpServers": {"bad": {"url": upstream.removesuffix("/mcp") + "/stateless", "timeout": "5s"}},
+    })
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": LEGACY}
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "wait_cancel", "arguments": {"ms": 1500}}}
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        async def post(user: str, body: dict) -> tuple[int, dict | None]:
+            async with http.post(proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user}) as resp:
+                text = await resp.text()
+                return resp.status, (json.loads(text) if text.strip() else None)
+
+        async def calls_seen(n: int) -> None:
+            async with asyncio.timeout(5):
+                while len([m for m in (await upstream_log(upstream))[before:] if m["message"].get("method") == "tools/call"]) < n:
+                    await asyncio.sleep(0.02)
+
+        before = len(await upstream_log(upstream))
+        bob = asyncio.ensure_future(post("bob", call))
+        await calls_seen(1)
+        alice = asyncio.ensure_future(post("alice", call))  # the newest mapping of client id 1
+        await calls_seen(2)
+        assert await post("carol", cancel) == (202, None)  # carol has no request 1: nothing goes upstream
+        assert await post("bob", cancel) == (202, None)  # bob cancels HIS request 1 only
+        status, reply = await bob
+        assert status == 200 and reply["id"] == 1 and reply["error"]["code"] == -32800
+        status, reply = await alice
+        assert status == 200 and reply["id"] == 1 and reply["result"]["content"][0]["text"] == "wait_cancel done"
+    seen = [entry["message"] for entry in (await upstream_log(upstream))[before:]]
+    calls = [m["id"] for m in seen if m.get("method") == "tools/call"]
+    cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
+    assert len(calls) == 2 and calls[0] != calls[1]  # a fresh upstream id per request
+    assert len(cancels) == 1 and cancels[0] in calls
