@@ -116,17 +116,24 @@ class LegacyRelay(RelayStreams):
         body: Any, raw: bytes, request_id: Any, upstream_rid: int | None, principal: str,
     ) -> web.StreamResponse:
         method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
-        # A POSTed request is bounded like the proxy's own (its hard timeout for calls); a GET stream
-        # lasts as long as the client keeps it open, but its connect and each read are bounded.
-        bound, key = self.bounds.for_method(method) if isinstance(method, str) else (None, "")
+        # A POSTed request is bounded like the proxy's own (its hard timeout for calls), a DELETE by
+        # request_timeout; a GET stream lasts as long as the client keeps it open, but the wait for
+        # its response headers is bounded (connect_timeout + request_timeout), with keepalives.
+        if isinstance(method, str):
+            bound, key = self.bounds.for_method(method)
+        elif request.method == "DELETE":
+            bound, key = self.bounds.request_timeout, "request_timeout"
+        else:
+            bound, key = self.bounds.connect_timeout + self.bounds.request_timeout, "connect_timeout + request_timeout"
+        opening = asyncio.ensure_future(self._send(request.method, raw, headers, bound, headers_only=request.method == "GET"))
+        if request.method == "GET":
+            done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
+            if not done:  # a slow upstream: the client's stream starts now, with keepalives
+                return await self._late_get(request, session, sid, opening)
         try:
-            upstream = await self.http.request(
-                request.method, self.url, data=raw if request.method == "POST" else None, headers=headers,
-                allow_redirects=False,  # configured headers (credentials) never follow a redirect
-                timeout=aiohttp.ClientTimeout(total=bound, sock_connect=self.bounds.connect_timeout),
-            )
+            upstream = await opening
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) and bound else f"{exc.__class__.__name__}: {exc}"
+            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
             return _upstream_error(request_id, err, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
         if 300 <= upstream.status < 400:

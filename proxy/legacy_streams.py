@@ -121,15 +121,54 @@ class RelayStreams:
                 stream.pump = asyncio.get_running_loop().create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
         return await self._serve(request, session, stream, start - 1)
 
+    async def _send(self, method: str, raw: bytes, headers: dict[str, str], bound: float, *, headers_only: bool = False) -> aiohttp.ClientResponse:
+        """One upstream HTTP exchange (redirects never followed: configured credentials stay here).
+        Bounded by `bound` (s): the whole exchange, or with `headers_only` (a GET stream, which
+        lasts as long as the client keeps it) only the wait for the response headers. Raises
+        aiohttp.ClientError, OSError or TimeoutError."""
+        async with asyncio.timeout(bound if headers_only else None):
+            return await self.http.request(
+                method, self.url, data=raw if method == "POST" else None, headers=headers, allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=None if headers_only else bound, sock_connect=self.bounds.connect_timeout, sock_read=None if headers_only else bound),
+            )
+
+    async def _late_get(self, request: web.Request, session: LegacySession, sid: str, opening: asyncio.Future[aiohttp.ClientResponse]) -> web.StreamResponse:
+        """A standalone GET whose upstream has not answered within `keepalive_s`: the client's SSE
+        stream starts at once (keepalives while the upstream's headers are awaited, within their
+        bound); a refusal, an error or the bound ends the stream, an upstream SSE stream feeds it."""
+        stream = RelayStream(kind="get", max_events=self.replay_events, max_bytes=self.replay_bytes)
+        session.add_stream(stream)
+        if session.get_stream is not None and session.get_stream.pump is not None:
+            session.get_stream.pump.cancel()  # a new standalone stream replaces the old one
+        session.get_stream = stream
+
+        async def pump() -> None:
+            try:
+                upstream = await opening
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                log.info("legacy_upstream_get_failed", server=self.name, reason=str(exc) or exc.__class__.__name__)
+                stream.close()
+                return
+            finally:
+                opening.cancel()  # this task was cancelled while waiting: so is the exchange
+            if upstream.status == 404 and sid:
+                self.legacy.end(sid)
+            if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                upstream.release()
+                stream.close()
+                return
+            await self._pump_get(session, stream, upstream, sid)
+
+        stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy GET relay {self.name}")
+        return await self._serve(request, session, stream, 0, headers={"Mcp-Session-Id": sid} if sid else None)
+
     async def _open_get(self, headers: dict[str, str], last_event_id: str | None = None) -> aiohttp.ClientResponse | None:
-        """An upstream GET stream (resuming after `last_event_id`), or None when the upstream refuses one."""
+        """An upstream GET stream (resuming after `last_event_id`), or None when the upstream
+        refuses one or sends no headers within connect_timeout + request_timeout."""
         if last_event_id is not None:
             headers = {**headers, "Last-Event-ID": last_event_id}
         try:
-            resp = await self.http.get(
-                self.url, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.bounds.connect_timeout, sock_read=None),
-            )
+            resp = await self._send("GET", b"", headers, self.bounds.connect_timeout + self.bounds.request_timeout, headers_only=True)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             log.info("legacy_upstream_get_failed", server=self.name, reason=str(exc) or exc.__class__.__name__)
             return None

@@ -512,3 +512,23 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream:
     cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
     assert len(calls) == 2 and calls[0] != calls[1]  # a fresh upstream id per request
     assert len(cancels) == 1 and cancels[0] in calls
+
+
+async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(upstream: str, tmp_path: Path) -> None:
+    """DELETE is bounded by request_timeout; a GET's wait for the upstream's headers by
+    connect_timeout + request_timeout, with keepalives on the client's stream meanwhile."""
+    config = relay_config(upstream, tmp_path, {"request_timeout": "300ms", "connect_timeout": "200ms"})
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call(1, "hang") as resp:
+            assert (await resp.json())["result"]["content"][0]["text"] == "hanging"
+        started = time.monotonic()
+        async with asyncio.timeout(5), http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            body = await resp.text()  # ends once the upstream's bound is over
+        assert body.count(": keepalive") >= 3, body
+        assert 0.4 < time.monotonic() - started < 3
+        started = time.monotonic()
+        async with asyncio.timeout(5), http.delete(proxy.url(), headers=client.headers()) as resp:
+            assert resp.status == 504 and "request_timeout" in (await resp.json())["error"]["message"]
+        assert time.monotonic() - started < 2
