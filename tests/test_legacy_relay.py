@@ -532,3 +532,48 @@ async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(upst
         async with asyncio.timeout(5), http.delete(proxy.url(), headers=client.headers()) as resp:
             assert resp.status == 504 and "request_timeout" in (await resp.json())["error"]["message"]
         assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("how", ["client_leaves", "tasks_cancel"])
+async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_path: Path, how: str) -> None:
+    """max_concurrency 1: A holds the slot, B waits for it. B abandoned (its client leaves, or
+    tasks/cancel of its task) must reach the child neither as a tools/call nor as a cancel."""
+    stdin_log = tmp_path / "stdin.jsonl"
+    fixture = Path(__file__).parent / "fixtures" / "legacy_server.py"
+    server = {"command": "sh", "args": ["-c", f"tee {stdin_log} | {sys.executable} {fixture} --stdio"], "max_concurrency": 1}
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "50ms"},
+        "mcpServers": {"fx": server},
+    })
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url(), capabilities=None if how == "tasks_cancel" else {})
+        try:
+            await client.call("greet", {"name": "warm-up"})
+            a = asyncio.ensure_future(client.call("slow_compute", {"seconds": 1.0, "label": "A"}))
+            async with asyncio.timeout(5):
+                while "slow_compute" not in stdin_log.read_text():
+                    await asyncio.sleep(0.02)
+            if how == "tasks_cancel":
+                b = (await client.call("slow_compute", {"seconds": 0.1, "label": "B"})).result
+                assert b["resultType"] == "task", b  # detached while still queued for the slot
+                assert (await client.request("tasks/cancel", {"taskId": b["taskId"]})).status == 200
+                assert (await client.wait_terminal(b["taskId"]))["status"] == "cancelled"
+            else:
+                b_call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.1, "label": "B"}))
+                await asyncio.sleep(0.2)
+                b_call.cancel()  # the client closes B's request stream while B waits for the slot
+                with pytest.raises(asyncio.CancelledError):
+                    await b_call
+                await asyncio.sleep(0.2)
+            reply = await a
+            if reply.result.get("resultType") == "task":
+                await client.wait_terminal(reply.result["taskId"])
+            await client.call("greet", {"name": "after"})  # the child has read everything sent before
+        finally:
+            await client.close()
+    sent = [json.loads(line) for line in stdin_log.read_text().splitlines() if line.strip()]
+    labels = [m["params"]["arguments"].get("label") for m in sent if m.get("method") == "tools/call" and m["params"]["name"] == "slow_compute"]
+    assert labels == ["A"], sent
+    assert not [m for m in sent if m.get("method") == "notifications/cancelled"], sent
+

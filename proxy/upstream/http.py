@@ -213,8 +213,10 @@ class UpstreamSession:
         *,
         handler: MessageHandler | None,
         request_id: RequestId | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> JsonObject:
-        """Send one request and return its JSON-RPC response message (`result` or `error`).
+        """Send one request and return its JSON-RPC response message (`result` or `error`);
+        `on_sent()` runs just before it is POSTed (no queue here: at once).
 
         Messages arriving before the response go to `handler`; `ping` requests are answered here.
         The wait is bounded (`Bounds.for_method`: `timeout`, `request_timeout` or `init_timeout`, s).
@@ -227,6 +229,8 @@ class UpstreamSession:
         self.in_flight += 1
         try:
             async with asyncio.timeout(bound):
+                if on_sent is not None:
+                    on_sent()
                 return await self._request(method, params, handler, request_id)
         except TimeoutError:
             raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
