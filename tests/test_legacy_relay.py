@@ -577,3 +577,34 @@ async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_
     assert labels == ["A"], sent
     assert not [m for m in sent if m.get("method") == "notifications/cancelled"], sent
 
+
+async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(upstream: str, proxy_url: str) -> None:
+    """A pooled upstream session that broke unannounced: the first request on it gets a stream that
+    closes with no event. A non-call (tools/list) is sent again on a new session and works; a
+    tools/call is not (the upstream accepted it; whether the tool ran is unknowable), it fails with
+    -32603, and the session has left the pool for the next call."""
+    client = ModernClient(proxy_url, capabilities={})
+
+    async def break_latest() -> str:
+        sid = (await upstream_sessions(upstream))[-1]
+        async with aiohttp.ClientSession() as http, http.post(upstream.removesuffix("/mcp") + f"/break?session={sid}") as resp:
+            assert resp.status == 204
+        return sid
+
+    try:
+        assert (await client.call("echo", {"n": 1})).status == 200
+        broken = await break_latest()
+        before = len(await upstream_log(upstream))
+        listing = await client.request("tools/list")
+        assert "echo" in [t["name"] for t in listing.result["tools"]], listing.message
+        lists = [e["session"] for e in (await upstream_log(upstream))[before:] if e["message"].get("method") == "tools/list"]
+        assert lists[0] == broken and len(lists) == 2 and lists[1] != broken  # sent again, on a new session
+        broken = await break_latest()
+        before = len(await upstream_log(upstream))
+        reply = await client.call("echo", {"n": 2})
+        assert reply.error["code"] == -32603 and "closed the stream before answering" in reply.error["message"]
+        calls = [e["session"] for e in (await upstream_log(upstream))[before:] if e["message"].get("method") == "tools/call"]
+        assert calls == [broken]  # never sent twice
+        assert (await client.call("echo", {"n": 3})).result["content"][0]["text"] == '{"n": 3}'
+    finally:
+        await client.close()

@@ -22,7 +22,7 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe
+from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe, read_body
 from .sse import EventTooLargeError, iter_events
 
 log = structlog.get_logger("proxy.upstream")
@@ -251,7 +251,9 @@ class UpstreamSession:
     async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
         message = jsonrpc.request(rid, method, params)
-        was_broken = self.broken is not None
+        # Sent again on a new session when the stream ends with no event at all: on a session
+        # already broken (never delivered), or for a method harmless to run twice (see _read_stream).
+        retry_safe = self.broken is not None or (method not in CALL_METHODS and method != "initialize")
         resp = await self._post(message)
         async with resp:
             if method == "initialize":
@@ -260,8 +262,8 @@ class UpstreamSession:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
-                return await self._read_stream(resp, rid, handler, was_broken)
-            raw = await self._read_body(resp)
+                return await self._read_stream(resp, rid, handler, retry_safe)
+            raw = await read_body(resp, self.bounds.max_response_bytes, self.server)
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError, RecursionError):
@@ -278,28 +280,18 @@ class UpstreamSession:
                 raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
             return body
 
-    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
-        """The whole reply body, refused (UpstreamError) once larger than `max_response_bytes`."""
-        limit = self.bounds.max_response_bytes
-        too_large = f"upstream {self.server} sent a reply larger than max_response_bytes ({limit} bytes)"
-        if (resp.content_length or 0) > limit:
-            raise UpstreamError(too_large)
-        body = bytearray()
-        try:
-            async for chunk in resp.content.iter_chunked(1 << 16):
-                body += chunk
-                if len(body) > limit:
-                    raise UpstreamError(too_large)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
-        return bytes(body)
-
-    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, was_broken: bool) -> JsonObject:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, retry_safe: bool) -> JsonObject:
         """The response to `rid` from an SSE reply. When the upstream ends the stream on purpose
         (SSE polling, SEP-1699: an event id and `retry`, then a close) the stream is resumed with GET
         and `Last-Event-ID`. A stream that dies or closes before answering marks the session broken
-        (the pool opens a new one); on a session already broken, a request that got nothing back
-        raises SessionBrokenError (never delivered: safe to send again)."""
+        (the pool opens a new one). A request that got no event at all raises SessionBrokenError
+        (the caller sends it once more on a new session) when `retry_safe`: the session was already
+        broken before it was sent (such a session reads nothing: never delivered), or the method is
+        not a call (`tools/list`, `ping`, …: harmless to run twice). A call (`CALL_METHODS`) on a
+        session that breaks silently under it is NOT retried: the upstream accepted the POST, and
+        whether it ran the tool cannot be known from outside, so it fails with UpstreamError rather
+        than risk running a tool twice. (A 404 for the session is retried for every method:
+        SessionExpiredError, the upstream forgot the session and ran nothing.)"""
         state: dict[str, Any] = {"last_id": None, "retry": None, "events": 0}
         current: aiohttp.ClientResponse | None = resp
         fruitless = 0
@@ -325,9 +317,9 @@ class UpstreamSession:
             current = await self._resume(state["last_id"])
             if current is None:
                 reason = "closed the stream before answering and refused to resume it"
-        if was_broken and state["events"] == 0:
-            raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
         self.broken = self.broken or reason
+        if retry_safe and state["events"] == 0:
+            raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
         raise UpstreamError(f"upstream {self.server} {reason}")
 
     async def _read_events(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, state: dict[str, Any]) -> JsonObject | None:
