@@ -126,10 +126,15 @@ class LegacyRelay(RelayStreams):
         else:
             bound, key = self.bounds.connect_timeout + self.bounds.request_timeout, "connect_timeout + request_timeout"
         opening = asyncio.ensure_future(self._send(request.method, raw, headers, bound, headers_only=request.method == "GET"))
-        if request.method == "GET":
+        # A request whose answer may come on SSE (not initialize: its reply carries the session id)
+        # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
+        may_switch = request_id is not None and method not in (None, "initialize") and "text/event-stream" in request.headers.get("Accept", "")
+        if request.method == "GET" or may_switch:
             done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
-            if not done:  # a slow upstream: the client's stream starts now, with keepalives
+            if not done and request.method == "GET":  # a slow upstream: the client's stream starts now, with keepalives
                 return await self._late_get(request, session, sid, opening)
+            if not done:
+                return await self._late_post(request, session, sid, headers, opening, str(method), request_id, upstream_rid, bound, key)
         try:
             upstream = await opening
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
@@ -181,6 +186,54 @@ class LegacyRelay(RelayStreams):
                 name=f"legacy POST relay {self.name}",
             )
         return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
+
+    async def _late_post(
+        self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str], opening: asyncio.Future[aiohttp.ClientResponse],
+        method: str, request_id: Any, upstream_rid: int | None, bound: float, key: str,
+    ) -> web.StreamResponse:
+        """A request the upstream has not answered within `keepalive_s` (a slow JSON-mode upstream,
+        or one slow to start its stream): the client's reply becomes an SSE stream at once, with
+        keepalives (as the stdio bridge does); the upstream's JSON reply, its SSE events, or a
+        JSON-RPC error naming the failure follow on it."""
+        stream = RelayStream(kind="post", max_events=self.replay_events, max_bytes=self.replay_bytes)
+        stream.upstream_rid = upstream_rid
+        session.add_stream(stream)
+
+        async def pump() -> None:
+            try:
+                upstream = await opening
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
+                reply = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"})
+                stream.append(SseEvent("message", _dumps(reply), None, None))
+                stream.close()
+                return
+            finally:
+                opening.cancel()  # this task was cancelled while waiting: so is the exchange
+            if upstream.status == 404 and sid:
+                self.legacy.end(sid)
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300:
+                await self._pump_post(session, stream, upstream, headers, method, request_id, upstream_rid, bound, key)
+                return
+            plain: Any = b""
+            try:
+                if 300 <= upstream.status < 400 or (upstream.content_length or 0) > self.bounds.max_response_bytes:
+                    upstream.release()
+                    why = "a redirect, not followed" if upstream.status < 400 else f"a reply larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
+                    plain = _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"})).encode()
+                else:
+                    async with upstream:
+                        plain = (await self._plain(upstream, {}, method, request_id, upstream_rid)).body
+                body = plain if isinstance(plain, bytes) else b""
+                if body:
+                    stream.append(SseEvent("message", body.decode("utf-8", errors="replace"), None, None))
+            finally:
+                stream.close()
+                if session.pending.get(request_id) == upstream_rid:
+                    session.pending.pop(request_id, None)
+
+        stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy POST relay {self.name}")
+        return await self._serve(request, session, stream, 0, headers={"Mcp-Session-Id": sid} if sid else None)
 
     async def _plain(self, upstream: aiohttp.ClientResponse, out_headers: dict[str, str], method: Any, request_id: Any, upstream_rid: int | None) -> web.Response:
         """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC, under the client's id."""

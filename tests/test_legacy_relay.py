@@ -85,6 +85,13 @@ async def read_events(resp: aiohttp.ClientResponse) -> list:
     return [event async for event in iter_events(resp.content.iter_any())]
 
 
+async def reply_of(resp: aiohttp.ClientResponse) -> dict:
+    """The JSON-RPC reply of a request, JSON or SSE (a reply slower than `sse_keepalive` comes on SSE)."""
+    if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return json.loads([e for e in await read_events(resp) if e.data.strip()][-1].data)
+    return await resp.json()
+
+
 async def upstream_log(upstream: str) -> list[dict]:
     async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/log") as resp:
         return await resp.json()
@@ -102,7 +109,7 @@ async def test_own_request_ids_toward_the_upstream(upstream: str, proxy_url: str
     async with aiohttp.ClientSession() as http:
         a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
         async with a.call("same-id", "echo", x=1) as resp:  # JSON reply
-            assert (await resp.json())["id"] == "same-id"
+            assert (await reply_of(resp))["id"] == "same-id"
         async with b.call("same-id", "sse_echo") as resp:  # SSE reply
             events = await read_events(resp)
         final = json.loads(events[-1].data)
@@ -464,8 +471,9 @@ async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
     async with running_proxy(relay_config(upstream, tmp_path, {"timeout": "200ms"})) as proxy:
         async with aiohttp.ClientSession() as http:
             client = await Legacy(proxy.url(), http).open()
-            async with client.call(1, "slow_json", ms=500) as resp:  # timed out before its headers
-                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 500}}}
+            async with http.post(proxy.url(), json=body, headers=client.headers(Accept="application/json")) as resp:  # no SSE: stays JSON
+                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603  # timed out before its headers
         python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
         calls = await _run_json([str(python), "tests/fixtures/mcp1_relay_client.py", proxy.url(),
                                  'slow_json:{"ms": 500}', 'echo:{"x": 1}'])
@@ -488,8 +496,9 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream:
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
         async def post(user: str, body: dict) -> tuple[int, dict | None]:
             async with http.post(proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user}) as resp:
-                text = await resp.text()
-                return resp.status, (json.loads(text) if text.strip() else None)
+                if resp.status == 202:
+                    return 202, None
+                return resp.status, await reply_of(resp)
 
         async def calls_seen(n: int) -> None:
             async with asyncio.timeout(5):
@@ -521,7 +530,7 @@ async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(upst
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
         client = await Legacy(proxy.url(), http).open()
         async with client.call(1, "hang") as resp:
-            assert (await resp.json())["result"]["content"][0]["text"] == "hanging"
+            assert (await reply_of(resp))["result"]["content"][0]["text"] == "hanging"
         started = time.monotonic()
         async with asyncio.timeout(5), http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as resp:
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
@@ -608,3 +617,20 @@ async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(u
         assert (await client.call("echo", {"n": 3})).result["content"][0]["text"] == '{"n": 3}'
     finally:
         await client.close()
+
+
+async def test_slow_json_upstream_reply_switches_to_sse_with_keepalives(proxy_url: str) -> None:
+    """A JSON-mode upstream slower than `sse_keepalive`: a client that accepts SSE gets its reply on
+    an SSE stream with keepalives meanwhile (as in front of stdio); one that does not gets JSON."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(7, "slow_json", ms=400) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            text = await resp.text()
+        assert text.count(": keepalive") >= 2, text
+        data = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+        assert data == [{"jsonrpc": "2.0", "id": 7, "result": {"content": [{"type": "text", "text": "slow_json done"}], "isError": False}}]
+        body = {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 200}}}
+        async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
+            assert resp.headers["Content-Type"].startswith("application/json")
+            assert (await resp.json())["id"] == 8
