@@ -74,9 +74,10 @@ class RelayStreams:
         is cut, or the client leaves; the stream itself goes on either way."""
         response = web.StreamResponse(status=status, headers={**(headers or {}), **SSE_HEADERS})
         stream.attached += 1
+        ticket = stream.take_over()  # a connection still writing this stream ends: no event on two
         try:
             await response.prepare(request)
-            async for frame in stream.frames(after, self.keepalive_s):
+            async for frame in stream.frames(after, self.keepalive_s, ticket):
                 await response.write(frame)
             await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionError, OSError):

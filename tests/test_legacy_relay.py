@@ -634,3 +634,38 @@ async def test_slow_json_upstream_reply_switches_to_sse_with_keepalives(proxy_ur
         async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
             assert resp.headers["Content-Type"].startswith("application/json")
             assert (await resp.json())["id"] == 8
+
+
+async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attached(upstream: str, proxy_url: str) -> None:
+    """2025-11-25 transports: a message is never broadcast on two streams. A GET with Last-Event-ID
+    while the first GET connection is still open: the new one gets what follows, the old one ends."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+                assert r.status == 204
+
+        async def messages(it: AsyncIterator, count: int) -> list:
+            out: list = []
+            async with asyncio.timeout(5):
+                async for event in it:
+                    if event.data:
+                        out.append((event.id, json.loads(event.data)["params"]["data"]))
+                        if len(out) == count:
+                            break
+            return out
+
+        old = await http.get(proxy_url, headers=client.headers(Accept="text/event-stream")).__aenter__()
+        old_events = iter_events(old.content.iter_any())
+        await push(1)
+        [(first_id, _)] = await messages(old_events, 1)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy_url, headers=headers) as new:
+            async with asyncio.timeout(5):
+                rest = [e async for e in old_events if e.data]  # the old connection ends
+            await push(2)
+            assert [n for _, n in await messages(iter_events(new.content.iter_any()), 1)] == [2]
+        assert rest == []  # 2 went to the new connection only
+        old.release()
