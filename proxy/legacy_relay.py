@@ -130,7 +130,11 @@ class LegacyRelay(RelayStreams):
         # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
         may_switch = request_id is not None and method not in (None, "initialize") and "text/event-stream" in request.headers.get("Accept", "")
         if request.method == "GET" or may_switch:
-            done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
+            try:
+                done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
+            except asyncio.CancelledError:
+                opening.cancel()
+                raise
             if not done and request.method == "GET":  # a slow upstream: the client's stream starts now, with keepalives
                 return await self._late_get(request, session, sid, opening)
             if not done:

@@ -140,8 +140,9 @@ class LegacySessions:
 
 
 def observe_legacy(server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float) -> None:
-    """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`
-    or `error` by HTTP status; a JSON-RPC error inside a 200 reply is not read), upstream latency (s)."""
+    """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`,
+    or `error` for an HTTP error status or a JSON-RPC error in a plain JSON reply; an SSE reply is
+    not read), upstream latency (s)."""
     obs.UPSTREAM_LATENCY.labels(server, method).observe(seconds)
     if method == "tools/call":
         raw = body.get("params")
@@ -149,6 +150,12 @@ def observe_legacy(server: str, method: str, body: JsonObject, response: web.Str
         name = params.get("name")
         tool = name if isinstance(name, str) else ""
         ok = response is not None and response.status < 400
+        reply = getattr(response, "body", None)
+        if ok and isinstance(reply, bytes) and reply[:1] == b"{":
+            try:
+                ok = "error" not in json.loads(reply)
+            except (ValueError, RecursionError):
+                pass
         obs.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()
 
 

@@ -474,6 +474,8 @@ async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
             body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 500}}}
             async with http.post(proxy.url(), json=body, headers=client.headers(Accept="application/json")) as resp:  # no SSE: stays JSON
                 assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603  # timed out before its headers
+            async with http.get(proxy.base + "/metrics") as resp:  # still counted as an error, though in a 200
+                assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
         python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
         calls = await _run_json([str(python), "tests/fixtures/mcp1_relay_client.py", proxy.url(),
                                  'slow_json:{"ms": 500}', 'echo:{"x": 1}'])
