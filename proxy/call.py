@@ -11,11 +11,12 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
 from . import observability as obs
+from .call_sink import DISCARD as _DISCARD, TaskSink
 from .protocol import jsonrpc
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS
 from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, InputError, PendingInput, input_request_value
@@ -30,25 +31,6 @@ CANCEL_GRACE_S = 0.5  # how long (s) a call whose questions were just refused ma
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
 
-class TaskSink(Protocol):
-    """Where a detached call reports (the task service implements it). Each returns once written;
-    `set_inputs` and `progress` return False when the task already ended elsewhere."""
-
-    async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool: ...
-
-    async def progress(self, task_id: str, text: str) -> bool: ...
-
-    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream") -> None: ...
-
-
-class _Discard(asyncio.Queue[tuple[str, Any]]):
-    """Stands in for the event queue of a detached call: events for an attached client go nowhere."""
-
-    def put_nowait(self, item: tuple[str, Any]) -> None:
-        pass
-
-
-_DISCARD = _Discard()
 _NO_KEYS: frozenset[str] = frozenset()
 _BACKGROUND: set[asyncio.Task[Any]] = set()
 
@@ -68,7 +50,7 @@ class Call:
     # Slots: ~10,000 detached calls may be alive at once, and a per-instance dict costs ~1.8 KB each.
     __slots__ = ("call_id", "_progress_text", "_progress_written", "_progress_timer", "progress_write_s", "ended_by", "started", "principal", "pool",
                  "server", "method", "tool", "params", "input_timeout", "prefilled", "_used_keys", "_input_timers", "capabilities", "timeout", "sink",
-                 "client_progress_token", "relay_logs", "progress_token", "outcome", "events", "task_id", "session", "upstream_request_id", "pending",
+                 "client_progress_token", "relay_logs", "progress_token", "outcome", "events", "task_id", "session", "upstream_request_id", "sent", "pending",
                  "_runner", "_on_done", "server_notifications", "task_notify", "__weakref__")
 
     def __init__(
@@ -116,6 +98,7 @@ class Call:
         self.task_id: str | None = None
         self.session: UpstreamSession | StdioSession | None = None
         self.upstream_request_id: RequestId | None = None
+        self.sent = False
         self.pending: dict[str, PendingInput] = {}
         self._runner: asyncio.Task[None] | None = None
         self._on_done: list[Callable[[Call], None]] = []
@@ -166,8 +149,9 @@ class Call:
         session = await self.pool.session(self.capabilities, self.principal or None)
         self.session = session
         self.upstream_request_id = session.next_id()
+        self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
         try:
-            return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id)
+            return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id, on_sent=self._mark_sent)
         except SessionExpiredError:
             if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
                 self.pool.discard(session)
@@ -389,8 +373,13 @@ class Call:
         await self._send_cancelled(reason)
         runner.cancel()
 
+    def _mark_sent(self) -> None:
+        self.sent = True
+
     async def _send_cancelled(self, reason: str) -> None:
-        if self.session is None or self.upstream_request_id is None:
+        """`notifications/cancelled` for the upstream request, only if it was actually sent: a call
+        still queued for a stdio slot never reached the child, and the child must not hear of it."""
+        if self.session is None or self.upstream_request_id is None or not self.sent:
             return
         try:
             await self.session.notify("notifications/cancelled", {"requestId": self.upstream_request_id, "reason": reason})

@@ -96,7 +96,7 @@ class LegacyBridge:
         try:
             child = await self.pool.session(caps, principal)
         except UpstreamError as exc:
-            return _error(body.get("id"), INTERNAL_ERROR, str(exc), 502)
+            return _error(body.get("id"), INTERNAL_ERROR, str(exc), 200)  # §1.4.4: errors for requests in a 200
         wanted = params.get("protocolVersion")
         version = wanted if wanted in LEGACY_VERSIONS else child.protocol_version
         sid = secrets.token_urlsafe(24)
@@ -139,7 +139,7 @@ class LegacyBridge:
         try:
             child = await self.pool.session(session.capabilities, session.principal)
         except UpstreamError as exc:
-            return _error(body["id"], INTERNAL_ERROR, str(exc), 502)
+            return _error(body["id"], INTERNAL_ERROR, str(exc), 200)
         params = dict(body.get("params") or {})
         meta = dict(params.get("_meta") or {}) if isinstance(params.get("_meta"), dict) else {}
         client_token = meta.get("progressToken")

@@ -16,65 +16,38 @@ Like the stdio bridge, the relay speaks for itself toward both sides:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import secrets
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from .legacy_sessions import LegacySession, LegacySessions, as_jsonrpc_reply, read_limited
-from .legacy_tasks import V1Front, client_capabilities
+from .legacy_sessions import LegacySession, as_jsonrpc_reply, read_limited
+from .legacy_streams import LINGER_S, RelayStreams, decode as _decode, dumps as _dumps, json_error as _json_error
+from .legacy_tasks import client_capabilities
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
-from .replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, RelayStream, parse_event_id
-from .upstream.common import Bounds
+from .replay import RelayStream
 from .upstream.sse import EventTooLargeError, SseEvent, iter_events
 
 log = structlog.get_logger("proxy.transport")
 
 FORWARD_REQUEST_HEADERS = ("Accept", "Content-Type", "MCP-Protocol-Version")
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
-LINGER_S = 60.0  # how long (s) a stream no client reads keeps its buffer (and a GET stream its upstream reader)
 MAX_RESUME_ATTEMPTS = 2  # upstream resumptions in a row that bring no event before the request fails
 MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming it
-MAX_OPEN_QUESTIONS = 1024  # server→client requests per session awaiting the client's answer, at most
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+def _upstream_error(request_id: Any, exc: JsonRpcError, status: int) -> web.Response:
+    """An upstream failure as the legacy client gets it: for a request, its JSON-RPC error in an
+    HTTP 200 (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole
+    transport dies); for a notification, response or GET (no id to answer), `status` (502/504)."""
+    return _json_error(request_id, exc, status=200 if request_id is not None else status)
 
 
-def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:
-    return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status)
-
-
-def _decode(data: str) -> Any:
-    try:
-        return json.loads(data) if data.strip() else None
-    except (ValueError, RecursionError):
-        return None
-
-
-class LegacyRelay:
-    """Relays legacy sessions of one HTTP upstream (`url`, config `headers`, shared `http` client).
-
-    `bounds` are the server's waits and sizes, `keepalive_s` (s) the SSE comment interval,
-    `replay_events` / `replay_bytes` bound each stream's replay buffer.
-    """
-
-    def __init__(
-        self, *, name: str, url: str, headers: dict[str, str], http: aiohttp.ClientSession, bounds: Bounds, v1: V1Front,
-        sessions: LegacySessions, keepalive_s: float = 15.0,
-        replay_events: int = DEFAULT_REPLAY_EVENTS, replay_bytes: int = DEFAULT_REPLAY_BYTES,
-    ) -> None:
-        self.name, self.url, self.headers, self.http, self.bounds, self.v1 = name, url, headers, http, bounds, v1
-        self.legacy = sessions
-        self.keepalive_s = keepalive_s
-        self.replay_events, self.replay_bytes = replay_events, replay_bytes
+class LegacyRelay(RelayStreams):
+    """Relays legacy sessions of one HTTP upstream: ids, POST exchanges and their streams (the
+    stream half, GET and resumption, is `RelayStreams`)."""
 
     # -- entry ---------------------------------------------------------------------------------
 
@@ -88,7 +61,7 @@ class LegacyRelay:
             if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
                 headers[name] = value
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
-        session = self.legacy.sessionless
+        session = self.legacy.sessionless(principal)  # session-less traffic: scoped to its principal
         if sid:
             found = self.legacy.get(sid, principal)
             if found is None:
@@ -143,29 +116,45 @@ class LegacyRelay:
         body: Any, raw: bytes, request_id: Any, upstream_rid: int | None, principal: str,
     ) -> web.StreamResponse:
         method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
-        # A POSTed request is bounded like the proxy's own (its hard timeout for calls); a GET stream
-        # lasts as long as the client keeps it open, but its connect and each read are bounded.
-        bound, key = self.bounds.for_method(method) if isinstance(method, str) else (None, "")
+        # A POSTed request is bounded like the proxy's own (its hard timeout for calls), a DELETE by
+        # request_timeout; a GET stream lasts as long as the client keeps it open, but the wait for
+        # its response headers is bounded (connect_timeout + request_timeout), with keepalives.
+        if isinstance(method, str):
+            bound, key = self.bounds.for_method(method)
+        elif request.method == "DELETE":
+            bound, key = self.bounds.request_timeout, "request_timeout"
+        else:
+            bound, key = self.bounds.connect_timeout + self.bounds.request_timeout, "connect_timeout + request_timeout"
+        opening = asyncio.ensure_future(self._send(request.method, raw, headers, bound, headers_only=request.method == "GET"))
+        # A request whose answer may come on SSE (not initialize: its reply carries the session id)
+        # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
+        may_switch = request_id is not None and method not in (None, "initialize") and "text/event-stream" in request.headers.get("Accept", "")
+        if request.method == "GET" or may_switch:
+            try:
+                done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
+            except asyncio.CancelledError:
+                opening.cancel()
+                raise
+            if not done and request.method == "GET":  # a slow upstream: the client's stream starts now, with keepalives
+                return await self._late_get(request, session, sid, opening)
+            if not done:
+                return await self._late_post(request, session, sid, headers, opening, str(method), request_id, upstream_rid, bound, key)
         try:
-            upstream = await self.http.request(
-                request.method, self.url, data=raw if request.method == "POST" else None, headers=headers,
-                allow_redirects=False,  # configured headers (credentials) never follow a redirect
-                timeout=aiohttp.ClientTimeout(total=bound, sock_connect=self.bounds.connect_timeout),
-            )
+            upstream = await opening
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) and bound else f"{exc.__class__.__name__}: {exc}"
+            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
-            return _json_error(request_id, err, status=504 if isinstance(exc, asyncio.TimeoutError) else 502)
+            return _upstream_error(request_id, err, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
         if 300 <= upstream.status < 400:
             upstream.release()
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed")
-            return _json_error(request_id, err, status=502)
+            return _upstream_error(request_id, err, 502)
         limit = self.bounds.max_response_bytes
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300
         if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
             upstream.release()
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)")
-            return _json_error(request_id, err, status=502)
+            return _upstream_error(request_id, err, 502)
         out_headers = {n: upstream.headers[n] for n in FORWARD_RESPONSE_HEADERS if n in upstream.headers}
         upstream_new_sid = upstream.headers.get("Mcp-Session-Id")
         if sid:
@@ -202,13 +191,61 @@ class LegacyRelay:
             )
         return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
 
+    async def _late_post(
+        self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str], opening: asyncio.Future[aiohttp.ClientResponse],
+        method: str, request_id: Any, upstream_rid: int | None, bound: float, key: str,
+    ) -> web.StreamResponse:
+        """A request the upstream has not answered within `keepalive_s` (a slow JSON-mode upstream,
+        or one slow to start its stream): the client's reply becomes an SSE stream at once, with
+        keepalives (as the stdio bridge does); the upstream's JSON reply, its SSE events, or a
+        JSON-RPC error naming the failure follow on it."""
+        stream = RelayStream(kind="post", max_events=self.replay_events, max_bytes=self.replay_bytes)
+        stream.upstream_rid = upstream_rid
+        session.add_stream(stream)
+
+        async def pump() -> None:
+            try:
+                upstream = await opening
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
+                reply = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"})
+                stream.append(SseEvent("message", _dumps(reply), None, None))
+                stream.close()
+                return
+            finally:
+                opening.cancel()  # this task was cancelled while waiting: so is the exchange
+            if upstream.status == 404 and sid:
+                self.legacy.end(sid)
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300:
+                await self._pump_post(session, stream, upstream, headers, method, request_id, upstream_rid, bound, key)
+                return
+            plain: Any = b""
+            try:
+                if 300 <= upstream.status < 400 or (upstream.content_length or 0) > self.bounds.max_response_bytes:
+                    upstream.release()
+                    why = "a redirect, not followed" if upstream.status < 400 else f"a reply larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
+                    plain = _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"})).encode()
+                else:
+                    async with upstream:
+                        plain = (await self._plain(upstream, {}, method, request_id, upstream_rid)).body
+                body = plain if isinstance(plain, bytes) else b""
+                if body:
+                    stream.append(SseEvent("message", body.decode("utf-8", errors="replace"), None, None))
+            finally:
+                stream.close()
+                if session.pending.get(request_id) == upstream_rid:
+                    session.pending.pop(request_id, None)
+
+        stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy POST relay {self.name}")
+        return await self._serve(request, session, stream, 0, headers={"Mcp-Session-Id": sid} if sid else None)
+
     async def _plain(self, upstream: aiohttp.ClientResponse, out_headers: dict[str, str], method: Any, request_id: Any, upstream_rid: int | None) -> web.Response:
         """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC, under the client's id."""
         try:
             data = await read_limited(upstream, self.bounds.max_response_bytes)
         except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
             reason = str(exc) or exc.__class__.__name__
-            return _json_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), status=502)
+            return _upstream_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), 502)
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
@@ -217,106 +254,11 @@ class LegacyRelay:
             elif message.get("id") is not None and message.get("id") != request_id:
                 log.warning("legacy_foreign_response_dropped", server=self.name, reason="a reply for another request id")
                 err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered with a response for another request id")
-                return _json_error(request_id, err, status=502)
+                return _upstream_error(request_id, err, 502)
         data = await self.v1.rewrite_plain(method, data)
         if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
             out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
         return web.Response(status=status, body=data, headers=out_headers)
-
-    # -- client side of a stream ------------------------------------------------------------------
-
-    async def _serve(
-        self, request: web.Request, session: LegacySession, stream: RelayStream, after: int, *, status: int = 200, headers: dict[str, str] | None = None,
-    ) -> web.StreamResponse:
-        """Write `stream` to the client from event `after` on (keepalives included) until it ends,
-        is cut, or the client leaves; the stream itself goes on either way."""
-        response = web.StreamResponse(status=status, headers={**(headers or {}), **SSE_HEADERS})
-        stream.attached += 1
-        try:
-            await response.prepare(request)
-            async for frame in stream.frames(after, self.keepalive_s):
-                await response.write(frame)
-            await response.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionError, OSError):
-            pass  # the client left: not a cancel (2025-11-25 transports); it may resume with Last-Event-ID
-        finally:
-            stream.attached -= 1
-            if stream.attached == 0:
-                stream.idle_since = asyncio.get_running_loop().time()
-                asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
-        return response
-
-    def _linger_over(self, session: LegacySession, stream: RelayStream) -> None:
-        """LINGER_S after the last client left `stream`: stop reading a standalone stream nobody
-        reads, forget an ended one."""
-        if stream.attached or asyncio.get_running_loop().time() - stream.idle_since < LINGER_S - 0.01:
-            return
-        if stream.kind == "get" and stream.pump is not None:
-            stream.pump.cancel()
-        if stream.closed or stream.kind == "get":
-            if session.streams.get(stream.token) is stream:
-                del session.streams[stream.token]
-            if session.get_stream is stream:
-                session.get_stream = None
-
-    async def _resume(self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str]) -> web.StreamResponse:
-        """GET with `Last-Event-ID`: replay that stream's later events from the proxy's buffer, then go on live."""
-        parsed = parse_event_id(request.headers.get("Last-Event-ID"))
-        stream = session.streams.get(parsed[0]) if parsed is not None and sid else None
-        if stream is None or parsed is None:
-            err = JsonRpcError(INVALID_REQUEST, "Last-Event-ID names no stream of this session (unknown, expired, or not minted by this proxy); open a new GET stream without it")
-            return _json_error(None, err, status=400)
-        start, gap = stream.replay_from(parsed[1])
-        if gap:
-            log.warning("legacy_replay_gap", server=self.name, reason="events after Last-Event-ID were dropped from the replay buffer")
-        if stream.kind == "get" and (stream.pump is None or stream.pump.done()):
-            get_headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
-            get_headers["Accept"] = "text/event-stream"
-            upstream = await self._open_get(get_headers)
-            if upstream is not None:
-                stream.reopen()
-                session.get_stream = stream
-                stream.pump = asyncio.get_running_loop().create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
-        return await self._serve(request, session, stream, start - 1)
-
-    async def _open_get(self, headers: dict[str, str], last_event_id: str | None = None) -> aiohttp.ClientResponse | None:
-        """An upstream GET stream (resuming after `last_event_id`), or None when the upstream refuses one."""
-        if last_event_id is not None:
-            headers = {**headers, "Last-Event-ID": last_event_id}
-        try:
-            resp = await self.http.get(
-                self.url, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.bounds.connect_timeout, sock_read=None),
-            )
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            log.info("legacy_upstream_get_failed", server=self.name, reason=str(exc) or exc.__class__.__name__)
-            return None
-        if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            resp.release()
-            return None
-        return resp
-
-    # -- upstream side of a stream ----------------------------------------------------------------
-
-    def _from_upstream(self, session: LegacySession, event: SseEvent, upstream_rid: int | None, request_id: Any) -> tuple[SseEvent | None, bool]:
-        """One upstream event as the client gets it, and whether it answers the client's request:
-        a response for the proxy's upstream id gets the client's id back, a server→client request a
-        proxy id; a response for any other id is dropped (never shown to the wrong request)."""
-        message = _decode(event.data)
-        if not isinstance(message, dict):
-            return (event if not event.data.strip() else None), False  # a priming event passes (empty data); garbage does not
-        if jsonrpc.is_request(message):
-            proxy_id = "mtp-" + secrets.token_urlsafe(9)
-            session.request_ids[proxy_id] = message["id"]
-            while len(session.request_ids) > MAX_OPEN_QUESTIONS:  # never answered: the oldest are forgotten
-                del session.request_ids[next(iter(session.request_ids))]
-            return SseEvent(event.event, _dumps({**message, "id": proxy_id}), None, event.retry), False
-        if jsonrpc.is_response(message):
-            if upstream_rid is not None and message.get("id") == upstream_rid:
-                return SseEvent(event.event, _dumps({**message, "id": request_id}), None, event.retry), True
-            log.warning("legacy_foreign_response_dropped", server=self.name, reason="a response for an id this stream does not carry")
-            return None, False
-        return SseEvent(event.event, event.data, None, event.retry), False
 
     async def _pump_post(
         self, session: LegacySession, stream: RelayStream, upstream: aiohttp.ClientResponse, headers: dict[str, str],
@@ -377,22 +319,3 @@ class LegacyRelay:
             if not stream.attached:  # nobody reads it now: kept LINGER_S for a resumption, then forgotten
                 stream.idle_since = asyncio.get_running_loop().time()
                 asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
-
-    async def _pump_get(self, session: LegacySession, stream: RelayStream, upstream: aiohttp.ClientResponse, sid: str) -> None:
-        """Read the upstream's standalone GET stream into `stream` (with the v1 status notifications
-        of the session's principal) until the upstream ends it or no client reads it any more."""
-        status = self.v1.status_pump(stream, session.principal, sid) if sid else None  # type: ignore[arg-type]
-        try:
-            async with upstream:
-                async for event in iter_events(upstream.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
-                    out, _ = self._from_upstream(session, event, None, None)
-                    if out is not None:
-                        stream.append(out)
-        except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
-            log.info("legacy_get_stream_ended", server=self.name, reason=str(exc) or exc.__class__.__name__)
-        finally:
-            if status is not None:
-                status.cancel()
-            stream.close()
-            with contextlib.suppress(Exception):
-                upstream.release()

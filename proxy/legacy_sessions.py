@@ -27,6 +27,7 @@ def _dumps(obj: Any) -> str:
     return jsonrpc.dumps_str(obj)
 
 
+MAX_SESSIONLESS = 1024  # principals whose session-less id maps are kept while idle
 MAX_STREAMS = 16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
 
 
@@ -78,7 +79,23 @@ class LegacySessions:
 
     def __init__(self) -> None:
         self._sessions: dict[str, LegacySession] = {}
-        self.sessionless = LegacySession(upstream_id=None)
+        self._sessionless: dict[str, LegacySession] = {}  # principal -> its session-less traffic
+        self._sessionless_ids = itertools.count(1)  # shared: one upstream sees every principal's ids
+
+    def sessionless(self, principal: str) -> LegacySession:
+        """The id maps of `principal`'s traffic without a session (a session-less upstream): its
+        pending requests and server→client requests are its own, so a cancel or an answer from
+        another principal never reaches them; upstream ids come from one counter shared by every
+        principal (the upstream sees them all on one endpoint). Idle entries are forgotten past MAX_SESSIONLESS."""
+        session = self._sessionless.get(principal)
+        if session is None:
+            if len(self._sessionless) >= MAX_SESSIONLESS:
+                for key, old in list(self._sessionless.items()):
+                    if not old.pending and not old.request_ids and all(s.closed for s in old.streams.values()):
+                        del self._sessionless[key]
+            session = LegacySession(upstream_id=None, principal=principal, _ids=self._sessionless_ids)
+            self._sessionless[principal] = session
+        return session
 
     def open(self, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None) -> str:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`
@@ -112,18 +129,19 @@ class LegacySessions:
             session.end()
 
     def all(self) -> list[LegacySession]:
-        """Every open session, and the session-less one."""
-        return [*self._sessions.values(), self.sessionless]
+        """Every open session, and each principal's session-less one."""
+        return [*self._sessions.values(), *self._sessionless.values()]
 
     def close(self) -> None:
         """Stop every session's pumps (proxy shutdown)."""
-        for session in [*self._sessions.values(), self.sessionless]:
+        for session in self.all():
             session.end()
 
 
 def observe_legacy(server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float) -> None:
-    """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`
-    or `error` by HTTP status; a JSON-RPC error inside a 200 reply is not read), upstream latency (s)."""
+    """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`,
+    or `error` for an HTTP error status or a JSON-RPC error in a plain JSON reply; an SSE reply is
+    not read), upstream latency (s)."""
     obs.UPSTREAM_LATENCY.labels(server, method).observe(seconds)
     if method == "tools/call":
         raw = body.get("params")
@@ -131,6 +149,12 @@ def observe_legacy(server: str, method: str, body: JsonObject, response: web.Str
         name = params.get("name")
         tool = name if isinstance(name, str) else ""
         ok = response is not None and response.status < 400
+        reply = getattr(response, "body", None)
+        if ok and isinstance(reply, bytes) and reply[:1] == b"{":
+            try:
+                ok = "error" not in jsonrpc.loads(reply)
+            except (ValueError, RecursionError):
+                pass
         obs.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()
 
 
@@ -147,8 +171,11 @@ async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
 def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
     """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
     an empty body passes for a success status (202 to a notification); anything else (an HTML
-    error page, plain text) becomes a JSON-RPC error naming the upstream's status, and an upstream
-    5xx becomes 502."""
+    error page, plain text) becomes a JSON-RPC error naming the upstream's status. An upstream 5xx
+    answering a request (`request_id` not None) goes out as HTTP 200, the JSON-RPC error inside
+    (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole transport
+    dies); answering a notification or response, as 502. An upstream 4xx passes (404: session gone)."""
+    failed = 200 if request_id is not None else 502
     if not data.strip():
         if status < 400:
             return status, data
@@ -158,8 +185,8 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
         except (ValueError, UnicodeDecodeError, RecursionError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
-            return (status if status < 500 else 502), data
+            return (status if status < 500 else failed), data
     code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
     text = data[:200].decode("utf-8", errors="replace").strip()
     error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
-    return (status if 400 <= status < 500 else 502), _dumps(jsonrpc.error_response(request_id, error)).encode()
+    return (status if 400 <= status < 500 else failed), _dumps(jsonrpc.error_response(request_id, error)).encode()

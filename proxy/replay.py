@@ -42,6 +42,7 @@ class RelayStream:
         self._bytes = 0
         self.closed = False
         self.cuts = 0
+        self.owner = 0  # the ticket of the client connection that has the stream (the newest one)
         self.attached = 0  # client connections writing this stream now
         self.idle_since = asyncio.get_running_loop().time()
         self.pump: asyncio.Task[None] | None = None
@@ -104,6 +105,13 @@ class RelayStream:
         self.cuts += 1
         self._signal()
 
+    def take_over(self) -> int:
+        """A new client connection takes the stream: the one writing it so far ends (a message is
+        never sent on two connections, 2025-11-25 transports). Returns the new connection's ticket."""
+        self.owner += 1
+        self._signal()
+        return self.owner
+
     def _signal(self) -> None:
         self._wake.set()
         self._wake = asyncio.Event()
@@ -114,10 +122,11 @@ class RelayStream:
         first = self._events[0][0] if self._events else self._seq + 1
         return max(seq + 1, first), seq + 1 < first
 
-    async def frames(self, after: int, keepalive_s: float) -> AsyncIterator[bytes]:
+    async def frames(self, after: int, keepalive_s: float, ticket: int | None = None) -> AsyncIterator[bytes]:
         """The frames after event `after`, then live ones as they come, with `KEEPALIVE` after
         each `keepalive_s` (s) of silence; ends once the stream is closed and everything was
-        yielded, or when the stream is cut."""
+        yielded, when the stream is cut, or (with a `ticket` from `take_over`) as soon as another
+        connection took the stream over."""
         cuts = self.cuts
         sent = after
         while True:
@@ -125,11 +134,13 @@ class RelayStream:
             pending = [(seq, frame) for seq, frame in self._events if seq > sent]
             if pending:
                 for seq, frame in pending:
+                    if ticket is not None and ticket != self.owner:
+                        return
                     yield frame
                     sent = seq
                 continue
             sent = max(sent, self._seq)  # events dropped meanwhile are not waited for
-            if self.closed or self.cuts != cuts:
+            if self.closed or self.cuts != cuts or (ticket is not None and ticket != self.owner):
                 return
             try:
                 await asyncio.wait_for(wake.wait(), timeout=keepalive_s)

@@ -34,12 +34,12 @@ def upstream() -> Iterator[str]:
     server.stop()
 
 
-def relay_config(upstream_url: str, tmp_path: Path, **listen: object):
+def relay_config(upstream_url: str, tmp_path: Path, server: dict | None = None, **listen: object):
     return config_from_data({
         "listen": {"sse_keepalive": "50ms", **listen},
         "store": {"path": str(tmp_path / "store"), "durable": False},
         "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "50ms"},
-        "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s"}},
+        "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s", **(server or {})}},
     })
 
 
@@ -85,6 +85,13 @@ async def read_events(resp: aiohttp.ClientResponse) -> list:
     return [event async for event in iter_events(resp.content.iter_any())]
 
 
+async def reply_of(resp: aiohttp.ClientResponse) -> dict:
+    """The JSON-RPC reply of a request, JSON or SSE (a reply slower than `sse_keepalive` comes on SSE)."""
+    if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return json.loads([e for e in await read_events(resp) if e.data.strip()][-1].data)
+    return await resp.json()
+
+
 async def upstream_log(upstream: str) -> list[dict]:
     async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/log") as resp:
         return await resp.json()
@@ -102,7 +109,7 @@ async def test_own_request_ids_toward_the_upstream(upstream: str, proxy_url: str
     async with aiohttp.ClientSession() as http:
         a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
         async with a.call("same-id", "echo", x=1) as resp:  # JSON reply
-            assert (await resp.json())["id"] == "same-id"
+            assert (await reply_of(resp))["id"] == "same-id"
         async with b.call("same-id", "sse_echo") as resp:  # SSE reply
             events = await read_events(resp)
         final = json.loads(events[-1].data)
@@ -438,3 +445,229 @@ async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
     assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
     final = json.loads([e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1])
     assert final["id"] == "k" and final["result"]["content"][0]["text"] == "computed K after 0.3s"
+
+
+# -- review fixes ---------------------------------------------------------------------------------
+
+
+async def _run_json(argv: list[str]) -> object:
+    """Run a client script off the event loop the proxy serves on; its last stdout line as JSON."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(upstream: str, tmp_path: Path) -> None:
+    """protocol.md §1.4.4: on the legacy wire a JSON-RPC error for a request comes in an HTTP 200;
+    an `mcp` 1.x client raises on any other status inside its task group and loses its transport."""
+    from conftest import ROOT, python_venv
+
+    async with running_proxy(relay_config(upstream, tmp_path, {"timeout": "200ms"})) as proxy:
+        async with aiohttp.ClientSession() as http:
+            client = await Legacy(proxy.url(), http).open()
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 500}}}
+            async with http.post(proxy.url(), json=body, headers=client.headers(Accept="application/json")) as resp:  # no SSE: stays JSON
+                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603  # timed out before its headers
+            async with http.get(proxy.base + "/metrics") as resp:  # still counted as an error, though in a 200
+                assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
+        python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
+        calls = await _run_json([str(python), "tests/fixtures/mcp1_relay_client.py", proxy.url(),
+                                 'slow_json:{"ms": 500}', 'echo:{"x": 1}'])
+    assert isinstance(calls, list) and calls[0]["error"] == -32603 and "timeout" in calls[0]["message"], calls
+    assert calls[1] == {"text": '{"x": 1}'}, calls
+
+
+async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream: str, tmp_path: Path) -> None:
+    """A session-less upstream: Bob's cancel for id 1 never touches Alice's request 1, and two
+    principals using id 1 at once keep their own mappings (fresh upstream id per request)."""
+    config = config_from_data({
+        "listen": {"sse_keepalive": "50ms"},
+        "auth": {"mode": "header", "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]}},
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "mcpServers": {"bad": {"url": upstream.removesuffix("/mcp") + "/stateless", "timeout": "5s"}},
+    })
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": LEGACY}
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "wait_cancel", "arguments": {"ms": 1500}}}
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        async def post(user: str, body: dict) -> tuple[int, dict | None]:
+            async with http.post(proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user}) as resp:
+                if resp.status == 202:
+                    return 202, None
+                return resp.status, await reply_of(resp)
+
+        async def calls_seen(n: int) -> None:
+            async with asyncio.timeout(5):
+                while len([m for m in (await upstream_log(upstream))[before:] if m["message"].get("method") == "tools/call"]) < n:
+                    await asyncio.sleep(0.02)
+
+        before = len(await upstream_log(upstream))
+        bob = asyncio.ensure_future(post("bob", call))
+        await calls_seen(1)
+        alice = asyncio.ensure_future(post("alice", call))  # the newest mapping of client id 1
+        await calls_seen(2)
+        assert await post("carol", cancel) == (202, None)  # carol has no request 1: nothing goes upstream
+        assert await post("bob", cancel) == (202, None)  # bob cancels HIS request 1 only
+        status, reply = await bob
+        assert status == 200 and reply["id"] == 1 and reply["error"]["code"] == -32800
+        status, reply = await alice
+        assert status == 200 and reply["id"] == 1 and reply["result"]["content"][0]["text"] == "wait_cancel done"
+    seen = [entry["message"] for entry in (await upstream_log(upstream))[before:]]
+    calls = [m["id"] for m in seen if m.get("method") == "tools/call"]
+    cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
+    assert len(calls) == 2 and calls[0] != calls[1]  # a fresh upstream id per request
+    assert len(cancels) == 1 and cancels[0] in calls
+
+
+async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(upstream: str, tmp_path: Path) -> None:
+    """DELETE is bounded by request_timeout; a GET's wait for the upstream's headers by
+    connect_timeout + request_timeout, with keepalives on the client's stream meanwhile."""
+    config = relay_config(upstream, tmp_path, {"request_timeout": "300ms", "connect_timeout": "200ms"})
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call(1, "hang") as resp:
+            assert (await reply_of(resp))["result"]["content"][0]["text"] == "hanging"
+        started = time.monotonic()
+        async with asyncio.timeout(5), http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            body = await resp.text()  # ends once the upstream's bound is over
+        assert body.count(": keepalive") >= 3, body
+        assert 0.4 < time.monotonic() - started < 3
+        started = time.monotonic()
+        async with asyncio.timeout(5), http.delete(proxy.url(), headers=client.headers()) as resp:
+            assert resp.status == 504 and "request_timeout" in (await resp.json())["error"]["message"]
+        assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("how", ["client_leaves", "tasks_cancel"])
+async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_path: Path, how: str) -> None:
+    """max_concurrency 1: A holds the slot, B waits for it. B abandoned (its client leaves, or
+    tasks/cancel of its task) must reach the child neither as a tools/call nor as a cancel."""
+    stdin_log = tmp_path / "stdin.jsonl"
+    fixture = Path(__file__).parent / "fixtures" / "legacy_server.py"
+    server = {"command": "sh", "args": ["-c", f"tee {stdin_log} | {sys.executable} {fixture} --stdio"], "max_concurrency": 1}
+    config = config_from_data({
+        "store": {"path": str(tmp_path / "store"), "durable": False},
+        "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "50ms"},
+        "mcpServers": {"fx": server},
+    })
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url(), capabilities=None if how == "tasks_cancel" else {})
+        try:
+            await client.call("greet", {"name": "warm-up"})
+            a = asyncio.ensure_future(client.call("slow_compute", {"seconds": 1.0, "label": "A"}))
+            async with asyncio.timeout(5):
+                while "slow_compute" not in stdin_log.read_text():
+                    await asyncio.sleep(0.02)
+            if how == "tasks_cancel":
+                b = (await client.call("slow_compute", {"seconds": 0.1, "label": "B"})).result
+                assert b["resultType"] == "task", b  # detached while still queued for the slot
+                assert (await client.request("tasks/cancel", {"taskId": b["taskId"]})).status == 200
+                assert (await client.wait_terminal(b["taskId"]))["status"] == "cancelled"
+            else:
+                b_call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.1, "label": "B"}))
+                await asyncio.sleep(0.2)
+                b_call.cancel()  # the client closes B's request stream while B waits for the slot
+                with pytest.raises(asyncio.CancelledError):
+                    await b_call
+                await asyncio.sleep(0.2)
+            reply = await a
+            if reply.result.get("resultType") == "task":
+                await client.wait_terminal(reply.result["taskId"])
+            await client.call("greet", {"name": "after"})  # the child has read everything sent before
+        finally:
+            await client.close()
+    sent = [json.loads(line) for line in stdin_log.read_text().splitlines() if line.strip()]
+    labels = [m["params"]["arguments"].get("label") for m in sent if m.get("method") == "tools/call" and m["params"]["name"] == "slow_compute"]
+    assert labels == ["A"], sent
+    assert not [m for m in sent if m.get("method") == "notifications/cancelled"], sent
+
+
+async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(upstream: str, proxy_url: str) -> None:
+    """A pooled upstream session that broke unannounced: the first request on it gets a stream that
+    closes with no event. A non-call (tools/list) is sent again on a new session and works; a
+    tools/call is not (the upstream accepted it; whether the tool ran is unknowable), it fails with
+    -32603, and the session has left the pool for the next call."""
+    client = ModernClient(proxy_url, capabilities={})
+
+    async def break_latest() -> str:
+        sid = (await upstream_sessions(upstream))[-1]
+        async with aiohttp.ClientSession() as http, http.post(upstream.removesuffix("/mcp") + f"/break?session={sid}") as resp:
+            assert resp.status == 204
+        return sid
+
+    try:
+        assert (await client.call("echo", {"n": 1})).status == 200
+        broken = await break_latest()
+        before = len(await upstream_log(upstream))
+        listing = await client.request("tools/list")
+        assert "echo" in [t["name"] for t in listing.result["tools"]], listing.message
+        lists = [e["session"] for e in (await upstream_log(upstream))[before:] if e["message"].get("method") == "tools/list"]
+        assert lists[0] == broken and len(lists) == 2 and lists[1] != broken  # sent again, on a new session
+        broken = await break_latest()
+        before = len(await upstream_log(upstream))
+        reply = await client.call("echo", {"n": 2})
+        assert reply.error["code"] == -32603 and "closed the stream before answering" in reply.error["message"]
+        calls = [e["session"] for e in (await upstream_log(upstream))[before:] if e["message"].get("method") == "tools/call"]
+        assert calls == [broken]  # never sent twice
+        assert (await client.call("echo", {"n": 3})).result["content"][0]["text"] == '{"n": 3}'
+    finally:
+        await client.close()
+
+
+async def test_slow_json_upstream_reply_switches_to_sse_with_keepalives(proxy_url: str) -> None:
+    """A JSON-mode upstream slower than `sse_keepalive`: a client that accepts SSE gets its reply on
+    an SSE stream with keepalives meanwhile (as in front of stdio); one that does not gets JSON."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(7, "slow_json", ms=400) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            text = await resp.text()
+        assert text.count(": keepalive") >= 2, text
+        data = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+        assert data == [{"jsonrpc": "2.0", "id": 7, "result": {"content": [{"type": "text", "text": "slow_json done"}], "isError": False}}]
+        body = {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 200}}}
+        async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
+            assert resp.headers["Content-Type"].startswith("application/json")
+            assert (await resp.json())["id"] == 8
+
+
+async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attached(upstream: str, proxy_url: str) -> None:
+    """2025-11-25 transports: a message is never broadcast on two streams. A GET with Last-Event-ID
+    while the first GET connection is still open: the new one gets what follows, the old one ends."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+                assert r.status == 204
+
+        async def messages(it: AsyncIterator, count: int) -> list:
+            out: list = []
+            async with asyncio.timeout(5):
+                async for event in it:
+                    if event.data:
+                        out.append((event.id, json.loads(event.data)["params"]["data"]))
+                        if len(out) == count:
+                            break
+            return out
+
+        old = await http.get(proxy_url, headers=client.headers(Accept="text/event-stream")).__aenter__()
+        old_events = iter_events(old.content.iter_any())
+        await push(1)
+        [(first_id, _)] = await messages(old_events, 1)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy_url, headers=headers) as new:
+            async with asyncio.timeout(5):
+                rest = [e async for e in old_events if e.data]  # the old connection ends
+            await push(2)
+            assert [n for _, n in await messages(iter_events(new.content.iter_any()), 1)] == [2]
+        assert rest == []  # 2 went to the new connection only
+        old.release()

@@ -83,7 +83,7 @@ async def test_hung_initialize_is_a_bounded_error_in_both_eras(hostile: str, tmp
             assert reply.error["code"] == -32603 and "init_timeout" in reply.error["message"], reply.message
             async with asyncio.timeout(5):
                 status, body = await legacy_post(proxy.url(), INIT)
-            assert status == 504 and body["error"]["code"] == -32603 and "init_timeout" in body["error"]["message"]
+            assert status == 200 and body["error"]["code"] == -32603 and "init_timeout" in body["error"]["message"]
             status, ready = await readyz(proxy.base)
             assert status == 503 and "initialize" in ready["checks"]["upstream:hang_init"]
         finally:
@@ -97,7 +97,7 @@ async def test_redirects_are_not_followed_and_never_carry_configured_headers(hos
             reply = await client.call("ok")
             assert reply.error["code"] == -32603 and "redirect" in reply.error["message"]
             status, body = await legacy_post(proxy.url(), INIT)
-            assert status == 502 and "redirect" in body["error"]["message"]
+            assert status == 200 and "redirect" in body["error"]["message"]
         finally:
             await client.close()
     async with aiohttp.ClientSession() as http:
@@ -122,7 +122,7 @@ async def test_oversized_upstream_replies_are_errors_in_both_eras(hostile: str, 
                 call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": tool, "arguments": {"kb": 1024}}}
                 async with http.post(proxy.url(), json=call, headers={**LEGACY_HEADERS, **session}) as resp:
                     if tool == "big":  # a JSON reply announces its size: refused before a byte is relayed
-                        assert resp.status == 502 and "max_response_bytes" in (await resp.json())["error"]["message"]
+                        assert resp.status == 200 and "max_response_bytes" in (await resp.json())["error"]["message"]
                     else:  # an SSE stream is never relayed whole: the unanswered call gets its JSON-RPC error
                         events = [json.loads(line[5:]) for line in (await resp.text()).splitlines() if line.startswith("data:")]
                         answer = [e for e in events if e.get("id") == 2]

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+
 from ..protocol.jsonrpc import JsonObject
 
 
@@ -108,3 +110,18 @@ def caps_key(capabilities: JsonObject) -> str:
     return json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
 
 
+async def read_body(resp: aiohttp.ClientResponse, limit: int, server: str) -> bytes:
+    """The whole body of an upstream reply, refused (UpstreamError)
+    once larger than `limit` bytes or when the connection breaks mid-body."""
+    too_large = f"upstream {server} sent a reply larger than max_response_bytes ({limit} bytes)"
+    if (resp.content_length or 0) > limit:
+        raise UpstreamError(too_large)
+    body = bytearray()
+    try:
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > limit:
+                raise UpstreamError(too_large)
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamError(f"upstream {server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
+    return bytes(body)

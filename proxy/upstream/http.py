@@ -21,7 +21,7 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe
+from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe, read_body
 from .pooling import drain_later
 from .sse import EventTooLargeError, iter_events
 
@@ -213,8 +213,10 @@ class UpstreamSession:
         *,
         handler: MessageHandler | None,
         request_id: RequestId | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> JsonObject:
-        """Send one request and return its JSON-RPC response message (`result` or `error`).
+        """Send one request and return its JSON-RPC response message (`result` or `error`);
+        `on_sent()` runs just before it is POSTed (no queue here: at once).
 
         Messages arriving before the response go to `handler`; `ping` requests are answered here.
         The wait is bounded (`Bounds.for_method`: `timeout`, `request_timeout` or `init_timeout`, s).
@@ -227,6 +229,8 @@ class UpstreamSession:
         self.in_flight += 1
         try:
             async with asyncio.timeout(bound):
+                if on_sent is not None:
+                    on_sent()
                 return await self._request(method, params, handler, request_id)
         except TimeoutError:
             raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
@@ -247,7 +251,9 @@ class UpstreamSession:
     async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
         message = jsonrpc.request(rid, method, params)
-        was_broken = self.broken is not None
+        # Sent again on a new session when the stream ends with no event at all: on a session
+        # already broken (never delivered), or for a method harmless to run twice (see _read_stream).
+        retry_safe = self.broken is not None or (method not in CALL_METHODS and method != "initialize")
         resp = await self._post(message)
         handed_off = False
         try:
@@ -257,10 +263,10 @@ class UpstreamSession:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
-                answer = await self._read_stream(resp, rid, handler, was_broken)
+                answer = await self._read_stream(resp, rid, handler, retry_safe)
                 handed_off = drain_later(resp)
                 return answer
-            raw = await self._read_body(resp)
+            raw = await read_body(resp, self.bounds.max_response_bytes, self.server)
             try:
                 body = jsonrpc.loads(raw)
             except (ValueError, UnicodeDecodeError, RecursionError):
@@ -281,28 +287,18 @@ class UpstreamSession:
                 resp.release()
                 await resp.wait_for_close()
 
-    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
-        """The whole reply body, refused (UpstreamError) once larger than `max_response_bytes`."""
-        limit = self.bounds.max_response_bytes
-        too_large = f"upstream {self.server} sent a reply larger than max_response_bytes ({limit} bytes)"
-        if (resp.content_length or 0) > limit:
-            raise UpstreamError(too_large)
-        body = bytearray()
-        try:
-            async for chunk in resp.content.iter_chunked(1 << 16):
-                body += chunk
-                if len(body) > limit:
-                    raise UpstreamError(too_large)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
-        return bytes(body)
-
-    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, was_broken: bool) -> JsonObject:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, retry_safe: bool) -> JsonObject:
         """The response to `rid` from an SSE reply. When the upstream ends the stream on purpose
         (SSE polling, SEP-1699: an event id and `retry`, then a close) the stream is resumed with GET
         and `Last-Event-ID`. A stream that dies or closes before answering marks the session broken
-        (the pool opens a new one); on a session already broken, a request that got nothing back
-        raises SessionBrokenError (never delivered: safe to send again)."""
+        (the pool opens a new one). A request that got no event at all raises SessionBrokenError
+        (the caller sends it once more on a new session) when `retry_safe`: the session was already
+        broken before it was sent (such a session reads nothing: never delivered), or the method is
+        not a call (`tools/list`, `ping`, …: harmless to run twice). A call (`CALL_METHODS`) on a
+        session that breaks silently under it is NOT retried: the upstream accepted the POST, and
+        whether it ran the tool cannot be known from outside, so it fails with UpstreamError rather
+        than risk running a tool twice. (A 404 for the session is retried for every method:
+        SessionExpiredError, the upstream forgot the session and ran nothing.)"""
         state: dict[str, Any] = {"last_id": None, "retry": None, "events": 0}
         current: aiohttp.ClientResponse | None = resp
         fruitless = 0
@@ -328,9 +324,9 @@ class UpstreamSession:
             current = await self._resume(state["last_id"])
             if current is None:
                 reason = "closed the stream before answering and refused to resume it"
-        if was_broken and state["events"] == 0:
-            raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
         self.broken = self.broken or reason
+        if retry_safe and state["events"] == 0:
+            raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
         raise UpstreamError(f"upstream {self.server} {reason}")
 
     async def _read_events(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, state: dict[str, Any]) -> JsonObject | None:

@@ -225,10 +225,15 @@ class StdioSession:
         msg = jsonrpc.error_response(request_id, error) if error is not None else jsonrpc.response(request_id, result or {})
         await self._write(msg)
 
-    async def request(self, method: str, params: JsonObject | None, *, handler: MessageHandler | None, request_id: RequestId | None = None) -> JsonObject:
+    async def request(
+        self, method: str, params: JsonObject | None, *, handler: MessageHandler | None, request_id: RequestId | None = None,
+        on_sent: Callable[[], None] | None = None,
+    ) -> JsonObject:
         """Send one request and return its response message (`result` or `error`).
 
-        Messages for it (progress with its token, server→client requests) go to `handler`.
+        Messages for it (progress with its token, server→client requests) go to `handler`;
+        `on_sent()` runs once it holds its `max_concurrency` slot, just before it is written (a
+        request cancelled before that never reached the child, and needs no `notifications/cancelled`).
         The wait (a `max_concurrency` slot included) is bounded by `Bounds.for_method` (s).
         Raises UpstreamError when the child dies first (naming the exit status) or does not answer in time.
         """
@@ -237,13 +242,17 @@ class StdioSession:
             async with asyncio.timeout(bound):
                 if self.limit is not None:
                     async with self.limit:
-                        return await self._request(method, params, handler, request_id)
-                return await self._request(method, params, handler, request_id)
+                        return await self._request(method, params, handler, request_id, on_sent)
+                return await self._request(method, params, handler, request_id, on_sent)
         except TimeoutError:
             raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
 
-    async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
+    async def _request(
+        self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None, on_sent: Callable[[], None] | None,
+    ) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
+        if on_sent is not None:
+            on_sent()
         raw_meta = (params or {}).get("_meta")
         meta: JsonObject = raw_meta if isinstance(raw_meta, dict) else {}
         future: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
