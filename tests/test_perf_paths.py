@@ -36,6 +36,13 @@ def test_codec_writes_and_reads_what_json_did(value: object) -> None:
     assert jsonrpc.loads(expected.decode()) == json.loads(expected)
 
 
+def test_codec_writes_every_ascii_character_as_json_did() -> None:
+    """Found by the property test above: DEL (0x7f) is escaped by json, written raw by orjson."""
+    every = "".join(chr(c) for c in range(128))
+    value = {every: [every, {c: c for c in every}]}
+    assert jsonrpc.dumps(value) == json.dumps(value, separators=(",", ":")).encode()
+
+
 @pytest.mark.parametrize("raw", [
     b'{"a":NaN,"b":[Infinity,-Infinity]}', b"[1e400]", b'"\\ud800"', b"123456789012345678901234567890", b'{"x":"\\u00e9\xc3\xa9"}',
     b"[1e-07,0.00001,1e16,2.5e-9]", b"\xef\xbb\xbf{}",

@@ -80,8 +80,9 @@ def http_status_for(code: int) -> int:
 
 _OPTS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME  # those stay TypeErrors, as with json
 # orjson output that json.dumps would write differently: floats in exponent form (`1e-07` vs
-# `1e-7`) or below 1e-4 (`1e-05` vs `0.00001`), and any non-ASCII byte (json escapes it).
-_DIFFERS = re.compile(rb"[0-9][eE]|0\.0000")
+# `1e-7`) or below 1e-4 (`1e-05` vs `0.00001`), DEL (json writes `\u007f`), and any non-ASCII
+# byte (json escapes it).
+_DIFFERS = re.compile(rb"[0-9][eE]|0\.0000|\x7f")
 # Integers longer than 19 digits: orjson reads them as floats where json keeps an int.
 _BIG_INT_B = re.compile(rb"[0-9]{20}")
 _BIG_INT_S = re.compile(r"[0-9]{20}")
