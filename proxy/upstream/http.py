@@ -22,7 +22,7 @@ from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
 from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe
-from .pooling import drain_later
+from .pooling import drain_later, shed_headers
 from .sse import EventTooLargeError, iter_events
 
 log = structlog.get_logger("proxy.upstream")
@@ -257,6 +257,7 @@ class UpstreamSession:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
+                shed_headers(resp)  # a detached call may hold this reply for hours
                 answer = await self._read_stream(resp, rid, handler, was_broken)
                 handed_off = drain_later(resp)
                 return answer
