@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.protocol import jsonrpc
+from proxy.upstream.sse import EventTooLargeError, ReaderEvents, iter_events
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False, allow_infinity=False)
@@ -115,3 +116,42 @@ async def test_modern_calls_reuse_the_upstream_connection(tmp_path: Path) -> Non
         assert len(ports) == 6 and set(ports[3:]) <= set(ports[:3]), f"client ports of the 6 calls: {ports}"
     finally:
         await runner.cleanup()
+
+
+class _Chunks:
+    """A byte source with aiohttp StreamReader's `readany()` (b"" at the end)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+
+    async def readany(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+    async def iter_any(self):  # type: ignore[no-untyped-def]
+        while chunk := await self.readany():
+            yield chunk
+
+
+async def _both(chunks: list[bytes], limit: int | None) -> tuple[list[object], list[object]]:
+    out = []
+    for read in (lambda c: ReaderEvents(c, max_event_bytes=limit), lambda c: iter_events(c.iter_any(), max_event_bytes=limit)):
+        got: list[object] = []
+        try:
+            async for event in read(_Chunks(chunks)):
+                got.append(event)
+        except EventTooLargeError as exc:
+            got.append(str(exc))
+        out.append(got)
+    return out[0], out[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from([b"data: a", b"\n", b"\r\n", b"id: 7\n", b"retry: 30\n", b"event: x\n", b": c\n", b"data: " + b"z" * 40]), max_size=30),
+       st.integers(1, 7), st.sampled_from([None, 64]))
+def test_reader_events_match_iter_events(parts: list[bytes], size: int, limit: int | None) -> None:
+    """Held call streams read through ReaderEvents (no async generator): same events, same end,
+    same too-large error after the events of that chunk, however the bytes are split."""
+    raw = b"".join(parts)
+    chunks = [raw[i:i + size] for i in range(0, len(raw), size)]
+    a, b = asyncio.run(_both(chunks, limit))
+    assert a == b

@@ -22,8 +22,8 @@ from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
 from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe, read_body
-from .pooling import drain_later
-from .sse import EventTooLargeError, iter_events
+from .pooling import drain_later, shed_headers
+from .sse import EventTooLargeError, ReaderEvents, iter_events
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -263,6 +263,7 @@ class UpstreamSession:
                     self.session_id = sid
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/event-stream" and resp.status < 400:
+                shed_headers(resp)  # a detached call may hold this reply for hours
                 answer = await self._read_stream(resp, rid, handler, retry_safe)
                 handed_off = drain_later(resp)
                 return answer
@@ -333,7 +334,7 @@ class UpstreamSession:
         """Read one SSE reply until the response to `rid` (returned) or its end (None); `state`
         keeps the last event id, the `retry` hint (ms) and the count of events seen."""
         try:
-            async for event in iter_events(resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
+            async for event in ReaderEvents(resp.content, max_event_bytes=self.bounds.max_response_bytes):
                 state["events"] += 1
                 state["last_id"] = event.id if event.id is not None else state["last_id"]
                 state["retry"] = event.retry if event.retry is not None else state["retry"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from ..protocol import jsonrpc
 
@@ -25,19 +26,29 @@ class EventTooLargeError(ValueError):
     """An SSE event grew past the size limit given to `iter_events` (bytes)."""
 
 
-async def iter_events(chunks: AsyncIterator[bytes], *, max_event_bytes: int | None = None) -> AsyncIterator[SseEvent]:
-    """Turn a byte stream into SSE events. Lines may be of any length (a 5 MB `data:` line is fine).
+class SseParser:
+    """Incremental SSE parser: `feed(chunk)` returns the events that chunk completed, `end()` the
+    last one when the stream ends without a blank line. Lines may be of any length.
 
     With `max_event_bytes`, an event (its lines, buffered) larger than that many bytes raises
-    EventTooLargeError before it is held in memory in full.
-    """
-    buffer = bytearray()
-    data: list[str] = []
-    size = 0
-    event = ""
-    last_id: str | None = None
-    retry: int | None = None
-    async for chunk in chunks:
+    EventTooLargeError from `feed`, after the events the same chunk completed were handed out
+    (`pending_error`, raised by the caller once it has used them)."""
+
+    __slots__ = ("_buffer", "_data", "_size", "_event", "_last_id", "_retry", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        self._buffer = bytearray()
+        self._data: list[str] = []
+        self._size = 0
+        self._event = ""
+        self._last_id: str | None = None
+        self._retry: int | None = None
+        self.max_event_bytes = max_event_bytes
+
+    def feed(self, chunk: bytes) -> tuple[list[SseEvent], EventTooLargeError | None]:
+        """The events `chunk` completes, and the error to raise after them (an event grew too large)."""
+        out: list[SseEvent] = []
+        buffer = self._buffer
         start = len(buffer)
         buffer += chunk
         cut = buffer.find(b"\n", start)
@@ -46,28 +57,80 @@ async def iter_events(chunks: AsyncIterator[bytes], *, max_event_bytes: int | No
             del buffer[: cut + 1]
             cut = buffer.find(b"\n")
             line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
-            size += len(raw) + 1
+            self._size += len(raw) + 1
             if not line:
-                if data or event:
-                    yield SseEvent(event or "message", "\n".join(data), last_id, retry)
-                data, event, size = [], "", 0
+                if self._data or self._event:
+                    out.append(SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry))
+                self._data, self._event, self._size = [], "", 0
                 continue
             if line.startswith(":"):
                 continue
             field, _, value = line.partition(":")
             value = value.removeprefix(" ")
             if field == "data":
-                data.append(value)
+                self._data.append(value)
             elif field == "event":
-                event = value
+                self._event = value
             elif field == "id":
-                last_id = value
+                self._last_id = value
             elif field == "retry" and value.isdigit():
-                retry = int(value)
-        if max_event_bytes is not None and size + len(buffer) > max_event_bytes:
-            raise EventTooLargeError(f"an SSE event is larger than {max_event_bytes} bytes")
-    if data:
-        yield SseEvent(event or "message", "\n".join(data), last_id, retry)
+                self._retry = int(value)
+        if self.max_event_bytes is not None and self._size + len(buffer) > self.max_event_bytes:
+            return out, EventTooLargeError(f"an SSE event is larger than {self.max_event_bytes} bytes")
+        return out, None
+
+    def end(self) -> list[SseEvent]:
+        """The event left unterminated when the stream ended (if it has data)."""
+        return [SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)] if self._data else []
+
+
+async def iter_events(chunks: AsyncIterator[bytes], *, max_event_bytes: int | None = None) -> AsyncIterator[SseEvent]:
+    """Turn a byte stream into SSE events. Lines may be of any length (a 5 MB `data:` line is fine).
+
+    With `max_event_bytes`, an event (its lines, buffered) larger than that many bytes raises
+    EventTooLargeError before it is held in memory in full.
+    """
+    parser = SseParser(max_event_bytes)
+    async for chunk in chunks:
+        events, error = parser.feed(chunk)
+        for event in events:
+            yield event
+        if error is not None:
+            raise error
+    for event in parser.end():
+        yield event
+
+
+class ReaderEvents:
+    """`iter_events` over `reader.readany()` (an aiohttp StreamReader) as a plain async iterator:
+    no async generator and no chunk iterator stay alive per open stream (issue "Performance": a
+    detached call holds its reply stream for as long as the upstream works)."""
+
+    __slots__ = ("_reader", "_parser", "_ready", "_error", "_ended")
+
+    def __init__(self, reader: Any, *, max_event_bytes: int | None = None) -> None:
+        self._reader = reader
+        self._parser = SseParser(max_event_bytes)
+        self._ready: list[SseEvent] = []
+        self._error: EventTooLargeError | None = None
+        self._ended = False
+
+    def __aiter__(self) -> ReaderEvents:
+        return self
+
+    async def __anext__(self) -> SseEvent:
+        while not self._ready:
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            chunk = await self._reader.readany()
+            if chunk:
+                events, self._error = self._parser.feed(chunk)
+            else:
+                events, self._ended = self._parser.end(), True
+            self._ready = events[::-1]
+        return self._ready.pop()
 
 
 def encode_event(event: SseEvent) -> bytes:
