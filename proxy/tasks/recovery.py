@@ -80,8 +80,8 @@ async def take_over(service: TaskService, record: TaskRecord, message: str) -> T
 async def stop_calls_ended_elsewhere(service: TaskService) -> None:
     """Cancel the live calls of this node whose task another writer ended (the operator CLI's cancel)."""
     for task_id, call in list(service.live.items()):
-        if task_id in service.cancelling:
-            continue
+        if task_id in service.cancelling or task_id in service.creating:
+            continue  # being cancelled here, or its record is not committed yet
         record = await service.store.get(task_id)
         if record is not None and not record.status.terminal:
             continue

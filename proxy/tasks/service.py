@@ -94,6 +94,7 @@ class TaskService:
         self.lease_s = lease_s
         self.outcome_retry_s = outcome_retry_s
         self.live: dict[str, LiveCall] = {}
+        self.creating: set[str] = set()  # task ids whose create is being committed
         self.max_tasks_per_principal = max_tasks_per_principal
         self.tasks_rate = tasks_rate
         self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
@@ -190,12 +191,15 @@ class TaskService:
         )
         self.live[record.task_id] = call  # before the commit: the sweep must never see it ownerless
         self._snapshots[record.task_id] = record
+        self.creating.add(record.task_id)  # no record yet: not "ended elsewhere" (recovery)
         try:
             await self.store.create(record)
         except StoreUnavailableError as exc:
             self._forget(record.task_id)
             self.store_problem = str(exc)
             raise JsonRpcError(-32603, f"the call could not become a task: {exc}", {"store": self.store.where}, status=503) from None
+        finally:
+            self.creating.discard(record.task_id)
         log.info("task_created", task_id=record.task_id, server=server, tool=tool, principal=principal_hash(call.principal))
         return record
 
