@@ -6,6 +6,7 @@ where a test must pick the replica. Timings are scaled down: lease 600 ms."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -13,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -259,6 +261,65 @@ def test_replicas_config_needs_a_shared_store_a_secret_and_an_address() -> None:
     config = config_from_data({**base, "store": redis, "listen": {"host": "0.0.0.0"}, "replicas": {"secret": "s" * 32}})
     with pytest.raises(ValueError, match="advertise"):
         advertised_url(config)
+
+
+# -- the store goes away for longer than the lease -----------------------------------------------
+
+
+async def test_redis_outage_longer_than_the_lease_fails_no_live_replicas_tasks(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """After Redis comes back every lease has lapsed by the clock; no replica takes the others' for lost."""
+    import redis.asyncio as aioredis
+
+    for client in clients:
+        await client.warm_up()
+    ids = [(await c.call("quiet_compute", {"seconds": 5})).result["taskId"] for c in clients for _ in range(2)]
+    store = aioredis.from_url(cluster.redis_url)
+    try:  # AOF now, so that a restart keeps the records (the rewrite holds what is there)
+        await store.config_set("appendonly", "yes")
+        async with asyncio.timeout(10):
+            while (info := await store.info("persistence"))["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]:
+                await asyncio.sleep(0.02)
+    finally:
+        await store.aclose()
+    port = cluster.redis.port
+    cluster.redis.kill()
+    ended: dict[str, dict] = {}
+
+    async def poll(client: ModernClient, task_id: str) -> None:  # through another replica, all along
+        while task_id not in ended:
+            with contextlib.suppress(Exception):
+                task = (await client.get(task_id)).result
+                if task.get("status") in ("completed", "failed", "cancelled"):
+                    ended[task_id] = task
+            await asyncio.sleep(0.01)
+
+    pollers = [asyncio.ensure_future(poll(clients[(i // 2 + 1) % 3], task_id)) for i, task_id in enumerate(ids)]
+    try:
+        await asyncio.sleep(4 * LEASE_S)  # every lease lapses
+        cluster.redis.appendonly = True
+        await asyncio.to_thread(cluster.redis.start, port=port)
+        async with asyncio.timeout(15):
+            await asyncio.gather(*pollers)
+    finally:
+        for poller in pollers:
+            poller.cancel()
+    statuses = [ended[t]["status"] for t in ids]
+    assert statuses == ["completed"] * len(ids), [ended[t].get("statusMessage") for t in ids]
+    for i in range(3):
+        await asyncio.to_thread(_wait_ready, cluster, i)
+
+
+def _wait_ready(cluster: Cluster, i: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(cluster.replica_urls[i] + "/readyz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"replica {i} not ready again")
 
 
 # -- rolling deploys: one replica drains ---------------------------------------------------------

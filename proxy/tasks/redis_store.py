@@ -256,6 +256,12 @@ class RedisTaskStore:
         async with self.guard():
             await self.redis.set(self.keys.node(node), str(now_ms()), px=max(1, ttl_ms))
 
+    async def instance_id(self) -> str:
+        """The Redis server's `run_id` (changes when the server restarts). Raises StoreUnavailableError."""
+        async with self.guard():
+            info = await self.redis.info("server")
+        return str(info.get("run_id", ""))
+
     async def release_lease(self, node: str) -> None:
         """See TaskStore.release_lease."""
         async with self.guard():
