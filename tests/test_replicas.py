@@ -406,6 +406,52 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(cluster: Cluster, 
     await asyncio.to_thread(cluster.restart, 2)
 
 
+def _busy_slot(cluster: Cluster) -> int | None:
+    """The replica HAProxy has a request open on right now (stats `scur`), if exactly one."""
+    import csv
+    import io
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.stats_port}/stats;csv", timeout=1) as resp:
+        rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
+        busy = [int(r["svname"][1:]) for r in rows if r.get("pxname") == "replicas" and r["svname"].startswith("r") and int(r["scur"] or 0) > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+async def test_a_call_whose_replica_dies_is_not_sent_again_by_the_balancer(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """A synchronous call in flight on a replica that is SIGKILLed: the upstream saw it start once,
+    and the client gets an error from the balancer, not a silent second run on another replica."""
+    sync = ModernClient(cluster.url + WEB, capabilities={})  # no tasks extension: the call stays synchronous
+    try:
+        await sync.warm_up()
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "slow_compute", "arguments": {"seconds": 3, "label": "lb-once"}, "_meta": {}}}
+        from conftest import envelope
+
+        body["params"]["_meta"] = envelope({})
+        headers = sync.headers_for("tools/call", body["params"])
+
+        async def post() -> int:
+            try:
+                async with sync.http.post(sync.url, data=json.dumps(body).encode(), headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+            except aiohttp.ClientError as exc:  # the response had begun (keepalives) and was cut
+                return 0
+
+        sent = asyncio.ensure_future(post())
+        await asyncio.sleep(1.0)
+        busy = await asyncio.to_thread(_busy_slot, cluster)
+        assert busy is not None
+        await asyncio.to_thread(cluster.kill, busy)
+        status = await asyncio.wait_for(sent, timeout=10)
+        assert status == 0 or status >= 500  # an error, not the result of a second run
+        survivor = clients[(busy + 1) % 3]
+        reply = await survivor.call("started_log")
+        assert json.loads(reply.result["content"][0]["text"]).get("lb-once") == 1
+        await asyncio.to_thread(cluster.restart, busy)
+    finally:
+        await sync.close()
+
+
 # -- rolling restart under load -----------------------------------------------------------------
 
 
