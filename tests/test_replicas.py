@@ -352,6 +352,54 @@ async def test_sigterm_drains_detached_calls_while_the_others_serve_them(cluster
         await asyncio.to_thread(cluster.restart, 1)
 
 
+async def test_draining_owner_keeps_its_legacy_question_while_another_replica_adopts_the_session(cluster: Cluster) -> None:
+    """One SDK session through HAProxy: a call that asks a question after a while, greets alongside,
+    and the session's owner is SIGTERMed: its new requests move to another replica (adoption, same
+    upstream session) while the owner still relays the question and takes its answer."""
+    import redis.asyncio as aioredis
+
+    asked: list[str] = []
+
+    async def on_elicit(context: ClientRequestContext, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"confirm": True})
+
+    store = aioredis.from_url(cluster.redis_url)
+    terminating: asyncio.Future[int] | None = None
+    owner_i = -1
+    try:
+        before = set(await store.keys("*session:web:*"))
+        async with streamable_http_client(cluster.url + WEB) as (read, write), ClientSession(read, write, elicitation_callback=on_elicit) as session:
+            await session.initialize()
+            (key,) = set(await store.keys("*session:web:*")) - before
+            owner = json.loads(await store.get(key))["owner"]
+            owner_i = [_node_of(cluster, i) for i in range(3)].index(owner)
+            confirm = asyncio.ensure_future(session.call_tool("confirm_delete", {"filename": "adopted.txt", "delay": 0.6}))
+            stop = asyncio.Event()
+            greeted: list[str] = []
+
+            async def greets() -> None:
+                while not stop.is_set():
+                    greeted.append((await session.call_tool("greet", {"name": f"g{len(greeted)}"})).content[0].text)
+
+            looping = asyncio.ensure_future(greets())
+            await asyncio.sleep(0.2)
+            terminating = asyncio.ensure_future(asyncio.to_thread(cluster.terminate, owner_i, 30))
+            result = await asyncio.wait_for(confirm, 10)
+            await asyncio.sleep(0.3)  # a few more greets, on the adopter
+            stop.set()
+            await asyncio.wait_for(looping, 10)
+        assert asked and "adopted.txt" in result.content[0].text and not result.is_error, result
+        assert greeted and all(text.startswith("Hello, g") for text in greeted)
+        assert await asyncio.wait_for(terminating, 15) == 0  # the owner exits once its exchanges are over
+    finally:
+        await store.aclose()
+        if terminating is not None:
+            await asyncio.wait_for(terminating, 60)
+        if owner_i >= 0 and not cluster.alive(owner_i):
+            await asyncio.to_thread(cluster.restart, owner_i)
+
+
 # -- a replica dies -----------------------------------------------------------------------------
 
 

@@ -106,9 +106,11 @@ class Replicas:
             task.add_done_callback(held.discard)
 
     def close_streams(self) -> int:
-        """End every open stream (the client sees it cut and reconnects, through the balancer, to a
-        replica that is up); returns how many. Called once the drain is over, before the listener closes."""
-        streams = [task for task in self._streams if not task.done()]
+        """End every open stream and every request still running (a relayed legacy stream, a call
+        past its drain): the client sees it cut and reconnects, through the balancer, to a replica
+        that is up; returns how many. Called once the drain is over, before the listener closes,
+        so the exit is bounded by the drain and not by the clients."""
+        streams = [task for task in (*self._streams, *self._requests) if not task.done()]
         for task in streams:
             task.cancel()
         return len(streams)
