@@ -228,4 +228,7 @@ async def _readyz(request: web.Request) -> web.Response:
     for name, problem in zip(pools, problems, strict=True):
         checks[f"upstream:{name}"] = problem or "ok"
     ready = all(v == "ok" for v in checks.values())
+    replicas = request.app.get(REPLICAS_KEY)
+    if replicas is not None and replicas.peer_problem:  # non-fatal: reported, the replica stays ready
+        checks["replicas"] = replicas.peer_problem
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

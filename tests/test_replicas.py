@@ -322,6 +322,49 @@ def _wait_ready(cluster: Cluster, i: int) -> None:
     raise AssertionError(f"replica {i} not ready again")
 
 
+async def test_a_replica_with_another_secret_is_reported_and_its_updates_fail(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """A 4th replica with a different secret: it logs the peers that refuse it and /readyz says so;
+    a tasks/update through it for a task on another replica is an error, not a false "complete"."""
+    import os
+
+    from scripts.cluster import free_port
+
+    port = free_port()
+    log_path = cluster.workdir / "odd-replica.log"
+    with open(log_path, "ab") as log:
+        odd = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "--config", str(ROOT / "config" / "replicas.yaml"), "--port", str(port)],
+            cwd=ROOT, env={**cluster.env, "MCP_REPLICA_SECRET": "another-secret-" + "x" * 32}, stdout=subprocess.DEVNULL, stderr=log,
+        )
+    odd_url = f"http://127.0.0.1:{port}"
+    odd_client = ModernClient(odd_url + WEB, capabilities=ELICIT_CAPS)
+    try:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(20):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(odd_url + "/readyz") as resp:
+                        checks = (await resp.json())["checks"]
+                        if "replicas" in checks:
+                            break
+                await asyncio.sleep(0.05)
+        assert resp.status == 200 and "refused by" in checks["replicas"] and "replicas.secret" in checks["replicas"]
+        assert "replica_peer_refused" in log_path.read_text()
+        c0 = clients[0]
+        await c0.warm_up()
+        created = (await c0.call("confirm_delete", {"filename": "odd.txt", "delay": 0.3})).result
+        task = await c0.wait_status(created["taskId"], ("input_required",))
+        (key, _), = task["inputRequests"].items()
+        refused = await odd_client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: ACCEPT}})
+        assert refused.status == 503 and refused.error["code"] == -32603, refused
+        assert "not delivered" in refused.error["message"] and "403" in refused.error["message"]
+        assert (await c0.get(created["taskId"])).result["status"] == "input_required"  # nothing was answered
+        assert (await c0.request("tasks/cancel", {"taskId": created["taskId"]})).result == {"resultType": "complete"}
+    finally:
+        await odd_client.close()
+        odd.terminate()
+        await asyncio.to_thread(odd.wait, 30)
+
+
 # -- rolling deploys: one replica drains ---------------------------------------------------------
 
 

@@ -34,6 +34,14 @@ HOP_SECONDS = Histogram(
 )
 
 
+class HopError(Exception):
+    """A hop to a peer failed; the message says why, `status` is the peer's HTTP status if it answered."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Forwarder:
     """Talks to peers with the shared `secret`; `node` is this replica's id, `timeout_s` (s) the hop bound."""
 
@@ -56,7 +64,15 @@ class Forwarder:
 
     async def call(self, peer: Peer, op: str, payload: JsonObject) -> JsonObject | None:
         """POST `payload` to the peer's `/_replica/<op>`; its JSON answer, or None when the peer cannot
-        be reached, does not answer within `timeout_s`, or refuses (any non-200 status)."""
+        be reached, refuses, or answers nonsense within `timeout_s` (s)."""
+        try:
+            return await self.ask(peer, op, payload)
+        except HopError:
+            return None
+
+    async def ask(self, peer: Peer, op: str, payload: JsonObject) -> JsonObject:
+        """Like `call`, but raises HopError saying why (unreachable, timeout, a refusal's HTTP status
+        such as 403 for a different secret, a non-object answer) instead of returning None."""
         started = time.perf_counter()
         try:
             async with self._session().post(
@@ -65,14 +81,18 @@ class Forwarder:
             ) as resp:
                 if resp.status != 200:
                     log.warning("replica_hop_refused", peer=peer.node, op=op, status=resp.status)
-                    return None
+                    raise HopError(f"replica {peer.node} at {peer.url} refused the hop (HTTP {resp.status}"
+                                   + (": a different replicas.secret)" if resp.status == 403 else ")"), status=resp.status)
                 answer = await resp.json()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
-            log.warning("replica_unreachable", peer=peer.node, op=op, reason=str(exc) or exc.__class__.__name__)
-            return None
+            reason = str(exc) or exc.__class__.__name__
+            log.warning("replica_unreachable", peer=peer.node, op=op, reason=reason)
+            raise HopError(f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s ({reason})") from None
         finally:
             HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
-        return answer if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            raise HopError(f"replica {peer.node} at {peer.url} answered something other than a JSON object")
+        return answer
 
     async def relay(self, request: web.Request, peer: Peer, raw: bytes | None) -> web.StreamResponse | None:
         """Send the client's request (method, path, headers, `raw` body) to `peer` and stream its

@@ -357,6 +357,17 @@ class RedisTaskStore:
             value = await self.redis.get(self.keys.session(session_id))
         return None if value is None else dict(json.loads(value))
 
+    async def session_keys(self, prefix: str) -> list[str]:
+        """The session-map keys starting with `prefix` (SCAN, so it never blocks Redis), at most 1000."""
+        start = self.keys.session("")
+        found: list[str] = []
+        async with self.guard():
+            async for key in self.redis.scan_iter(match=self.keys.session(prefix) + "*", count=200):
+                found.append(_text(key).removeprefix(start))
+                if len(found) >= 1000:
+                    break
+        return found
+
     async def session_delete(self, session_id: str) -> None:
         """Forget a legacy session id."""
         async with self.guard():
