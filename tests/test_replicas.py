@@ -365,6 +365,40 @@ async def test_a_replica_with_another_secret_is_reported_and_its_updates_fail(cl
         await asyncio.to_thread(odd.wait, 30)
 
 
+async def test_header_auth_relayed_requests_keep_their_principal(legacy_url: str, tmp_path: Any) -> None:
+    """auth.mode header, trusted_peers = the auth proxy's address (127.0.0.3 here): a request relayed
+    between replicas comes from a replica's address, yet keeps the principal the first one took."""
+    config = tmp_path / "replicas-header.yaml"
+    config.write_text((ROOT / "config" / "replicas.yaml").read_text() + "\nauth:\n  mode: header\n  header:\n    name: X-User\n    trusted_peers: [127.0.0.3]\n")
+    with Cluster(upstream_url=legacy_url, settings=SETTINGS, config=config, check_inter="100ms") as two:
+
+        def client(i: int) -> ModernClient:
+            made = ModernClient(two.replica_urls[i] + WEB, capabilities=ELICIT_CAPS)
+            made.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0)), headers={"X-User": "alice"})
+            return made
+
+        c0, c1 = client(0), client(1)
+        try:
+            stranger = ModernClient(two.replica_urls[0] + WEB)
+            try:
+                assert (await stranger.call("greet", {"name": "x"})).status == 401  # not from the auth proxy
+            finally:
+                await stranger.close()
+            sid = await _open_legacy(c0.http, two.replica_urls[0] + WEB)
+            assert await _legacy_ping(c1.http, two.replica_urls[1] + WEB, sid) == 200  # relayed to replica 0
+            first = (await c0.call("ask_then_work", {"seconds": 0})).result
+            (key, _), = first["inputRequests"].items()
+            second = await c1.request("tools/call", {"name": "ask_then_work", "arguments": {"seconds": 0}, "requestState": first["requestState"],
+                                                     "inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}}})
+            assert second.result["content"][0]["text"] == "Hello Ada, the work took 0s", second
+            forged = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25", "X-Mcp-Replica-Principal": "alice"}
+            async with aiohttp.ClientSession() as plain, plain.post(two.replica_urls[1] + WEB, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=forged) as resp:
+                assert resp.status == 401  # the principal header alone, without the replicas' secret
+        finally:
+            await c0.close()
+            await c1.close()
+
+
 # -- rolling deploys: one replica drains ---------------------------------------------------------
 
 

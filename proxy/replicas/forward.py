@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import Histogram
 
+from ..auth import PRINCIPAL_KEY, RELAYED_PRINCIPAL_HEADER
 from ..protocol.jsonrpc import JsonObject
 from .registry import Peer
 
@@ -25,7 +26,7 @@ SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared i
 FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
 _HOP_BY_HOP = frozenset(
     h.lower() for h in ("Host", "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "TE", "Trailer", "Upgrade",
-                        "Proxy-Connection", "Proxy-Authorization", SECRET_HEADER, FORWARDED_HEADER)
+                        "Proxy-Connection", "Proxy-Authorization", SECRET_HEADER, FORWARDED_HEADER, RELAYED_PRINCIPAL_HEADER)
 )
 
 HOP_SECONDS = Histogram(
@@ -105,6 +106,8 @@ class Forwarder:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"}
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
+        if PRINCIPAL_KEY in request:  # authenticated here: the owner takes it as is (auth.Authenticator.principal)
+            headers[RELAYED_PRINCIPAL_HEADER] = request[PRINCIPAL_KEY]
         try:
             upstream = await self._session().request(
                 request.method, f"{peer.url}{request.path_qs}", data=raw if raw else None, headers=headers, allow_redirects=False,
