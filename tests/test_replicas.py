@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import re
 import statistics
 import subprocess
@@ -367,9 +368,12 @@ async def test_a_replica_with_another_secret_is_reported_and_its_updates_fail(cl
 
 async def test_header_auth_relayed_requests_keep_their_principal(legacy_url: str, tmp_path: Any) -> None:
     """auth.mode header, trusted_peers = the auth proxy's address (127.0.0.3 here): a request relayed
-    between replicas comes from a replica's address, yet keeps the principal the first one took."""
+    between replicas comes from a replica's address, yet keeps the principal the first one took.
+    And a relayed stream whose peer stops answering (SIGSTOP) is cut within a few keepalives."""
     config = tmp_path / "replicas-header.yaml"
-    config.write_text((ROOT / "config" / "replicas.yaml").read_text() + "\nauth:\n  mode: header\n  header:\n    name: X-User\n    trusted_peers: [127.0.0.3]\n")
+    text = (ROOT / "config" / "replicas.yaml").read_text().replace("\nlisten:\n", "\nlisten:\n  sse_keepalive: 200ms\n", 1)
+    assert "sse_keepalive: 200ms" in text
+    config.write_text(text + "\nauth:\n  mode: header\n  header:\n    name: X-User\n    trusted_peers: [127.0.0.3]\n")
     with Cluster(upstream_url=legacy_url, settings=SETTINGS, config=config, check_inter="100ms") as two:
 
         def client(i: int) -> ModernClient:
@@ -394,6 +398,20 @@ async def test_header_auth_relayed_requests_keep_their_principal(legacy_url: str
             forged = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25", "X-Mcp-Replica-Principal": "alice"}
             async with aiohttp.ClientSession() as plain, plain.post(two.replica_urls[1] + WEB, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=forged) as resp:
                 assert resp.status == 401  # the principal header alone, without the replicas' secret
+            # A relayed GET stream: the owner freezes; the relaying replica cuts it (3 keepalives + hop_timeout).
+            headers = {**LEGACY_HEADERS, "Accept": "text/event-stream", "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+            async with c1.http.get(two.replica_urls[1] + WEB, headers=headers) as stream:
+                assert stream.status == 200
+                await asyncio.wait_for(stream.content.readany(), 5)  # keepalives flow
+                two.procs[0].send_signal(signal.SIGSTOP)
+                try:
+                    frozen = time.monotonic()
+                    with contextlib.suppress(aiohttp.ClientError):
+                        while await asyncio.wait_for(stream.content.readany(), 10):
+                            pass
+                    assert time.monotonic() - frozen < 0.6 + 2 + 1.5
+                finally:
+                    two.procs[0].send_signal(signal.SIGCONT)
         finally:
             await c0.close()
             await c1.close()

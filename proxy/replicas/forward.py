@@ -44,12 +44,20 @@ class HopError(Exception):
 
 
 class Forwarder:
-    """Talks to peers with the shared `secret`; `node` is this replica's id, `timeout_s` (s) the hop bound."""
+    """Talks to peers with the shared `secret`; `node` is this replica's id, `timeout_s` (s) the hop bound.
 
-    def __init__(self, *, node: str, secret: str, timeout_s: float) -> None:
+    A relayed request waits for the peer's response head and each read of a plain body at most
+    `read_timeout_s` (s: the longest call timeout plus the hop), and at most `stream_idle_s` (s: a
+    few `listen.sse_keepalive` intervals, since the peer sends keepalive comments) between two
+    chunks of an SSE stream.
+    """
+
+    def __init__(self, *, node: str, secret: str, timeout_s: float, read_timeout_s: float = 1800.0, stream_idle_s: float = 60.0) -> None:
         self.node = node
         self.secret = secret
         self.timeout_s = timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.stream_idle_s = stream_idle_s
         self._http: aiohttp.ClientSession | None = None
 
     def _session(self) -> aiohttp.ClientSession:
@@ -99,8 +107,9 @@ class Forwarder:
         """Send the client's request (method, path, headers, `raw` body) to `peer` and stream its
         response back. None when the peer cannot be reached (nothing was sent to the client then).
 
-        Connecting is bounded by `timeout_s`; the response is as long as the peer makes it (the
-        peer bounds its own calls), and a client that goes away closes the hop.
+        Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
+        `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
+        away closes the hop.
         """
         # The body was already decoded by this replica: it goes on without its Content-Encoding.
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"}
@@ -111,7 +120,7 @@ class Forwarder:
         try:
             upstream = await self._session().request(
                 request.method, f"{peer.url}{request.path_qs}", data=raw if raw else None, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, connect=self.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, connect=self.timeout_s, sock_read=self.read_timeout_s),
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             log.warning("replica_unreachable", peer=peer.node, op="relay", reason=str(exc) or exc.__class__.__name__)
@@ -124,8 +133,9 @@ class Forwarder:
             if upstream.content_length is not None:
                 out.content_length = upstream.content_length
             await out.prepare(request)
+            streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             try:
-                async for chunk in upstream.content.iter_any():
+                while chunk := await (asyncio.wait_for(upstream.content.readany(), self.stream_idle_s) if streaming else upstream.content.readany()):
                     await out.write(chunk)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                 log.warning("replica_relay_broken", peer=peer.node, reason=str(exc) or exc.__class__.__name__)

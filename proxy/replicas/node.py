@@ -48,7 +48,11 @@ class Replicas:
         self.tasks = tasks
         self.node = tasks.node
         self.registry = Registry(shared, node=tasks.node, url=url, lease_ms=int(tasks.lease_s * 1000))
-        self.forwarder = Forwarder(node=tasks.node, secret=self.secret, timeout_s=config.replicas.hop_timeout)
+        hop = config.replicas.hop_timeout
+        longest_call = max((entry.timeout for entry in config.servers.values()), default=1800.0)
+        self.forwarder = Forwarder(
+            node=tasks.node, secret=self.secret, timeout_s=hop, read_timeout_s=longest_call + hop, stream_idle_s=3 * config.listen.sse_keepalive + hop,
+        )
         self.shared = shared
         self.draining = False
         self._loop: asyncio.Task[None] | None = None
