@@ -273,7 +273,7 @@ async def test_redis_outage_longer_than_the_lease_fails_no_live_replicas_tasks(c
 
     for client in clients:
         await client.warm_up()
-    ids = [(await c.call("quiet_compute", {"seconds": 5})).result["taskId"] for c in clients for _ in range(2)]
+    ids = [(await c.call("slow_compute", {"seconds": 4, "label": "outage"})).result["taskId"] for c in clients for _ in range(2)]
     store = aioredis.from_url(cluster.redis_url)
     try:  # AOF now, so that a restart keeps the records (the rewrite holds what is there)
         await store.config_set("appendonly", "yes")
@@ -295,13 +295,19 @@ async def test_redis_outage_longer_than_the_lease_fails_no_live_replicas_tasks(c
             await asyncio.sleep(0.01)
 
     pollers = [asyncio.ensure_future(poll(clients[(i // 2 + 1) % 3], task_id)) for i, task_id in enumerate(ids)]
+    # Replica 2 is paused across the restart (a stall, not a death): the others see the store back
+    # before it has renewed its lease, and poll its tasks all along.
+    cluster.procs[2].send_signal(signal.SIGSTOP)
     try:
         await asyncio.sleep(4 * LEASE_S)  # every lease lapses
         cluster.redis.appendonly = True
         await asyncio.to_thread(cluster.redis.start, port=port)
+        await asyncio.sleep(LEASE_S / 2)
+        cluster.procs[2].send_signal(signal.SIGCONT)
         async with asyncio.timeout(15):
             await asyncio.gather(*pollers)
     finally:
+        cluster.procs[2].send_signal(signal.SIGCONT)
         for poller in pollers:
             poller.cancel()
     statuses = [ended[t]["status"] for t in ids]
