@@ -10,13 +10,15 @@ then is the call sent upstream again.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 import structlog
 
 from .. import observability as obs
 from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, principal_hash, proxy_error
-from .store import TaskNotFoundError
+from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 if TYPE_CHECKING:
     from .service import TaskService
@@ -140,3 +142,17 @@ async def stop_calls_ended_elsewhere(service: TaskService) -> None:
             log.info("task_cancelled", task_id=task_id, by="operator", principal=principal_hash(record.principal))
         else:
             log.info("task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone")
+
+
+async def write_later(store: TaskStore, unwritten: dict[str, Any], task_id: str, change: Change) -> None:
+    """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart); then
+    forget the in-memory copy in `unwritten`."""
+    try:
+        async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=5.0), retry=retry_if_exception_type(StoreUnavailableError)):
+            with attempt:
+                await store.update(task_id, change)
+        log.info("outcome_recorded_late", task_id=task_id)
+    except (TerminalTaskError, TaskNotFoundError, ConflictError):
+        pass
+    finally:
+        unwritten.pop(task_id, None)

@@ -296,21 +296,9 @@ class TaskService:
             if snapshot is not None:
                 self._unwritten[task_id] = apply(snapshot, failed, at_ms=now_ms(), max_result_bytes=1 << 62)
             log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
-            self._spawn(self._write_later(task_id, failed))
+            self._spawn(recovery.write_later(self.store, self._unwritten, task_id, failed))
         finally:
             self._forget(task_id)
-
-    async def _write_later(self, task_id: str, change: Change) -> None:
-        """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart)."""
-        try:
-            async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=5.0), retry=retry_if_exception_type(StoreUnavailableError)):
-                with attempt:
-                    await self.store.update(task_id, change)
-            log.info("outcome_recorded_late", task_id=task_id)
-        except (TerminalTaskError, TaskNotFoundError, ConflictError):
-            pass
-        finally:
-            self._unwritten.pop(task_id, None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
