@@ -24,6 +24,7 @@ from ..protocol.era import is_modern_request
 from ..protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
 from ..tasks.model import principal_hash
 from ..tasks.store import StoreUnavailableError
+from .forward import FORWARDED_HEADER
 from .node import Replicas
 
 log = structlog.get_logger("proxy.replicas")
@@ -78,9 +79,14 @@ class EndpointRouter:
             self.replicas.track(stream=True)  # open until the client leaves: cut when this replica exits
         elif request.method == "POST":
             self.replicas.track(stream=False)  # a request that ends by itself (bounded): waited for on drain
-        if self.replicas.forwarded(request):
-            return None
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        if self.replicas.forwarded(request):
+            # Served here, except a cancel relayed by a third replica (the map names this replica
+            # since it adopted the session) for a request the previous owner sent: one more hop, at most.
+            previous = self.sessions.cancel_elsewhere(sid, body) if sid and request.method == "POST" else None
+            if previous is not None and previous != request.headers.get(FORWARDED_HEADER) and await self._holds(sid):
+                return await self._relay_to(request, previous, raw)  # only the map's owner does this: no cycle
+            return None
         if sid:
             return await self._session(request, sid, body, raw)
         if body is None or not isinstance(body, dict):
@@ -108,6 +114,14 @@ class EndpointRouter:
                 return relayed
         err = JsonRpcError(INVALID_PARAMS, "requestState belongs to a call on a proxy replica that is gone; send the request again without it")
         return web.json_response(jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status)
+
+    async def _holds(self, sid: str) -> bool:
+        """True when the session map names this replica as the owner of `sid`."""
+        try:
+            entry = await self.replicas.shared.session_get(self._key(sid))
+        except StoreUnavailableError:
+            return False
+        return isinstance(entry, dict) and entry.get("owner") == self.replicas.node
 
     async def _relay_to(self, request: web.Request, node: Any, raw: bytes | None) -> web.StreamResponse | None:
         peer = await self.replicas.peer(node)
