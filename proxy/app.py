@@ -21,6 +21,7 @@ from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key, shared_key
 from .observability import access_log, json_errors, metrics_handler
 from .replicas import REPLICAS_KEY, Replicas, advertised_url, make_router, on_response_prepare
+from .replicas.forward import SECRET_HEADER as REPLICA_SECRET_HEADER
 from .replicas.internal import PREFIX as REPLICA_PREFIX, add_routes as add_replica_routes
 from .tasks.recovery import RESTART_MESSAGE
 from .tasks.open_store import open_store, rate_storage
@@ -52,12 +53,15 @@ def build_app(config: Config) -> web.Application:
     it raises StoreLockedError when another process serves the same store directory.
     """
     allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
+    authenticator = Authenticator(config.auth)
+    if config.replicas is not None:  # a relayed request keeps the principal the relaying replica authenticated
+        authenticator.replica_secret = (REPLICA_SECRET_HEADER, config.replicas.secret)
     middlewares = [
         access_log(payloads=config.logging.log_payloads),
         json_errors(),
         host_guard(allowed),
         auth_middleware(
-            Authenticator(config.auth), own_auth_prefix="/console" if config.console is not None else None,
+            authenticator, own_auth_prefix="/console" if config.console is not None else None,
             internal_prefix=REPLICA_PREFIX if config.replicas is not None else None,
         ),
     ]
@@ -228,4 +232,7 @@ async def _readyz(request: web.Request) -> web.Response:
     for name, problem in zip(pools, problems, strict=True):
         checks[f"upstream:{name}"] = problem or "ok"
     ready = all(v == "ok" for v in checks.values())
+    replicas = request.app.get(REPLICAS_KEY)
+    if replicas is not None and replicas.peer_problem:  # non-fatal: reported, the replica stays ready
+        checks["replicas"] = replicas.peer_problem
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

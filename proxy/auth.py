@@ -28,6 +28,7 @@ log = structlog.get_logger("proxy.auth")
 ANONYMOUS = "anonymous"
 PRINCIPAL_KEY = web.RequestKey("principal", str)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+RELAYED_PRINCIPAL_HEADER = "X-Mcp-Replica-Principal"  # on a relayed request: whom the receiving replica authenticated
 
 
 class AuthError(Exception):
@@ -50,6 +51,7 @@ class Authenticator:
         self._tokens = {digest.removeprefix("sha256:").lower(): name for name, digest in config.tokens.items()}
         self._jwks: jwt.PyJWKSet | None = None
         self._jwks_client: jwt.PyJWKClient | None = None
+        self.replica_secret: tuple[str, str] | None = None  # (header, shared secret): relayed requests carry their principal
         if self.mode == "jwt":
             assert config.jwt is not None
             if config.jwt.jwks_file:
@@ -61,7 +63,20 @@ class Authenticator:
                 self._jwks_client = jwt.PyJWKClient(config.jwt.jwks_url, cache_keys=True, lifespan=300, timeout=int(max(1, config.jwt.jwks_timeout)))
 
     async def principal(self, request: web.Request) -> str:
-        """The principal of `request`. Raises AuthError."""
+        """The principal of `request`. Raises AuthError.
+
+        A request another replica relayed (it carries the replicas' shared secret) keeps the principal
+        that replica authenticated (`X-Mcp-Replica-Principal`): it is not authenticated again (the
+        relaying replica's address is not an auth proxy's, and a token may not be re-checkable).
+        """
+        relayed = request.headers.getall(RELAYED_PRINCIPAL_HEADER, [])
+        if relayed:
+            if self.replica_secret is None:
+                raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
+            header, secret = self.replica_secret
+            if len(relayed) != 1 or not relayed[0] or not hmac.compare_digest(request.headers.get(header, "").encode(), secret.encode()):
+                raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
+            return relayed[0]
         if self.mode == "none":
             return ANONYMOUS
         if self.mode == "header":

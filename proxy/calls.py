@@ -98,7 +98,9 @@ class CallRunner:
         try:
             while True:
                 if call.done:
-                    return await self._detach(call, policy, f"finished upstream on {self.name}") if required else self._result(call)
+                    if not required:
+                        return self._result(call)
+                    return await self._detach(call, policy, f"finished upstream on {self.name}") or {}
                 if call.pending:
                     answer = await self._ask_client(call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply)
                     if answer is None:  # the call ended while the round was being gathered
@@ -122,7 +124,10 @@ class CallRunner:
                             f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned",
                         ) from None
                     if deadline is not None and loop.time() >= deadline:
-                        handle = await self._detach(call, policy, f"still running upstream after {policy.detach_after:g} s; continuing in the background")
+                        handle = await self._detach(call, policy, f"still running upstream after {policy.detach_after:g} s; continuing in the background", stay=True)
+                        if handle is None:  # the store cannot take the task: the call stays attached (its own timeout bounds it)
+                            deadline = None
+                            continue
                         obs.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))
                         return handle
                     await reply.keepalive()
@@ -142,9 +147,12 @@ class CallRunner:
                 call.cancel("the client closed the request stream")
             raise
 
-    async def _detach(self, call: Call, policy: ResolvedPolicy, why: str) -> JsonObject:
+    async def _detach(self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False) -> JsonObject | None:
         """Turn the call into a task (committed before the handle is returned); a refusal (limit,
-        store) cancels the call, so it never goes on unseen."""
+        store) cancels the call, so it never goes on unseen. With `stay`, a store refusal (503) keeps
+        the call attached instead (None is returned): the upstream call has started, so the answer
+        must not be a 503 a load balancer would send again. A `mode: required` call the store
+        refuses ends with HTTP 500 (-32603) for the same reason."""
         self.parked.release(call)
         rerun = {"method": call.method, "params": call.params, "capabilities": call.capabilities} if policy.on_restart == "rerun" else None
         try:
@@ -152,9 +160,15 @@ class CallRunner:
                 call, server=self.name, tool=call.tool, method=call.method, ttl_s=policy.ttl, poll_interval_s=policy.poll_interval,
                 status_message=why, rerun=rerun,
             )
-        except JsonRpcError:
+        except JsonRpcError as exc:
+            if exc.http_status != 503:
+                call.cancel("refused: the call could not become a task")
+                raise
+            if stay:
+                log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
+                return None
             call.cancel("refused: the call could not become a task")
-            raise
+            raise JsonRpcError(exc.code, exc.message, exc.data, status=500) from None
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         if call.method == "tools/call":
             obs.CALLS.labels(self.name, call.tool, "detached").inc()

@@ -51,11 +51,18 @@ class LegacySession:
     pending: dict[RequestId, int] = field(default_factory=dict)
     streams: dict[str, RelayStream] = field(default_factory=dict)
     get_stream: RelayStream | None = None
+    node: str = ""  # the replica holding it (named in the ids of the questions it relays)
+    previous_owner: str | None = None  # the replica it was adopted from (may still serve its requests)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def mint(self) -> int:
         """A fresh JSON-RPC id toward the upstream for one client request."""
         return next(self._ids)
+
+    def question_id(self) -> str:
+        """A fresh proxy id for a server→client request relayed to the client: `mtp-<node>.<random>`
+        (the node routes the client's answer back to this replica), `mtp-<random>` without replicas."""
+        return f"mtp-{self.node}.{secrets.token_urlsafe(9)}" if self.node else "mtp-" + secrets.token_urlsafe(9)
 
     def add_stream(self, stream: RelayStream) -> None:
         """Remember `stream` for resumption; past MAX_STREAMS the oldest ended stream is forgotten."""
@@ -81,6 +88,7 @@ class LegacySessions:
         self._sessions: dict[str, LegacySession] = {}
         self._sessionless: dict[str, LegacySession] = {}  # principal -> its session-less traffic
         self._sessionless_ids = itertools.count(1)  # shared: one upstream sees every principal's ids
+        self.node: str = ""  # this replica's node id (set by replica routing)
 
     def sessionless(self, principal: str) -> LegacySession:
         """The id maps of `principal`'s traffic without a session (a session-less upstream): its
@@ -93,7 +101,7 @@ class LegacySessions:
                 for key, old in list(self._sessionless.items()):
                     if not old.pending and not old.request_ids and all(s.closed for s in old.streams.values()):
                         del self._sessionless[key]
-            session = LegacySession(upstream_id=None, principal=principal, _ids=self._sessionless_ids)
+            session = LegacySession(upstream_id=None, principal=principal, _ids=self._sessionless_ids, node=self.node)
             self._sessionless[principal] = session
         return session
 
@@ -101,7 +109,7 @@ class LegacySessions:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`
         whose client declared `capabilities` (legacy ClientCapabilities) in its initialize."""
         sid = secrets.token_urlsafe(24)
-        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}))
+        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}), node=self.node)
         return sid
 
     def get(self, sid: str, principal: str) -> LegacySession | None:
@@ -117,10 +125,14 @@ class LegacySessions:
         """The session behind `sid` whoever opened it (for replica routing), or None."""
         return self._sessions.get(sid)
 
-    def adopt(self, sid: str, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None) -> None:
+    def adopt(self, sid: str, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None, previous_owner: str | None = None) -> None:
         """Hold under its own id a session another replica opened (replica routing; the upstream
-        session is the same)."""
-        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}))
+        session is the same). Its upstream request ids start at a random base (< 2**53), so they
+        never meet the ones `previous_owner` still has in flight on that upstream session."""
+        self._sessions[sid] = LegacySession(
+            upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}), node=self.node,
+            previous_owner=previous_owner, _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
+        )
 
     def end(self, sid: str) -> None:
         """Forget `sid` (DELETE, or the upstream expired it) and stop its streams' pumps."""

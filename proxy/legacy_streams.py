@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from typing import Any
 
 import aiohttp
@@ -187,7 +186,7 @@ class RelayStreams:
         if not isinstance(message, dict):
             return (event if not event.data.strip() else None), False  # a priming event passes (empty data); garbage does not
         if jsonrpc.is_request(message):
-            proxy_id = "mtp-" + secrets.token_urlsafe(9)
+            proxy_id = session.question_id()
             session.request_ids[proxy_id] = message["id"]
             while len(session.request_ids) > MAX_OPEN_QUESTIONS:  # never answered: the oldest are forgotten
                 del session.request_ids[next(iter(session.request_ids))]

@@ -6,13 +6,16 @@ where a test must pick the replica. Timings are scaled down: lease 600 ms."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import signal
 import re
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -261,6 +264,165 @@ def test_replicas_config_needs_a_shared_store_a_secret_and_an_address() -> None:
         advertised_url(config)
 
 
+# -- the store goes away for longer than the lease -----------------------------------------------
+
+
+async def test_redis_outage_longer_than_the_lease_fails_no_live_replicas_tasks(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """After Redis comes back every lease has lapsed by the clock; no replica takes the others' for lost."""
+    import redis.asyncio as aioredis
+
+    for client in clients:
+        await client.warm_up()
+    ids = [(await c.call("slow_compute", {"seconds": 4, "label": "outage"})).result["taskId"] for c in clients for _ in range(2)]
+    store = aioredis.from_url(cluster.redis_url)
+    try:  # AOF now, so that a restart keeps the records (the rewrite holds what is there)
+        await store.config_set("appendonly", "yes")
+        async with asyncio.timeout(10):
+            while (info := await store.info("persistence"))["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]:
+                await asyncio.sleep(0.02)
+    finally:
+        await store.aclose()
+    port = cluster.redis.port
+    cluster.redis.kill()
+    ended: dict[str, dict] = {}
+
+    async def poll(client: ModernClient, task_id: str) -> None:  # through another replica, all along
+        while task_id not in ended:
+            with contextlib.suppress(Exception):
+                task = (await client.get(task_id)).result
+                if task.get("status") in ("completed", "failed", "cancelled"):
+                    ended[task_id] = task
+            await asyncio.sleep(0.01)
+
+    pollers = [asyncio.ensure_future(poll(clients[(i // 2 + 1) % 3], task_id)) for i, task_id in enumerate(ids)]
+    # Replica 2 is paused across the restart (a stall, not a death): the others see the store back
+    # before it has renewed its lease, and poll its tasks all along.
+    cluster.procs[2].send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(4 * LEASE_S)  # every lease lapses
+        cluster.redis.appendonly = True
+        await asyncio.to_thread(cluster.redis.start, port=port)
+        await asyncio.sleep(LEASE_S / 2)
+        cluster.procs[2].send_signal(signal.SIGCONT)
+        async with asyncio.timeout(15):
+            await asyncio.gather(*pollers)
+    finally:
+        cluster.procs[2].send_signal(signal.SIGCONT)
+        for poller in pollers:
+            poller.cancel()
+    statuses = [ended[t]["status"] for t in ids]
+    assert statuses == ["completed"] * len(ids), [ended[t].get("statusMessage") for t in ids]
+    for i in range(3):
+        await asyncio.to_thread(_wait_ready, cluster, i)
+
+
+def _wait_ready(cluster: Cluster, i: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(cluster.replica_urls[i] + "/readyz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"replica {i} not ready again")
+
+
+async def test_a_replica_with_another_secret_is_reported_and_its_updates_fail(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """A 4th replica with a different secret: it logs the peers that refuse it and /readyz says so;
+    a tasks/update through it for a task on another replica is an error, not a false "complete"."""
+    import os
+
+    from scripts.cluster import free_port
+
+    port = free_port()
+    log_path = cluster.workdir / "odd-replica.log"
+    with open(log_path, "ab") as log:
+        odd = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "--config", str(ROOT / "config" / "replicas.yaml"), "--port", str(port)],
+            cwd=ROOT, env={**cluster.env, "MCP_REPLICA_SECRET": "another-secret-" + "x" * 32}, stdout=subprocess.DEVNULL, stderr=log,
+        )
+    odd_url = f"http://127.0.0.1:{port}"
+    odd_client = ModernClient(odd_url + WEB, capabilities=ELICIT_CAPS)
+    try:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(20):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(odd_url + "/readyz") as resp:
+                        checks = (await resp.json())["checks"]
+                        if "replicas" in checks:
+                            break
+                await asyncio.sleep(0.05)
+        assert resp.status == 200 and "refused by" in checks["replicas"] and "replicas.secret" in checks["replicas"]
+        assert "replica_peer_refused" in log_path.read_text()
+        c0 = clients[0]
+        await c0.warm_up()
+        created = (await c0.call("confirm_delete", {"filename": "odd.txt", "delay": 0.3})).result
+        task = await c0.wait_status(created["taskId"], ("input_required",))
+        (key, _), = task["inputRequests"].items()
+        refused = await odd_client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: ACCEPT}})
+        assert refused.status == 503 and refused.error["code"] == -32603, refused
+        assert "not delivered" in refused.error["message"] and "403" in refused.error["message"]
+        assert (await c0.get(created["taskId"])).result["status"] == "input_required"  # nothing was answered
+        assert (await c0.request("tasks/cancel", {"taskId": created["taskId"]})).result == {"resultType": "complete"}
+    finally:
+        await odd_client.close()
+        odd.terminate()
+        await asyncio.to_thread(odd.wait, 30)
+
+
+async def test_header_auth_relayed_requests_keep_their_principal(legacy_url: str, tmp_path: Any) -> None:
+    """auth.mode header, trusted_peers = the auth proxy's address (127.0.0.3 here): a request relayed
+    between replicas comes from a replica's address, yet keeps the principal the first one took.
+    And a relayed stream whose peer stops answering (SIGSTOP) is cut within a few keepalives."""
+    config = tmp_path / "replicas-header.yaml"
+    text = (ROOT / "config" / "replicas.yaml").read_text().replace("\nlisten:\n", "\nlisten:\n  sse_keepalive: 200ms\n", 1)
+    assert "sse_keepalive: 200ms" in text
+    config.write_text(text + "\nauth:\n  mode: header\n  header:\n    name: X-User\n    trusted_peers: [127.0.0.3]\n")
+    with Cluster(upstream_url=legacy_url, settings=SETTINGS, config=config, check_inter="100ms") as two:
+
+        def client(i: int) -> ModernClient:
+            made = ModernClient(two.replica_urls[i] + WEB, capabilities=ELICIT_CAPS)
+            made.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0)), headers={"X-User": "alice"})
+            return made
+
+        c0, c1 = client(0), client(1)
+        try:
+            stranger = ModernClient(two.replica_urls[0] + WEB)
+            try:
+                assert (await stranger.call("greet", {"name": "x"})).status == 401  # not from the auth proxy
+            finally:
+                await stranger.close()
+            sid = await _open_legacy(c0.http, two.replica_urls[0] + WEB)
+            assert await _legacy_ping(c1.http, two.replica_urls[1] + WEB, sid) == 200  # relayed to replica 0
+            first = (await c0.call("ask_then_work", {"seconds": 0})).result
+            (key, _), = first["inputRequests"].items()
+            second = await c1.request("tools/call", {"name": "ask_then_work", "arguments": {"seconds": 0}, "requestState": first["requestState"],
+                                                     "inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}}})
+            assert second.result["content"][0]["text"] == "Hello Ada, the work took 0s", second
+            forged = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25", "X-Mcp-Replica-Principal": "alice"}
+            async with aiohttp.ClientSession() as plain, plain.post(two.replica_urls[1] + WEB, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=forged) as resp:
+                assert resp.status == 401  # the principal header alone, without the replicas' secret
+            # A relayed GET stream: the owner freezes; the relaying replica cuts it (3 keepalives + hop_timeout).
+            headers = {**LEGACY_HEADERS, "Accept": "text/event-stream", "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+            async with c1.http.get(two.replica_urls[1] + WEB, headers=headers) as stream:
+                assert stream.status == 200
+                await asyncio.wait_for(stream.content.readany(), 5)  # keepalives flow
+                two.procs[0].send_signal(signal.SIGSTOP)
+                try:
+                    frozen = time.monotonic()
+                    with contextlib.suppress(aiohttp.ClientError):
+                        while await asyncio.wait_for(stream.content.readany(), 10):
+                            pass
+                    assert time.monotonic() - frozen < 0.6 + 2 + 1.5
+                finally:
+                    two.procs[0].send_signal(signal.SIGCONT)
+        finally:
+            await c0.close()
+            await c1.close()
+
+
 # -- rolling deploys: one replica drains ---------------------------------------------------------
 
 
@@ -289,6 +451,54 @@ async def test_sigterm_drains_detached_calls_while_the_others_serve_them(cluster
     finally:
         await asyncio.wait_for(terminating, timeout=60)
         await asyncio.to_thread(cluster.restart, 1)
+
+
+async def test_draining_owner_keeps_its_legacy_question_while_another_replica_adopts_the_session(cluster: Cluster) -> None:
+    """One SDK session through HAProxy: a call that asks a question after a while, greets alongside,
+    and the session's owner is SIGTERMed: its new requests move to another replica (adoption, same
+    upstream session) while the owner still relays the question and takes its answer."""
+    import redis.asyncio as aioredis
+
+    asked: list[str] = []
+
+    async def on_elicit(context: ClientRequestContext, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"confirm": True})
+
+    store = aioredis.from_url(cluster.redis_url)
+    terminating: asyncio.Future[int] | None = None
+    owner_i = -1
+    try:
+        before = set(await store.keys("*session:web:*"))
+        async with streamable_http_client(cluster.url + WEB) as (read, write), ClientSession(read, write, elicitation_callback=on_elicit) as session:
+            await session.initialize()
+            (key,) = set(await store.keys("*session:web:*")) - before
+            owner = json.loads(await store.get(key))["owner"]
+            owner_i = [_node_of(cluster, i) for i in range(3)].index(owner)
+            confirm = asyncio.ensure_future(session.call_tool("confirm_delete", {"filename": "adopted.txt", "delay": 0.6}))
+            stop = asyncio.Event()
+            greeted: list[str] = []
+
+            async def greets() -> None:
+                while not stop.is_set():
+                    greeted.append((await session.call_tool("greet", {"name": f"g{len(greeted)}"})).content[0].text)
+
+            looping = asyncio.ensure_future(greets())
+            await asyncio.sleep(0.2)
+            terminating = asyncio.ensure_future(asyncio.to_thread(cluster.terminate, owner_i, 30))
+            result = await asyncio.wait_for(confirm, 10)
+            await asyncio.sleep(0.3)  # a few more greets, on the adopter
+            stop.set()
+            await asyncio.wait_for(looping, 10)
+        assert asked and "adopted.txt" in result.content[0].text and not result.is_error, result
+        assert greeted and all(text.startswith("Hello, g") for text in greeted)
+        assert await asyncio.wait_for(terminating, 15) == 0  # the owner exits once its exchanges are over
+    finally:
+        await store.aclose()
+        if terminating is not None:
+            await asyncio.wait_for(terminating, 60)
+        if owner_i >= 0 and not cluster.alive(owner_i):
+            await asyncio.to_thread(cluster.restart, owner_i)
 
 
 # -- a replica dies -----------------------------------------------------------------------------
@@ -343,6 +553,52 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(cluster: Cluster, 
         assert await _legacy_ping(http, cluster.replica_urls[1] + WEB, web_sid) == 200  # now relayed to replica 0
         assert await _legacy_ping(http, cluster.replica_urls[0] + LOCAL, stdio_sid) == 404
     await asyncio.to_thread(cluster.restart, 2)
+
+
+def _busy_slot(cluster: Cluster) -> int | None:
+    """The replica HAProxy has a request open on right now (stats `scur`), if exactly one."""
+    import csv
+    import io
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.stats_port}/stats;csv", timeout=1) as resp:
+        rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
+        busy = [int(r["svname"][1:]) for r in rows if r.get("pxname") == "replicas" and r["svname"].startswith("r") and int(r["scur"] or 0) > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+async def test_a_call_whose_replica_dies_is_not_sent_again_by_the_balancer(cluster: Cluster, clients: list[ModernClient]) -> None:
+    """A synchronous call in flight on a replica that is SIGKILLed: the upstream saw it start once,
+    and the client gets an error from the balancer, not a silent second run on another replica."""
+    sync = ModernClient(cluster.url + WEB, capabilities={})  # no tasks extension: the call stays synchronous
+    try:
+        await sync.warm_up()
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "slow_compute", "arguments": {"seconds": 3, "label": "lb-once"}, "_meta": {}}}
+        from conftest import envelope
+
+        body["params"]["_meta"] = envelope({})
+        headers = sync.headers_for("tools/call", body["params"])
+
+        async def post() -> int:
+            try:
+                async with sync.http.post(sync.url, data=json.dumps(body).encode(), headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+            except aiohttp.ClientError as exc:  # the response had begun (keepalives) and was cut
+                return 0
+
+        sent = asyncio.ensure_future(post())
+        await asyncio.sleep(1.0)
+        busy = await asyncio.to_thread(_busy_slot, cluster)
+        assert busy is not None
+        await asyncio.to_thread(cluster.kill, busy)
+        status = await asyncio.wait_for(sent, timeout=10)
+        assert status == 0 or status >= 500  # an error, not the result of a second run
+        survivor = clients[(busy + 1) % 3]
+        reply = await survivor.call("started_log")
+        assert json.loads(reply.result["content"][0]["text"]).get("lb-once") == 1
+        await asyncio.to_thread(cluster.restart, busy)
+    finally:
+        await sync.close()
 
 
 # -- rolling restart under load -----------------------------------------------------------------

@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import Histogram
 
+from ..auth import PRINCIPAL_KEY, RELAYED_PRINCIPAL_HEADER
 from ..protocol.jsonrpc import JsonObject
 from .registry import Peer
 
@@ -25,7 +26,7 @@ SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared i
 FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
 _HOP_BY_HOP = frozenset(
     h.lower() for h in ("Host", "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "TE", "Trailer", "Upgrade",
-                        "Proxy-Connection", "Proxy-Authorization", SECRET_HEADER, FORWARDED_HEADER)
+                        "Proxy-Connection", "Proxy-Authorization", SECRET_HEADER, FORWARDED_HEADER, RELAYED_PRINCIPAL_HEADER)
 )
 
 HOP_SECONDS = Histogram(
@@ -34,13 +35,29 @@ HOP_SECONDS = Histogram(
 )
 
 
-class Forwarder:
-    """Talks to peers with the shared `secret`; `node` is this replica's id, `timeout_s` (s) the hop bound."""
+class HopError(Exception):
+    """A hop to a peer failed; the message says why, `status` is the peer's HTTP status if it answered."""
 
-    def __init__(self, *, node: str, secret: str, timeout_s: float) -> None:
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Forwarder:
+    """Talks to peers with the shared `secret`; `node` is this replica's id, `timeout_s` (s) the hop bound.
+
+    A relayed request waits for the peer's response head and each read of a plain body at most
+    `read_timeout_s` (s: the longest call timeout plus the hop), and at most `stream_idle_s` (s: a
+    few `listen.sse_keepalive` intervals, since the peer sends keepalive comments) between two
+    chunks of an SSE stream.
+    """
+
+    def __init__(self, *, node: str, secret: str, timeout_s: float, read_timeout_s: float = 1800.0, stream_idle_s: float = 60.0) -> None:
         self.node = node
         self.secret = secret
         self.timeout_s = timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.stream_idle_s = stream_idle_s
         self._http: aiohttp.ClientSession | None = None
 
     def _session(self) -> aiohttp.ClientSession:
@@ -56,7 +73,15 @@ class Forwarder:
 
     async def call(self, peer: Peer, op: str, payload: JsonObject) -> JsonObject | None:
         """POST `payload` to the peer's `/_replica/<op>`; its JSON answer, or None when the peer cannot
-        be reached, does not answer within `timeout_s`, or refuses (any non-200 status)."""
+        be reached, refuses, or answers nonsense within `timeout_s` (s)."""
+        try:
+            return await self.ask(peer, op, payload)
+        except HopError:
+            return None
+
+    async def ask(self, peer: Peer, op: str, payload: JsonObject) -> JsonObject:
+        """Like `call`, but raises HopError saying why (unreachable, timeout, a refusal's HTTP status
+        such as 403 for a different secret, a non-object answer) instead of returning None."""
         started = time.perf_counter()
         try:
             async with self._session().post(
@@ -65,30 +90,37 @@ class Forwarder:
             ) as resp:
                 if resp.status != 200:
                     log.warning("replica_hop_refused", peer=peer.node, op=op, status=resp.status)
-                    return None
+                    raise HopError(f"replica {peer.node} at {peer.url} refused the hop (HTTP {resp.status}"
+                                   + (": a different replicas.secret)" if resp.status == 403 else ")"), status=resp.status)
                 answer = await resp.json()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
-            log.warning("replica_unreachable", peer=peer.node, op=op, reason=str(exc) or exc.__class__.__name__)
-            return None
+            reason = str(exc) or exc.__class__.__name__
+            log.warning("replica_unreachable", peer=peer.node, op=op, reason=reason)
+            raise HopError(f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s ({reason})") from None
         finally:
             HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
-        return answer if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            raise HopError(f"replica {peer.node} at {peer.url} answered something other than a JSON object")
+        return answer
 
     async def relay(self, request: web.Request, peer: Peer, raw: bytes | None) -> web.StreamResponse | None:
         """Send the client's request (method, path, headers, `raw` body) to `peer` and stream its
         response back. None when the peer cannot be reached (nothing was sent to the client then).
 
-        Connecting is bounded by `timeout_s`; the response is as long as the peer makes it (the
-        peer bounds its own calls), and a client that goes away closes the hop.
+        Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
+        `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
+        away closes the hop.
         """
         # The body was already decoded by this replica: it goes on without its Content-Encoding.
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"}
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
+        if PRINCIPAL_KEY in request:  # authenticated here: the owner takes it as is (auth.Authenticator.principal)
+            headers[RELAYED_PRINCIPAL_HEADER] = request[PRINCIPAL_KEY]
         try:
             upstream = await self._session().request(
                 request.method, f"{peer.url}{request.path_qs}", data=raw if raw else None, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, connect=self.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, connect=self.timeout_s, sock_read=self.read_timeout_s),
             )
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             log.warning("replica_unreachable", peer=peer.node, op="relay", reason=str(exc) or exc.__class__.__name__)
@@ -101,8 +133,9 @@ class Forwarder:
             if upstream.content_length is not None:
                 out.content_length = upstream.content_length
             await out.prepare(request)
+            streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             try:
-                async for chunk in upstream.content.iter_any():
+                while chunk := await (asyncio.wait_for(upstream.content.readany(), self.stream_idle_s) if streaming else upstream.content.readany()):
                     await out.write(chunk)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                 log.warning("replica_relay_broken", peer=peer.node, reason=str(exc) or exc.__class__.__name__)

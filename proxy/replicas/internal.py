@@ -21,6 +21,7 @@ def add_routes(app: web.Application) -> None:
     """Mount the internal endpoints (call only when `replicas` is configured)."""
     app.router.add_post(f"{PREFIX}/tasks/cancel", _cancel)
     app.router.add_post(f"{PREFIX}/tasks/answer", _answer)
+    app.router.add_post(f"{PREFIX}/ping", _ping)
 
 
 def _refuse(status: int, message: str) -> web.Response:
@@ -74,3 +75,12 @@ async def _answer(request: web.Request) -> web.Response:
     record = await replicas.tasks.store.get(task_id)
     keys = await replicas.tasks.answer(record, responses) if record is not None else []
     return web.json_response({"keys": keys})
+
+
+async def _ping(request: web.Request) -> web.Response:
+    """`{}` → `{"node": id}` with the right secret (403 without): a replica checks its peers at start."""
+    replicas: Replicas = request.app[REPLICAS_KEY]
+    if not replicas.authentic(request):
+        log.warning("security_replica_auth_failed", remote=request.remote, path=request.path)
+        return _refuse(403, "replica secret missing or wrong")
+    return web.json_response({"node": replicas.node})

@@ -12,11 +12,11 @@ import structlog
 from aiohttp import web
 
 from ..config import Config
-from ..protocol.jsonrpc import JsonObject
+from ..protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError
 from ..tasks.model import TaskRecord
 from ..tasks.service import TaskService
 from ..tasks.store import StoreUnavailableError
-from .forward import FORWARDED_HEADER, SECRET_HEADER, Forwarder
+from .forward import FORWARDED_HEADER, SECRET_HEADER, Forwarder, HopError
 from .registry import Peer, Registry, SharedMap
 
 log = structlog.get_logger("proxy.replicas")
@@ -48,13 +48,19 @@ class Replicas:
         self.tasks = tasks
         self.node = tasks.node
         self.registry = Registry(shared, node=tasks.node, url=url, lease_ms=int(tasks.lease_s * 1000))
-        self.forwarder = Forwarder(node=tasks.node, secret=self.secret, timeout_s=config.replicas.hop_timeout)
+        hop = config.replicas.hop_timeout
+        longest_call = max((entry.timeout for entry in config.servers.values()), default=1800.0)
+        self.forwarder = Forwarder(
+            node=tasks.node, secret=self.secret, timeout_s=hop, read_timeout_s=longest_call + hop, stream_idle_s=3 * config.listen.sse_keepalive + hop,
+        )
         self.shared = shared
         self.draining = False
         self._loop: asyncio.Task[None] | None = None
         self._stopping = False
         self._streams: set[asyncio.Task[Any]] = set()
         self._requests: set[asyncio.Task[Any]] = set()
+        self.peer_problem: str | None = None  # a peer that refused this replica's secret (shown on /readyz)
+        self._check: asyncio.Task[Any] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -62,7 +68,23 @@ class Replicas:
         """Announce this replica and keep its record renewed. Raises StoreUnavailableError."""
         await self.registry.announce()
         self._loop = asyncio.get_running_loop().create_task(self._renew(), name="replica-announce")
+        self._check = asyncio.get_running_loop().create_task(self.check_peers(), name="replica-peer-check")
         log.info("replica_started", node=self.node, url=self.registry.url)
+
+    async def check_peers(self) -> str | None:
+        """Ping every registered peer with this replica's secret (bounded by `hop_timeout` each, in
+        parallel); log an error naming each one that refuses it (a different `replicas.secret`) and
+        keep the finding in `peer_problem` for /readyz. Non-fatal; returns the finding."""
+        try:
+            peers = await self.registry.peers()
+        except StoreUnavailableError:
+            return self.peer_problem
+        results = await asyncio.gather(*(self.forwarder.ask(p, "ping", {}) for p in peers), return_exceptions=True)
+        refused = [f"{p.node} at {p.url}" for p, r in zip(peers, results) if isinstance(r, HopError) and r.status == 403]
+        for who in refused:
+            log.error("replica_peer_refused", peer=who, reason="it refuses this replica's secret: replicas.secret differs")
+        self.peer_problem = f"refused by {', '.join(refused)} (a different replicas.secret)" if refused else None
+        return self.peer_problem
 
     async def _renew(self) -> None:
         while not self._stopping:  # a flag too: redis-py can swallow a cancel (redis/redis-py#2028)
@@ -106,9 +128,11 @@ class Replicas:
             task.add_done_callback(held.discard)
 
     def close_streams(self) -> int:
-        """End every open stream (the client sees it cut and reconnects, through the balancer, to a
-        replica that is up); returns how many. Called once the drain is over, before the listener closes."""
-        streams = [task for task in self._streams if not task.done()]
+        """End every open stream and every request still running (a relayed legacy stream, a call
+        past its drain): the client sees it cut and reconnects, through the balancer, to a replica
+        that is up; returns how many. Called once the drain is over, before the listener closes,
+        so the exit is bounded by the drain and not by the clients."""
+        streams = [task for task in (*self._streams, *self._requests) if not task.done()]
         for task in streams:
             task.cancel()
         return len(streams)
@@ -116,6 +140,8 @@ class Replicas:
     async def stop(self) -> None:
         """Stop renewing, remove the registry record, close the hop."""
         self._stopping = True
+        if self._check is not None:
+            self._check.cancel()
         if self._loop is not None:
             self._loop.cancel()
             await asyncio.wait({self._loop}, timeout=2.0)
@@ -144,14 +170,23 @@ class Replicas:
     # -- the remote owner of a task (TaskService.remote) ---------------------------------------
 
     async def answer(self, record: TaskRecord, responses: JsonObject) -> list[str]:
-        """Deliver input responses to the replica running `record`'s call; the keys it used
-        (none when that replica is gone: its lease lapses and recovery ends the task)."""
+        """Deliver input responses to the replica running `record`'s call; the keys it used.
+
+        Raises JsonRpcError -32603 (HTTP 503) naming the cause when they cannot be delivered (that
+        replica is gone, unreachable, or refuses this one's secret): nothing was answered then.
+        """
         peer = await self.peer(record.owner)
         if peer is None:
-            return []
-        answer = await self.forwarder.call(peer, "tasks/answer", {"taskId": record.task_id, "inputResponses": responses})
-        keys = answer.get("keys") if answer else None
-        return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+            cause = f"the proxy replica running this task (node {record.owner}) is gone or its record cannot be read"
+        else:
+            try:
+                answer = await self.forwarder.ask(peer, "tasks/answer", {"taskId": record.task_id, "inputResponses": responses})
+            except HopError as exc:
+                cause = str(exc)
+            else:
+                keys = answer.get("keys")
+                return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+        raise JsonRpcError(INTERNAL_ERROR, f"the input responses were not delivered: {cause}", {"node": record.owner}, status=503)
 
     async def cancel(self, record: TaskRecord, reason: str) -> None:
         """Stop the call of a task another replica runs (the task is already `cancelled` in the

@@ -64,6 +64,14 @@ class Registry:
         """Remove this replica's record (clean exit). Raises StoreUnavailableError."""
         await self.shared.session_delete(_key(self.node))
 
+    async def peers(self) -> list[Peer]:
+        """Every other live replica (empty when the map cannot list its keys). Raises StoreUnavailableError."""
+        keys = getattr(self.shared, "session_keys", None)
+        if keys is None:
+            return []
+        found = [await self.peer(key.removeprefix("replica:")) for key in await keys("replica:")]
+        return [p for p in found if p is not None]
+
     async def peer(self, node: Any) -> Peer | None:
         """The live replica `node` (None when unknown, gone, or this replica itself). Raises StoreUnavailableError."""
         if not isinstance(node, str) or not node or node == self.node:

@@ -24,6 +24,7 @@ from ..protocol.era import is_modern_request
 from ..protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
 from ..tasks.model import principal_hash
 from ..tasks.store import StoreUnavailableError
+from .forward import FORWARDED_HEADER
 from .node import Replicas
 
 log = structlog.get_logger("proxy.replicas")
@@ -40,6 +41,16 @@ def drain_refusal(request_id: Any, what: str) -> web.Response:
     response = web.json_response(jsonrpc.error_response(request_id, err.to_error()), status=503)
     response.headers["Retry-After"] = "0"
     return response
+
+
+def _question_node(body: Any) -> str | None:
+    """The replica named in the id of a client's JSON-RPC response (`mtp-<node>.<random>`), or None."""
+    if not isinstance(body, dict) or "method" in body or not ("result" in body or "error" in body):
+        return None
+    rid = body.get("id")
+    if not isinstance(rid, str) or not rid.startswith("mtp-") or "." not in rid:
+        return None
+    return rid[4:].split(".", 1)[0] or None
 
 
 def _request_id(body: Any) -> Any:
@@ -68,9 +79,14 @@ class EndpointRouter:
             self.replicas.track(stream=True)  # open until the client leaves: cut when this replica exits
         elif request.method == "POST":
             self.replicas.track(stream=False)  # a request that ends by itself (bounded): waited for on drain
-        if self.replicas.forwarded(request):
-            return None
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        if self.replicas.forwarded(request):
+            # Served here, except a cancel relayed by a third replica (the map names this replica
+            # since it adopted the session) for a request the previous owner sent: one more hop, at most.
+            previous = self.sessions.cancel_elsewhere(sid, body) if sid and request.method == "POST" else None
+            if previous is not None and previous != request.headers.get(FORWARDED_HEADER) and await self._holds(sid):
+                return await self._relay_to(request, previous, raw)  # only the map's owner does this: no cycle
+            return None
         if sid:
             return await self._session(request, sid, body, raw)
         if body is None or not isinstance(body, dict):
@@ -99,8 +115,33 @@ class EndpointRouter:
         err = JsonRpcError(INVALID_PARAMS, "requestState belongs to a call on a proxy replica that is gone; send the request again without it")
         return web.json_response(jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status)
 
+    async def _holds(self, sid: str) -> bool:
+        """True when the session map names this replica as the owner of `sid`."""
+        try:
+            entry = await self.replicas.shared.session_get(self._key(sid))
+        except StoreUnavailableError:
+            return False
+        return isinstance(entry, dict) and entry.get("owner") == self.replicas.node
+
+    async def _relay_to(self, request: web.Request, node: Any, raw: bytes | None) -> web.StreamResponse | None:
+        peer = await self.replicas.peer(node)
+        return None if peer is None else await self.replicas.forwarder.relay(request, peer, raw)
+
     async def _session(self, request: web.Request, sid: str, body: Any, raw: bytes | None) -> web.StreamResponse | None:
         new_call = request.method == "POST" and isinstance(body, dict) and body.get("method") == "tools/call"
+        # The client's answer to a question goes to the replica that relayed the question (its id
+        # names it: `mtp-<node>.<random>`), which may be a draining previous owner of the session.
+        asker = _question_node(body) if request.method == "POST" else None
+        if asker is not None and asker != self.replicas.node:
+            relayed = await self._relay_to(request, asker, raw)
+            if relayed is not None:
+                return relayed
+        # A cancel of a request this replica did not send goes to the replica the session came from.
+        previous = self.sessions.cancel_elsewhere(sid, body) if request.method == "POST" else None
+        if previous is not None:
+            relayed = await self._relay_to(request, previous, raw)
+            if relayed is not None:
+                return relayed
         if self.sessions.knows(sid):
             if self.replicas.draining and new_call and self.kind == "http":
                 return drain_refusal(_request_id(body), "new calls")  # retried elsewhere, which adopts the session
@@ -122,7 +163,7 @@ class EndpointRouter:
         principal = request.get(PRINCIPAL_KEY, ANONYMOUS)
         if self.kind == "http" and entry.get("principal") == principal_hash(principal) and isinstance(entry.get("upstream"), str):
             capabilities = entry.get("capabilities")
-            self.sessions.adopt(sid, entry["upstream"], principal, capabilities if isinstance(capabilities, dict) else {})
+            self.sessions.adopt(sid, entry["upstream"], principal, capabilities if isinstance(capabilities, dict) else {}, entry.get("owner"))
             await self.record(sid, upstream=entry["upstream"], principal=principal, capabilities=capabilities)
             log.info("legacy_session_adopted", server=self.server, previous_owner=entry.get("owner"))
         return None  # adopted, or a stdio session whose replica is gone: 404 here
@@ -177,9 +218,19 @@ class HttpSessions:
         session = self.legacy.peek(sid)
         return session.upstream_id, session.principal, session.capabilities
 
-    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any) -> None:
+    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None) -> None:
         """Hold session `sid` here from now on (its upstream session is `upstream`)."""
-        self.legacy.adopt(sid, upstream, principal, capabilities)
+        self.legacy.adopt(sid, upstream, principal, capabilities, previous_owner if isinstance(previous_owner, str) else None)
+
+    def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
+        """The previous owner of adopted session `sid` when `body` is a notifications/cancelled for a
+        request not sent from here (the previous owner sent it), else None."""
+        session = self.legacy.peek(sid)
+        if session is None or session.previous_owner is None or not isinstance(body, dict) or body.get("method") != "notifications/cancelled":
+            return None
+        params = body.get("params")
+        rid = params.get("requestId") if isinstance(params, dict) else None
+        return session.previous_owner if isinstance(rid, (str, int)) and rid not in session.pending else None
 
 
 class BridgeSessions:
@@ -198,12 +249,17 @@ class BridgeSessions:
         session = self.bridge.sessions[sid]
         return None, session.principal, session.capabilities
 
-    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any) -> None:
+    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None) -> None:
         """Not possible for a stdio upstream (never called)."""
+
+    def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
+        """Never (stdio sessions are not adopted)."""
+        return None
 
 
 def make_router(replicas: Replicas, endpoint: Any, parked: ParkedCalls) -> EndpointRouter:
     """The router of one `ServerEndpoint` (HTTP relay sessions, or the stdio bridge's)."""
     if endpoint.bridge is not None:
         return EndpointRouter(replicas, server=endpoint.name, kind="stdio", sessions=BridgeSessions(endpoint.bridge), parked=parked)
+    endpoint.legacy.node = replicas.node  # named in the ids of the questions its sessions relay
     return EndpointRouter(replicas, server=endpoint.name, kind="http", sessions=HttpSessions(endpoint.legacy), parked=parked)

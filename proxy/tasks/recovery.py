@@ -9,13 +9,16 @@ then is the call sent upstream again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 import structlog
 
 from .. import observability as obs
 from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, principal_hash, proxy_error
-from .store import TaskNotFoundError
+from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 if TYPE_CHECKING:
     from .service import TaskService
@@ -26,16 +29,62 @@ RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream
 LOST_MESSAGE = "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; the upstream call was lost"
 
 
+async def store_instance(store: object) -> str | None:
+    """The store server's identity when the store has one (Redis `run_id`), else None. Raises StoreUnavailableError."""
+    instance = getattr(store, "instance_id", None)
+    return None if instance is None else str(await instance())
+
+
+class LeaseJudge:
+    """When a node may take another node's lapsed lease for a lost replica.
+
+    After a store outage longer than the lease (`lease_s`, s) every lease has lapsed by the clock,
+    live replicas' too. So a node judges other nodes' leases only once it has been renewing its own
+    without a store error, and on the same store server (Redis `run_id`), for a full lease period:
+    by then every live replica has renewed its own.
+    """
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._since: float | None = None  # loop time (s) of the first good renewal since the last error
+        self._instance: str | None = None
+
+    def started(self, instance: str | None) -> None:
+        """The node just took its lease at start-up on store server `instance` (trusted at once)."""
+        self._instance = instance
+        self._since = asyncio.get_running_loop().time() - self.lease_s
+
+    def renewed(self, instance: str | None) -> None:
+        """The node's lease was just renewed on store server `instance`."""
+        if instance != self._instance:  # the store server restarted: leases may have lapsed meanwhile
+            log.warning("store_restarted", previous=self._instance, now=instance)
+            self._instance = instance
+            self._since = None
+        if self._since is None:
+            self._since = asyncio.get_running_loop().time()
+
+    def failed(self) -> None:
+        """A store operation failed: start counting again at the next good renewal."""
+        self._since = None
+
+    def may_judge(self) -> bool:
+        """True when other nodes' lapsed leases mean they are lost (see the class docstring)."""
+        return self._since is not None and asyncio.get_running_loop().time() - self._since >= self.lease_s
+
+
 async def sweep(service: TaskService, message: str | None = None) -> tuple[int, int]:
     """Take over every orphan in the store; `message` overrides the default lease-lapse message
     (the start-up sweep names a restart). Returns (re-run, failed). Raises StoreUnavailableError."""
     store = service.store
     rerun = failed = 0
     lapsed: dict[str, bool] = {}
+    judge = service.leases.may_judge()  # not right after a store outage: live replicas renew first
     for record in await store.live_tasks():
         if record.task_id in service.live or service.unwritten(record.task_id):
             continue
         if record.owner != service.node:
+            if not judge:
+                continue
             if record.owner not in lapsed:
                 lapsed[record.owner] = not await store.lease_alive(record.owner)
             if not lapsed[record.owner]:
@@ -93,3 +142,17 @@ async def stop_calls_ended_elsewhere(service: TaskService) -> None:
             log.info("task_cancelled", task_id=task_id, by="operator", principal=principal_hash(record.principal))
         else:
             log.info("task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone")
+
+
+async def write_later(store: TaskStore, unwritten: dict[str, Any], task_id: str, change: Change) -> None:
+    """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart); then
+    forget the in-memory copy in `unwritten`."""
+    try:
+        async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=5.0), retry=retry_if_exception_type(StoreUnavailableError)):
+            with attempt:
+                await store.update(task_id, change)
+        log.info("outcome_recorded_late", task_id=task_id)
+    except (TerminalTaskError, TaskNotFoundError, ConflictError):
+        pass
+    finally:
+        unwritten.pop(task_id, None)

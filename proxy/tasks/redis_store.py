@@ -256,6 +256,12 @@ class RedisTaskStore:
         async with self.guard():
             await self.redis.set(self.keys.node(node), str(now_ms()), px=max(1, ttl_ms))
 
+    async def instance_id(self) -> str:
+        """The Redis server's `run_id` (changes when the server restarts). Raises StoreUnavailableError."""
+        async with self.guard():
+            info = await self.redis.info("server")
+        return str(info.get("run_id", ""))
+
     async def release_lease(self, node: str) -> None:
         """See TaskStore.release_lease."""
         async with self.guard():
@@ -350,6 +356,17 @@ class RedisTaskStore:
         async with self.guard():
             value = await self.redis.get(self.keys.session(session_id))
         return None if value is None else dict(json.loads(value))
+
+    async def session_keys(self, prefix: str) -> list[str]:
+        """The session-map keys starting with `prefix` (SCAN, so it never blocks Redis), at most 1000."""
+        start = self.keys.session("")
+        found: list[str] = []
+        async with self.guard():
+            async for key in self.redis.scan_iter(match=self.keys.session(prefix) + "*", count=200):
+                found.append(_text(key).removeprefix(start))
+                if len(found) >= 1000:
+                    break
+        return found
 
     async def session_delete(self, session_id: str) -> None:
         """Forget a legacy session id."""

@@ -108,6 +108,7 @@ class TaskService:
         self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
         self.remote: RemoteOwner | None = None  # the live calls of other replicas (set by proxy.replicas)
         self.store_problem: str | None = None  # the last store failure, while it lasts
+        self.leases = recovery.LeaseJudge(lease_s)  # when this node may judge other nodes' leases
         store.add_listener(observe_transition)
         self.push = TaskPush()  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
         store.add_remote_listener(self.push.on_change)  # every replica's changes (Redis)
@@ -120,6 +121,7 @@ class TaskService:
         Returns (re-run, failed) counts of the first sweep."""
         self.rerun = rerun
         await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+        self.leases.started(await recovery.store_instance(self.store))
         counts = await self.sweep(message=restart_message)
         self._loop_task = asyncio.get_running_loop().create_task(self._maintain(), name="task-lease-and-sweep")
         return counts
@@ -134,6 +136,7 @@ class TaskService:
             try:
                 if tick % 2 == 0:
                     await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+                    self.leases.renewed(await recovery.store_instance(self.store))
                 if tick % 3 == 0:
                     await self.sweep()
                     purged = await self.store.purge_expired()
@@ -141,10 +144,15 @@ class TaskService:
                         log.info("tasks_purged", count=purged)
                 self.store_problem = None
             except StoreUnavailableError as exc:
-                self.store_problem = str(exc)
+                self.store_failed(exc)
                 log.warning("store_unavailable", reason=str(exc))
             except Exception:  # the loop must outlive any one bad round
                 log.exception("task_maintenance_failed")
+
+    def store_failed(self, exc: BaseException) -> None:
+        """Note a store failure (shown on /readyz; other nodes' leases are not judged for a lease period)."""
+        self.store_problem = str(exc)
+        self.leases.failed()
 
     async def stop(self) -> None:
         """On shutdown: record `failed` for every detached call still running, cancel it, give the lease up."""
@@ -196,7 +204,7 @@ class TaskService:
             await self.store.create(record)
         except StoreUnavailableError as exc:
             self._forget(record.task_id)
-            self.store_problem = str(exc)
+            self.store_failed(exc)
             raise JsonRpcError(-32603, f"the call could not become a task: {exc}", {"store": self.store.where}, status=503) from None
         finally:
             self.creating.discard(record.task_id)
@@ -263,7 +271,7 @@ class TaskService:
         except (TerminalTaskError, TaskNotFoundError, ConflictError):
             return False
         except StoreUnavailableError as exc:
-            self.store_problem = str(exc)
+            self.store_failed(exc)
             log.warning("store_write_failed", task_id=task_id, reason=str(exc))
         return True
 
@@ -285,28 +293,16 @@ class TaskService:
         except (TerminalTaskError, TaskNotFoundError, ConflictError) as exc:
             log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
         except StoreUnavailableError as exc:
-            self.store_problem = str(exc)
+            self.store_failed(exc)
             message = f"the task store could not record this call's outcome ({exc})"
             failed = Change(status=TaskStatus.FAILED, outcome=proxy_error(message, store=self.store.where), status_message=message, input_requests={})
             snapshot = self._snapshots.get(task_id)
             if snapshot is not None:
                 self._unwritten[task_id] = apply(snapshot, failed, at_ms=now_ms(), max_result_bytes=1 << 62)
             log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
-            self._spawn(self._write_later(task_id, failed))
+            self._spawn(recovery.write_later(self.store, self._unwritten, task_id, failed))
         finally:
             self._forget(task_id)
-
-    async def _write_later(self, task_id: str, change: Change) -> None:
-        """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart)."""
-        try:
-            async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=5.0), retry=retry_if_exception_type(StoreUnavailableError)):
-                with attempt:
-                    await self.store.update(task_id, change)
-            log.info("outcome_recorded_late", task_id=task_id)
-        except (TerminalTaskError, TaskNotFoundError, ConflictError):
-            pass
-        finally:
-            self._unwritten.pop(task_id, None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -340,7 +336,7 @@ class TaskService:
             if record is not None:
                 log.warning("security_foreign_task_access", task_id=task_id, server=server, principal=principal_hash(principal))
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
-        if not record.status.terminal and task_id not in self.live:
+        if not record.status.terminal and task_id not in self.live and (record.owner == self.node or self.leases.may_judge()):
             try:
                 if not await self.store.lease_alive(record.owner):
                     record = await recovery.take_over(self, record, LOST_MESSAGE.format(node=record.owner))
