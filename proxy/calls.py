@@ -168,7 +168,7 @@ class CallRunner:
                 log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
                 return None
             call.cancel("refused: the call could not become a task")
-            raise JsonRpcError(exc.code, exc.message, exc.data, status=500) from None
+            raise JsonRpcError(exc.code, exc.message, exc.data, status=507) from None  # 507: the task could not be stored; not 503, which balancers retry
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         if call.method == "tools/call":
             obs.CALLS.labels(self.name, call.tool, "detached").inc()

@@ -128,7 +128,8 @@ async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
     # No WAL checkpoint during the test: each commit then needs new space on the full disk (after a
     # checkpoint SQLite may reuse WAL pages it already has, and a write could still succeed).
     monkeypatch.setattr(diskcache_store, "CHECKPOINT_EVERY_S", 1e9)
-    config = make_config(legacy_url, small_tmpfs / "store", tasks={"detach_after": "50ms"})
+    config = make_config(legacy_url, small_tmpfs / "store", tasks={"detach_after": "50ms"},
+                         server={"tasks": {"tools": {"slow_compute": {"mode": "required"}}}})
     config.store.write_retry = 0.3
     config.limits.max_tasks_per_principal = 2
     async with running_proxy(config) as proxy:
@@ -146,6 +147,10 @@ async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
             attached = await client.call("quiet_compute", {"seconds": 0.3})
             assert attached.status == 200 and attached.result["content"][0]["text"] == "quietly computed after 0.3s", attached
             assert proxy.app[TASKS_KEY].live == {}
+            # A `mode: required` tool never answers synchronously: 507 (the task could not be
+            # stored), neither a 500 nor a 503 that a balancer would send again.
+            required = await client.call("slow_compute", {"seconds": 0.3})
+            assert required.status == 507 and required.error["code"] == -32603 and "store" in required.error["message"], required
             async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
                 ready = await resp.json()
             assert resp.status == 503 and ready["checks"]["store"].startswith("failed") and "full" in ready["checks"]["store"]
