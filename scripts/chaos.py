@@ -1,9 +1,12 @@
 """Chaos run: mixed calls and polls while proxy processes are SIGKILLed under them, then checks.
 
-    python scripts/chaos.py [--calls 200] [--kills 4] [--seed N]            # one proxy process
-    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] # N replicas, HAProxy, Redis
+    python scripts/chaos.py [--calls 200] [--kills 4] [--seed N] [--rerun]            # one proxy process
+    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun] # N replicas, HAProxy, Redis
 
-Single process: the legacy fixture server and the proxy (a subprocess, durable store in a temp
+Upstream: the legacy fixture server through scripts/chaos_upstream.py, which records each call's
+`label` as the call starts (every call of the load carries its own). `--rerun` configures
+slow_compute `on_restart: rerun` (replicas: MCP_RERUN_POLICY, read by config/replicas.yaml).
+Single process: the upstream and the proxy (a subprocess, durable store in a temp
 folder). Replicas: scripts/cluster.py starts redis-server (appendonly yes, appendfsync always), N
 replicas of one config on it, and HAProxy in front; every request goes through HAProxy.
 
@@ -22,12 +25,23 @@ Checks (exit status 1 on any violation):
 - `lost_results`: a task seen `completed` that later reads otherwise, or with a different result;
 - `terminal_changed`: a task seen failed/cancelled that later reads otherwise;
 - `not_terminal`: a handed-out task not terminal when the run ends (`--settle` s after the load);
+- `unexplained_failures`: a task that ended failed or cancelled, or a synchronous JSON-RPC error, for
+  a reason the run does not explain. Explained: the tool's own failure (`failed_expected`: the
+  failing_job / instant_error texts) and the loss of a SIGKILLed process (`failed_replica_lost`):
+  the error names the node (`(node X) was lost`; single process: "the proxy restarted ...") and
+  the task was among that node's unfinished tasks in the store right after X was killed (each
+  replica's node id comes from its log's `replica_started` line). Split by kind in `unexplained`
+  (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
+- `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
+  (`reruns`: with --rerun, a slow_compute task re-run at most once per kill it was running at);
+- with --rerun: `lost_despite_rerun` (a slow_compute task failed as lost) and no re-run at all;
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
 split by call/poll and cut / refused / no_backend (HAProxy's own 503: no replica up) / timeouts /
 other), JSON-RPC answers with HTTP 503 while the store is down (`store_unavailable`), and tasks of
-a killed process ending `failed` (or re-run). HAProxy (config/haproxy.cfg) re-sends a request cut
-by a kill to another replica, so in replica mode cuts mostly show as nothing at all; a replica is
+a killed process ending `failed` (or re-run). A request HAProxy (config/haproxy.cfg) re-sends to
+another replica after it was cut by a kill (or answered 503) shows as no transport error at all,
+but as a `double_runs` violation when the first replica had already started it upstream; a replica is
 chosen among those HAProxy counts as serving requests (`scur`), and `requests_at_killed_replicas`
 sums what they were serving when killed.
 
@@ -35,7 +49,9 @@ Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_k
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
 kills_with_requests_in_flight (single: the client's requests outstanding; replicas: HAProxy's count
 at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
-lost_results, terminal_changed, not_terminal, final{status: count}, violations[...]; in replica mode
+lost_results, terminal_changed, not_terminal, final{status: count}, tasks_running_at_kills,
+failed_replica_lost, failed_expected, unexplained_failures (+ unexplained{kind: n} and samples),
+labels_started, double_runs (+ samples), reruns, rerun_completed, lost_despite_rerun, violations[...]; in replica mode
 also requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
 handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked).
 Loopback only; every process it starts is stopped.
