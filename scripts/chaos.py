@@ -34,6 +34,8 @@ Checks (exit status 1 on any violation):
   (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
 - `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
   (`reruns`: with --rerun, a slow_compute task re-run at most once per kill it was running at);
+  split in `double_runs_by` (no_task_handed: the call's answer never came, e.g. a request re-sent
+  by HAProxy; task_never_at_a_kill; task_at_a_kill: ran again without a re-run policy);
 - with --rerun: `lost_despite_rerun` (a slow_compute task failed as lost) and no re-run at all;
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
@@ -738,7 +740,7 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
     def unexplained(kind: str, msg: str) -> None:
         kinds[kind] += 1
         out["unexplained_failures"] += 1
-        if len(samples) < 6:
+        if kinds[kind] <= 2:  # two of each kind
             samples.append(msg[:400])
 
     for task_id, task in finals.items():
@@ -771,6 +773,7 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
             unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")
     task_of = {label: task_id for task_id, (_, label) in run.call_of.items()}
     doubles: list[str] = []
+    double_kinds: Counter[str] = Counter()
     for label, n in sorted(starts.items()):
         if n < 2 or label not in run.labels:
             continue
@@ -781,6 +784,8 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         out["double_runs"] += n - 1 - reruns
         if reruns and finals.get(task_id, {}).get("status") == "completed":
             out["rerun_completed"] += 1
+        if n - 1 > reruns:
+            double_kinds["no_task_handed" if not task_id else "task_at_a_kill" if task_id in owned_at else "task_never_at_a_kill"] += n - 1 - reruns
         if n - 1 > reruns and len(doubles) < 6:
             doubles.append(f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
                            f"running at {len(owned_at.get(task_id, ()))} kills; final {finals.get(task_id, {}).get('status')}")
@@ -791,6 +796,7 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         out["unexplained_samples"] = samples
     if doubles:
         out["double_run_samples"] = doubles
+        out["double_runs_by"] = dict(double_kinds)
     return out
 
 
