@@ -34,8 +34,9 @@ Checks (exit status 1 on any violation):
   (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
 - `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
   (`reruns`: with --rerun, a slow_compute task re-run at most once per kill it was running at);
-  split in `double_runs_by` (no_task_handed: the call's answer never came, e.g. a request re-sent
-  by HAProxy; task_never_at_a_kill; task_at_a_kill: ran again without a re-run policy);
+  split in `double_runs_by` by the task the client was handed: no_task_handed (the call's answer
+  never came), task_never_at_a_kill (e.g. a request HAProxy re-sent after a cut or a 503: the
+  handed task is the second replica's), task_at_a_kill (ran again without a re-run policy);
 - with --rerun: `lost_despite_rerun` (a slow_compute task failed as lost) and no re-run at all;
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
