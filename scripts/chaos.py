@@ -1,9 +1,12 @@
 """Chaos run: mixed calls and polls while proxy processes are SIGKILLed under them, then checks.
 
-    python scripts/chaos.py [--calls 200] [--kills 4] [--seed N]            # one proxy process
-    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] # N replicas, HAProxy, Redis
+    python scripts/chaos.py [--calls 200] [--kills 4] [--seed N] [--rerun]            # one proxy process
+    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun] # N replicas, HAProxy, Redis
 
-Single process: the legacy fixture server and the proxy (a subprocess, durable store in a temp
+Upstream: the legacy fixture server through scripts/chaos_upstream.py, which records each call's
+`label` as the call starts (every call of the load carries its own). `--rerun` configures
+slow_compute `on_restart: rerun` (replicas: MCP_RERUN_POLICY, read by config/replicas.yaml).
+Single process: the upstream and the proxy (a subprocess, durable store in a temp
 folder). Replicas: scripts/cluster.py starts redis-server (appendonly yes, appendfsync always), N
 replicas of one config on it, and HAProxy in front; every request goes through HAProxy.
 
@@ -22,12 +25,26 @@ Checks (exit status 1 on any violation):
 - `lost_results`: a task seen `completed` that later reads otherwise, or with a different result;
 - `terminal_changed`: a task seen failed/cancelled that later reads otherwise;
 - `not_terminal`: a handed-out task not terminal when the run ends (`--settle` s after the load);
+- `unexplained_failures`: a task that ended failed or cancelled, or a synchronous JSON-RPC error, for
+  a reason the run does not explain. Explained: the tool's own failure (`failed_expected`: the
+  failing_job / instant_error texts) and the loss of a SIGKILLed process (`failed_replica_lost`):
+  the error names the node (`(node X) was lost`; single process: "the proxy restarted ...") and
+  the task was among that node's unfinished tasks in the store right after X was killed (each
+  replica's node id comes from its log's `replica_started` line). Split by kind in `unexplained`
+  (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
+- `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
+  (`reruns`: with --rerun, a slow_compute task re-run at most once per kill it was running at);
+  split in `double_runs_by` by the task the client was handed: no_task_handed (the call's answer
+  never came), task_never_at_a_kill (e.g. a request HAProxy re-sent after a cut or a 503: the
+  handed task is the second replica's), task_at_a_kill (ran again without a re-run policy);
+- with --rerun: `lost_despite_rerun` (a slow_compute task failed as lost) and no re-run at all;
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
 split by call/poll and cut / refused / no_backend (HAProxy's own 503: no replica up) / timeouts /
 other), JSON-RPC answers with HTTP 503 while the store is down (`store_unavailable`), and tasks of
-a killed process ending `failed` (or re-run). HAProxy (config/haproxy.cfg) re-sends a request cut
-by a kill to another replica, so in replica mode cuts mostly show as nothing at all; a replica is
+a killed process ending `failed` (or re-run). A request HAProxy (config/haproxy.cfg) re-sends to
+another replica after it was cut by a kill (or answered 503) shows as no transport error at all,
+but as a `double_runs` violation when the first replica had already started it upstream; a replica is
 chosen among those HAProxy counts as serving requests (`scur`), and `requests_at_killed_replicas`
 sums what they were serving when killed.
 
@@ -35,7 +52,9 @@ Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_k
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
 kills_with_requests_in_flight (single: the client's requests outstanding; replicas: HAProxy's count
 at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
-lost_results, terminal_changed, not_terminal, final{status: count}, violations[...]; in replica mode
+lost_results, terminal_changed, not_terminal, final{status: count}, tasks_running_at_kills,
+failed_replica_lost, failed_expected, unexplained_failures (+ unexplained{kind: n} and samples),
+labels_started, double_runs (+ samples), reruns, rerun_completed, lost_despite_rerun, violations[...]; in replica mode
 also requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
 handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked).
 Loopback only; every process it starts is stopped.
@@ -48,14 +67,17 @@ import asyncio
 import csv
 import io
 import json
+import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -74,10 +96,10 @@ UNKNOWN_TASK = -32602
 class Child:
     """A subprocess that prints `listening on URL` when ready (its own process group)."""
 
-    def __init__(self, argv: list[str], log: Path | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         err = open(log, "ab") if log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True, env=env)
         self.url = ""
         assert self.proc.stdout is not None
         lines: queue.Queue[str] = queue.Queue()
@@ -117,14 +139,59 @@ class Child:
                 self.proc.wait()
 
 
+@dataclass
+class Killed:
+    """One SIGKILL: `label` (e.g. `replica 2`), requests the killed process itself was serving
+    (`at_process`, None when only the client's own count is known), its node id (the store's
+    owner name for it) and the ids of the unfinished tasks it owned when it died (read from the
+    store right after the kill, before any other node can take them over)."""
+
+    label: str
+    at_process: int | None
+    node: str
+    owned: set[str]
+
+
+def counting_upstream(workdir: Path) -> tuple[Child, Path]:
+    """The legacy fixture server, recording every call's `label` as it starts
+    (scripts/chaos_upstream.py); returns it and the file of start lines."""
+    starts = workdir / "starts.log"
+    env = {**os.environ, "MCP_CHAOS_STARTS": str(starts)}
+    return Child([sys.executable, "scripts/chaos_upstream.py", "--port", "0"], env=env), starts
+
+
+def node_of(log: Path) -> str:
+    """The node id the process writing `log` (JSON lines, appended across restarts) started as last."""
+    node = ""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"proxy_started"' in line or '"replica_started"' in line:
+            try:
+                node = json.loads(line).get("node") or node
+            except ValueError:
+                pass
+    return node
+
+
+def owned_by(store: Any, node: str) -> set[str]:
+    """Ids of the unfinished tasks `store` (a TaskStore, closed here) records as owned by `node`."""
+
+    async def read() -> set[str]:
+        try:
+            return {r.task_id for r in await asyncio.wait_for(store.live_tasks(), 10) if r.owner == node}
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
 class Target(Protocol):
     """What the chaos loop drives: one URL, and processes behind it to kill and bring back."""
 
     url: str
+    starts: Path  # the upstream's start lines (one `label` per call start)
 
-    def kill(self, rng: random.Random) -> tuple[str, int | None]:
-        """SIGKILL one serving process now; return its label and how many requests that process
-        itself was serving (None when only the client's own count is known)."""
+    def kill(self, rng: random.Random) -> Killed:
+        """SIGKILL one serving process now (blocking; runs in a thread) and say what died."""
 
     def revive(self) -> None:
         """Start again what the last kill() stopped (blocking; runs in a thread)."""
@@ -142,13 +209,14 @@ class Target(Protocol):
 class SingleProxy:
     """The legacy fixture server and one proxy process on a durable disk store."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.upstream = Child([sys.executable, "tests/fixtures/legacy_server.py", "--port", "0"])
+    def __init__(self, workdir: Path, rerun: bool = False) -> None:
+        self.upstream, self.starts = counting_upstream(workdir)
+        self.store_path = workdir / "store"
         config = workdir / "proxy.json"
         config.write_text(json.dumps({
             "store": {"path": str(workdir / "store")},
             "tasks": {"detach_after": "100ms", "ttl": "1h", "poll_interval": "100ms"},
-            "mcpServers": {"fx": {"url": self.upstream.url}},
+            "mcpServers": {"fx": {"url": self.upstream.url, "tasks": {"tools": {"slow_compute": {"on_restart": "rerun" if rerun else "fail"}}}}},
         }))
         self.argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
         self.log = workdir / "proxy.log"
@@ -160,11 +228,15 @@ class SingleProxy:
         self.url = self.proxy.url
         self.port = self.url.split(":")[2].split("/")[0]
 
-    def kill(self, rng: random.Random) -> tuple[str, int | None]:
+    def kill(self, rng: random.Random) -> Killed:
+        from proxy.tasks.diskcache_store import DiskcacheStore
+
         assert self.proxy is not None
         self.proxy.kill()
         self.proxy = None
-        return "proxy", None  # the client's outstanding requests are all at this process
+        node = node_of(self.log)
+        # The client's outstanding requests are all at this process (at_process None).
+        return Killed("proxy", None, node, owned_by(DiskcacheStore(self.store_path, exclusive=False), node))
 
     def revive(self) -> None:
         # The same port, so the client's URL stays valid (a restarted service keeps its address).
@@ -196,7 +268,7 @@ class Replicas:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         from cluster import Cluster, _redis_server_class
 
-        self.upstream = Child([sys.executable, "tests/fixtures/legacy_server.py", "--port", "0"])
+        self.upstream, self.starts = counting_upstream(workdir)
         (workdir / "cluster").mkdir()  # Cluster writes its logs there but does not create a given dir
         self.cluster = Cluster(
             upstream_url=self.upstream.url, replicas=args.replicas, workdir=workdir / "cluster", check_inter="100ms",
@@ -223,7 +295,9 @@ class Replicas:
         return {int(r["svname"][1:]): int(r["scur"] or 0) for r in rows
                 if r.get("pxname") == "replicas" and r["svname"][1:].isdigit() and int(r["svname"][1:]) < self.cluster.n}
 
-    def kill(self, rng: random.Random) -> tuple[str, int | None]:
+    def kill(self, rng: random.Random) -> Killed:
+        from proxy.tasks.redis_store import RedisTaskStore
+
         # A random replica among those serving requests right now (waiting up to 2 s for one; any
         # replica when none is).
         deadline = time.monotonic() + 2
@@ -235,7 +309,10 @@ class Replicas:
             time.sleep(0.005)
         self.killed = rng.choice(busy) if busy else rng.randrange(self.cluster.n)
         self.cluster.kill(self.killed)
-        return f"replica {self.killed}", load.get(self.killed, 0)
+        node = node_of(self.cluster.log_path(self.killed))
+        # Read at once: the others take its tasks over only once its lease (--lease) has lapsed.
+        owned = owned_by(RedisTaskStore(self.redis.url, timeout_s=2.0), node)
+        return Killed(f"replica {self.killed}", load.get(self.killed, 0), node, owned)
 
     def revive(self) -> None:
         self.cluster.restart(self.killed)
@@ -256,15 +333,20 @@ class Replicas:
             self.upstream.stop()
 
 
+EXPECTED_FAILURE = {"failing_job": "job failed", "instant_error": "instant_error exploded"}  # tool -> its own error text
+LOST = re.compile(r"\(node ([0-9a-f]+)\) was lost|the proxy restarted while this call was running")
+
+
 def mixed_call(i: int, rng: random.Random) -> tuple[str, dict]:
-    """Call i of the mixed load: sync result, sync JSON-RPC error, a task failing, slow tasks."""
+    """Call i of the mixed load: sync result, sync JSON-RPC error, a task failing, slow tasks. Every
+    call carries its own `label` (the upstream records each start of it)."""
     kind = i % 6
     if kind == 0:
-        return "greet", {"name": f"n{i}"}
+        return "greet", {"name": f"n{i}", "label": f"g{i}"}
     if kind == 1:
-        return "failing_job", {}
+        return "failing_job", {"label": f"f{i}"}
     if kind == 2:
-        return "instant_error", {}
+        return "instant_error", {"label": f"e{i}"}
     return "slow_compute", {"seconds": round(rng.uniform(0.15, 1.5), 2), "label": f"c{i}"}
 
 
@@ -273,9 +355,14 @@ class Run:
     """What the client saw: handed ids, terminal states seen, counts, violations."""
 
     handed: dict[str, float] = field(default_factory=dict)  # task id -> monotonic time handed
+    call_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # task id -> (tool, label)
+    labels: dict[str, str] = field(default_factory=dict)  # label of every call sent -> tool
+    killed: list[Killed] = field(default_factory=list)
+    sync_failures: list[tuple[str, dict]] = field(default_factory=list)  # (tool, error) of sync JSON-RPC errors
     completed: dict[str, Any] = field(default_factory=dict)  # task id -> result first seen
     completed_at: dict[str, float] = field(default_factory=dict)
     terminal: dict[str, tuple[str, Any]] = field(default_factory=dict)  # failed/cancelled first seen
+    terminal_at: dict[str, float] = field(default_factory=dict)
     current: dict[str, str] = field(default_factory=dict)  # task id -> last status read
     unknown: set[str] = field(default_factory=set)
     lost: set[str] = field(default_factory=set)
@@ -325,6 +412,7 @@ class Run:
             self.completed_at[task_id] = time.monotonic()
         elif status in TERMINAL:
             self.terminal[task_id] = (status, task.get("error"))
+            self.terminal_at[task_id] = time.monotonic()
 
 
 class Transport(Exception):
@@ -391,6 +479,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
 
         async def one_call(i: int) -> None:
             tool, arguments = mixed_call(i, rng)
+            run.labels[arguments["label"]] = tool
             run.counts["calls"] += 1
             run.inflight_calls[i] = time.monotonic()
             try:
@@ -404,11 +493,13 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             result = reply.get("result") or {}
             if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
                 run.handed[result["taskId"]] = time.monotonic()
+                run.call_of[result["taskId"]] = (tool, arguments["label"])
             elif "error" in reply:
                 if reply["_http"] == 503:
                     run.counts["store_unavailable"] += 1
                 else:
                     run.counts["sync_errors"] += 1
+                    run.sync_failures.append((tool, reply["error"]))
             else:
                 run.counts["sync_results"] += 1
 
@@ -506,7 +597,9 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.uniform(0, 0.3))
                 await wait_for(calls_reached_server, 10)  # land while calls are outstanding
                 calls, polls = len(run.inflight_calls), run.inflight_polls
-                label, at_process = await asyncio.to_thread(target.kill, rng)
+                killed = await asyncio.to_thread(target.kill, rng)
+                label, at_process = killed.label, killed.at_process
+                run.killed.append(killed)
                 run.kill_times.append(time.monotonic())
                 run.counts["kills"] += 1
                 run.counts["calls_in_flight_at_kills"] += calls
@@ -515,7 +608,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                     run.counts["kills_with_requests_in_flight"] += 1
                 if at_process is not None:
                     run.counts["requests_at_killed_processes"] += at_process
-                print(f"kill {k + 1}: {label} with {calls} calls and {polls} polls of the client in flight"
+                print(f"kill {k + 1}: {label} (node {killed.node}, {len(killed.owned)} tasks running) with {calls} calls and {polls} polls of the client in flight"
                       + ("" if at_process is None else f", {at_process} at the killed process (HAProxy)"), file=sys.stderr, flush=True)
                 await asyncio.sleep(rng.uniform(0.1, 0.5))
                 await asyncio.to_thread(target.revive)
@@ -539,6 +632,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         # Final pass: every handed id once more, each retried while the transport fails (bounded).
         statuses: dict[str, int] = {}
         not_terminal: list[str] = []
+        finals: dict[str, dict] = {}
         for task_id in sorted(run.handed):
             reply: dict | None = None
             for _ in range(50):
@@ -559,6 +653,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 continue
             task = reply.get("result") or {}
             run.observe(task_id, task)
+            finals[task_id] = task
             status = task.get("status", "?")
             statuses[status] = statuses.get(status, 0) + 1
             if status not in TERMINAL:
@@ -566,9 +661,11 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
 
     first_kill = run.kill_times[0] if run.kill_times else float("inf")
     last_kill = run.kill_times[-1] if run.kill_times else float("-inf")
+    starts = Counter(target.starts.read_text().split()) if target.starts.exists() else Counter()
     report: dict[str, Any] = {
         "mode": getattr(args, "mode", "single"),
         "seed": args.seed,
+        "rerun": args.rerun,
         "calls": run.counts["calls"],
         "sync_results": run.counts["sync_results"],
         "sync_errors": run.counts["sync_errors"],
@@ -590,13 +687,20 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         "terminal_changed": len(run.changed),
         "not_terminal": len(not_terminal),
         "final": statuses,
+        **explain(run, finals, starts, args.rerun),
     }
     if run.counts["redis_restarts"]:
         report["redis_restarts"] = run.counts["redis_restarts"]
         at = run.extra_times["redis"]
         report["seen_completed_before_redis_restart"] = sum(1 for t in run.completed_at.values() if t < at)
         report["handed_out_before_redis_restart"] = sum(1 for t in run.handed.values() if t < at)
-    violations = [k for k in ("unknown_ids", "lost_results", "terminal_changed", "not_terminal") if report[k]]
+    violations = [k for k in ("unknown_ids", "lost_results", "terminal_changed", "not_terminal", "unexplained_failures", "double_runs") if report[k]]
+    if args.rerun and report["lost_despite_rerun"]:
+        violations.append("lost_despite_rerun")
+    if args.rerun and args.kills and report["reruns"] == 0:
+        violations.append("--rerun, but no call was re-run")
+    if report["labels_started"] == 0:
+        violations.append("the upstream recorded no call start")
     if args.kills and report["seen_completed_before_first_kill"] == 0:
         violations.append("no completed result seen before the first kill")
     if args.kills and report["kills_with_requests_in_flight"] == 0:
@@ -611,9 +715,95 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     return report
 
 
+def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool) -> dict[str, Any]:
+    """Why each task that did not complete ended so, and how often the upstream started each call.
+
+    `finals`: task id -> its last tasks/get result; `starts`: label -> starts the upstream recorded;
+    `rerun`: slow_compute runs `on_restart: rerun`. A `failed` task is explained when its error is
+    its tool's own (`failed_expected`) or names the loss of a process that was SIGKILLed while the
+    task was running there (`failed_replica_lost`: a `(node X) was lost` error with X killed and the
+    task among X's unfinished tasks at that kill, or the single proxy's restart error for a task
+    some killed process owned). Anything else (also `cancelled`, which nobody asked for, and sync
+    JSON-RPC errors other than instant_error's) counts in `unexplained_failures`. A label started
+    n > 1 times is n-1 `reruns` when its task was re-run by policy (at most once per kill it was
+    running at), else `double_runs`.
+    """
+    owned_at: dict[str, list[str]] = {}  # task id -> the killed nodes it was running on when each died
+    for killed in run.killed:
+        for task_id in killed.owned:
+            owned_at.setdefault(task_id, []).append(killed.node)
+    killed_at = {k.node: t for k, t in zip(run.killed, run.kill_times)}
+    kinds: Counter[str] = Counter()
+    out: dict[str, Any] = {"tasks_running_at_kills": sum(len(k.owned) for k in run.killed), "failed_replica_lost": 0, "failed_expected": 0,
+                           "unexplained_failures": 0, "double_runs": 0, "reruns": 0, "rerun_completed": 0, "lost_despite_rerun": 0}
+    samples: list[str] = []
+
+    def unexplained(kind: str, msg: str) -> None:
+        kinds[kind] += 1
+        out["unexplained_failures"] += 1
+        if kinds[kind] <= 2:  # two of each kind
+            samples.append(msg[:400])
+
+    for task_id, task in finals.items():
+        status = task.get("status")
+        if status == "completed":
+            continue
+        tool, label = run.call_of.get(task_id, ("?", "?"))
+        text = json.dumps(task)
+        lost = LOST.search(text) if status == "failed" else None
+        if lost:
+            node = lost.group(1)
+            if task_id in owned_at and (node is None or node in owned_at[task_id]):
+                out["failed_replica_lost"] += 1
+                if rerun and tool == "slow_compute":
+                    out["lost_despite_rerun"] += 1
+                continue
+            if node and node not in killed_at:
+                kind = "lost_to_a_node_never_killed"
+            elif node and run.terminal_at.get(task_id, float("inf")) < killed_at[node]:
+                kind = "lost_before_its_node_was_killed"
+            else:
+                kind = "lost_but_not_running_at_the_kill"
+            unexplained(kind, f"{task_id} {tool} {label}: {kind} (killed nodes {sorted(killed_at)}, running at {owned_at.get(task_id, [])}): {text[:200]}")
+        elif status == "failed" and tool in EXPECTED_FAILURE and EXPECTED_FAILURE[tool] in text:
+            out["failed_expected"] += 1
+        else:
+            unexplained(f"{status}_{tool}", f"{task_id} {tool} {label} ended {status}: {text[:250]}")
+    for tool, error in run.sync_failures:
+        if tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
+            unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")
+    task_of = {label: task_id for task_id, (_, label) in run.call_of.items()}
+    doubles: list[str] = []
+    double_kinds: Counter[str] = Counter()
+    for label, n in sorted(starts.items()):
+        if n < 2 or label not in run.labels:
+            continue
+        task_id = task_of.get(label, "")
+        allowed = len(owned_at.get(task_id, ())) if rerun and run.labels[label] == "slow_compute" else 0
+        reruns = min(n - 1, allowed)
+        out["reruns"] += reruns
+        out["double_runs"] += n - 1 - reruns
+        if reruns and finals.get(task_id, {}).get("status") == "completed":
+            out["rerun_completed"] += 1
+        if n - 1 > reruns:
+            double_kinds["no_task_handed" if not task_id else "task_at_a_kill" if task_id in owned_at else "task_never_at_a_kill"] += n - 1 - reruns
+        if n - 1 > reruns and len(doubles) < 6:
+            doubles.append(f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
+                           f"running at {len(owned_at.get(task_id, ()))} kills; final {finals.get(task_id, {}).get('status')}")
+    out["labels_started"] = len(starts)
+    if kinds:
+        out["unexplained"] = dict(kinds)
+    if samples:
+        out["unexplained_samples"] = samples
+    if doubles:
+        out["double_run_samples"] = doubles
+        out["double_runs_by"] = dict(double_kinds)
+    return out
+
+
 def make_target(args: argparse.Namespace, workdir: Path) -> Target:
     if not args.replicas:
-        return SingleProxy(workdir)
+        return SingleProxy(workdir, args.rerun)
     return Replicas(args, workdir)
 
 
@@ -630,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-pause", type=float, default=0.05, help="seconds between two polling rounds")
     parser.add_argument("--request-timeout", type=float, default=20.0, help="seconds per request")
     parser.add_argument("--lease", default="500ms", help="store.lease of the replicas (replica mode)")
-    parser.add_argument("--rerun", action="store_true", help="replica mode: slow_compute on_restart: rerun (a lost replica's calls run again)")
+    parser.add_argument("--rerun", action="store_true", help="slow_compute on_restart: rerun (a killed process's calls run again; replicas: MCP_RERUN_POLICY)")
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     args = parser.parse_args(argv)
