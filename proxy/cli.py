@@ -23,7 +23,7 @@ from aiohttp import web
 
 from . import __version__, listener
 from .app import DRAIN_KEY, PARKED_KEY, build_app
-from .replicas import REPLICAS_KEY
+from .replicas import REPLICAS_KEY, advertised_url
 from .auth import hash_token
 from .config import Config, ConfigError, StoreConfig, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
@@ -190,6 +190,18 @@ def _override(config: Config, args: argparse.Namespace) -> None:
         config.listen.port = args.port
 
 
+def replica_problems(config: Config) -> list[str]:
+    """What stops `config` (after --host/--port) from serving as a replica: a wildcard listen host
+    without `replicas.advertise`. Empty when fine or when it is no replica."""
+    if config.replicas is None:
+        return []
+    try:
+        advertised_url(config)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
 def describe(config: Config, source: str) -> str:
     """What a config will serve, as text: listen address, store, and per server its upstream,
     routes and task policy (durations in seconds)."""
@@ -197,7 +209,7 @@ def describe(config: Config, source: str) -> str:
     durability = "Redis persistence" if config.store.redis else config.store.durable
     lines = [f"{source}: valid", f"listen {base}  store {config.store.where}  (durable: {durability})"]
     if config.replicas is not None:
-        lines.append(f"replica of a shared store: advertised as {config.replicas.advertise or base}, hop_timeout {config.replicas.hop_timeout:g}s, "
+        lines.append(f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout {config.replicas.hop_timeout:g}s, "
                      f"drain_detached {config.listen.drain_detached:g}s")
     d = config.tasks
     lines.append(f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s")
@@ -245,7 +257,7 @@ def _check_config(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
-    problems = missing_commands(config)
+    problems = missing_commands(config) + replica_problems(config)
     if problems:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
@@ -357,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config = load_config(args.config)
         _override(config, args)
+        if problems := replica_problems(config):
+            raise ConfigError(f"{args.config}: invalid config: " + "; ".join(problems))
         if args.log_level is None:
             configure_logging(config.logging.level)
         for problem in missing_commands(config):

@@ -382,3 +382,21 @@ def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
     assert empty.returncode == 2
     hashed = subprocess.run([sys.executable, "-m", "proxy", "hash-token", "s3cret"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert hashed.stdout.strip() == "sha256:" + __import__("hashlib").sha256(b"s3cret").hexdigest()
+
+
+def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_path):
+    """check-config and serve both refuse it with exit 2 and one line (no traceback); with
+    `advertise` check-config prints the address filled in."""
+    secret = "s" * 40
+    config = tmp_path / "r.yaml"
+    config.write_text(
+        "listen: {host: 0.0.0.0, port: 0}\nstore: {url: redis://127.0.0.1:1/0}\n"
+        f"replicas: {{secret: {secret}}}\nmcpServers:\n  a: {{url: http://127.0.0.1:1/mcp}}\n"
+    )
+    checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert checked.returncode == 2 and "replicas.advertise is needed" in checked.stderr, checked
+    served = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert served.returncode == 2 and "replicas.advertise is needed" in served.stderr and "Traceback" not in served.stderr, served
+    config.write_text(config.read_text().replace("secret:", "advertise: 'http://10.0.0.5:{port}', secret:"))
+    checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert checked.returncode == 0 and "advertised as http://10.0.0.5:0" in checked.stdout, checked
