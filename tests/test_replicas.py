@@ -284,6 +284,18 @@ async def test_redis_outage_longer_than_the_lease_fails_no_live_replicas_tasks(c
         await store.aclose()
     port = cluster.redis.port
     cluster.redis.kill()
+    # While the shared session map is unreadable a legacy session can be neither opened nor looked
+    # up: 503 naming the store (a session other replicas could never find would break the client).
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(cluster.replica_urls[0] + WEB, json=init, headers=headers) as resp:
+            refused = await resp.json()
+        assert resp.status == 503 and refused["error"]["code"] == -32603 and "store" in refused["error"]["message"], refused
+        ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        async with http.post(cluster.replica_urls[0] + WEB, json=ping, headers={**headers, "Mcp-Session-Id": "elsewhere"}) as resp:
+            assert resp.status == 503, await resp.text()
     ended: dict[str, dict] = {}
 
     async def poll(client: ModernClient, task_id: str) -> None:  # through another replica, all along

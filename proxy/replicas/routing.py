@@ -43,6 +43,15 @@ def drain_refusal(request_id: Any, what: str) -> web.Response:
     return response
 
 
+def store_refusal(request_id: Any, exc: StoreUnavailableError) -> web.Response:
+    """HTTP 503 with a JSON-RPC -32603 naming the store: a legacy session cannot be opened or found
+    while the shared session map is unreadable (nothing was started; the client may retry)."""
+    err = JsonRpcError(INTERNAL_ERROR, f"legacy sessions are shared through the task store, which is unavailable: {exc}")
+    response = web.json_response(jsonrpc.error_response(request_id, err.to_error()), status=503)
+    response.headers["Retry-After"] = "1"
+    return response
+
+
 def _question_node(body: Any) -> str | None:
     """The replica named in the id of a client's JSON-RPC response (`mtp-<node>.<random>`), or None."""
     if not isinstance(body, dict) or "method" in body or not ("result" in body or "error" in body):
@@ -101,6 +110,11 @@ class EndpointRouter:
             return None
         if self.replicas.draining and method == "initialize":
             return drain_refusal(_request_id(body), "new sessions")
+        if method == "initialize":
+            try:  # a session nobody else could find is worse than none: the store must answer first
+                await self.replicas.shared.session_get(self._key("-"))
+            except StoreUnavailableError as exc:
+                return store_refusal(_request_id(body), exc)
         return None
 
     async def _mrtr(self, request: web.Request, body: Any, state: Any, raw: bytes | None) -> web.StreamResponse | None:
@@ -148,8 +162,8 @@ class EndpointRouter:
             return None
         try:
             entry = await self.replicas.shared.session_get(self._key(sid))
-        except StoreUnavailableError:
-            return None
+        except StoreUnavailableError as exc:
+            return store_refusal(_request_id(body), exc)  # not a 404: the session may well exist
         if not isinstance(entry, dict):
             return None  # unknown anywhere: 404 here
         peer = await self.replicas.peer(entry.get("owner"))
