@@ -1,7 +1,7 @@
 """Replicas (README "Replicas"): a real redis-server, three proxy replicas of config/replicas.yaml and
 HAProxy (config/haproxy.cfg, round-robin, no stickiness) in front, started by scripts/cluster.py;
 driven by the `mcp` SDK client (legacy era), FastMCP's client with fastmcp-tasks, and raw HTTP
-where a test must pick the replica. Timings are scaled down: lease 600 ms."""
+where a test must pick the replica. Timings are scaled down: lease 1 s."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ from mcp.client.streamable_http import streamable_http_client
 sys.path.insert(0, str(ROOT))
 from scripts.cluster import Cluster  # noqa: E402
 
-LEASE_S = 0.6
+LEASE_S = 1.0  # short for test speed, long enough that a replica starved of CPU by a loaded machine still renews (every third)
 SETTINGS = {
-    "MCP_LEASE": "600ms", "MCP_DETACH_AFTER": "150ms", "MCP_POLL_INTERVAL": "50ms", "MCP_DRAIN_TIMEOUT": "5s",
+    "MCP_LEASE": "1s", "MCP_DETACH_AFTER": "150ms", "MCP_POLL_INTERVAL": "50ms", "MCP_DRAIN_TIMEOUT": "5s",
     "MCP_DRAIN_DETACHED": "20s", "MCP_INPUT_TIMEOUT": "30s", "MCP_HOP_TIMEOUT": "2s",
 }
 ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
