@@ -57,7 +57,7 @@ def test_small_chaos_run_single_process() -> None:
 @pytest.mark.skipif(not (shutil.which("redis-server") and (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy"))),
                     reason="needs redis-server and haproxy")
 def test_small_chaos_run_three_replicas_and_a_redis_restart() -> None:
-    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "7", "--lease", "500ms", timeout=180)
+    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "7", "--lease", "1s", timeout=180)
     assert_proved(report, 3)
     assert report["redis_restarts"] == 1 and report["seen_completed_before_redis_restart"] > 0
 
@@ -66,5 +66,5 @@ def test_small_chaos_run_three_replicas_and_a_redis_restart() -> None:
                     reason="needs redis-server and haproxy")
 def test_small_chaos_run_three_replicas_rerun_policy() -> None:
     # config/replicas.yaml reads MCP_RERUN_POLICY for slow_compute: a killed replica's calls run again.
-    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "11", "--lease", "500ms", "--rerun", timeout=180)
+    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "11", "--lease", "1s", "--rerun", timeout=180)
     assert_proved(report, 3, rerun=True)

@@ -400,3 +400,7 @@ def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_p
     config.write_text(config.read_text().replace("secret:", "advertise: 'http://10.0.0.5:{port}', secret:"))
     checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert checked.returncode == 0 and "advertised as http://10.0.0.5:0" in checked.stdout, checked
+    # The shipped template `http://{host}:{port}` on a wildcard host is no address either.
+    config.write_text(config.read_text().replace("http://10.0.0.5:{port}", "http://{host}:{port}"))
+    checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert checked.returncode == 2 and "a wildcard address other replicas cannot reach" in checked.stderr, checked

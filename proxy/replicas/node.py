@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hmac
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
@@ -28,9 +29,14 @@ def advertised_url(config: Config) -> str:
     (`0.0.0.0`, `::`, empty) and no `advertise` is configured."""
     assert config.replicas is not None
     host, port = config.listen.host, config.listen.port
+    wildcard = ("", "0.0.0.0", "::", "[::]", "*")
     if config.replicas.advertise:
-        return config.replicas.advertise.replace("{host}", host).replace("{port}", str(port)).rstrip("/")
-    if host in ("", "0.0.0.0", "::", "*"):
+        url = config.replicas.advertise.replace("{host}", host).replace("{port}", str(port)).rstrip("/")
+        if (urlsplit(url).hostname or "") in wildcard or "://[::]" in url:
+            raise ValueError(f"replicas.advertise gives {url!r}, a wildcard address other replicas cannot reach: "
+                             "name this replica's own address (not {host} when listening on every address)")
+        return url
+    if host in wildcard:
         raise ValueError(f"replicas.advertise is needed when listening on {host or 'every address'!r}: other replicas cannot reach a wildcard")
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
