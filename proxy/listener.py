@@ -123,12 +123,18 @@ class CappedSite(web.SockSite):
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """Replace asyncio's per-failure traceback for accept errors (EMFILE/ENFILE: out of file
-    descriptors) with one log line per 10 s that counts them; other errors keep the default handler."""
+    descriptors) with one log line per 10 s that counts them, and drop asyncio's accept retries that fire
+    after shutdown closed the listening socket (ValueError: fd -1); other errors keep the default handler."""
     state = {"last": 0.0, "count": 0}
     previous = loop.get_exception_handler()
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         message = str(context.get("message", ""))
+        if "._start_serving(" in message and isinstance(context.get("exception"), (ValueError, OSError)):
+            # After an accept failure asyncio retries accepting 1 s later (one retry per failure);
+            # a retry that fires once shutdown has closed the listening socket fails harmlessly.
+            log.debug("accept_retry_after_close")
+            return
         if message.startswith(_ACCEPT_ERRORS):
             obs.LIMIT_REJECTIONS.labels("accept_failed").inc()
             state["count"] += 1

@@ -176,6 +176,29 @@ def test_running_out_of_file_descriptors_is_survived_quietly(legacy_url: str, tm
     assert "Traceback" not in text
 
 
+async def test_an_accept_retry_firing_after_shutdown_is_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """asyncio answers each EMFILE on accept with a retry 1 s later; when shutdown closed the listening
+    socket in between, the retry fails on fd -1. The full-process test above hits this only when its
+    stop lands inside that second, so the retry is scheduled here directly (asyncio's own method)."""
+    from proxy import listener
+
+    loop = asyncio.get_running_loop()
+    seen: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    listener.quiet_accept_errors(loop)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    sock.close()
+    done = asyncio.Event()
+    loop.call_soon(loop._start_serving, asyncio.Protocol, sock, None, None, 100)  # type: ignore[attr-defined]
+    loop.call_soon(done.set)
+    await asyncio.wait_for(done.wait(), 1)
+    assert seen == []
+    assert "Traceback" not in capsys.readouterr().err
+
+
 async def _healthz(base: str) -> int:
     async with aiohttp.ClientSession() as http, http.get(f"{base}/healthz", timeout=aiohttp.ClientTimeout(total=2)) as resp:
         return resp.status
