@@ -243,6 +243,12 @@ class Config(_Strict):
         """The enabled servers by name."""
         return {name: entry for name, entry in self.mcpServers.items() if entry.active}
 
+    def tool_mode(self, server: str, tool: str) -> ToolMode:
+        """The configured task mode of one tool of one server (what `policy(...).mode` gives,
+        without resolving the rest: checked on every legacy `tools/call`)."""
+        tool_cfg = self.mcpServers[server].tasks.tools.get(tool)
+        return tool_cfg.mode if tool_cfg is not None else ToolMode.OPTIONAL
+
     def policy(self, server: str, tool: str) -> ResolvedPolicy:
         """Resolve tool → server → defaults for one tool of one server."""
         entry = self.mcpServers[server]

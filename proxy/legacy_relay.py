@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from .legacy_sessions import LegacySession, as_jsonrpc_reply, read_limited
-from .legacy_streams import LINGER_S, RelayStreams, decode as _decode, dumps as _dumps, json_error as _json_error
+from .legacy_streams import RelayStreams, decode as _decode, dumps as _dumps, json_error as _json_error
 from .legacy_tasks import client_capabilities
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
@@ -177,7 +177,7 @@ class LegacyRelay(RelayStreams):
                     session.pending.pop(request_id, None)  # answered: a later cancel for it is not forwarded
         stream = RelayStream(kind="get" if request.method == "GET" else "post", max_events=self.replay_events, max_bytes=self.replay_bytes)
         stream.upstream_rid = upstream_rid
-        session.add_stream(stream)
+        self._remember(session, stream)
         loop = asyncio.get_running_loop()
         if request.method == "GET":
             if session.get_stream is not None and session.get_stream.pump is not None:
@@ -201,7 +201,7 @@ class LegacyRelay(RelayStreams):
         JSON-RPC error naming the failure follow on it."""
         stream = RelayStream(kind="post", max_events=self.replay_events, max_bytes=self.replay_bytes)
         stream.upstream_rid = upstream_rid
-        session.add_stream(stream)
+        self._remember(session, stream)
 
         async def pump() -> None:
             try:
@@ -316,6 +316,5 @@ class LegacyRelay(RelayStreams):
             stream.close()
             if request_id is not None and session.pending.get(request_id) == upstream_rid:
                 session.pending.pop(request_id, None)
-            if not stream.attached:  # nobody reads it now: kept LINGER_S for a resumption, then forgotten
+            if not stream.attached:  # nobody reads it now: kept LINGER_S for a resumption, then forgotten (`_remember`)
                 stream.idle_since = asyncio.get_running_loop().time()
-                asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)

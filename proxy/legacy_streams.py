@@ -84,8 +84,19 @@ class RelayStreams:
             stream.attached -= 1
             if stream.attached == 0:
                 stream.idle_since = asyncio.get_running_loop().time()
-                asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
+                if stream.kind == "get":  # its upstream reader stops LINGER_S after the last client left
+                    asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
         return response
+
+    def _remember(self, session: LegacySession, stream: RelayStream) -> None:
+        """Keep `stream` in `session` for resumption; ended POST streams no client has read for
+        LINGER_S are forgotten first (checked here rather than by a timer per stream: a timer held
+        each stream, its buffer included, for LINGER_S after its last byte)."""
+        now = asyncio.get_running_loop().time()
+        stale = [token for token, s in session.streams.items() if s.kind == "post" and s.closed and not s.attached and now - s.idle_since >= LINGER_S]
+        for token in stale:
+            del session.streams[token]
+        session.add_stream(stream)
 
     def _linger_over(self, session: LegacySession, stream: RelayStream) -> None:
         """LINGER_S after the last client left `stream`: stop reading a standalone stream nobody
@@ -136,7 +147,7 @@ class RelayStreams:
         stream starts at once (keepalives while the upstream's headers are awaited, within their
         bound); a refusal, an error or the bound ends the stream, an upstream SSE stream feeds it."""
         stream = RelayStream(kind="get", max_events=self.replay_events, max_bytes=self.replay_bytes)
-        session.add_stream(stream)
+        self._remember(session, stream)
         if session.get_stream is not None and session.get_stream.pump is not None:
             session.get_stream.pump.cancel()  # a new standalone stream replaces the old one
         session.get_stream = stream

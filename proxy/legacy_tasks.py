@@ -231,7 +231,7 @@ class V1Front:
 
     def _required(self, tool: Any) -> bool:
         """True for a tool configured `mode: required` (then a call without `params.task` is -32601)."""
-        return isinstance(tool, str) and self.config.policy(self.server, tool).mode is ToolMode.REQUIRED
+        return isinstance(tool, str) and self.config.tool_mode(self.server, tool) is ToolMode.REQUIRED
 
     async def call_as_task(self, params: JsonObject, *, principal: str, capabilities: JsonObject) -> JsonObject:
         """`tools/call` with `params.task` → v1 `CreateTaskResult`, committed before it is returned.

@@ -143,7 +143,8 @@ class RelayStream:
             if self.closed or self.cuts != cuts or (ticket is not None and ticket != self.owner):
                 return
             try:
-                await asyncio.wait_for(wake.wait(), timeout=keepalive_s)
+                async with asyncio.timeout(keepalive_s):
+                    await wake.wait()
             except TimeoutError:
                 yield KEEPALIVE
 
