@@ -28,7 +28,7 @@ from .legacy_tasks import client_capabilities
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
 from .replay import RelayStream
-from .upstream.sse import EventTooLargeError, SseEvent, iter_events
+from .upstream.sse import EventTooLargeError, ReaderEvents, SseEvent
 
 log = structlog.get_logger("proxy.transport")
 
@@ -279,7 +279,7 @@ class LegacyRelay(RelayStreams):
                     got = 0
                     try:
                         async with resp:
-                            async for event in iter_events(resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
+                            async for event in ReaderEvents(resp.content, max_event_bytes=self.bounds.max_response_bytes):
                                 got += 1
                                 last_upstream_id = event.id if event.id is not None else last_upstream_id
                                 retry_ms = event.retry if event.retry is not None else retry_ms

@@ -18,7 +18,7 @@ from .protocol import jsonrpc
 from .protocol.jsonrpc import INVALID_REQUEST, JsonRpcError
 from .replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, RelayStream, parse_event_id
 from .upstream.common import Bounds
-from .upstream.sse import EventTooLargeError, SseEvent, iter_events
+from .upstream.sse import EventTooLargeError, ReaderEvents, SseEvent
 
 log = structlog.get_logger("proxy.transport")
 
@@ -93,7 +93,13 @@ class RelayStreams:
         LINGER_S are forgotten first (checked here rather than by a timer per stream: a timer held
         each stream, its buffer included, for LINGER_S after its last byte)."""
         now = asyncio.get_running_loop().time()
-        stale = [token for token, s in session.streams.items() if s.kind == "post" and s.closed and not s.attached and now - s.idle_since >= LINGER_S]
+        stale = []
+        for token, s in session.streams.items():  # oldest first: stop at the first POST stream still wanted
+            if s.kind != "post":
+                continue
+            if not s.closed or s.attached or now - s.idle_since < LINGER_S:
+                break
+            stale.append(token)
         for token in stale:
             del session.streams[token]
         session.add_stream(stream)
@@ -215,7 +221,7 @@ class RelayStreams:
         status = self.v1.status_pump(stream, session.principal, sid) if sid else None  # type: ignore[arg-type]
         try:
             async with upstream:
-                async for event in iter_events(upstream.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
+                async for event in ReaderEvents(upstream.content, max_event_bytes=self.bounds.max_response_bytes):
                     out, _ = self._from_upstream(session, event, None, None)
                     if out is not None:
                         stream.append(out)
