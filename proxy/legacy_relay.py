@@ -105,9 +105,9 @@ class LegacyRelay(RelayStreams):
         try:
             return await self._forward(request, session, sid, headers, body=body, raw=raw, request_id=request_id, upstream_rid=upstream_rid, principal=principal)
         finally:
-            streaming = any(s.upstream_rid == upstream_rid and not s.closed for s in session.streams.values())
-            if upstream_rid is not None and session.pending.get(request_id) == upstream_rid and not streaming:
-                session.pending.pop(request_id, None)
+            if upstream_rid is not None and session.pending.get(request_id) == upstream_rid:  # (an answered one left already)
+                if not any(s.upstream_rid == upstream_rid and not s.closed for s in session.streams.values()):
+                    session.pending.pop(request_id, None)
 
     # -- one exchange with the upstream ---------------------------------------------------------
 
