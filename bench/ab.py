@@ -8,7 +8,8 @@ Each round measures every row for every revision (the revision order alternates 
 revision's proxy/ comes from `git archive` on PYTHONPATH (as bench/run.py --ref). Layout as in
 bench/run.py: (a) upstream + load generator on CPU 0, proxy on CPU 1; (b) proxy on CPU 0, load
 generator on CPU 1. Reported per row and revision: the median over rounds of the proxy's CPU ms per
-call (psutil user+system) and of req/s, and each revision's ratio to the first one. JSON goes to
+call (psutil user+system), of req/s and of the proxy's RSS right after the row's load, and each
+revision's ratio (CPU) to the first one. JSON goes to
 bench/results/ab-<time>.json, a markdown table to stdout.
 """
 
@@ -66,9 +67,10 @@ def measure_row(row: str, src: Path, workdir: Path, args, ups: dict, store_ids: 
         cpu0 = run.cpu_seconds(proxy.pid, children=False)
         res = run.loadgen({**spec, "url": url, "concurrency": args.concurrency, "duration": args.duration, "warmup": args.warmup}, lg_cpu)
         cpu = (run.cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"])
+        rss_mb = run.rss_bytes(proxy.pid) / 2**20  # right after the load: what the row's calls left held
     finally:
         proxy.stop()
-    return {"cpu_ms_per_call": round(cpu, 4), "rps": res["rps"], "p50_ms": res["p50_ms"], "errors": res["errors"]}
+    return {"cpu_ms_per_call": round(cpu, 4), "rps": res["rps"], "p50_ms": res["p50_ms"], "errors": res["errors"], "rss_mb": round(rss_mb, 1)}
 
 
 def main() -> int:
@@ -105,7 +107,7 @@ def main() -> int:
                 for short, src in order:
                     res = measure_row(row, src, workdir, args, ups, store_ids)
                     out["samples"].setdefault(row, {}).setdefault(short, []).append(res)
-                    print(f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, {res['rps']} req/s, errors {res['errors']}",
+                    print(f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, {res['rps']} req/s, RSS {res['rss_mb']} MB, errors {res['errors']}",
                           flush=True)
             out["load_average"].append(os.getloadavg()[0])
     finally:
@@ -114,14 +116,15 @@ def main() -> int:
     names = [s for s, _ in revs]
     lines = [f"A/B {out['date']}, {args.rounds} rounds x {args.duration:g} s, concurrency {args.concurrency}; load average {out['load_average']}", "",
              "| row | " + " | ".join(f"{n} CPU ms/call" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | "
-             + " | ".join(f"{n} req/s" for n in names) + " |", "|---|" + "---:|" * (3 * len(names) - 1)]
+             + " | ".join(f"{n} req/s" for n in names) + " | " + " | ".join(f"{n} RSS MB" for n in names) + " |", "|---|" + "---:|" * (4 * len(names) - 1)]
     summary: dict = {}
     for row in rows:
         med = {n: statistics.median(s["cpu_ms_per_call"] for s in out["samples"][row][n]) for n in names}
         rps = {n: statistics.median(s["rps"] for s in out["samples"][row][n]) for n in names}
-        summary[row] = {"cpu_ms_per_call_median": med, "rps_median": rps}
+        rss = {n: statistics.median(s["rss_mb"] for s in out["samples"][row][n]) for n in names}
+        summary[row] = {"cpu_ms_per_call_median": med, "rps_median": rps, "rss_mb_median": rss}
         lines.append(f"| {row} | " + " | ".join(f"{med[n]:.3f}" for n in names) + " | "
-                     + " | ".join(f"{med[n] / med[names[0]]:.2f}" for n in names[1:]) + " | " + " | ".join(f"{rps[n]:.0f}" for n in names) + " |")
+                     + " | ".join(f"{med[n] / med[names[0]]:.2f}" for n in names[1:]) + " | " + " | ".join(f"{rps[n]:.0f}" for n in names) + " | " + " | ".join(f"{rss[n]:.1f}" for n in names) + " |")
     out["summary"] = summary
     out["table"] = "\n".join(lines)
     path = run.BENCH / "results" / f"ab-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
