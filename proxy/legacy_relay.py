@@ -211,6 +211,8 @@ class LegacyRelay(RelayStreams):
                 reply = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"})
                 stream.append(SseEvent("message", _dumps(reply), None, None))
                 stream.close()
+                if session.pending.get(request_id) == upstream_rid:  # answered (with the error)
+                    session.pending.pop(request_id, None)
                 return
             finally:
                 opening.cancel()  # this task was cancelled while waiting: so is the exchange
@@ -313,8 +315,6 @@ class LegacyRelay(RelayStreams):
                 log.warning("legacy_relay_broken", server=self.name, reason=reason)
                 error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} {reason}"})
                 stream.append(SseEvent("message", _dumps(error), None, None))
-            stream.close()
+            stream.close()  # nobody reading it: kept LINGER_S for a resumption, then forgotten (`_sweep`)
             if request_id is not None and session.pending.get(request_id) == upstream_rid:
                 session.pending.pop(request_id, None)
-            if not stream.attached:  # nobody reads it now: kept LINGER_S for a resumption, then forgotten (`_remember`)
-                stream.idle_since = asyncio.get_running_loop().time()

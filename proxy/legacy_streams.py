@@ -62,6 +62,7 @@ class RelayStreams:
         self.legacy = sessions
         self.keepalive_s = keepalive_s
         self.replay_events, self.replay_bytes = replay_events, replay_bytes
+        self._sweeper: asyncio.TimerHandle | None = None  # the pending `_sweep`
 
     # -- client side of a stream ------------------------------------------------------------------
 
@@ -89,20 +90,27 @@ class RelayStreams:
         return response
 
     def _remember(self, session: LegacySession, stream: RelayStream) -> None:
-        """Keep `stream` in `session` for resumption; ended POST streams no client has read for
-        LINGER_S are forgotten first (checked here rather than by a timer per stream: a timer held
-        each stream, its buffer included, for LINGER_S after its last byte)."""
-        now = asyncio.get_running_loop().time()
-        stale = []
-        for token, s in session.streams.items():  # oldest first: stop at the first POST stream still wanted
-            if s.kind != "post":
-                continue
-            if not s.closed or s.attached or now - s.idle_since < LINGER_S:
-                break
-            stale.append(token)
-        for token in stale:
-            del session.streams[token]
+        """Keep `stream` in `session` for resumption (at most MAX_STREAMS per session); ended POST
+        streams are forgotten by `_sweep` once no client has read them for LINGER_S."""
         session.add_stream(stream)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(LINGER_S / 2, self._sweep)
+
+    def _sweep(self) -> None:
+        """Every LINGER_S / 2 while any session keeps a POST stream: forget the ended ones that no
+        client has read for LINGER_S, so one stays resumable for LINGER_S to 1.5 x LINGER_S (s).
+        One timer per relay, not one per stream (a timer per stream held each stream and its
+        buffer for LINGER_S after its last byte: 90,000 timers at 1,500 calls/s)."""
+        self._sweeper = None
+        now = asyncio.get_running_loop().time()
+        kept = False
+        for session in self.legacy.all():
+            stale = [t for t, s in session.streams.items() if s.kind == "post" and s.closed and not s.attached and now - s.idle_since >= LINGER_S]
+            for token in stale:
+                del session.streams[token]
+            kept = kept or any(s.kind == "post" for s in session.streams.values())
+        if kept:
+            self._sweeper = asyncio.get_running_loop().call_later(LINGER_S / 2, self._sweep)
 
     def _linger_over(self, session: LegacySession, stream: RelayStream) -> None:
         """LINGER_S after the last client left `stream`: stop reading a standalone stream nobody

@@ -92,8 +92,11 @@ class RelayStream:
         self.append_frame(frame)
 
     def close(self) -> None:
-        """Nothing more will be appended; writers end once they sent everything."""
+        """Nothing more will be appended; writers end once they sent everything. A stream no
+        client reads is idle from now on (its LINGER_S for resumption starts)."""
         self.closed = True
+        if not self.attached:
+            self.idle_since = asyncio.get_running_loop().time()
         self._signal()
 
     def reopen(self) -> None:

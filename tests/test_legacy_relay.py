@@ -247,6 +247,31 @@ async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str,
             assert (await next_message(it))[1] == 4
 
 
+async def test_an_ended_stream_stays_resumable_for_the_linger_time_then_is_forgotten(
+    upstream: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ended reply stream is resumable for LINGER_S (scaled down here), then forgotten by the
+    relay's sweep: also in a session that opens no further stream, and behind a stream that is
+    still open (a long call)."""
+    monkeypatch.setattr("proxy.legacy_streams.LINGER_S", 0.3)
+    async with running_proxy(relay_config(upstream, tmp_path)) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        long_call = await client.call(1, "slow", ms=4000).__aenter__()  # opened first, open throughout
+        async with client.call(2, "sse_echo") as resp:
+            ended_id = [e for e in await read_events(resp) if e.data.strip()][-1].id
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": ended_id})
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert again.status == 200  # resumable at once: nothing after that id, so the replay just ends
+            assert [e for e in await asyncio.wait_for(read_events(again), 5) if e.data.strip()] == []
+        # Unread from now on (a resumption is a read: it starts the linger time again). The sweep
+        # runs every LINGER_S / 2, so the stream is gone after 1.5 x LINGER_S.
+        await asyncio.sleep(0.3 * 1.5 + 0.2)
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert again.status == 400
+            assert "Last-Event-ID" in (await again.json())["error"]["message"]
+        long_call.close()
+
+
 async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(upstream: str, tmp_path: Path) -> None:
     async with running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy, aiohttp.ClientSession() as http:
         client = await Legacy(proxy.url(), http).open()
