@@ -32,7 +32,10 @@ from .upstream.sse import EventTooLargeError, ReaderEvents, SseEvent
 
 log = structlog.get_logger("proxy.transport")
 
-FORWARD_REQUEST_HEADERS = ("Accept", "Content-Type", "MCP-Protocol-Version")
+FORWARD_REQUEST_HEADERS = ("MCP-Protocol-Version",)
+# What the upstream is asked for, whatever the client sent (README "Transport leniency": a body that
+# parses as JSON is served without `Content-Type: application/json`, and without the full Accept).
+UPSTREAM_ACCEPT = {"POST": "application/json, text/event-stream", "GET": "text/event-stream"}
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
 MAX_RESUME_ATTEMPTS = 2  # upstream resumptions in a row that bring no event before the request fails
 MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming it
@@ -57,6 +60,10 @@ class LegacyRelay(RelayStreams):
         for name in FORWARD_REQUEST_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
+        if request.method in UPSTREAM_ACCEPT:
+            headers["Accept"] = UPSTREAM_ACCEPT[request.method]
+        if request.method == "POST":
+            headers["Content-Type"] = "application/json"
         for name, value in request.headers.items():
             if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
                 headers[name] = value
@@ -69,7 +76,7 @@ class LegacyRelay(RelayStreams):
             session = found
             if found.upstream_id:
                 headers["Mcp-Session-Id"] = found.upstream_id
-        if request.method == "POST" and await self.v1.intercepts(body, principal):
+        if request.method == "POST" and await self.v1.intercepts(body, principal, request.headers.get("MCP-Protocol-Version")):
             if not sid:
                 return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"), status=400)
             return await self.v1.handle(request, body, principal=principal, capabilities=session.capabilities)
@@ -189,6 +196,8 @@ class LegacyRelay(RelayStreams):
                 self._pump_post(session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key),
                 name=f"legacy POST relay {self.name}",
             )
+        if request.method == "POST" and "text/event-stream" not in request.headers.get("Accept", ""):
+            return await self._serve_json(stream, out_headers)  # a client that takes no SSE
         return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
 
     async def _late_post(
@@ -312,8 +321,9 @@ class LegacyRelay(RelayStreams):
             reason = f"did not answer {method} within {bound:g} s ({key})" if bound else "timed out"
         finally:
             if not answered:
-                log.warning("legacy_relay_broken", server=self.name, reason=reason)
-                error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} {reason}"})
+                text = f"{stream.ended_by} before upstream {self.name} answered" if stream.ended_by else f"upstream {self.name} {reason}"
+                log.warning("legacy_relay_broken", server=self.name, reason=stream.ended_by or reason)
+                error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": text})
                 stream.append(SseEvent("message", _dumps(error), None, None))
             stream.close()  # nobody reading it: kept LINGER_S for a resumption, then forgotten (`_sweep`)
             if request_id is not None and session.pending.get(request_id) == upstream_rid:

@@ -74,11 +74,14 @@ class LegacySession:
             del self.streams[victim.token]
 
     def end(self) -> None:
-        """Stop every pump of this session (it ended)."""
+        """Stop every pump of this session (it ended): a POST stream still waiting for its answer
+        gets a JSON-RPC error saying so from its pump, which then closes it."""
         for stream in self.streams.values():
-            if stream.pump is not None:
+            stream.ended_by = "the session ended (DELETE, or the upstream expired it)"
+            if stream.pump is not None and not stream.pump.done():
                 stream.pump.cancel()
-            stream.close()
+            else:
+                stream.close()
 
 
 class LegacySessions:

@@ -89,6 +89,18 @@ class RelayStreams:
                     asyncio.get_running_loop().call_later(LINGER_S, self._linger_over, session, stream)
         return response
 
+    async def _serve_json(self, stream: RelayStream, headers: dict[str, str]) -> web.Response:
+        """A POST reply for a client whose Accept has no `text/event-stream`: the upstream's SSE
+        reply is read to its end (the pump goes on if the client leaves) and its last message, the
+        answer or the proxy's JSON-RPC error, goes out as one JSON body. What else the stream
+        carried (notifications, questions) cannot reach such a client; it stays in the replay buffer."""
+        if stream.pump is not None:
+            await asyncio.shield(stream.pump)
+        out = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+        if stream.last_data is None:
+            return web.Response(status=202, headers=out)
+        return web.Response(status=200, text=stream.last_data, content_type="application/json", headers=out)
+
     def _remember(self, session: LegacySession, stream: RelayStream) -> None:
         """Keep `stream` in `session` for resumption (at most MAX_STREAMS per session); ended POST
         streams are forgotten by `_sweep` once no client has read them for LINGER_S."""
@@ -129,7 +141,7 @@ class RelayStreams:
         """GET with `Last-Event-ID`: replay that stream's later events from the proxy's buffer, then go on live."""
         parsed = parse_event_id(request.headers.get("Last-Event-ID"))
         stream = session.streams.get(parsed[0]) if parsed is not None and sid else None
-        if stream is None or parsed is None:
+        if stream is None or parsed is None or parsed[1] > stream.last_seq:  # (a number not minted yet is not ours either)
             err = JsonRpcError(INVALID_REQUEST, "Last-Event-ID names no stream of this session (unknown, expired, or not minted by this proxy); open a new GET stream without it")
             return json_error(None, err, status=400)
         start, gap = stream.replay_from(parsed[1])
@@ -221,7 +233,23 @@ class RelayStreams:
                 return SseEvent(event.event, dumps({**message, "id": request_id}), None, event.retry), True
             log.warning("legacy_foreign_response_dropped", server=self.name, reason="a response for an id this stream does not carry")
             return None, False
+        if message.get("method") == "notifications/cancelled":
+            return self._question_cancelled(session, event, message), False
         return SseEvent(event.event, event.data, None, event.retry), False
+
+    def _question_cancelled(self, session: LegacySession, event: SseEvent, message: dict[str, Any]) -> SseEvent | None:
+        """The upstream withdrew one of its questions: the client gets the proxy id it knows that
+        question by, and a later answer from it is not forwarded (the question is forgotten). A
+        cancel for no question the client has open is dropped."""
+        raw = message.get("params")
+        params: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        upstream_id = params.get("requestId")
+        proxy_id = next((p for p, u in reversed(session.request_ids.items()) if u == upstream_id and type(u) is type(upstream_id)), None)
+        if proxy_id is None:
+            log.info("legacy_cancel_dropped", server=self.name, reason="the upstream cancelled no question the client has open")
+            return None
+        del session.request_ids[proxy_id]
+        return SseEvent(event.event, dumps({**message, "params": {**params, "requestId": proxy_id}}), None, event.retry)
 
     async def _pump_get(self, session: LegacySession, stream: RelayStream, upstream: aiohttp.ClientResponse, sid: str) -> None:
         """Read the upstream's standalone GET stream into `stream` (with the v1 status notifications

@@ -35,6 +35,7 @@ from .upstream.http import UpstreamError, UpstreamPool
 from .upstream.sse import KEEPALIVE, SseEvent, encode_message
 from .upstream.stdio import StdioPool
 
+V1_TASKS_VERSION = "2025-11-25"  # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
 REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
 
 
@@ -91,6 +92,8 @@ class V1Front:
             return message
         result = dict(message["result"])
         if method == "initialize":
+            if str(result.get("protocolVersion", "")) < V1_TASKS_VERSION:  # v1 tasks are 2025-11-25's
+                return message
             caps = dict(object_of(result.get("capabilities")))
             caps["tasks"] = SERVER_TASKS_CAPABILITY
             result["capabilities"] = caps
@@ -183,9 +186,11 @@ class V1Front:
 
     # -- what the proxy answers itself -------------------------------------------------------
 
-    async def intercepts(self, body: Any, principal: str) -> bool:
-        """True when this legacy message is the proxy's to answer: a `tools/call` with `params.task`,
-        a v1 `tasks/*` request, or a response to a question relayed on a `tasks/result` stream."""
+    async def intercepts(self, body: Any, principal: str, version: str | None = None) -> bool:
+        """True when this legacy message is the proxy's to answer: a `tools/call` with `params.task`
+        (from a 2025-11-25 session: `version` is the request's MCP-Protocol-Version, when sent; an
+        older session's `params.task` is not a task request and passes through), a v1 `tasks/*`
+        request, or a response to a question relayed on a `tasks/result` stream."""
         if not isinstance(body, dict):
             return False
         if jsonrpc.is_response(body):
@@ -193,7 +198,8 @@ class V1Front:
             return target is not None and target[2] == principal
         method = body.get("method")
         params = object_of(body.get("params"))
-        if method not in V1_TASK_METHODS and not (method == "tools/call" and ("task" in params or self._required(params.get("name")))):
+        wants_task = "task" in params and (version is None or version >= V1_TASKS_VERSION)
+        if method not in V1_TASK_METHODS and not (method == "tools/call" and (wants_task or self._required(params.get("name")))):
             return False
         return "id" in body and not await self.upstream_has_tasks()
 

@@ -48,6 +48,8 @@ class RelayStream:
         self.pump: asyncio.Task[None] | None = None
         self.upstream_rid: int | None = None  # the proxy's upstream id of the request a POST stream answers
         self._wake = asyncio.Event()
+        self.last_data: str | None = None  # the data of the newest event (a POST stream's answer once it closed)
+        self.ended_by: str | None = None  # why the proxy ended the stream before its answer (the session ended)
 
     def event_id(self, seq: int) -> str:
         """The opaque id of event `seq` of this stream."""
@@ -65,6 +67,7 @@ class RelayStream:
         self._seq += 1
         frame = encode_event(SseEvent(event.event, event.data, self.event_id(self._seq), event.retry))
         self._events.append((self._seq, frame))
+        self.last_data = event.data
         self._bytes += len(frame)
         while len(self._events) > 1 and (len(self._events) > self.max_events or self._bytes > self.max_bytes):
             _, dropped = self._events.popleft()

@@ -248,7 +248,7 @@ class ServerEndpoint:
                     jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
                 except JsonRpcError as exc:
                     return _json_error(request_id, exc)
-            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request)):
+            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request), request.headers.get("MCP-Protocol-Version")):
                 bridged = self.bridge.session_of(request, principal_of(request))
                 if bridged is None:  # as the bridge answers: 404 for an unknown session, 400 for none
                     known = bool(request.headers.get("Mcp-Session-Id"))

@@ -696,3 +696,78 @@ async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attach
             assert [n for _, n in await messages(iter_events(new.content.iter_any()), 1)] == [2]
         assert rest == []  # 2 went to the new connection only
         old.release()
+
+
+# -- found by a newcomer's run (2026-12-02) ------------------------------------------------------
+
+
+async def test_an_upstream_withdrawn_question_reaches_the_client_under_its_proxy_id(upstream: str, proxy_url: str) -> None:
+    """The upstream's `notifications/cancelled` for its own question names the proxy id the client
+    got the question under; the client's late answer is then not forwarded."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open({"elicitation": {}})
+        async with client.call(6, "ask", withdraw_ms=100) as resp:
+            it = iter_events(resp.content.iter_any())
+            question = json.loads((await anext(it)).data)
+            cancel = json.loads((await anext(it)).data)
+            final = json.loads((await anext(it)).data)
+        assert question["method"] == "elicitation/create"
+        assert cancel["method"] == "notifications/cancelled" and cancel["params"]["requestId"] == question["id"]
+        assert final["id"] == 6
+        late = {"jsonrpc": "2.0", "id": question["id"], "result": {"action": "accept", "content": {}}}
+        assert await client.post(late) == 202
+    upstream_sid = (await upstream_sessions(upstream))[-1]
+    assert [e for e in await upstream_log(upstream) if e["session"] == upstream_sid and "method" not in e["message"]] == []
+
+
+async def test_a_last_event_id_past_the_newest_event_is_refused(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(1, "sse_echo") as resp:
+            token = (await read_events(resp))[-1].id.rpartition(":")[0]
+        async with http.get(proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": f"{token}:999"})) as again:
+            assert again.status == 400
+
+
+@pytest.mark.parametrize("extra", [{"Content-Type": "text/plain", "Accept": "application/json"}, {"Content-Type": "", "Accept": ""}])
+async def test_a_client_without_json_content_type_or_sse_accept_is_served_json(proxy_url: str, extra: dict) -> None:
+    """README "Transport leniency": the upstream is asked properly whatever the client sent, and a
+    client that takes no SSE gets the answer as one JSON body (the upstream replied on SSE)."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        headers = {k: v for k, v in client.headers(**extra).items() if v}
+        body = json.dumps({"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {"name": "sse_echo", "arguments": {}}})
+        async with http.post(proxy_url, data=body, headers=headers, skip_auto_headers=["Content-Type"]) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["Content-Type"].startswith("application/json")
+            reply = await resp.json()
+    assert reply["id"] == 4 and "result" in reply
+
+
+async def test_deleting_a_session_mid_call_ends_its_stream_with_an_error(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(8, "slow", ms=4000) as resp:
+            async with http.delete(proxy_url, headers=client.headers()) as gone:
+                assert gone.status == 200
+            events = [e for e in await asyncio.wait_for(read_events(resp), 5) if e.data.strip()]
+    error = json.loads(events[-1].data)
+    assert error["id"] == 8 and "session ended" in error["error"]["message"]
+
+
+async def test_a_2025_06_18_session_is_not_offered_v1_tasks(proxy_url: str) -> None:
+    """v1 tasks are 2025-11-25's: an older session gets no `capabilities.tasks`, and its
+    `params.task` is passed through as any other param (a synchronous answer)."""
+    async with aiohttp.ClientSession() as http:
+        client = Legacy(proxy_url, http)
+        old = {"MCP-Protocol-Version": "2025-06-18"}
+        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "old", "version": "0"}}}
+        async with http.post(proxy_url, json=init, headers=client.headers(**old)) as resp:
+            client.sid = resp.headers["Mcp-Session-Id"]
+            result = (await resp.json())["result"]
+        assert result["protocolVersion"] == "2025-06-18" and "tasks" not in result["capabilities"]
+        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"a": 1}, "task": {"ttl": 60000}}}
+        async with http.post(proxy_url, json=call, headers=client.headers(**old)) as resp:
+            reply = await reply_of(resp)
+    assert reply["id"] == 1 and json.loads(reply["result"]["content"][0]["text"]) == {"a": 1}
