@@ -168,13 +168,16 @@ class ServerEndpoint:
         return response
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
+        too_large = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes")
+        if (request.content_length or 0) > request._client_max_size:  # declared too large: refused before a byte is read
+            obs.LIMIT_REJECTIONS.labels("max_body").inc()
+            return _closing(_json_error(None, too_large, status=413))
         try:
             async with asyncio.timeout(self.body_timeout):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            err = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes")
             obs.LIMIT_REJECTIONS.labels("max_body").inc()
-            return _closing(_json_error(None, err, status=exc.status))
+            return _closing(_json_error(None, too_large, status=exc.status))
         except TimeoutError:
             err = JsonRpcError(INVALID_REQUEST, f"the request body did not arrive within body_timeout ({self.body_timeout:g} s)")
             obs.LIMIT_REJECTIONS.labels("body_timeout").inc()

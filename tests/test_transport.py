@@ -3,6 +3,7 @@ and the proxy keeps serving (2026-07-28 transport rules, conformance.md §6.6)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -72,6 +73,20 @@ async def test_oversized_body_is_refused_and_the_proxy_keeps_serving(client: Mod
     reply = await client.request("tools/call", params, headers={"Mcp-Name": "greet"})
     assert reply.status == 413 and reply.error["code"] == -32600 and "too large" in reply.error["message"]
     assert (await client.call("greet", {"name": "after"})).result["content"][0]["text"] == "Hello, after!"
+
+
+async def test_a_declared_oversized_body_is_refused_at_once(proxy: RunningProxy) -> None:
+    """A Content-Length over max_body is answered 413 before any of the body is awaited (not after
+    body_timeout)."""
+    host, port = proxy.url().split("//")[1].split("/")[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{{}}".encode())
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413")
 
 
 async def test_hostile_host_and_origin_are_rejected(proxy: RunningProxy) -> None:
