@@ -76,10 +76,11 @@ class LegacyRelay(RelayStreams):
             session = found
             if found.upstream_id:
                 headers["Mcp-Session-Id"] = found.upstream_id
-        if request.method == "POST" and await self.v1.intercepts(body, principal, request.headers.get("MCP-Protocol-Version")):
+        version = request.headers.get("MCP-Protocol-Version") or session.version or None
+        if request.method == "POST" and await self.v1.intercepts(body, principal, version):
             if not sid:
                 return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"), status=400)
-            return await self.v1.handle(request, body, principal=principal, capabilities=session.capabilities)
+            return await self.v1.handle(request, self.v1.for_version(body, version), principal=principal, capabilities=session.capabilities)
         if request.method == "GET" and request.headers.get("Last-Event-ID") is not None:
             return await self._resume(request, session, sid, headers)
         live = session.get_stream
@@ -171,6 +172,9 @@ class LegacyRelay(RelayStreams):
         elif upstream_new_sid:
             out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal, capabilities=client_capabilities(body))
             new = self.legacy.get(out_headers["Mcp-Session-Id"], principal)
+            asked: Any = body.get("params") if isinstance(body, dict) else None
+            if new is not None and isinstance(asked, dict):
+                new.version = str(asked.get("protocolVersion") or "")
             if new is not None and upstream_rid is not None:  # the initialize request now belongs to the new session
                 session.pending.pop(request_id, None)
                 new.pending[request_id] = upstream_rid
@@ -215,6 +219,12 @@ class LegacyRelay(RelayStreams):
         async def pump() -> None:
             try:
                 upstream = await opening
+            except asyncio.CancelledError:
+                if stream.ended_by:  # the session ended while the upstream was awaited
+                    text = f"{stream.ended_by} before upstream {self.name} answered"
+                    stream.append(SseEvent("message", _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": text})), None, None))
+                stream.close()
+                raise
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                 reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
                 reply = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"})

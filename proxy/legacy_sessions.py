@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import secrets
 from collections.abc import Iterator
@@ -51,6 +53,7 @@ class LegacySession:
     pending: dict[RequestId, int] = field(default_factory=dict)
     streams: dict[str, RelayStream] = field(default_factory=dict)
     get_stream: RelayStream | None = None
+    version: str = ""  # the protocol revision its initialize asked for (when a request has no MCP-Protocol-Version)
     node: str = ""  # the replica holding it (named in the ids of the questions it relays)
     previous_owner: str | None = None  # the replica it was adopted from (may still serve its requests)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
@@ -79,9 +82,14 @@ class LegacySession:
         for stream in self.streams.values():
             stream.ended_by = "the session ended (DELETE, or the upstream expired it)"
             if stream.pump is not None and not stream.pump.done():
+                stream.pump.add_done_callback(functools.partial(_close_after_pump, stream))  # whatever the pump did on its way out
                 stream.pump.cancel()
             else:
                 stream.close()
+
+
+def _close_after_pump(stream: RelayStream, _task: asyncio.Future[None]) -> None:
+    stream.close()
 
 
 class LegacySessions:

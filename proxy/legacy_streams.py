@@ -95,7 +95,7 @@ class RelayStreams:
         answer or the proxy's JSON-RPC error, goes out as one JSON body. What else the stream
         carried (notifications, questions) cannot reach such a client; it stays in the replay buffer."""
         if stream.pump is not None:
-            await asyncio.shield(stream.pump)
+            await asyncio.wait({stream.pump})  # (never cancels the pump; a pump cancelled by a session's end wrote its error first)
         out = {k: v for k, v in headers.items() if k.lower() != "content-type"}
         if stream.last_data is None:
             return web.Response(status=202, headers=out)

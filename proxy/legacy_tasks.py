@@ -186,6 +186,13 @@ class V1Front:
 
     # -- what the proxy answers itself -------------------------------------------------------
 
+    def for_version(self, body: Any, version: str | None) -> Any:
+        """`body` as the v1 front handles it for a session of `version`: before 2025-11-25 a
+        `params.task` is not a task request (a `mode: required` tool is then refused, not run as a task)."""
+        if version is None or version >= V1_TASKS_VERSION or not isinstance(body, dict) or not isinstance(body.get("params"), dict) or "task" not in body["params"]:
+            return body
+        return {**body, "params": {k: v for k, v in body["params"].items() if k != "task"}}
+
     async def intercepts(self, body: Any, principal: str, version: str | None = None) -> bool:
         """True when this legacy message is the proxy's to answer: a `tools/call` with `params.task`
         (from a 2025-11-25 session: `version` is the request's MCP-Protocol-Version, when sent; an

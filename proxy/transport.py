@@ -251,13 +251,14 @@ class ServerEndpoint:
                     jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
                 except JsonRpcError as exc:
                     return _json_error(request_id, exc)
-            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request), request.headers.get("MCP-Protocol-Version")):
-                bridged = self.bridge.session_of(request, principal_of(request))
+            bridged = self.bridge.session_of(request, principal_of(request))
+            version = request.headers.get("MCP-Protocol-Version") or (bridged.version if bridged is not None else None)
+            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request), version):
                 if bridged is None:  # as the bridge answers: 404 for an unknown session, 400 for none
                     known = bool(request.headers.get("Mcp-Session-Id"))
                     message = "unknown or expired session; initialize a new one" if known else "missing Mcp-Session-Id: initialize first"
                     return _json_error(request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400)
-                return await self.v1.handle(request, body, principal=principal_of(request), capabilities=bridged.capabilities)
+                return await self.v1.handle(request, self.v1.for_version(body, version), principal=principal_of(request), capabilities=bridged.capabilities)
             if request.method == "GET" and not await self.v1.upstream_has_tasks():
                 bridge, bridge_sid = self.bridge, request.headers.get("Mcp-Session-Id", "").strip()
                 if bridge.session_of(request, principal_of(request)) is not None:  # the v1 status stream (legacy_tasks)

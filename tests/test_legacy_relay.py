@@ -771,3 +771,43 @@ async def test_a_2025_06_18_session_is_not_offered_v1_tasks(proxy_url: str) -> N
         async with http.post(proxy_url, json=call, headers=client.headers(**old)) as resp:
             reply = await reply_of(resp)
     assert reply["id"] == 1 and json.loads(reply["result"]["content"][0]["text"]) == {"a": 1}
+
+
+async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late_stream(proxy_url: str) -> None:
+    """The session's end reaches every kind of waiting reply: a JSON-only client's (one JSON body
+    with the error) and a reply already switched to SSE while a slow JSON upstream was awaited."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        body = {"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": {"name": "slow", "arguments": {"ms": 4000}}}
+        json_only = asyncio.ensure_future(http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")))
+        async with client.call(12, "slow_json", ms=4000) as late:
+            assert late.headers["Content-Type"].startswith("text/event-stream")  # switched after sse_keepalive
+            async with http.delete(proxy_url, headers=client.headers()) as gone:
+                assert gone.status == 200
+            events = [e for e in await asyncio.wait_for(read_events(late), 5) if e.data.strip()]
+        resp = await asyncio.wait_for(json_only, 5)
+        async with resp:
+            assert resp.status == 200
+            reply = await resp.json()
+    assert json.loads(events[-1].data)["id"] == 12 and "session ended" in json.loads(events[-1].data)["error"]["message"]
+    assert reply["id"] == 11 and "session ended" in reply["error"]["message"]
+
+
+async def test_a_2025_06_18_session_without_the_version_header_and_a_required_tool(upstream: str, tmp_path: Path) -> None:
+    """The version the session's initialize asked for counts when a request has no
+    MCP-Protocol-Version; a `mode: required` tool refuses a 2025-06-18 session's calls."""
+    config = relay_config(upstream, tmp_path, server={"tasks": {"tools": {"slow": {"mode": "required"}}}})
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = Legacy(proxy.url(), http)
+        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "old", "version": "0"}}}
+        async with http.post(proxy.url(), json=init, headers=client.headers(**{"MCP-Protocol-Version": "2025-06-18"})) as resp:
+            client.sid = resp.headers["Mcp-Session-Id"]
+        no_header = {k: v for k, v in client.headers().items() if k != "MCP-Protocol-Version"}
+        task = {"ttl": 60000}
+        echo = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"a": 1}, "task": task}}
+        async with http.post(proxy.url(), json=echo, headers=no_header) as resp:
+            assert json.loads((await reply_of(resp))["result"]["content"][0]["text"]) == {"a": 1}
+        slow = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "slow", "arguments": {}, "task": task}}
+        async with http.post(proxy.url(), json=slow, headers=no_header) as resp:
+            assert (await reply_of(resp))["error"]["code"] == -32601
