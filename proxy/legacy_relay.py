@@ -196,6 +196,7 @@ class LegacyRelay(RelayStreams):
             session.get_stream = stream
             stream.pump = loop.create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
         else:
+            stream.json_only = "text/event-stream" not in request.headers.get("Accept", "")
             stream.pump = loop.create_task(
                 self._pump_post(session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key),
                 name=f"legacy POST relay {self.name}",
@@ -305,7 +306,7 @@ class LegacyRelay(RelayStreams):
                                 last_upstream_id = event.id if event.id is not None else last_upstream_id
                                 retry_ms = event.retry if event.retry is not None else retry_ms
                                 out, answers = self._from_upstream(session, event, upstream_rid, request_id)
-                                if out is None:
+                                if out is None or (stream.json_only and not answers and await self._refuse_question(session, out, headers)):
                                     continue
                                 if answers and rewriter is not None:
                                     out = await rewriter(out)

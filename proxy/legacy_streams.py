@@ -15,7 +15,7 @@ from aiohttp import web
 from .legacy_sessions import LegacySession, LegacySessions
 from .legacy_tasks import V1Front
 from .protocol import jsonrpc
-from .protocol.jsonrpc import INVALID_REQUEST, JsonRpcError
+from .protocol.jsonrpc import INVALID_REQUEST, METHOD_NOT_FOUND, JsonRpcError
 from .replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, RelayStream, parse_event_id
 from .upstream.common import Bounds
 from .upstream.sse import EventTooLargeError, ReaderEvents, SseEvent
@@ -236,6 +236,26 @@ class RelayStreams:
         if message.get("method") == "notifications/cancelled":
             return self._question_cancelled(session, event, message), False
         return SseEvent(event.event, event.data, None, event.retry), False
+
+    async def _refuse_question(self, session: LegacySession, event: SseEvent, headers: dict[str, str]) -> bool:
+        """A server→client request on the stream of a client that takes no SSE (it could never see
+        it): the upstream gets a -32601 answer at once instead of waiting for one until its call's
+        timeout. Returns whether `event` was such a request. `headers` are the call's upstream headers."""
+        message = decode(event.data)
+        if not (isinstance(message, dict) and jsonrpc.is_request(message)):
+            return False
+        upstream_id = session.request_ids.pop(message["id"], None)
+        if upstream_id is None:
+            return False
+        text = "the client accepts no text/event-stream, so it cannot receive this request"
+        reply = jsonrpc.error_response(upstream_id, {"code": METHOD_NOT_FOUND, "message": text})
+        log.info("legacy_question_refused", server=self.name, reason=text)
+        try:
+            resp = await self._send("POST", dumps(reply).encode(), headers, self.bounds.request_timeout)
+            resp.release()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            log.info("legacy_question_refusal_failed", server=self.name, reason=str(exc) or exc.__class__.__name__)
+        return True
 
     def _question_cancelled(self, session: LegacySession, event: SseEvent, message: dict[str, Any]) -> SseEvent | None:
         """The upstream withdrew one of its questions: the client gets the proxy id it knows that

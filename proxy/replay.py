@@ -49,6 +49,7 @@ class RelayStream:
         self.upstream_rid: int | None = None  # the proxy's upstream id of the request a POST stream answers
         self._wake = asyncio.Event()
         self.last_data: str | None = None  # the data of the newest event (a POST stream's answer once it closed)
+        self.json_only = False  # its client takes no SSE: it gets the answer only, and no server→client request
         self.ended_by: str | None = None  # why the proxy ended the stream before its answer (the session ended)
 
     def event_id(self, seq: int) -> str:

@@ -811,3 +811,16 @@ async def test_a_2025_06_18_session_without_the_version_header_and_a_required_to
         slow = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "slow", "arguments": {}, "task": task}}
         async with http.post(proxy.url(), json=slow, headers=no_header) as resp:
             assert (await reply_of(resp))["error"]["code"] == -32601
+
+
+async def test_a_json_only_client_does_not_leave_the_upstreams_question_waiting(proxy_url: str) -> None:
+    """A client that takes no SSE cannot see a server→client request: the proxy answers it upstream
+    with -32601 at once, so the call ends now rather than at its timeout."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open({"elicitation": {}})
+        body = {"jsonrpc": "2.0", "id": 13, "method": "tools/call", "params": {"name": "ask", "arguments": {}}}
+        async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
+            assert resp.headers["Content-Type"].startswith("application/json")
+            reply = await asyncio.wait_for(resp.json(), 3)  # the fixture waits 5 s for an answer
+    text = json.loads(reply["result"]["content"][0]["text"])
+    assert reply["id"] == 13 and text["code"] == -32601 and "text/event-stream" in text["message"]
