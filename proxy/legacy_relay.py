@@ -28,7 +28,7 @@ from .legacy_tasks import client_capabilities
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
 from .replay import RelayStream
-from .upstream.sse import EventTooLargeError, ReaderEvents, SseEvent
+from .upstream.sse import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, EventTooLargeError, ReaderEvents, SseEvent
 
 log = structlog.get_logger("proxy.transport")
 
@@ -37,8 +37,6 @@ FORWARD_REQUEST_HEADERS = ("MCP-Protocol-Version",)
 # parses as JSON is served without `Content-Type: application/json`, and without the full Accept).
 UPSTREAM_ACCEPT = {"POST": "application/json, text/event-stream", "GET": "text/event-stream"}
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
-MAX_RESUME_ATTEMPTS = 2  # upstream resumptions in a row that bring no event before the request fails
-MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming it
 
 
 def _upstream_error(request_id: Any, exc: JsonRpcError, status: int) -> web.Response:
@@ -196,13 +194,13 @@ class LegacyRelay(RelayStreams):
             session.get_stream = stream
             stream.pump = loop.create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
         else:
-            stream.json_only = "text/event-stream" not in request.headers.get("Accept", "")
+            stream.json_only = "text/event-stream" not in request.headers.get("Accept", "")  # a client that takes no SSE
             stream.pump = loop.create_task(
                 self._pump_post(session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key),
                 name=f"legacy POST relay {self.name}",
             )
-        if request.method == "POST" and "text/event-stream" not in request.headers.get("Accept", ""):
-            return await self._serve_json(stream, out_headers)  # a client that takes no SSE
+        if stream.json_only:
+            return await self._serve_json(stream, out_headers)
         return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
 
     async def _late_post(
@@ -222,8 +220,7 @@ class LegacyRelay(RelayStreams):
                 upstream = await opening
             except asyncio.CancelledError:
                 if stream.ended_by:  # the session ended while the upstream was awaited
-                    text = f"{stream.ended_by} before upstream {self.name} answered"
-                    stream.append(SseEvent("message", _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": text})), None, None))
+                    stream.append(SseEvent("message", _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": self._ended(stream)})), None, None))
                 stream.close()
                 raise
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
@@ -332,7 +329,7 @@ class LegacyRelay(RelayStreams):
             reason = f"did not answer {method} within {bound:g} s ({key})" if bound else "timed out"
         finally:
             if not answered:
-                text = f"{stream.ended_by} before upstream {self.name} answered" if stream.ended_by else f"upstream {self.name} {reason}"
+                text = self._ended(stream) if stream.ended_by else f"upstream {self.name} {reason}"
                 log.warning("legacy_relay_broken", server=self.name, reason=stream.ended_by or reason)
                 error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": text})
                 stream.append(SseEvent("message", _dumps(error), None, None))

@@ -125,17 +125,20 @@ class RelayStreams:
             self._sweeper = asyncio.get_running_loop().call_later(LINGER_S / 2, self._sweep)
 
     def _linger_over(self, session: LegacySession, stream: RelayStream) -> None:
-        """LINGER_S after the last client left `stream`: stop reading a standalone stream nobody
-        reads, forget an ended one."""
+        """LINGER_S after the last client left a standalone GET `stream`: stop reading it from the
+        upstream and forget it (POST streams are `_sweep`'s)."""
         if stream.attached or asyncio.get_running_loop().time() - stream.idle_since < LINGER_S - 0.01:
             return
-        if stream.kind == "get" and stream.pump is not None:
+        if stream.pump is not None:
             stream.pump.cancel()
-        if stream.closed or stream.kind == "get":
-            if session.streams.get(stream.token) is stream:
-                del session.streams[stream.token]
-            if session.get_stream is stream:
-                session.get_stream = None
+        if session.streams.get(stream.token) is stream:
+            del session.streams[stream.token]
+        if session.get_stream is stream:
+            session.get_stream = None
+
+    def _ended(self, stream: RelayStream) -> str:
+        """The error text for a request whose session ended before its answer (`stream.ended_by` set)."""
+        return f"{stream.ended_by} before upstream {self.name} answered"
 
     async def _resume(self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str]) -> web.StreamResponse:
         """GET with `Last-Event-ID`: replay that stream's later events from the proxy's buffer, then go on live."""

@@ -23,7 +23,7 @@ from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
 from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe, read_body
 from .pooling import drain_later, shed_headers
-from .sse import EventTooLargeError, ReaderEvents, iter_events
+from .sse import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, EventTooLargeError, ReaderEvents, iter_events
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -32,9 +32,6 @@ __all__ = ["CALL_METHODS", "Bounds", "SessionBrokenError", "SessionExpiredError"
 # Called with every message that arrives on a request's stream before its response:
 # notifications and server→client requests. Returns nothing; answers go through `respond`.
 MessageHandler = Callable[[JsonObject], Awaitable[None]]
-
-MAX_RESUME_ATTEMPTS = 2  # resumptions in a row that bring no event before a request fails
-MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's SSE `retry` hint makes the proxy wait
 
 
 class UpstreamSession:
