@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
-from . import __version__, listener
+from . import __version__, event_loop, listener
 from .app import DRAIN_KEY, PARKED_KEY, build_app
 from .replicas import REPLICAS_KEY, advertised_url
 from .auth import hash_token
@@ -120,7 +120,7 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
         loop.add_signal_handler(sig, stop.set)
     host, port = runner.addresses[0][:2]
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    structlog.get_logger("proxy.cli").info("proxy_listening", address=f"{host}:{port}")
+    structlog.get_logger("proxy.cli").info("proxy_listening", address=f"{host}:{port}", event_loop=event_loop.running())
     if announce:
         for name in config.servers:
             print(f"serving {name} at {base}/servers/{name}/mcp", flush=True)
@@ -257,7 +257,7 @@ def _check_config(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
-    problems = missing_commands(config) + replica_problems(config)
+    problems = missing_commands(config) + replica_problems(config) + event_loop.problems(config.listen.event_loop)
     if problems:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level or "info")
     try:
         if args.config is None:
-            asyncio.run(_run_demo(args))
+            event_loop.run(_run_demo(args), "auto")
             return 0
         config = load_config(args.config)
         _override(config, args)
@@ -375,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             configure_logging(config.logging.level)
         for problem in missing_commands(config):
             structlog.get_logger("proxy.cli").error("upstream_command_missing", problem=problem)
-        asyncio.run(serve(config))
-    except ConfigError as exc:
+        event_loop.run(serve(config), config.listen.event_loop)
+    except (ConfigError, event_loop.EventLoopUnavailableError) as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
     except (StoreLockedError, StoreUnavailableError) as exc:

@@ -22,7 +22,8 @@ class ListenConfig(_Strict):
     """Where the proxy listens. `port` 0 picks a free port.
 
     `header_timeout` (s) bounds reading a request head and idle keep-alive connections,
-    `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections.
+    `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections;
+    `event_loop` picks the process's loop (`proxy.event_loop`).
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +46,9 @@ class ListenConfig(_Strict):
     body_timeout: Duration = Field("30s", validate_default=True, description="how long a client may take to send a request body")
     max_connections: int | None = Field(
         None, ge=8, description="open client connections at most (more are answered 503 and closed); default: half the open-file limit"
+    )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="the process's event loop: auto = uvloop when installed (cheaper per request), else asyncio's own; uvloop insists on it"
     )
 
     @property

@@ -15,7 +15,7 @@ import json
 import resource
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiohttp import web
@@ -63,9 +63,9 @@ class _Refuse(asyncio.Protocol):
             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             f"Content-Length: {len(self.BODY)}\r\nConnection: close\r\n\r\n"
         ).encode()
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(head + self.BODY)
-        transport.close()
+        writer = cast(asyncio.WriteTransport, transport)  # (uvloop's transports are not its subclasses)
+        writer.write(head + self.BODY)
+        writer.close()
 
 
 class JsonErrorRequestHandler(RequestHandler):

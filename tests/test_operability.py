@@ -138,8 +138,9 @@ def _limit_fds() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
 
-def test_running_out_of_file_descriptors_is_survived_quietly(legacy_url: str, tmp_path: Path) -> None:
-    config = _write_config(tmp_path, legacy_url, header_timeout="1s")
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_running_out_of_file_descriptors_is_survived_quietly(legacy_url: str, tmp_path: Path, event_loop: str) -> None:
+    config = _write_config(tmp_path, legacy_url, header_timeout="1s", event_loop=event_loop)
     log = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"], stdout=subprocess.PIPE, stderr=log,
                             text=True, cwd=ROOT, preexec_fn=_limit_fds)

@@ -1,0 +1,71 @@
+"""The event loop the proxy process serves on: `listen.event_loop` (issue 16).
+
+`auto` (the default) runs on uvloop when it is installed (a dependency on Linux and macOS, not on
+Windows) and on asyncio's own loop otherwise; `uvloop` insists on it; `asyncio` keeps the standard
+loop. bench/README.md ("2026-12-02, second session") gives what uvloop saves per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal, TypeVar
+
+EventLoopChoice = Literal["auto", "uvloop", "asyncio"]
+T = TypeVar("T")
+
+
+class EventLoopUnavailableError(RuntimeError):
+    """`listen.event_loop: uvloop` on a machine without the uvloop package."""
+
+
+def resolve(choice: str) -> str:
+    """The loop `choice` ("auto", "uvloop" or "asyncio") gives on this machine: "uvloop" or
+    "asyncio". Raises EventLoopUnavailableError for "uvloop" when uvloop is not installed."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        has_uvloop = False
+    else:
+        has_uvloop = True
+    if choice == "uvloop" and not has_uvloop:
+        raise EventLoopUnavailableError("listen.event_loop is uvloop, but the uvloop package is not installed (pip install uvloop), or set it to auto or asyncio")
+    if choice == "asyncio" or not has_uvloop:
+        return "asyncio"
+    return "uvloop"
+
+
+def problems(choice: str) -> list[str]:
+    """What stops `choice` from running here (for `check-config`): empty, or one sentence."""
+    try:
+        resolve(choice)
+    except EventLoopUnavailableError as exc:
+        return [str(exc)]
+    return []
+
+
+def running() -> str:
+    """The running loop's kind, for the start-up log line: "uvloop" or "asyncio"."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """A factory for `asyncio.Runner(loop_factory=...)`: uvloop's when `resolve(choice)` is
+    "uvloop", else None (asyncio's default loop). Raises EventLoopUnavailableError as `resolve`."""
+    if resolve(choice) == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
+def run(main: Coroutine[Any, Any, T], choice: str) -> T:
+    """Run `main` to its end on the loop `choice` names, as `asyncio.run` does (Ctrl-C cancels
+    `main`, then KeyboardInterrupt is raised). Raises EventLoopUnavailableError as `resolve`."""
+    try:
+        factory = loop_factory(choice)
+    except EventLoopUnavailableError:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
