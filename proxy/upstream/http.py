@@ -23,7 +23,7 @@ from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
 from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe, read_body
 from .pooling import drain_later, shed_headers
-from .sse import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, EventTooLargeError, ReaderEvents, iter_events
+from .sse import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, EventTooLargeError, ReaderEvents, SseEvent, iter_events
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -225,10 +225,47 @@ class UpstreamSession:
         bound, key = self.bounds.for_method(method)
         self.in_flight += 1
         try:
-            async with asyncio.timeout(bound):
+            async with asyncio.timeout(bound):  # (one frame with the exchange: a detached call holds it)
                 if on_sent is not None:
                     on_sent()
-                return await self._request(method, params, handler, request_id)
+                rid = self.next_id() if request_id is None else request_id
+                message = jsonrpc.request(rid, method, params)
+                # Sent again on a new session when the stream ends with no event at all: on a session
+                # already broken (never delivered), or for a method harmless to run twice (see _read_stream).
+                retry_safe = self.broken is not None or (method not in CALL_METHODS and method != "initialize")
+                resp = await self._post(message)
+                handed_off = False
+                try:
+                    if method == "initialize":
+                        sid = resp.headers.get("Mcp-Session-Id")
+                        if sid:
+                            self.session_id = sid
+                    ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
+                    if ctype == "text/event-stream" and resp.status < 400:
+                        shed_headers(resp)  # a detached call may hold this reply for hours
+                        answer = await self._read_stream(resp, rid, handler, retry_safe)
+                        handed_off = drain_later(resp)
+                        return answer
+                    raw = await read_body(resp, self.bounds.max_response_bytes, self.server)
+                    try:
+                        body = jsonrpc.loads(raw)
+                    except (ValueError, UnicodeDecodeError, RecursionError):
+                        if resp.status >= 400:
+                            raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
+                        raise UpstreamError(f"upstream {self.server} sent invalid JSON: {raw[:200]!r}") from None
+                    if isinstance(body, dict) and "error" in body and isinstance(body["error"], dict):
+                        return {"jsonrpc": "2.0", "id": rid, "error": body["error"]}
+                    if resp.status >= 400:
+                        raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}")
+                    if not jsonrpc.is_response(body) or ("result" in body and not isinstance(body["result"], dict)):
+                        raise UpstreamError(f"upstream {self.server} sent something that is not a JSON-RPC response")
+                    if body.get("id") != rid:
+                        raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
+                    return body
+                finally:
+                    if not handed_off:  # what `async with resp` does
+                        resp.release()
+                        await resp.wait_for_close()
         except TimeoutError:
             raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
         finally:
@@ -245,46 +282,6 @@ class UpstreamSession:
         if self.broken is not None and self.in_flight == 0:
             asyncio.get_running_loop().create_task(self._delete())
 
-    async def _request(self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None) -> JsonObject:
-        rid = self.next_id() if request_id is None else request_id
-        message = jsonrpc.request(rid, method, params)
-        # Sent again on a new session when the stream ends with no event at all: on a session
-        # already broken (never delivered), or for a method harmless to run twice (see _read_stream).
-        retry_safe = self.broken is not None or (method not in CALL_METHODS and method != "initialize")
-        resp = await self._post(message)
-        handed_off = False
-        try:
-            if method == "initialize":
-                sid = resp.headers.get("Mcp-Session-Id")
-                if sid:
-                    self.session_id = sid
-            ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
-            if ctype == "text/event-stream" and resp.status < 400:
-                shed_headers(resp)  # a detached call may hold this reply for hours
-                answer = await self._read_stream(resp, rid, handler, retry_safe)
-                handed_off = drain_later(resp)
-                return answer
-            raw = await read_body(resp, self.bounds.max_response_bytes, self.server)
-            try:
-                body = jsonrpc.loads(raw)
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                if resp.status >= 400:
-                    raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
-                raise UpstreamError(f"upstream {self.server} sent invalid JSON: {raw[:200]!r}") from None
-            if isinstance(body, dict) and "error" in body and isinstance(body["error"], dict):
-                return {"jsonrpc": "2.0", "id": rid, "error": body["error"]}
-            if resp.status >= 400:
-                raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}")
-            if not jsonrpc.is_response(body) or ("result" in body and not isinstance(body["result"], dict)):
-                raise UpstreamError(f"upstream {self.server} sent something that is not a JSON-RPC response")
-            if body.get("id") != rid:
-                raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
-            return body
-        finally:
-            if not handed_off:  # what `async with resp` does
-                resp.release()
-                await resp.wait_for_close()
-
     async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, retry_safe: bool) -> JsonObject:
         """The response to `rid` from an SSE reply. When the upstream ends the stream on purpose
         (SSE polling, SEP-1699: an event id and `retry`, then a close) the stream is resumed with GET
@@ -297,65 +294,65 @@ class UpstreamSession:
         whether it ran the tool cannot be known from outside, so it fails with UpstreamError rather
         than risk running a tool twice. (A 404 for the session is retried for every method:
         SessionExpiredError, the upstream forgot the session and ran nothing.)"""
-        state: dict[str, Any] = {"last_id": None, "retry": None, "events": 0}
+        # One frame reads every event (no helper frame or state dict: a detached call holds it for hours).
+        last_id: str | None = None
+        retry: int | None = None
+        events = 0
         current: aiohttp.ClientResponse | None = resp
         fruitless = 0
         reason = "closed the stream before answering"
         while current is not None:
-            before = state["events"]
+            before = events
             try:
-                reply = await self._read_events(current, rid, handler, state)
+                async for event in ReaderEvents(current.content, max_event_bytes=self.bounds.max_response_bytes):
+                    events += 1
+                    last_id = event.id if event.id is not None else last_id
+                    retry = event.retry if event.retry is not None else retry
+                    msg = self._event_message(event)
+                    if msg is None:
+                        continue
+                    if jsonrpc.is_response(msg) and msg.get("id") == rid:
+                        if "result" in msg and not isinstance(msg["result"], dict):
+                            raise UpstreamError(f"upstream {self.server} sent a non-object result")
+                        return msg
+                    if jsonrpc.is_request(msg):
+                        self.questions.asked(msg["id"])
+                        if msg.get("method") == "ping":
+                            asyncio.get_running_loop().create_task(self._answer_ping(msg["id"]))
+                            continue
+                    if handler is not None and "method" in msg:
+                        await handler(msg)
+            except EventTooLargeError:
+                raise UpstreamError(f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)") from None
             except (aiohttp.ClientError, OSError) as exc:
                 reason = f"broke the stream mid-call: {exc.__class__.__name__}: {exc}"
-                state["retry"] = None
-                reply = None
+                retry = None
             finally:
                 if current is not resp:
                     current.release()
-            if reply is not None:
-                return reply
-            fruitless = 0 if state["events"] > before else fruitless + 1
-            if state["retry"] is None or state["last_id"] is None or fruitless >= MAX_RESUME_ATTEMPTS:
+            fruitless = 0 if events > before else fruitless + 1
+            if retry is None or last_id is None or fruitless >= MAX_RESUME_ATTEMPTS:
                 break
-            log.info("upstream_stream_resume", server=self.server, reason=reason, after_ms=state["retry"])
-            await asyncio.sleep(min(state["retry"] / 1000, MAX_RETRY_WAIT_S))
-            current = await self._resume(state["last_id"])
+            log.info("upstream_stream_resume", server=self.server, reason=reason, after_ms=retry)
+            await asyncio.sleep(min(retry / 1000, MAX_RETRY_WAIT_S))
+            current = await self._resume(last_id)
             if current is None:
                 reason = "closed the stream before answering and refused to resume it"
         self.broken = self.broken or reason
-        if retry_safe and state["events"] == 0:
+        if retry_safe and events == 0:
             raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
         raise UpstreamError(f"upstream {self.server} {reason}")
 
-    async def _read_events(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, state: dict[str, Any]) -> JsonObject | None:
-        """Read one SSE reply until the response to `rid` (returned) or its end (None); `state`
-        keeps the last event id, the `retry` hint (ms) and the count of events seen."""
+    def _event_message(self, event: SseEvent) -> JsonObject | None:
+        """The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logged)."""
+        if event.event != "message" or not event.data.strip():
+            return None
         try:
-            async for event in ReaderEvents(resp.content, max_event_bytes=self.bounds.max_response_bytes):
-                state["events"] += 1
-                state["last_id"] = event.id if event.id is not None else state["last_id"]
-                state["retry"] = event.retry if event.retry is not None else state["retry"]
-                if event.event != "message" or not event.data.strip():
-                    continue
-                try:
-                    msg = jsonrpc.loads(event.data)
-                except ValueError:
-                    log.warning("upstream_invalid_sse_data", server=self.server, sample=event.data[:120])
-                    continue
-                if jsonrpc.is_response(msg) and msg.get("id") == rid:
-                    if "result" in msg and not isinstance(msg["result"], dict):
-                        raise UpstreamError(f"upstream {self.server} sent a non-object result")
-                    return msg
-                if jsonrpc.is_request(msg):
-                    self.questions.asked(msg["id"])
-                if jsonrpc.is_request(msg) and msg.get("method") == "ping":
-                    asyncio.get_running_loop().create_task(self._answer_ping(msg["id"]))
-                    continue
-                if handler is not None and isinstance(msg, dict) and "method" in msg:
-                    await handler(msg)
-        except EventTooLargeError:
-            raise UpstreamError(f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)") from None
-        return None
+            msg = jsonrpc.loads(event.data)
+        except ValueError:
+            log.warning("upstream_invalid_sse_data", server=self.server, sample=event.data[:120])
+            return None
+        return msg if isinstance(msg, dict) else None
 
     async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
         """A GET resuming the session's stream after `last_event_id`; None when refused."""
