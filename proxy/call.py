@@ -129,7 +129,20 @@ class Call:
         params["_meta"] = meta
         try:
             async with asyncio.timeout(self.timeout):
-                reply = await self._request(params, retry_expired=True)
+                # (In this frame, not a helper's: a detached call holds every frame of its chain.)
+                for attempt in (1, 2):  # a session the upstream forgot (404: it ran nothing) is left, the request sent once more
+                    session = await self.pool.session(self.capabilities, self.principal or None)
+                    self.session = session
+                    self.upstream_request_id = session.next_id()
+                    self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
+                    try:
+                        reply = await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id, on_sent=self._mark_sent)
+                        break
+                    except SessionExpiredError:
+                        if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
+                            self.pool.discard(session)
+                        if attempt == 2:
+                            raise
         except TimeoutError:
             self.ended_by = "timeout"
             self._spawn(self._send_cancelled("hard timeout"))
@@ -144,20 +157,6 @@ class Call:
             log.exception("call_crashed", server=self.server, tool=self.tool)
             reply = {"error": {"code": INTERNAL_ERROR, "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}"}}
         self._finish(reply)
-
-    async def _request(self, params: JsonObject, *, retry_expired: bool) -> JsonObject:
-        session = await self.pool.session(self.capabilities, self.principal or None)
-        self.session = session
-        self.upstream_request_id = session.next_id()
-        self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
-        try:
-            return await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id, on_sent=self._mark_sent)
-        except SessionExpiredError:
-            if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
-                self.pool.discard(session)
-            if not retry_expired:
-                raise
-            return await self._request(params, retry_expired=False)
 
     def _finish(self, reply: JsonObject) -> None:
         if self.outcome.done():
