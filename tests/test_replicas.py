@@ -567,14 +567,20 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(cluster: Cluster, 
     await asyncio.to_thread(cluster.restart, 2)
 
 
-def _busy_slot(cluster: Cluster) -> int | None:
-    """The replica HAProxy has a request open on right now (stats `scur`), if exactly one."""
+def _open_counts(cluster: Cluster) -> dict[int, int]:
+    """Requests HAProxy has open on each replica right now (stats `scur`), by slot."""
     import csv
     import io
 
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.stats_port}/stats;csv", timeout=1) as resp:
         rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
-        busy = [int(r["svname"][1:]) for r in rows if r.get("pxname") == "replicas" and r["svname"].startswith("r") and int(r["scur"] or 0) > 0]
+        return {int(r["svname"][1:]): int(r["scur"] or 0) for r in rows if r.get("pxname") == "replicas" and r["svname"].startswith("r")}
+
+
+def _busy_slot(cluster: Cluster, before: dict[int, int]) -> int | None:
+    """The one replica with more requests open than in `before` (connections earlier tests left
+    open count in `scur` too), if exactly one."""
+    busy = [slot for slot, n in _open_counts(cluster).items() if n > before.get(slot, 0)]
     return busy[0] if len(busy) == 1 else None
 
 
@@ -598,10 +604,19 @@ async def test_a_call_whose_replica_dies_is_not_sent_again_by_the_balancer(clust
             except aiohttp.ClientError as exc:  # the response had begun (keepalives) and was cut
                 return 0
 
+        before = await asyncio.to_thread(_open_counts, cluster)
         sent = asyncio.ensure_future(post())
-        await asyncio.sleep(1.0)
-        busy = await asyncio.to_thread(_busy_slot, cluster)
-        assert busy is not None
+        for _ in range(50):  # until the upstream runs the call (polled, not a fixed sleep: a loaded machine is slow)
+            await asyncio.sleep(0.1)
+            if json.loads((await clients[0].call("started_log")).result["content"][0]["text"]).get("lb-once") == 1:
+                break
+        busy = None
+        for _ in range(20):  # and HAProxy shows it open on exactly one replica
+            busy = await asyncio.to_thread(_busy_slot, cluster, before)
+            if busy is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert busy is not None and not sent.done()
         await asyncio.to_thread(cluster.kill, busy)
         status = await asyncio.wait_for(sent, timeout=10)
         assert status == 0 or status >= 500  # an error, not the result of a second run
