@@ -76,11 +76,12 @@ class LegacySession:
                 break
             del self.streams[victim.token]
 
-    def end(self) -> None:
-        """Stop every pump of this session (it ended): a POST stream still waiting for its answer
-        gets a JSON-RPC error saying so from its pump, which then closes it."""
+    def end(self, reason: str = "the session ended (DELETE, or the upstream expired it)") -> None:
+        """Stop every pump of this session (it ended, or the proxy shuts down: `reason`): a POST
+        stream still waiting for its answer gets a JSON-RPC error saying so from its pump, which
+        then closes it."""
         for stream in self.streams.values():
-            stream.ended_by = "the session ended (DELETE, or the upstream expired it)"
+            stream.ended_by = reason
             if stream.pump is not None and not stream.pump.done():
                 stream.pump.add_done_callback(functools.partial(_close_after_pump, stream))  # whatever the pump did on its way out
                 stream.pump.cancel()
@@ -155,10 +156,11 @@ class LegacySessions:
         """Every open session, and each principal's session-less one."""
         return [*self._sessions.values(), *self._sessionless.values()]
 
-    def close(self) -> None:
-        """Stop every session's pumps (proxy shutdown)."""
+    def close(self, reason: str = "the proxy shut down") -> None:
+        """Stop every session's pumps (proxy shutdown; `reason` goes into each unanswered
+        request's JSON-RPC error: "<reason> before upstream X answered")."""
         for session in self.all():
-            session.end()
+            session.end(reason)
 
 
 def observe_legacy(server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float) -> None:

@@ -163,3 +163,32 @@ async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
     finally:
         await plain.close()
         proxy.stop()
+
+
+async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: str, tmp_path: Path) -> None:
+    """A legacy (2025-11-25) call relayed on the upstream's stream gets drain_timeout like a modern
+    one: a JSON-RPC error naming the shutdown, and the proxy exits soon after (it waited for the
+    call's own end, and the client saw the stream end with no answer)."""
+    import time
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared.exceptions import MCPError
+
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
+    proxy = _start(config_file)
+    try:
+        async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            call = asyncio.create_task(session.call_tool("slow_compute", {"seconds": 20, "label": "legacy-too-long"}))
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            proxy.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(MCPError) as raised:
+                await asyncio.wait_for(call, 10)
+        assert raised.value.error.code == -32603
+        assert "drain_timeout, 1 s" in raised.value.error.message and "before upstream legacy answered" in raised.value.error.message
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        assert time.monotonic() - started < 5  # the drain (1 s) plus clean-up, not the call's 20 s
+    finally:
+        proxy.stop()
