@@ -52,11 +52,18 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Refuse(asyncio.Protocol):
-    """Answers one connection past the cap with 503 and closes it."""
+    """Answers one connection past the cap with 503 and closes it. The answer is written and the
+    sending side shut; what the client still sends is read and dropped until it closes, or for at
+    most REFUSE_LINGER_S (s): closing at once with a request still unread makes the kernel answer
+    with a reset, which can destroy the 503 before the client reads it. At most MAX_LINGERING
+    refused connections linger at once (a flood is closed at once, resets and all)."""
 
     BODY = json.dumps(
         {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "too many open connections (listen.max_connections); try again later"}}
     ).encode()
+    REFUSE_LINGER_S = 1.0
+    MAX_LINGERING = 64
+    lingering = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         head = (
@@ -64,8 +71,30 @@ class _Refuse(asyncio.Protocol):
             f"Content-Length: {len(self.BODY)}\r\nConnection: close\r\n\r\n"
         ).encode()
         writer = cast(asyncio.WriteTransport, transport)  # (uvloop's transports are not its subclasses)
+        self._writer = writer
+        self._timer: asyncio.TimerHandle | None = None
         writer.write(head + self.BODY)
-        writer.close()
+        if _Refuse.lingering >= self.MAX_LINGERING or not writer.can_write_eof():
+            writer.close()
+            return
+        writer.write_eof()
+        _Refuse.lingering += 1
+        self._timer = asyncio.get_running_loop().call_later(self.REFUSE_LINGER_S, writer.close)
+
+    def data_received(self, data: bytes) -> None:
+        """The refused client's request: dropped."""
+
+    def eof_received(self) -> bool:
+        """The client closed its side: close ours."""
+        self._writer.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Stop lingering."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            _Refuse.lingering -= 1
 
 
 class JsonErrorRequestHandler(RequestHandler):

@@ -70,6 +70,22 @@ async def test_a_slow_body_is_answered_408(legacy_url: str, tmp_path: Path) -> N
         assert json.loads(body)["error"]["code"] == -32600 and b"body_timeout" in body
 
 
+def _post_at_once(port: int) -> bytes:
+    """Connect, send a whole request in one write, read to the end (or b"reset")."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+        sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        time.sleep(0.05)  # the proxy refuses while the request sits unread
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            return b"reset"
+        return b"".join(chunks)
+
+
 async def test_connections_past_the_cap_get_503_not_a_hang(legacy_url: str, tmp_path: Path) -> None:
     config = make_config(legacy_url, tmp_path / "store")
     config.listen.max_connections = 8
@@ -82,6 +98,10 @@ async def test_connections_past_the_cap_get_503_not_a_hang(legacy_url: str, tmp_
             answer = await reader.read()
         writer.close()
         assert answer.startswith(b"HTTP/1.1 503") and b"max_connections" in answer
+        # A client past the cap whose request is there before the proxy refuses it still reads the
+        # 503 (closing with the request unread would send a reset that can destroy the 503).
+        answers = await asyncio.to_thread(lambda: [_post_at_once(port) for _ in range(20)])
+        assert all(a.startswith(b"HTTP/1.1 503") and b"max_connections" in a for a in answers), answers
         for _reader, w in idle:
             w.close()
         async with asyncio.timeout(5):
