@@ -217,7 +217,7 @@ def describe(config: Config, source: str) -> str:
     routes and task policy (durations in seconds)."""
     base = f"http://{config.listen.host}:{config.listen.port}"
     durability = "Redis persistence" if config.store.redis else config.store.durable
-    lines = [f"{source}: valid", f"listen {base}  store {config.store.where}  (durable: {durability})"]
+    lines = [f"{source}: valid", f"listen {base}  store {config.store.where}  (durable: {durability})  event loop {event_loop.describe(config.listen.event_loop)}"]
     if config.replicas is not None:
         lines.append(f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout {config.replicas.hop_timeout:g}s, "
                      f"drain_detached {config.listen.drain_detached:g}s")

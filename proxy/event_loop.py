@@ -44,6 +44,13 @@ def problems(choice: str) -> list[str]:
     return []
 
 
+def describe(choice: str) -> str:
+    """What `choice` runs on here, for `check-config`: "uvloop", "asyncio", or "asyncio (auto:
+    uvloop is not installed)". Raises EventLoopUnavailableError as `resolve`."""
+    loop = resolve(choice)
+    return f"{loop} (auto: uvloop is not installed)" if choice == "auto" and loop == "asyncio" else loop
+
+
 def running() -> str:
     """The running loop's kind, for the start-up log line: "uvloop" or "asyncio"."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"

@@ -65,3 +65,12 @@ def test_uvloop_insisted_on_where_it_is_not_installed_stops_the_start_with_one_l
     assert checked.returncode == 2 and "uvloop package is not installed" in checked.stderr
     fine = subprocess.run([sys.executable, "-m", "proxy", "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert fine.returncode == 0, fine.stderr
+    assert "event loop uvloop" in fine.stdout
+
+
+def test_check_config_says_which_loop_auto_gives(legacy_url: str, tmp_path: Path) -> None:
+    config = str(_config(tmp_path, legacy_url, "auto"))
+    here = subprocess.run([sys.executable, "-m", "proxy", "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert here.returncode == 0 and "event loop uvloop" in here.stdout
+    without = subprocess.run([sys.executable, "-c", WITHOUT_UVLOOP, "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert without.returncode == 0 and "event loop asyncio (auto: uvloop is not installed)" in without.stdout
