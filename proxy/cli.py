@@ -132,16 +132,16 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
         await stop.wait()
     finally:
         app[DRAIN_KEY].start(config.listen.drain_timeout)
-        # Legacy requests relayed on (their streams are the upstream's) get drain_timeout too.
-        cut = loop.call_later(config.listen.drain_timeout, _end_legacy_requests, app, config.listen.drain_timeout)
-        await _drain_replica(app, config)
-        await runner.cleanup()
-        cut.cancel()
+        cut = loop.call_later(config.listen.drain_timeout, _end_legacy_requests, app, config.listen.drain_timeout)  # relayed legacy requests too
+        try:
+            await _drain_replica(app, config)
+            await runner.cleanup()
+        finally:
+            cut.cancel()
 
 
 def _end_legacy_requests(app: web.Application, drain_timeout_s: float) -> None:
-    """At the drain deadline: every legacy request still relayed gets its JSON-RPC error naming the
-    shutdown and its stream ends (the client could otherwise hold the shutdown up to its own end)."""
+    """At the drain deadline: each legacy request still relayed gets a JSON-RPC error naming the shutdown."""
     for endpoint in app[ENDPOINTS_KEY].values():
         endpoint.legacy.close(f"the proxy shut down (drain_timeout, {drain_timeout_s:g} s, passed)")
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level or "info")
     try:
         if args.config is None:
-            event_loop.run(_run_demo(args), "auto")
+            event_loop.run(_run_demo(args), "asyncio")
             return 0
         config = load_config(args.config)
         _override(config, args)

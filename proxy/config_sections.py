@@ -47,8 +47,9 @@ class ListenConfig(_Strict):
     max_connections: int | None = Field(
         None, ge=8, description="open client connections at most (more are answered 503 and closed); default: half the open-file limit"
     )
-    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
-        "auto", description="the process's event loop: auto = uvloop when installed (cheaper per request), else asyncio's own; uvloop insists on it"
+    event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
+        "asyncio",
+        description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it stops listening for good if it cannot accept for want of descriptors); auto = uvloop when installed",
     )
 
     @property

@@ -1,8 +1,10 @@
 """The event loop the proxy process serves on: `listen.event_loop` (issue 16).
 
-`auto` (the default) runs on uvloop when it is installed (a dependency on Linux and macOS, not on
-Windows) and on asyncio's own loop otherwise; `uvloop` insists on it; `asyncio` keeps the standard
-loop. bench/README.md ("2026-12-02, second session") gives what uvloop saves per call.
+`asyncio` (the default) is the standard loop. `uvloop` runs on uvloop (a dependency on Linux and
+macOS, not on Windows): ~10 % less CPU per call (bench/README.md, "2026-12-02, second session"),
+but when libuv cannot accept a connection for want of descriptors (ENFILE, or an EMFILE its reserve
+descriptor cannot absorb) uvloop closes the listening socket for good, where asyncio retries a
+second later; so it is opt-in. `auto` is uvloop when it is installed, else asyncio.
 """
 
 from __future__ import annotations

@@ -55,15 +55,18 @@ class _Refuse(asyncio.Protocol):
     """Answers one connection past the cap with 503 and closes it. The answer is written and the
     sending side shut; what the client still sends is read and dropped until it closes, or for at
     most REFUSE_LINGER_S (s): closing at once with a request still unread makes the kernel answer
-    with a reset, which can destroy the 503 before the client reads it. At most MAX_LINGERING
-    refused connections linger at once (a flood is closed at once, resets and all)."""
+    with a reset, which can destroy the 503 before the client reads it. At most `max_lingering`
+    refused connections linger at once (64, or a quarter of max_connections when less: the
+    descriptors they hold are beyond the cap); past that they are closed at once, resets and all."""
 
     BODY = json.dumps(
         {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "too many open connections (listen.max_connections); try again later"}}
     ).encode()
     REFUSE_LINGER_S = 1.0
-    MAX_LINGERING = 64
-    lingering = 0
+    lingering = 0  # refused connections lingering now, in this process
+
+    def __init__(self, max_lingering: int) -> None:
+        self.max_lingering = max_lingering
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         head = (
@@ -74,7 +77,7 @@ class _Refuse(asyncio.Protocol):
         self._writer = writer
         self._timer: asyncio.TimerHandle | None = None
         writer.write(head + self.BODY)
-        if _Refuse.lingering >= self.MAX_LINGERING or not writer.can_write_eof():
+        if _Refuse.lingering >= self.max_lingering or not writer.can_write_eof():
             writer.close()
             return
         writer.write_eof()
@@ -136,7 +139,7 @@ class CappedSite(web.SockSite):
         def factory() -> asyncio.Protocol:
             if len(server.connections) >= self.max_connections:
                 self._note_refusal()
-                return _Refuse()
+                return _Refuse(max_lingering=min(64, self.max_connections // 4))
             return JsonErrorRequestHandler(server, loop=loop, **server._kwargs)
 
         self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)

@@ -1,7 +1,6 @@
-"""`listen.event_loop` (issue 16): the proxy serves on uvloop when it is installed (`auto`, the
-default), on asyncio's loop when told, and refuses to start, with one clear line, when told uvloop
-on a machine without it. The start-up line names the loop. The whole suite's subprocess proxies
-run on the default (uvloop); its in-process apps run on pytest's asyncio loop."""
+"""`listen.event_loop` (issue 16): the proxy serves on asyncio's loop by default, on uvloop when
+told (`uvloop`, or `auto` where it is installed), and refuses to start, with one clear line, when
+told uvloop on a machine without it. The start-up line and `check-config` name the loop."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ def _start_line(args: list[str]) -> dict:
                 stream.close()
 
 
-@pytest.mark.parametrize(("setting", "expected"), [(None, "uvloop"), ("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")])
+@pytest.mark.parametrize(("setting", "expected"), [(None, "asyncio"), ("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")])
 def test_the_start_up_line_names_the_loop_the_setting_gives(legacy_url: str, tmp_path: Path, setting: str | None, expected: str) -> None:
     line = _start_line([sys.executable, "-m", "proxy", "--config", str(_config(tmp_path, legacy_url, setting)), "--port", "0"])
     assert line["event_loop"] == expected

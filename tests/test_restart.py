@@ -181,7 +181,7 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: s
         async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
             await session.initialize()
             call = asyncio.create_task(session.call_tool("slow_compute", {"seconds": 20, "label": "legacy-too-long"}))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # (the call is on its way; its relay keeps it whatever the SIGTERM finds)
             started = time.monotonic()
             proxy.proc.send_signal(signal.SIGTERM)
             with pytest.raises(MCPError) as raised:
@@ -189,6 +189,6 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: s
         assert raised.value.error.code == -32603
         assert "drain_timeout, 1 s" in raised.value.error.message and "before upstream legacy answered" in raised.value.error.message
         assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
-        assert time.monotonic() - started < 5  # the drain (1 s) plus clean-up, not the call's 20 s
+        assert time.monotonic() - started < 10  # the drain (1 s) plus clean-up, not the call's 20 s
     finally:
         proxy.stop()

@@ -55,7 +55,7 @@ async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_n
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
         resp = await http.post(url, data=b"{}")
         assert resp.headers["X-Upstream"] == "one"
-        assert _header_pair_lists(resp), "aiohttp's C parser holds the head's pairs while the body is read (else this test checks nothing)"
+        c_parser = bool(_header_pair_lists(resp))  # aiohttp's C parser holds the head's pairs while the body is read
         shed_headers(resp)
         assert _header_pair_lists(resp) == [] and len(resp.headers) == 0
         assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
@@ -68,3 +68,20 @@ async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_n
         assert await again.content.read() == b"data: first\n\ndata: second\n\n"
         again.release()
     assert len(peers) == 2 and peers[0] == peers[1]
+    if not c_parser:
+        pytest.skip("aiohttp runs its pure-Python parser here (AIOHTTP_NO_EXTENSIONS): no parser lists to shed; the rest held")
+
+
+async def test_a_reply_whose_body_ended_is_left_to_its_connection(sse_server) -> None:
+    """Once a reply's body has ended, aiohttp has given its connection back and the parser may be
+    reading another reply's head: shed_headers must not touch the parser's lists then."""
+    url, go, _peers = sse_server
+    go.set()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        resp = await http.post(url, data=b"{}")
+        assert await resp.content.read() == b"data: first\n\ndata: second\n\n"
+        parser = resp._protocol._parser if resp._protocol is not None else None  # type: ignore[attr-defined]
+        held = [list(x) for x in gc.get_referents(parser) if type(x) is list] if parser is not None else []
+        shed_headers(resp)
+        assert ([list(x) for x in gc.get_referents(parser) if type(x) is list] if parser is not None else []) == held
+        resp.release()
