@@ -183,6 +183,18 @@ async def running_proxy(config: Config) -> AsyncIterator[RunningProxy]:
         await runner.cleanup()
 
 
+@asynccontextmanager
+async def served_app(app: web.Application) -> AsyncIterator[int]:
+    """Serve a small aiohttp `app` on a free loopback port for the block; yields the port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
 def make_config(upstream_url: str, store_path: Path, *, tasks: dict | None = None, server: dict | None = None, name: str = "legacy") -> Config:
     """A one-server config with test-sized timings (detach after 50 ms)."""
     return config_from_data(

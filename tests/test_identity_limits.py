@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jwt
 import pytest
-from conftest import ModernClient, make_config, running_proxy
+from conftest import ModernClient, make_config, running_proxy, served_app
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from proxy.auth import hash_token
@@ -267,12 +267,7 @@ async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path)
 
     app = web.Application()
     app.router.add_get("/.well-known/jwks.json", serve_jwks)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with served_app(app) as port:
         auth = {"mode": "jwt", "jwt": {"jwks_url": f"http://127.0.0.1:{port}/.well-known/jwks.json", "issuer": "https://idp.test",
                                        "audience": "mcp-proxy", "algorithms": ["RS256"]}}
         async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
@@ -285,5 +280,3 @@ async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path)
             finally:
                 await frank.close()
                 await forged.close()
-    finally:
-        await runner.cleanup()

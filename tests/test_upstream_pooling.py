@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import served_app
 
 from proxy.upstream.pooling import shed_headers
 
@@ -34,15 +35,8 @@ async def sse_server() -> AsyncIterator[tuple[str, asyncio.Event, list[object]]]
 
     app = web.Application()
     app.router.add_post("/", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with served_app(app) as port:
         yield f"http://127.0.0.1:{port}/", go, peers
-    finally:
-        await runner.cleanup()
 
 
 def _header_pair_lists(resp: aiohttp.ClientResponse) -> list[list]:
