@@ -134,7 +134,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive, drain=app[DRAIN_KEY]
         )
         pool.on_notification = dispatcher.server_notification
-        bridge = LegacyBridge(name, pool) if isinstance(pool, StdioPool) else None
+        bridge = LegacyBridge(name, pool, drain=app[DRAIN_KEY]) if isinstance(pool, StdioPool) else None
         endpoint = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
         if replicas is not None:
             endpoint.router = make_router(replicas, endpoint, parked).route

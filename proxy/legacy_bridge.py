@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import ClientConnectionError, web
 
+from .drain import Drain
 from .protocol import jsonrpc
 from .protocol.era import LEGACY_VERSIONS, upstream_capabilities
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, JsonRpcError, RequestId, object_of
@@ -47,9 +48,10 @@ def _error(request_id: Any, code: int, message: str, status: int) -> web.Respons
 class LegacyBridge:
     """Serves legacy-era sessions for one stdio server (`pool`)."""
 
-    def __init__(self, name: str, pool: StdioPool) -> None:
+    def __init__(self, name: str, pool: StdioPool, drain: Drain | None = None) -> None:
         self.name = name
         self.pool = pool
+        self.drain = drain  # on SIGTERM, a request still unanswered at the drain deadline gets its error then
         self.sessions: dict[str, BridgeSession] = {}
         self.keepalive_s = 15.0  # SSE comment interval (s) on a silent call (listen.sse_keepalive)
         # Rewrites replies by method before they go out (v1 tasks: initialize and tools/list).
@@ -135,6 +137,19 @@ class LegacyBridge:
         await _quiet(child.respond(upstream_id, result=body.get("result"), error=body.get("error")))
         return web.Response(status=202)
 
+    async def _answered(self, waiting: asyncio.Future[Any]) -> bool:
+        """Wait for `waiting` for keepalive_s (s) at most, less when a drain begins meanwhile or its
+        deadline comes first; True once it is done (never raises what it raised)."""
+        drain = self.drain
+        if drain is None:
+            await asyncio.wait({waiting}, timeout=self.keepalive_s)
+        elif (remaining := drain.remaining()) is None:  # not draining: wake early if a drain begins
+            with contextlib.suppress(TimeoutError):
+                await drain.wait_for(asyncio.wait({waiting}), self.keepalive_s)
+        elif remaining > 0.0:
+            await asyncio.wait({waiting}, timeout=min(self.keepalive_s, remaining))
+        return waiting.done()
+
     async def _request(self, request: web.Request, session: BridgeSession, body: JsonObject) -> web.StreamResponse:
         try:
             child = await self.pool.session(session.capabilities, session.principal)
@@ -170,7 +185,10 @@ class LegacyBridge:
         session.calls[body["id"]] = (child, upstream_id, waiting)
         try:
             try:
-                while not (await asyncio.wait({waiting}, timeout=self.keepalive_s))[0]:
+                while not await self._answered(waiting):
+                    if self.drain is not None and self.drain.remaining() == 0.0:  # SIGTERM, and drain_timeout passed
+                        waiting.cancel()
+                        raise UpstreamError(f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned")
                     # A silent call: an SSE comment every keepalive_s (s) keeps idle-cutting intermediaries off.
                     with contextlib.suppress(ConnectionResetError, ClientConnectionError):
                         await (await open_stream()).write(KEEPALIVE)

@@ -165,17 +165,25 @@ async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
         proxy.stop()
 
 
-async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: str, tmp_path: Path) -> None:
-    """A legacy (2025-11-25) call relayed on the upstream's stream gets drain_timeout like a modern
-    one: a JSON-RPC error naming the shutdown, and the proxy exits soon after (it waited for the
-    call's own end, and the client saw the stream end with no answer)."""
+@pytest.mark.parametrize("upstream", ["http", "stdio"])
+async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: str, tmp_path: Path, upstream: str) -> None:
+    """A legacy (2025-11-25) call, relayed on an HTTP upstream's stream or bridged to a stdio child,
+    gets drain_timeout like a modern one: a JSON-RPC error naming the shutdown, and the proxy exits
+    soon after (the relay waited for the call's own end and its client saw the stream end with no
+    answer; the bridge's client saw its stream cut at drain_timeout + 1 s)."""
     import time
 
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared.exceptions import MCPError
 
+    from conftest import FIXTURE_STDIO
+
     config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
+    if upstream == "stdio":
+        config = yaml.safe_load(config_file.read_text())
+        config["mcpServers"]["legacy"] = dict(FIXTURE_STDIO)
+        config_file.write_text(yaml.safe_dump(config))
     proxy = _start(config_file)
     try:
         async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
@@ -187,7 +195,7 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: s
             with pytest.raises(MCPError) as raised:
                 await asyncio.wait_for(call, 10)
         assert raised.value.error.code == -32603
-        assert "drain_timeout, 1 s" in raised.value.error.message and "before upstream legacy answered" in raised.value.error.message
+        assert "drain_timeout" in raised.value.error.message and "1 s" in raised.value.error.message
         assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
         assert time.monotonic() - started < 10  # the drain (1 s) plus clean-up, not the call's 20 s
     finally:
