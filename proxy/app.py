@@ -136,6 +136,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         pool.on_notification = dispatcher.server_notification
         bridge = LegacyBridge(name, pool, drain=app[DRAIN_KEY]) if isinstance(pool, StdioPool) else None
         endpoint = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
+        app[DRAIN_KEY].at_deadline(endpoint.legacy.drained)
         if replicas is not None:
             endpoint.router = make_router(replicas, endpoint, parked).route
         app[ENDPOINTS_KEY][name] = endpoint

@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from . import __version__, event_loop, listener
-from .app import DRAIN_KEY, ENDPOINTS_KEY, PARKED_KEY, build_app
+from .app import DRAIN_KEY, PARKED_KEY, build_app
 from .replicas import REPLICAS_KEY, advertised_url
 from .auth import hash_token
 from .config import Config, ConfigError, StoreConfig, config_from_data, config_json_schema, load_config
@@ -132,18 +132,8 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
         await stop.wait()
     finally:
         app[DRAIN_KEY].start(config.listen.drain_timeout)
-        cut = loop.call_later(config.listen.drain_timeout, _end_legacy_requests, app, config.listen.drain_timeout)  # relayed legacy requests too
-        try:
-            await _drain_replica(app, config)
-            await runner.cleanup()
-        finally:
-            cut.cancel()
-
-
-def _end_legacy_requests(app: web.Application, drain_timeout_s: float) -> None:
-    """At the drain deadline: each legacy request still relayed gets a JSON-RPC error naming the shutdown."""
-    for endpoint in app[ENDPOINTS_KEY].values():
-        endpoint.legacy.close(f"the proxy shut down (drain_timeout, {drain_timeout_s:g} s, passed)")
+        await _drain_replica(app, config)
+        await runner.cleanup()
 
 
 async def _drain_replica(app: web.Application, config: Config) -> None:

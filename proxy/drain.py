@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -15,12 +15,21 @@ class Drain:
         self.timeout_s = 0.0
         self._deadline: float | None = None
         self._started = asyncio.Event()
+        self._at_deadline: list[Callable[[float], None]] = []
+
+    def at_deadline(self, fn: Callable[[float], None]) -> None:
+        """Call `fn(timeout_s)` when the drain deadline passes (for work that is not a waiting handler: the
+        legacy relay's streams, which the upstream feeds whatever the handler does)."""
+        self._at_deadline.append(fn)
 
     def start(self, timeout_s: float) -> None:
-        """Begin draining now; `timeout_s` in seconds."""
+        """Begin draining now; `timeout_s` in seconds. The `at_deadline` callbacks run `timeout_s` later."""
         self.timeout_s = timeout_s
-        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout_s
         self._started.set()
+        for fn in self._at_deadline:
+            loop.call_later(timeout_s, fn, timeout_s)
 
     @property
     def started(self) -> bool:

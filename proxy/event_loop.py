@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-EventLoopChoice = Literal["auto", "uvloop", "asyncio"]
 T = TypeVar("T")
 
 

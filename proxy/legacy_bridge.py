@@ -48,7 +48,7 @@ def _error(request_id: Any, code: int, message: str, status: int) -> web.Respons
 class LegacyBridge:
     """Serves legacy-era sessions for one stdio server (`pool`)."""
 
-    def __init__(self, name: str, pool: StdioPool, drain: Drain | None = None) -> None:
+    def __init__(self, name: str, pool: StdioPool, drain: Drain) -> None:
         self.name = name
         self.pool = pool
         self.drain = drain  # on SIGTERM, a request still unanswered at the drain deadline gets its error then
@@ -140,14 +140,10 @@ class LegacyBridge:
     async def _answered(self, waiting: asyncio.Future[Any]) -> bool:
         """Wait for `waiting` for keepalive_s (s) at most, less when a drain begins meanwhile or its
         deadline comes first; True once it is done (never raises what it raised)."""
-        drain = self.drain
-        if drain is None:
-            await asyncio.wait({waiting}, timeout=self.keepalive_s)
-        elif (remaining := drain.remaining()) is None:  # not draining: wake early if a drain begins
+        remaining = self.drain.remaining()
+        if remaining != 0.0:
             with contextlib.suppress(TimeoutError):
-                await drain.wait_for(asyncio.wait({waiting}), self.keepalive_s)
-        elif remaining > 0.0:
-            await asyncio.wait({waiting}, timeout=min(self.keepalive_s, remaining))
+                await self.drain.wait_for(asyncio.wait({waiting}), self.keepalive_s if remaining is None else min(self.keepalive_s, remaining))
         return waiting.done()
 
     async def _request(self, request: web.Request, session: BridgeSession, body: JsonObject) -> web.StreamResponse:
@@ -186,7 +182,7 @@ class LegacyBridge:
         try:
             try:
                 while not await self._answered(waiting):
-                    if self.drain is not None and self.drain.remaining() == 0.0:  # SIGTERM, and drain_timeout passed
+                    if self.drain.remaining() == 0.0:  # SIGTERM, and drain_timeout passed
                         waiting.cancel()
                         raise UpstreamError(f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned")
                     # A silent call: an SSE comment every keepalive_s (s) keeps idle-cutting intermediaries off.

@@ -156,6 +156,11 @@ class LegacySessions:
         """Every open session, and each principal's session-less one."""
         return [*self._sessions.values(), *self._sessionless.values()]
 
+    def drained(self, drain_timeout_s: float) -> None:
+        """At the drain deadline (SIGTERM + drain_timeout, s): each request still relayed gets its
+        JSON-RPC error naming the shutdown (`Drain.at_deadline`)."""
+        self.close(f"the proxy shut down (drain_timeout, {drain_timeout_s:g} s, passed)")
+
     def close(self, reason: str = "the proxy shut down") -> None:
         """Stop every session's pumps (proxy shutdown; `reason` goes into each unanswered
         request's JSON-RPC error: "<reason> before upstream X answered")."""
