@@ -36,11 +36,15 @@ GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, benc
 
 
 def extract(rev: str, workdir: Path) -> tuple[str, Path]:
-    short = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True, cwd=run.ROOT, check=True).stdout.strip()
+    short = subprocess.run(
+        ["git", "rev-parse", "--short", rev], capture_output=True, text=True, cwd=run.ROOT, check=True
+    ).stdout.strip()
     src = workdir / f"src-{short}"
     if not src.exists():
         src.mkdir()
-        archive = subprocess.run(["git", "archive", short, "proxy"], capture_output=True, cwd=run.ROOT, check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", short, "proxy"], capture_output=True, cwd=run.ROOT, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     return short, src
 
@@ -51,7 +55,9 @@ def measure_row(row: str, src: Path, workdir: Path, args, ups: dict, store_ids: 
     if kind == "a":
         mode, upstream = what.split("-")
         up_url = ups[upstream]
-        cfg = run.write_config(workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{src.name}", durable=True)
+        cfg = run.write_config(
+            workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{src.name}", durable=True
+        )
         proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{src.name}", cfg, "1")
         spec = {"mode": mode, **GREET}
         lg_cpu = "0"
@@ -65,12 +71,27 @@ def measure_row(row: str, src: Path, workdir: Path, args, ups: dict, store_ids: 
     try:
         run.wait_ready(url.rsplit("/", 1)[0], proxy)
         cpu0 = run.cpu_seconds(proxy.pid, children=False)
-        res = run.loadgen({**spec, "url": url, "concurrency": args.concurrency, "duration": args.duration, "warmup": args.warmup}, lg_cpu)
+        res = run.loadgen(
+            {
+                **spec,
+                "url": url,
+                "concurrency": args.concurrency,
+                "duration": args.duration,
+                "warmup": args.warmup,
+            },
+            lg_cpu,
+        )
         cpu = (run.cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"])
         rss_mb = run.rss_bytes(proxy.pid) / 2**20  # right after the load: what the row's calls left held
     finally:
         proxy.stop()
-    return {"cpu_ms_per_call": round(cpu, 4), "rps": res["rps"], "p50_ms": res["p50_ms"], "errors": res["errors"], "rss_mb": round(rss_mb, 1)}
+    return {
+        "cpu_ms_per_call": round(cpu, 4),
+        "rps": res["rps"],
+        "p50_ms": res["p50_ms"],
+        "errors": res["errors"],
+        "rss_mb": round(rss_mb, 1),
+    }
 
 
 def main() -> int:
@@ -85,8 +106,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="mtp-ab-"))
-    out: dict = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args), "load_average": [os.getloadavg()[0]],
-                 "samples": {}}
+    out: dict = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "args": vars(args),
+        "load_average": [os.getloadavg()[0]],
+        "samples": {},
+    }
     try:
         revs = [extract(r, workdir) for r in args.revs]
         ups: dict[str, str] = {}
@@ -107,24 +132,46 @@ def main() -> int:
                 for short, src in order:
                     res = measure_row(row, src, workdir, args, ups, store_ids)
                     out["samples"].setdefault(row, {}).setdefault(short, []).append(res)
-                    print(f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, {res['rps']} req/s, RSS {res['rss_mb']} MB, errors {res['errors']}",
-                          flush=True)
+                    print(
+                        f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, {res['rps']} req/s, RSS {res['rss_mb']} MB, errors {res['errors']}",
+                        flush=True,
+                    )
             out["load_average"].append(os.getloadavg()[0])
     finally:
         run.Proc.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
     names = [s for s, _ in revs]
-    lines = [f"A/B {out['date']}, {args.rounds} rounds x {args.duration:g} s, concurrency {args.concurrency}; load average {out['load_average']}", "",
-             "| row | " + " | ".join(f"{n} CPU ms/call" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | "
-             + " | ".join(f"{n} req/s" for n in names) + " | " + " | ".join(f"{n} RSS MB" for n in names) + " |", "|---|" + "---:|" * (4 * len(names) - 1)]
+    lines = [
+        f"A/B {out['date']}, {args.rounds} rounds x {args.duration:g} s, concurrency {args.concurrency}; load average {out['load_average']}",
+        "",
+        "| row | "
+        + " | ".join(f"{n} CPU ms/call" for n in names)
+        + " | "
+        + " | ".join(f"{n} / {names[0]}" for n in names[1:])
+        + " | "
+        + " | ".join(f"{n} req/s" for n in names)
+        + " | "
+        + " | ".join(f"{n} RSS MB" for n in names)
+        + " |",
+        "|---|" + "---:|" * (4 * len(names) - 1),
+    ]
     summary: dict = {}
     for row in rows:
         med = {n: statistics.median(s["cpu_ms_per_call"] for s in out["samples"][row][n]) for n in names}
         rps = {n: statistics.median(s["rps"] for s in out["samples"][row][n]) for n in names}
         rss = {n: statistics.median(s["rss_mb"] for s in out["samples"][row][n]) for n in names}
         summary[row] = {"cpu_ms_per_call_median": med, "rps_median": rps, "rss_mb_median": rss}
-        lines.append(f"| {row} | " + " | ".join(f"{med[n]:.3f}" for n in names) + " | "
-                     + " | ".join(f"{med[n] / med[names[0]]:.2f}" for n in names[1:]) + " | " + " | ".join(f"{rps[n]:.0f}" for n in names) + " | " + " | ".join(f"{rss[n]:.1f}" for n in names) + " |")
+        lines.append(
+            f"| {row} | "
+            + " | ".join(f"{med[n]:.3f}" for n in names)
+            + " | "
+            + " | ".join(f"{med[n] / med[names[0]]:.2f}" for n in names[1:])
+            + " | "
+            + " | ".join(f"{rps[n]:.0f}" for n in names)
+            + " | "
+            + " | ".join(f"{rss[n]:.1f}" for n in names)
+            + " |"
+        )
     out["summary"] = summary
     out["table"] = "\n".join(lines)
     path = run.BENCH / "results" / f"ab-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

@@ -26,7 +26,11 @@ RELEASE = asyncio.Event()
 
 
 def _result(rid, text: str) -> bytes:
-    msg = {"jsonrpc": "2.0", "id": rid, "result": {"content": [{"type": "text", "text": text}], "isError": False}}
+    msg = {
+        "jsonrpc": "2.0",
+        "id": rid,
+        "result": {"content": [{"type": "text", "text": text}], "isError": False},
+    }
     return b"event: message\r\ndata: " + json.dumps(msg, separators=(",", ":")).encode() + b"\r\n\r\n"
 
 
@@ -45,7 +49,9 @@ async def mcp(request: web.Request) -> web.StreamResponse:
             "capabilities": {"tools": {"listChanged": False}},
             "serverInfo": {"name": "bench-fake-upstream", "version": "1.0.0"},
         }
-        return web.json_response({"jsonrpc": "2.0", "id": rid, "result": result}, headers={"Mcp-Session-Id": secrets.token_hex(16)})
+        return web.json_response(
+            {"jsonrpc": "2.0", "id": rid, "result": result}, headers={"Mcp-Session-Id": secrets.token_hex(16)}
+        )
     if method == "tools/list":
         tools = [{"name": n, "inputSchema": {"type": "object"}} for n in ("greet", "hold")]
         return web.json_response({"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}})

@@ -26,11 +26,15 @@ async def main(url: str, port: int, reuse: bool) -> None:
         async with client:
             proxy = create_proxy(client, name="bench-fastmcp-proxy")
             print(f"listening on http://127.0.0.1:{port}/mcp", flush=True)
-            await proxy.run_http_async(show_banner=False, host="127.0.0.1", port=port, log_level="warning", path="/mcp")
+            await proxy.run_http_async(
+                show_banner=False, host="127.0.0.1", port=port, log_level="warning", path="/mcp"
+            )
     else:
         proxy = create_proxy(url, mode="legacy", name="bench-fastmcp-proxy")
         print(f"listening on http://127.0.0.1:{port}/mcp", flush=True)
-        await proxy.run_http_async(show_banner=False, host="127.0.0.1", port=port, log_level="warning", path="/mcp")
+        await proxy.run_http_async(
+            show_banner=False, host="127.0.0.1", port=port, log_level="warning", path="/mcp"
+        )
 
 
 if __name__ == "__main__":

@@ -126,8 +126,14 @@ class Worker:
 
     async def handshake(self) -> None:
         init = {
-            "jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": self.version, "capabilities": {}, "clientInfo": {"name": "bench-loadgen", "version": "1"}},
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": self.version,
+                "capabilities": {},
+                "clientInfo": {"name": "bench-loadgen", "version": "1"},
+            },
         }
         status, headers, body = await self._exchange(self._request(json.dumps(init).encode(), []))
         msg = final_message(headers, body)
@@ -151,19 +157,28 @@ class Worker:
         self.rid += 1
         mode, spec = self.spec["mode"], self.spec
         if mode == "legacy":
-            body = ('{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":%s}}'
-                    % (self.rid, spec["tool"], json.dumps(spec["arguments"]))).encode()
+            body = (
+                '{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":%s}}'
+                % (self.rid, spec["tool"], json.dumps(spec["arguments"]))
+            ).encode()
             return self._request(body, self._session_headers()), spec["expect"].encode()
         caps = {"extensions": {TASKS_EXT: {}}} if spec.get("tasks_ext", True) else {}
-        meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": caps}
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": MODERN,
+            "io.modelcontextprotocol/clientCapabilities": caps,
+        }
         if mode == "tasks_get":
             task_id = self.rng.choice(spec["ids"])
             params = {"taskId": task_id, "_meta": meta}
-            body = json.dumps({"jsonrpc": "2.0", "id": self.rid, "method": "tasks/get", "params": params}).encode()
+            body = json.dumps(
+                {"jsonrpc": "2.0", "id": self.rid, "method": "tasks/get", "params": params}
+            ).encode()
             extra = [("MCP-Protocol-Version", MODERN), ("Mcp-Method", "tasks/get"), ("Mcp-Name", task_id)]
             return self._request(body, extra), b'"taskId"'
         params = {"name": spec["tool"], "arguments": spec["arguments"], "_meta": meta}
-        body = json.dumps({"jsonrpc": "2.0", "id": self.rid, "method": "tools/call", "params": params}).encode()
+        body = json.dumps(
+            {"jsonrpc": "2.0", "id": self.rid, "method": "tools/call", "params": params}
+        ).encode()
         extra = [("MCP-Protocol-Version", MODERN), ("Mcp-Method", "tools/call"), ("Mcp-Name", spec["tool"])]
         return self._request(body, extra), spec["expect"].encode()
 
@@ -176,12 +191,21 @@ class Worker:
                     await self.handshake()
                 data, expect = self.build()
                 t0 = loop.time()
-                status, headers, body = await asyncio.wait_for(self._exchange(data), spec.get("request_timeout", 30))
+                status, headers, body = await asyncio.wait_for(
+                    self._exchange(data), spec.get("request_timeout", 30)
+                )
                 t1 = loop.time()
                 if status != 200 or expect not in body or b'"error"' in body[:200]:
                     raise HttpError(f"HTTP {status}: {body[:300]!r}")
                 self.stats.ok(t0, t1, t_measure)
-            except (OSError, HttpError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError) as exc:
+            except (
+                OSError,
+                HttpError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                TimeoutError,
+                ValueError,
+            ) as exc:
                 self.stats.error(exc)
                 await self.disconnect()
                 if self.stats.errors > spec.get("max_errors", 1000):
@@ -254,7 +278,11 @@ async def main(spec: dict) -> dict:
         stats.error(TimeoutError("run cut at its hard time limit"))
     finished = loop.time()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    window = max(1e-9, min(finished, t_end) - t_measure) if spec.get("max_requests") is None else max(1e-9, finished - t_measure)
+    window = (
+        max(1e-9, min(finished, t_end) - t_measure)
+        if spec.get("max_requests") is None
+        else max(1e-9, finished - t_measure)
+    )
     out = {
         "mode": spec["mode"],
         "concurrency": spec["concurrency"],

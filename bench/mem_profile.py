@@ -32,7 +32,11 @@ async def main(n: int, top: int) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from tests.conftest import ModernClient, make_config, running_proxy
 
-    up = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fake_upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "fake_upstream.py"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = up.stdout.readline().strip().removeprefix("listening on ")
         with tempfile.TemporaryDirectory() as tmp:
@@ -58,25 +62,40 @@ async def main(n: int, top: int) -> None:
                     after = tracemalloc.take_snapshot()
                     stats = after.compare_to(before, "filename")
                     total = sum(s.size_diff for s in stats)
-                    print(f"{n} detached calls in flight: +{total / n / 1024:.2f} KB/call traced by tracemalloc")
+                    print(
+                        f"{n} detached calls in flight: +{total / n / 1024:.2f} KB/call traced by tracemalloc"
+                    )
                     for s in stats[:top]:
-                        print(f"  {s.size_diff / n:8.0f} B/call  {s.count_diff / n:6.1f} blocks/call  {s.traceback[0].filename.replace(str(ROOT) + '/', '')}")
-                    print("by the innermost proxy/ frame of the allocation's traceback, then the allocating line:")
+                        print(
+                            f"  {s.size_diff / n:8.0f} B/call  {s.count_diff / n:6.1f} blocks/call  {s.traceback[0].filename.replace(str(ROOT) + '/', '')}"
+                        )
+                    print(
+                        "by the innermost proxy/ frame of the allocation's traceback, then the allocating line:"
+                    )
                     owners: dict[tuple[str, str], list[int]] = {}
                     for s in after.compare_to(before, "traceback"):
-                        frames = [f"{f.filename.split('site-packages/')[-1].split('lib/python3')[-1].replace(str(ROOT) + '/', '')}:{f.lineno}" for f in s.traceback]
+                        frames = [
+                            f"{f.filename.split('site-packages/')[-1].split('lib/python3')[-1].replace(str(ROOT) + '/', '')}:{f.lineno}"
+                            for f in s.traceback
+                        ]
                         # tracemalloc tracebacks are innermost-last after compare_to(..., "traceback")? take both orders into account
-                        own = next((f for f in reversed(frames) if f.startswith("proxy/")), "(no proxy frame)")
+                        own = next(
+                            (f for f in reversed(frames) if f.startswith("proxy/")), "(no proxy frame)"
+                        )
                         key = (own, frames[-1])
                         acc = owners.setdefault(key, [0, 0])
                         acc[0] += s.size_diff
                         acc[1] += s.count_diff
-                    for (own, site), (size, count) in sorted(owners.items(), key=lambda kv: -kv[1][0])[:top * 3]:
+                    for (own, site), (size, count) in sorted(owners.items(), key=lambda kv: -kv[1][0])[
+                        : top * 3
+                    ]:
                         print(f"  {size / n:8.0f} B/call {count / n:5.1f} blk  {own:40s} <- {site}")
                     print("top lines:")
                     for s in after.compare_to(before, "lineno")[:top]:
                         frame = s.traceback[0]
-                        print(f"  {s.size_diff / n:8.0f} B/call  {frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}")
+                        print(
+                            f"  {s.size_diff / n:8.0f} B/call  {frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}"
+                        )
                     tracemalloc.stop()
                 finally:
                     await client.close()

@@ -33,7 +33,17 @@ import run  # noqa: E402  (bench/run.py: process lifecycle, configs, loadgen)
 def _package(frame: str) -> str:
     """The package of a frame's file: aiohttp, asyncio, proxy/<module>, structlog, ... (for the by-package table)."""
     where = frame.rpartition("(")[2]
-    for name in ("aiohttp", "aiohappyeyeballs", "multidict", "yarl", "structlog", "prometheus_client", "pydantic", "diskcache", "orjson"):
+    for name in (
+        "aiohttp",
+        "aiohappyeyeballs",
+        "multidict",
+        "yarl",
+        "structlog",
+        "prometheus_client",
+        "pydantic",
+        "diskcache",
+        "orjson",
+    ):
         if f"/{name}/" in where or where.startswith(f"{name}/"):
             return name
     if "/proxy/" in where or where.startswith("proxy/"):
@@ -56,14 +66,16 @@ def summarize(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[
             continue
         n = int(count)
         total += n
-        frames = [f for f in stack.split(";") if f and not f.startswith("process ") and not f.startswith("thread ")]
+        frames = [
+            f for f in stack.split(";") if f and not f.startswith("process ") and not f.startswith("thread ")
+        ]
         if not frames:
             continue
         own[_short(frames[-1])] += n
         PACKAGES[_package(frames[-1])] += n
         for f in {_short(f) for f in frames}:
             incl[f] += n
-    pct = (lambda c: [(k, round(100 * v / max(1, total), 1)) for k, v in c.most_common(top)])
+    pct = lambda c: [(k, round(100 * v / max(1, total), 1)) for k, v in c.most_common(top)]
     return pct(own), pct(incl), total
 
 
@@ -83,7 +95,9 @@ def _short(frame: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["legacy", "modern", "tasks_get"])
-    ap.add_argument("--fake", action="store_true", help="bench/fake_upstream.py instead of the SDK server (a)")
+    ap.add_argument(
+        "--fake", action="store_true", help="bench/fake_upstream.py instead of the SDK server (a)"
+    )
     ap.add_argument("--store-size", type=int, default=100000, help="stored tasks for tasks_get")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--duration", type=float, default=10.0)
@@ -101,15 +115,27 @@ def main() -> int:
     if args.ref:
         src = workdir / "src"
         src.mkdir()
-        rev = subprocess.run(["git", "rev-parse", "--short", args.ref], capture_output=True, text=True, cwd=run.ROOT, check=True).stdout.strip()
-        archive = subprocess.run(["git", "archive", rev, "proxy"], capture_output=True, cwd=run.ROOT, check=True).stdout
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", args.ref],
+            capture_output=True,
+            text=True,
+            cwd=run.ROOT,
+            check=True,
+        ).stdout.strip()
+        archive = subprocess.run(
+            ["git", "archive", rev, "proxy"], capture_output=True, cwd=run.ROOT, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
         run.PROXY_ENV["PYTHONPATH"] = str(src)
         sys.path.insert(0, str(src))
         label = rev
     else:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=run.ROOT).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "proxy"], capture_output=True, text=True, cwd=run.ROOT).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=run.ROOT
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "proxy"], capture_output=True, text=True, cwd=run.ROOT
+        ).stdout.strip()
         label = head + (" + uncommitted proxy/ changes" if dirty else "")
     try:
         if args.mode == "tasks_get":
@@ -123,9 +149,16 @@ def main() -> int:
             spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
             px_cpu, lg_cpu = "0", "1"
         else:
-            upstream, up_url = (run.start_fake_upstream if args.fake else run.start_sdk_upstream)(workdir, "0")
+            upstream, up_url = (run.start_fake_upstream if args.fake else run.start_sdk_upstream)(
+                workdir, "0"
+            )
             store = workdir / "store"
-            spec = {"mode": args.mode, "tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"}
+            spec = {
+                "mode": args.mode,
+                "tool": "greet",
+                "arguments": {"name": "bench"},
+                "expect": "Hello, bench!",
+            }
             px_cpu, lg_cpu = "1", "0"
         cfg = run.write_config(workdir, "proxy", {"url": up_url}, store, durable=True)
         proxy, url, _ = run.start_proxy(workdir, "proxy", cfg, px_cpu)
@@ -133,8 +166,25 @@ def main() -> int:
         spec.update(url=url, concurrency=args.concurrency, duration=args.duration, warmup=0)
         run.loadgen({**spec, "duration": args.warmup}, lg_cpu)  # warm-up, not sampled
         raw = workdir / "profile.raw"
-        spy = subprocess.Popen([pyspy, "record", "--pid", str(proxy.pid), "--rate", str(args.rate), "--format", "raw", "--output", str(raw),
-                                "--duration", str(int(args.duration + 1)), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        spy = subprocess.Popen(
+            [
+                pyspy,
+                "record",
+                "--pid",
+                str(proxy.pid),
+                "--rate",
+                str(args.rate),
+                "--format",
+                "raw",
+                "--output",
+                str(raw),
+                "--duration",
+                str(int(args.duration + 1)),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         time.sleep(0.5)
         cpu0 = run.cpu_seconds(proxy.pid, children=False)
         res = run.loadgen(spec, lg_cpu)
@@ -145,13 +195,23 @@ def main() -> int:
         own, incl, total = summarize(raw, args.top)
     finally:
         run.Proc.stop_all()
-    what = f"{args.mode}{' (fake upstream)' if args.fake else ''}" + (f", {args.store_size} stored" if args.mode == "tasks_get" else "")
-    lines = [f"# py-spy profile of the proxy: {what}; proxy/ at {label}",
-             f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}; concurrency {args.concurrency}, "
-             f"{args.duration:g} s, {res['total_ok']} calls ({res['rps']} req/s), proxy CPU {cpu_ms:.3f} ms/call; {total} samples at {args.rate}/s",
-             "", "## own time by package (% of samples)", *[f"{100 * v / max(1, total):6.1f}  {k}" for k, v in PACKAGES.most_common()],
-             "", "## own time (% of samples)", *[f"{p:6.1f}  {k}" for k, p in own], "",
-             "## inclusive time (% of samples)", *[f"{p:6.1f}  {k}" for k, p in incl]]
+    what = f"{args.mode}{' (fake upstream)' if args.fake else ''}" + (
+        f", {args.store_size} stored" if args.mode == "tasks_get" else ""
+    )
+    lines = [
+        f"# py-spy profile of the proxy: {what}; proxy/ at {label}",
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}; concurrency {args.concurrency}, "
+        f"{args.duration:g} s, {res['total_ok']} calls ({res['rps']} req/s), proxy CPU {cpu_ms:.3f} ms/call; {total} samples at {args.rate}/s",
+        "",
+        "## own time by package (% of samples)",
+        *[f"{100 * v / max(1, total):6.1f}  {k}" for k, v in PACKAGES.most_common()],
+        "",
+        "## own time (% of samples)",
+        *[f"{p:6.1f}  {k}" for k, p in own],
+        "",
+        "## inclusive time (% of samples)",
+        *[f"{p:6.1f}  {k}" for k, p in incl],
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -51,9 +51,23 @@ def fill_redis(url: str, prefix: str, n: int, server: str) -> tuple[list[str], f
         store = RedisTaskStore(url, prefix=prefix, timeout_s=30)
         try:
             for start in range(0, n, 64):
-                records = [TaskRecord(task_id=new_task_id(), principal="anonymous", server=server, tool="slow_report", created_ms=now,
-                                      ttl_ms=24 * 3600 * 1000, poll_interval_ms=500, owner="bench-fill", status=TaskStatus.COMPLETED,
-                                      status_message="done", terminal_ms=now, outcome=outcome) for _ in range(start, min(n, start + 64))]
+                records = [
+                    TaskRecord(
+                        task_id=new_task_id(),
+                        principal="anonymous",
+                        server=server,
+                        tool="slow_report",
+                        created_ms=now,
+                        ttl_ms=24 * 3600 * 1000,
+                        poll_interval_ms=500,
+                        owner="bench-fill",
+                        status=TaskStatus.COMPLETED,
+                        status_message="done",
+                        terminal_ms=now,
+                        outcome=outcome,
+                    )
+                    for _ in range(start, min(n, start + 64))
+                ]
                 await asyncio.gather(*(store.create(r) for r in records))
                 ids.extend(r.task_id for r in records)
         finally:

@@ -79,7 +79,12 @@ def replica_config(workdir: Path, name: str, upstream_url: str, redis_url: str, 
         "store": {"url": redis_url, "prefix": prefix, "lease": "5s"},
         "tasks": {"detach_after": "10s", "ttl": "1h", "poll_interval": "500ms"},
         # slow_compute detaches after 20 ms: each such call becomes a task (record, outcome) in Redis.
-        "mcpServers": {"bench": {"url": upstream_url, "tasks": {"tools": {"slow_compute": {"detach_after": f"{DETACH_MS}ms"}}}}},
+        "mcpServers": {
+            "bench": {
+                "url": upstream_url,
+                "tasks": {"tools": {"slow_compute": {"detach_after": f"{DETACH_MS}ms"}}},
+            }
+        },
     }
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config, indent=2))
@@ -96,8 +101,12 @@ def projection(cpu: dict[str, float]) -> dict[str, Any]:
         cands = [x for x in (per, ceiling) if x is not None]
         rows[str(n)] = round(min(cands)) if cands else None
     knee = round(rep / max(redis, hap), 1) if max(redis, hap) > 0 else None
-    return {"calls_per_s_by_n": rows, "ceiling_calls_per_s": round(ceiling) if ceiling else None, "n_at_ceiling": knee,
-            "bound_by": "redis" if redis >= hap else "haproxy"}
+    return {
+        "calls_per_s_by_n": rows,
+        "ceiling_calls_per_s": round(ceiling) if ceiling else None,
+        "n_at_ceiling": knee,
+        "bound_by": "redis" if redis >= hap else "haproxy",
+    }
 
 
 def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
@@ -126,30 +135,75 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                 haproxy, front = start_haproxy(h, workdir, f"r{n}-haproxy", ports)
                 time.sleep(1.5)  # first health checks pass
                 assert redis.process is not None
-                tiers = {"haproxy": [haproxy.pid], "replicas": [p.pid for p in replicas], "redis": [redis.process.pid],
-                         "upstream": [upstream.pid]}
+                tiers = {
+                    "haproxy": [haproxy.pid],
+                    "replicas": [p.pid for p in replicas],
+                    "redis": [redis.process.pid],
+                    "upstream": [upstream.pid],
+                }
                 loads: dict[str, dict[str, Any]] = {
-                    "call": {"mode": "modern", "tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"},
+                    "call": {
+                        "mode": "modern",
+                        "tool": "greet",
+                        "arguments": {"name": "bench"},
+                        "expect": "Hello, bench!",
+                    },
                     "tasks_get": {"mode": "tasks_get", "ids_file": str(ids_file)},
-                    "detached": {"mode": "detach", "tool": "slow_compute", "arguments": {"seconds": HOLD_S}, "expect": '"resultType":"task"',
-                                 "detach_after_s": DETACH_MS / 1000},
+                    "detached": {
+                        "mode": "detach",
+                        "tool": "slow_compute",
+                        "arguments": {"seconds": HOLD_S},
+                        "expect": '"resultType":"task"',
+                        "detach_after_s": DETACH_MS / 1000,
+                    },
                 }
                 for load, spec in loads.items():
-                    before = {t: sum(h.cpu_seconds(pid, children=False) for pid in pids) for t, pids in tiers.items()}
-                    res = h.loadgen({**spec, "url": front, "concurrency": args.r_concurrency, "duration": args.duration,
-                                     "warmup": args.warmup}, None)
+                    before = {
+                        t: sum(h.cpu_seconds(pid, children=False) for pid in pids)
+                        for t, pids in tiers.items()
+                    }
+                    res = h.loadgen(
+                        {
+                            **spec,
+                            "url": front,
+                            "concurrency": args.r_concurrency,
+                            "duration": args.duration,
+                            "warmup": args.warmup,
+                        },
+                        None,
+                    )
                     if load == "detached":
-                        time.sleep(HOLD_S + 0.5)  # the last tasks' outcomes are written (and counted) before the CPU is read
+                        time.sleep(
+                            HOLD_S + 0.5
+                        )  # the last tasks' outcomes are written (and counted) before the CPU is read
                     calls = max(1, res["total_ok"])
-                    cpu = {t: round((sum(h.cpu_seconds(pid, children=False) for pid in pids) - before[t]) * 1000 / calls, 3)
-                           for t, pids in tiers.items()}
+                    cpu = {
+                        t: round(
+                            (sum(h.cpu_seconds(pid, children=False) for pid in pids) - before[t])
+                            * 1000
+                            / calls,
+                            3,
+                        )
+                        for t, pids in tiers.items()
+                    }
                     cpu["loadgen"] = round(res["loadgen_cpu_s"] * 1000 / calls, 3)
-                    row = {"replicas": n, "load": load, "rps": res["rps"], "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"],
-                           "errors": res["errors"], "error_samples": res["error_samples"], "total_ok": res["total_ok"],
-                           "cpu_ms_per_call": cpu, "concurrency": args.r_concurrency}
+                    row = {
+                        "replicas": n,
+                        "load": load,
+                        "rps": res["rps"],
+                        "p50_ms": res["p50_ms"],
+                        "p99_ms": res["p99_ms"],
+                        "errors": res["errors"],
+                        "error_samples": res["error_samples"],
+                        "total_ok": res["total_ok"],
+                        "cpu_ms_per_call": cpu,
+                        "concurrency": args.r_concurrency,
+                    }
                     rows.append(row)
-                    log(f"  r: {n} replica(s), {load:<9} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors "
-                        f"{res['errors']}  CPU ms/call {cpu}")
+                    log(
+                        f"  r: {n} replica(s), {load:<9} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors "
+                        f"{res['errors']}  CPU ms/call {cpu}"
+                    )
             finally:
                 if haproxy is not None:
                     haproxy.stop()
@@ -161,23 +215,42 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
     top = max(counts)
     proj = {r["load"]: projection(r["cpu_ms_per_call"]) for r in rows if r["replicas"] == top}
     for load, p in proj.items():
-        log(f"  r: projection ({load}, CPU per call at {top} replicas): calls/s by N replicas on N machines {p['calls_per_s_by_n']}; "
-            f"ceiling {p['ceiling_calls_per_s']} calls/s ({p['bound_by']}), reached at N ~ {p['n_at_ceiling']}")
-    return {"rows": rows, "projection": proj, "projection_from_replicas": top, "table_md": table(rows, proj, top, args)}
+        log(
+            f"  r: projection ({load}, CPU per call at {top} replicas): calls/s by N replicas on N machines {p['calls_per_s_by_n']}; "
+            f"ceiling {p['ceiling_calls_per_s']} calls/s ({p['bound_by']}), reached at N ~ {p['n_at_ceiling']}"
+        )
+    return {
+        "rows": rows,
+        "projection": proj,
+        "projection_from_replicas": top,
+        "table_md": table(rows, proj, top, args),
+    }
 
 
 def table(rows: list[dict], proj: dict, top: int, args) -> list[str]:
-    lines = [f"### r. replicas behind HAProxy on one Redis (concurrency {args.r_concurrency}, {args.duration:g} s per point, unpinned)", "",
-             "| replicas | load | req/s | p50 ms | p99 ms | CPU ms/call: haproxy | replicas (sum) | redis | upstream | loadgen | errors |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### r. replicas behind HAProxy on one Redis (concurrency {args.r_concurrency}, {args.duration:g} s per point, unpinned)",
+        "",
+        "| replicas | load | req/s | p50 ms | p99 ms | CPU ms/call: haproxy | replicas (sum) | redis | upstream | loadgen | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         c = r["cpu_ms_per_call"]
-        lines.append(f"| {r['replicas']} | {r['load']} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | {c['haproxy']} | {c['replicas']} | "
-                     f"{c['redis']} | {c['upstream']} | {c['loadgen']} | {r['errors']} |")
-    lines += ["", f"Projection, N replicas on N machines (CPU per call at {top} replicas; calls/s = min(N / replica, 1 / redis, 1 / haproxy)):", "",
-              "| load | " + " | ".join(f"N={n}" for n in PROJECT_N) + " | ceiling | bound by | N at ceiling |",
-              "|---|" + "---:|" * (len(PROJECT_N) + 3)]
+        lines.append(
+            f"| {r['replicas']} | {r['load']} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | {c['haproxy']} | {c['replicas']} | "
+            f"{c['redis']} | {c['upstream']} | {c['loadgen']} | {r['errors']} |"
+        )
+    lines += [
+        "",
+        f"Projection, N replicas on N machines (CPU per call at {top} replicas; calls/s = min(N / replica, 1 / redis, 1 / haproxy)):",
+        "",
+        "| load | " + " | ".join(f"N={n}" for n in PROJECT_N) + " | ceiling | bound by | N at ceiling |",
+        "|---|" + "---:|" * (len(PROJECT_N) + 3),
+    ]
     for load, p in proj.items():
-        lines.append(f"| {load} | " + " | ".join(str(p["calls_per_s_by_n"][str(n)]) for n in PROJECT_N) +
-                     f" | {p['ceiling_calls_per_s']} | {p['bound_by']} | {p['n_at_ceiling']} |")
+        lines.append(
+            f"| {load} | "
+            + " | ".join(str(p["calls_per_s_by_n"][str(n)]) for n in PROJECT_N)
+            + f" | {p['ceiling_calls_per_s']} | {p['bound_by']} | {p['n_at_ceiling']} |"
+        )
     return lines + [""]

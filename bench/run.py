@@ -58,7 +58,9 @@ class Proc:
 
     registry: list[Proc] = []
 
-    def __init__(self, name: str, argv: list[str], workdir: Path, *, cpus: str | None = None, env: dict | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], workdir: Path, *, cpus: str | None = None, env: dict | None = None
+    ) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self.log = open(self.log_path, "wb")
@@ -66,8 +68,15 @@ class Proc:
             argv = [PY, str(BENCH / "pinned.py"), cpus, *argv]
         self.argv = argv
         self.started = time.perf_counter()
-        self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                  env={**os.environ, **(env or {})}, start_new_session=True)
+        self.p = subprocess.Popen(
+            argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         Proc.registry.append(self)
 
     @property
@@ -80,7 +89,7 @@ class Proc:
         while time.monotonic() < deadline:
             for line in self.log_path.read_text(errors="replace").splitlines():
                 if line.startswith(prefix):
-                    return line[len(prefix):].strip()
+                    return line[len(prefix) :].strip()
             if self.p.poll() is not None:
                 break
             time.sleep(0.05)
@@ -204,7 +213,9 @@ def start_fake_upstream(workdir: Path, cpus: str | None, name: str = "upstream-f
     return proc, proc.wait_line("listening on ")
 
 
-def write_config(workdir: Path, name: str, server: dict, store: Path | dict, *, durable: bool, detach_after: str = "10s") -> Path:
+def write_config(
+    workdir: Path, name: str, server: dict, store: Path | dict, *, durable: bool, detach_after: str = "10s"
+) -> Path:
     """A proxy config file; `store` is a diskcache directory or a whole `store` section (Redis)."""
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -247,8 +258,12 @@ def ensure_peers(log) -> Path | None:
     log(f"installing mcp-proxy=={MCP_PROXY_VERSION} into {PEERS_VENV} (own venv: it pins mcp<2) ...")
     try:
         subprocess.run([PY, "-m", "venv", str(PEERS_VENV)], check=True, timeout=120)
-        subprocess.run([str(PEERS_VENV / "bin" / "pip"), "install", "-q", f"mcp-proxy=={MCP_PROXY_VERSION}"], check=True, timeout=600,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [str(PEERS_VENV / "bin" / "pip"), "install", "-q", f"mcp-proxy=={MCP_PROXY_VERSION}"],
+            check=True,
+            timeout=600,
+            stdout=subprocess.DEVNULL,
+        )
     except (subprocess.SubprocessError, OSError) as exc:
         log(f"warning: could not install mcp-proxy ({exc}); its rows are skipped")
         return None
@@ -272,24 +287,49 @@ def section_a(args, workdir: Path, log) -> dict:
         before = {(p.name, kids): cpu_seconds(p.pid, children=kids) for p, kids in keys}
         res = loadgen({**base_spec, "mode": mode, "url": url}, lg_cpu)
         res["cpu_ms_per_call"] = {
-            ("upstream (stdio child)" if kids else p.name): round((cpu_seconds(p.pid, children=kids) - before[(p.name, kids)]) * 1000
-                                                              / max(1, res["total_ok"]), 3)
+            ("upstream (stdio child)" if kids else p.name): round(
+                (cpu_seconds(p.pid, children=kids) - before[(p.name, kids)]) * 1000 / max(1, res["total_ok"]),
+                3,
+            )
             for p, kids in keys
         }
         res.update(label=label, **extra)
         rows.append(res)
-        log(f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors {res['errors']}")
+        log(
+            f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors {res['errors']}"
+        )
 
     upstream, up_url = start_sdk_upstream(workdir, up_cpu, "a-upstream-sdk")
     try:
-        measure("direct to upstream (legacy client)", up_url, "legacy", [upstream], role="baseline", wire="2025-11-25")
+        measure(
+            "direct to upstream (legacy client)",
+            up_url,
+            "legacy",
+            [upstream],
+            role="baseline",
+            wire="2025-11-25",
+        )
         # This proxy, HTTP upstream.
         cfg = write_config(workdir, "a-proxy", {"url": up_url}, workdir / "a-store", durable=True)
         proxy, url, _ = start_proxy(workdir, "a-proxy", cfg, mid_cpu)
         wait_ready(url.rsplit("/", 1)[0], proxy)
         try:
-            measure("mcp-tasks-proxy, legacy client (relay)", url, "legacy", [upstream, proxy], role="proxy", wire="2025-11-25")
-            measure("mcp-tasks-proxy, 2026-07-28 client + tasks ext", url, "modern", [upstream, proxy], role="proxy", wire="2026-07-28")
+            measure(
+                "mcp-tasks-proxy, legacy client (relay)",
+                url,
+                "legacy",
+                [upstream, proxy],
+                role="proxy",
+                wire="2025-11-25",
+            )
+            measure(
+                "mcp-tasks-proxy, 2026-07-28 client + tasks ext",
+                url,
+                "modern",
+                [upstream, proxy],
+                role="proxy",
+                wire="2026-07-28",
+            )
         finally:
             proxy.stop()
         # FastMCP create_proxy: default (fresh backend session per request), and with one reused session.
@@ -297,15 +337,35 @@ def section_a(args, workdir: Path, log) -> dict:
             for reuse in (False, True):
                 port = free_port()
                 name = "a-fastmcp-reuse" if reuse else "a-fastmcp"
-                argv = [PY, str(BENCH / "fastmcp_proxy.py"), up_url, "--port", str(port)] + (["--reuse-session"] if reuse else [])
+                argv = [PY, str(BENCH / "fastmcp_proxy.py"), up_url, "--port", str(port)] + (
+                    ["--reuse-session"] if reuse else []
+                )
                 fm = Proc(name, argv, workdir, cpus=mid_cpu)
                 try:
                     fm.wait_line("listening on ")
                     _wait_port(port, fm)
-                    how = "connected Client (one shared backend session)" if reuse else "default: fresh backend session per request"
+                    how = (
+                        "connected Client (one shared backend session)"
+                        if reuse
+                        else "default: fresh backend session per request"
+                    )
                     fm_url = f"http://127.0.0.1:{port}/mcp"
-                    measure(f"FastMCP 4.1.4 create_proxy, {how}, legacy client", fm_url, "legacy", [upstream, fm], role="peer", wire="2025-11-25")
-                    measure(f"FastMCP 4.1.4 create_proxy, {how}, 2026-07-28 client", fm_url, "modern", [upstream, fm], role="peer", wire="2026-07-28")
+                    measure(
+                        f"FastMCP 4.1.4 create_proxy, {how}, legacy client",
+                        fm_url,
+                        "legacy",
+                        [upstream, fm],
+                        role="peer",
+                        wire="2025-11-25",
+                    )
+                    measure(
+                        f"FastMCP 4.1.4 create_proxy, {how}, 2026-07-28 client",
+                        fm_url,
+                        "modern",
+                        [upstream, fm],
+                        role="peer",
+                        wire="2026-07-28",
+                    )
                 except Exception as exc:
                     log(f"  a: FastMCP ({name}) failed: {exc}")
                     rows.append({"label": f"FastMCP ({name})", "role": "peer", "failed": str(exc)[:500]})
@@ -316,36 +376,83 @@ def section_a(args, workdir: Path, log) -> dict:
 
     # stdio upstream (the same server code, `--stdio`): mcp-proxy can only front stdio servers over HTTP.
     if not args.no_peers:
-        stdio_cmd = [PY, str(BENCH / "pinned.py"), up_cpu, PY, "tests/fixtures/legacy_server.py", "--stdio"] if up_cpu else [
-            PY, "tests/fixtures/legacy_server.py", "--stdio"]
+        stdio_cmd = (
+            [PY, str(BENCH / "pinned.py"), up_cpu, PY, "tests/fixtures/legacy_server.py", "--stdio"]
+            if up_cpu
+            else [PY, "tests/fixtures/legacy_server.py", "--stdio"]
+        )
         exe = ensure_peers(log)
         if exe is not None:
             port = free_port()
-            mp = Proc("a-mcp-proxy", [str(exe), "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", "--", *stdio_cmd],
-                      workdir, cpus=mid_cpu)
+            mp = Proc(
+                "a-mcp-proxy",
+                [
+                    str(exe),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "WARNING",
+                    "--",
+                    *stdio_cmd,
+                ],
+                workdir,
+                cpus=mid_cpu,
+            )
             try:
                 _wait_port(port, mp)
-                measure(f"mcp-proxy {MCP_PROXY_VERSION} (PyPI) -> stdio child, legacy client", f"http://127.0.0.1:{port}/mcp", "legacy", [mp],
-                        role="peer", wire="2025-11-25", upstream="stdio")
+                measure(
+                    f"mcp-proxy {MCP_PROXY_VERSION} (PyPI) -> stdio child, legacy client",
+                    f"http://127.0.0.1:{port}/mcp",
+                    "legacy",
+                    [mp],
+                    role="peer",
+                    wire="2025-11-25",
+                    upstream="stdio",
+                )
             except Exception as exc:
                 log(f"  a: mcp-proxy failed: {exc}")
                 rows.append({"label": "mcp-proxy", "role": "peer", "failed": str(exc)[:500]})
             finally:
                 mp.stop()
         # This proxy in front of the same stdio child: the like-for-like comparison with mcp-proxy.
-        cfg = write_config(workdir, "a-proxy-stdio", {"command": stdio_cmd[0], "args": stdio_cmd[1:], "env": {"PYTHONPATH": ""}}, workdir / "a-store-stdio", durable=True)
+        cfg = write_config(
+            workdir,
+            "a-proxy-stdio",
+            {"command": stdio_cmd[0], "args": stdio_cmd[1:], "env": {"PYTHONPATH": ""}},
+            workdir / "a-store-stdio",
+            durable=True,
+        )
         try:
             proxy, url, _ = start_proxy(workdir, "a-proxy-stdio", cfg, mid_cpu)
             try:
                 wait_ready(url.rsplit("/", 1)[0], proxy)
-                measure("mcp-tasks-proxy -> stdio child, legacy client", url, "legacy", [proxy], role="proxy", wire="2025-11-25", upstream="stdio")
-                measure("mcp-tasks-proxy -> stdio child, 2026-07-28 client + tasks ext", url, "modern", [proxy], role="proxy", wire="2026-07-28",
-                        upstream="stdio")
+                measure(
+                    "mcp-tasks-proxy -> stdio child, legacy client",
+                    url,
+                    "legacy",
+                    [proxy],
+                    role="proxy",
+                    wire="2025-11-25",
+                    upstream="stdio",
+                )
+                measure(
+                    "mcp-tasks-proxy -> stdio child, 2026-07-28 client + tasks ext",
+                    url,
+                    "modern",
+                    [proxy],
+                    role="proxy",
+                    wire="2026-07-28",
+                    upstream="stdio",
+                )
             finally:
                 proxy.stop()
         except Exception as exc:
             log(f"  a: mcp-tasks-proxy stdio failed: {exc}")
-            rows.append({"label": "mcp-tasks-proxy -> stdio child", "role": "proxy", "failed": str(exc)[:500]})
+            rows.append(
+                {"label": "mcp-tasks-proxy -> stdio child", "role": "proxy", "failed": str(exc)[:500]}
+            )
     base = next(r for r in rows if r.get("role") == "baseline")
     for r in rows:
         if "rps" in r and base["rps"]:
@@ -354,7 +461,10 @@ def section_a(args, workdir: Path, log) -> dict:
         import section_a_more
 
         rows += section_a_more.rows(args, workdir, log, sys.modules[__name__])
-    return {"rows": rows, "layout": "upstream + loadgen on CPU 0, middle tier on CPU 1" if args.pin else "unpinned"}
+    return {
+        "rows": rows,
+        "layout": "upstream + loadgen on CPU 0, middle tier on CPU 1" if args.pin else "unpinned",
+    }
 
 
 def _wait_port(port: int, proc: Proc, timeout: float = 30) -> None:
@@ -375,7 +485,9 @@ def fill_store(path: Path, n: int) -> tuple[list[str], float]:
 
     import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # no log line per record
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
+    )  # no log line per record
     from proxy.tasks.diskcache_store import DiskcacheStore
     from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id, now_ms
 
@@ -389,9 +501,23 @@ def fill_store(path: Path, n: int) -> tuple[list[str], float]:
         store = DiskcacheStore(path, durable=False)
         try:
             for start in range(0, n, 5000):  # group commit: each chunk is one batch, one transaction
-                records = [TaskRecord(task_id=new_task_id(), principal="anonymous", server=SERVER, tool="slow_report", created_ms=now,
-                                      ttl_ms=24 * 3600 * 1000, poll_interval_ms=500, owner="bench-fill", status=TaskStatus.COMPLETED,
-                                      status_message="done", terminal_ms=now, outcome=outcome) for _ in range(start, min(n, start + 5000))]
+                records = [
+                    TaskRecord(
+                        task_id=new_task_id(),
+                        principal="anonymous",
+                        server=SERVER,
+                        tool="slow_report",
+                        created_ms=now,
+                        ttl_ms=24 * 3600 * 1000,
+                        poll_interval_ms=500,
+                        owner="bench-fill",
+                        status=TaskStatus.COMPLETED,
+                        status_message="done",
+                        terminal_ms=now,
+                        outcome=outcome,
+                    )
+                    for _ in range(start, min(n, start + 5000))
+                ]
                 await asyncio.gather(*(store.create(r) for r in records))
                 ids.extend(r.task_id for r in records)
         finally:
@@ -406,7 +532,9 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
     """tasks/get with N stored tasks, per store (diskcache, Redis); proxy (and redis-server) on CPU 0, load generator on CPU 1."""
     px_cpu, lg_cpu = ("0", "1") if args.pin else (None, None)
     rows = []
-    targets: list[tuple[str, int, Path | dict, list[str]]] = [("diskcache", n, store, ids) for n, (store, ids) in sorted(stores.items())]
+    targets: list[tuple[str, int, Path | dict, list[str]]] = [
+        ("diskcache", n, store, ids) for n, (store, ids) in sorted(stores.items())
+    ]
     redis = None
     upstream, up_url = start_fake_upstream(workdir, lg_cpu, "b-upstream-fake")
     try:
@@ -424,13 +552,26 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
             try:
                 for conc in args.b_concurrency:
                     cpu0 = cpu_seconds(proxy.pid, children=False)
-                    res = loadgen({"mode": "tasks_get", "url": url, "ids_file": str(ids_file), "concurrency": conc,
-                                   "duration": args.duration, "warmup": args.warmup}, lg_cpu)
-                    res["proxy_cpu_ms_per_call"] = round((cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3)
+                    res = loadgen(
+                        {
+                            "mode": "tasks_get",
+                            "url": url,
+                            "ids_file": str(ids_file),
+                            "concurrency": conc,
+                            "duration": args.duration,
+                            "warmup": args.warmup,
+                        },
+                        lg_cpu,
+                    )
+                    res["proxy_cpu_ms_per_call"] = round(
+                        (cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3
+                    )
                     res.update(stored_tasks=n, store=kind)
                     rows.append(res)
-                    log(f"  b: {kind:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
-                        f"  errors {res['errors']}  proxy CPU {res['proxy_cpu_ms_per_call']} ms/call")
+                    log(
+                        f"  b: {kind:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
+                        f"  errors {res['errors']}  proxy CPU {res['proxy_cpu_ms_per_call']} ms/call"
+                    )
             finally:
                 proxy.stop()
     finally:
@@ -439,7 +580,13 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
             redis.stop()
     smallest = min(r["stored_tasks"] for r in rows)
     for r in rows:
-        ref = next(x for x in rows if x["stored_tasks"] == smallest and x["concurrency"] == r["concurrency"] and x["store"] == r["store"])
+        ref = next(
+            x
+            for x in rows
+            if x["stored_tasks"] == smallest
+            and x["concurrency"] == r["concurrency"]
+            and x["store"] == r["store"]
+        )
         r["ratio_vs_smallest_store"] = round(r["rps"] / ref["rps"], 3) if ref["rps"] else None
     layout = "proxy (and redis-server) on CPU 0, loadgen on CPU 1" if args.pin else "unpinned"
     return {"rows": rows, "layout": layout}
@@ -459,33 +606,79 @@ def section_c(args, workdir: Path, log) -> dict:
         # Rounds alternate which store setting goes first; the summary is the median p99 over rounds
         # (single runs of this load swing 2-5x at the tail either way on a shared 2-core machine).
         for rnd in range(args.c_rounds):
-            for kind, durable in (settings if rnd % 2 == 0 else settings[::-1]):
+            for kind, durable in settings if rnd % 2 == 0 else settings[::-1]:
                 label = f"{kind}-{'durable' if durable else 'normal'}"
                 redis = None
                 if kind == "redis":
-                    redis = redis_bench.start_redis(workdir, f"c-redis-{label}-{rnd}", appendfsync="always" if durable else "everysec", cpus=px_cpu)
+                    redis = redis_bench.start_redis(
+                        workdir,
+                        f"c-redis-{label}-{rnd}",
+                        appendfsync="always" if durable else "everysec",
+                        cpus=px_cpu,
+                    )
                     store: Path | dict = redis_bench.redis_store(redis.url, "c:")
                 else:
                     store = workdir / f"c-store-{durable}-{rnd}"
-                cfg = write_config(workdir, f"c-proxy-{label}-{rnd}", {"url": up_url}, store, durable=durable, detach_after=f"{detach_ms}ms")
+                cfg = write_config(
+                    workdir,
+                    f"c-proxy-{label}-{rnd}",
+                    {"url": up_url},
+                    store,
+                    durable=durable,
+                    detach_after=f"{detach_ms}ms",
+                )
                 proxy = None
                 try:
                     proxy, url, _ = start_proxy(workdir, f"c-proxy-{label}-{rnd}", cfg, px_cpu)
                     wait_ready(url.rsplit("/", 1)[0], proxy)
                     # Unmeasured warm-up at concurrency 16 (the SDK upstream's own warm-up otherwise
                     # lands on whichever setting is measured first).
-                    loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
-                             "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": 16,
-                             "max_requests": 64, "duration": 60, "warmup": 0}, lg_cpu)
-                    time.sleep(args.c_hold + 0.5)  # the warm-up's detached calls end before anything is measured
+                    loadgen(
+                        {
+                            "mode": "detach",
+                            "url": url,
+                            "tool": "slow_compute",
+                            "arguments": {"seconds": args.c_hold},
+                            "expect": '"resultType":"task"',
+                            "detach_after_s": detach_ms / 1000,
+                            "concurrency": 16,
+                            "max_requests": 64,
+                            "duration": 60,
+                            "warmup": 0,
+                        },
+                        lg_cpu,
+                    )
+                    time.sleep(
+                        args.c_hold + 0.5
+                    )  # the warm-up's detached calls end before anything is measured
                     for conc, n in ((1, args.c_requests // 4), (16, args.c_requests)):
-                        res = loadgen({"mode": "detach", "url": url, "tool": "slow_compute", "arguments": {"seconds": args.c_hold},
-                                       "expect": '"resultType":"task"', "detach_after_s": detach_ms / 1000, "concurrency": conc,
-                                       "max_requests": max(conc, n), "duration": 120, "warmup": 0}, lg_cpu)
-                        res.update(durable=durable, store=kind, detach_after_ms=detach_ms, round=rnd + 1, upstream="SDK slow_compute (progress every 100 ms)")
+                        res = loadgen(
+                            {
+                                "mode": "detach",
+                                "url": url,
+                                "tool": "slow_compute",
+                                "arguments": {"seconds": args.c_hold},
+                                "expect": '"resultType":"task"',
+                                "detach_after_s": detach_ms / 1000,
+                                "concurrency": conc,
+                                "max_requests": max(conc, n),
+                                "duration": 120,
+                                "warmup": 0,
+                            },
+                            lg_cpu,
+                        )
+                        res.update(
+                            durable=durable,
+                            store=kind,
+                            detach_after_ms=detach_ms,
+                            round=rnd + 1,
+                            upstream="SDK slow_compute (progress every 100 ms)",
+                        )
                         rows.append(res)
-                        log(f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
-                            f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors {res['errors']}")
+                        log(
+                            f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
+                            f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors {res['errors']}"
+                        )
                 finally:
                     if proxy is not None:
                         proxy.stop()
@@ -496,34 +689,73 @@ def section_c(args, workdir: Path, log) -> dict:
     summary = {}
     for kind, durable in settings:
         for conc in (1, 16):
-            p99s = sorted(r["late_p99_ms"] for r in rows if r["store"] == kind and r["durable"] == durable and r["concurrency"] == conc)
-            name = ("" if kind == "diskcache" else "redis_") + ("durable" if durable else "normal")  # diskcache keys kept as before
+            p99s = sorted(
+                r["late_p99_ms"]
+                for r in rows
+                if r["store"] == kind and r["durable"] == durable and r["concurrency"] == conc
+            )
+            name = ("" if kind == "diskcache" else "redis_") + (
+                "durable" if durable else "normal"
+            )  # diskcache keys kept as before
             summary[f"{name}_c{conc}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
     if summary.get("normal_c16_median_p99_ms"):
-        summary["c16_durable_over_normal"] = round(summary["durable_c16_median_p99_ms"] / summary["normal_c16_median_p99_ms"], 2)
+        summary["c16_durable_over_normal"] = round(
+            summary["durable_c16_median_p99_ms"] / summary["normal_c16_median_p99_ms"], 2
+        )
     log(f"  c: median p99 over {args.c_rounds} round(s): {summary}")
     # Diagnostic: the same load on an upstream that sends no progress, so a detached call writes
     # nothing to the store until it ends (isolates the cost of progress -> statusMessage writes).
     upstream, up_url = start_fake_upstream(workdir, up_cpu, "c-upstream-fake")
     try:
         for durable in (True, False):
-            cfg = write_config(workdir, f"c-proxy-fake-{durable}", {"url": up_url}, workdir / f"c-store-fake-{durable}", durable=durable,
-                               detach_after=f"{detach_ms}ms")
-            proxy, url, _ = start_proxy(workdir, f"c-proxy-fake-{'durable' if durable else 'normal'}", cfg, px_cpu)
+            cfg = write_config(
+                workdir,
+                f"c-proxy-fake-{durable}",
+                {"url": up_url},
+                workdir / f"c-store-fake-{durable}",
+                durable=durable,
+                detach_after=f"{detach_ms}ms",
+            )
+            proxy, url, _ = start_proxy(
+                workdir, f"c-proxy-fake-{'durable' if durable else 'normal'}", cfg, px_cpu
+            )
             wait_ready(url.rsplit("/", 1)[0], proxy)
             try:
-                res = loadgen({"mode": "detach", "url": url, "tool": "hold", "arguments": {"seconds": args.c_hold}, "expect": '"resultType":"task"',
-                               "detach_after_s": detach_ms / 1000, "concurrency": 16, "max_requests": max(16, args.c_requests), "duration": 120,
-                               "warmup": 0}, lg_cpu)
-                res.update(durable=durable, store="diskcache", detach_after_ms=detach_ms, upstream="fake upstream hold (no progress)")
+                res = loadgen(
+                    {
+                        "mode": "detach",
+                        "url": url,
+                        "tool": "hold",
+                        "arguments": {"seconds": args.c_hold},
+                        "expect": '"resultType":"task"',
+                        "detach_after_s": detach_ms / 1000,
+                        "concurrency": 16,
+                        "max_requests": max(16, args.c_requests),
+                        "duration": 120,
+                        "warmup": 0,
+                    },
+                    lg_cpu,
+                )
+                res.update(
+                    durable=durable,
+                    store="diskcache",
+                    detach_after_ms=detach_ms,
+                    upstream="fake upstream hold (no progress)",
+                )
                 rows.append(res)
-                log(f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 {res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
-                    f"  errors {res['errors']}")
+                log(
+                    f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 {res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
+                    f"  errors {res['errors']}"
+                )
             finally:
                 proxy.stop()
     finally:
         upstream.stop()
-    return {"rows": rows, "summary": summary, "layout": "upstream + loadgen on CPU 0, proxy on CPU 1" if args.pin else "unpinned"}
+    return {
+        "rows": rows,
+        "summary": summary,
+        "layout": "upstream + loadgen on CPU 0, proxy on CPU 1" if args.pin else "unpinned",
+    }
 
 
 def section_d(args, workdir: Path, log) -> dict:
@@ -534,34 +766,67 @@ def section_d(args, workdir: Path, log) -> dict:
     up_base = up_url.rsplit("/", 1)[0]
     out: dict[str, Any] = {"calls": n, "store_durable": args.d_durable}
     try:
-        cfg = write_config(workdir, "d-proxy", {"url": up_url}, workdir / "d-store", durable=args.d_durable, detach_after="20ms")
+        cfg = write_config(
+            workdir,
+            "d-proxy",
+            {"url": up_url},
+            workdir / "d-store",
+            durable=args.d_durable,
+            detach_after="20ms",
+        )
         proxy, url, _ = start_proxy(workdir, "d-proxy", cfg, px_cpu)
         try:
             wait_ready(url.rsplit("/", 1)[0], proxy)
-            hold = {"mode": "detach", "url": url, "tool": "hold", "expect": '"resultType":"task"', "detach_after_s": 0.02,
-                    "concurrency": 64, "duration": 600, "warmup": 0}
+            hold = {
+                "mode": "detach",
+                "url": url,
+                "tool": "hold",
+                "expect": '"resultType":"task"',
+                "detach_after_s": 0.02,
+                "concurrency": 64,
+                "duration": 600,
+                "warmup": 0,
+            }
             # Warm-up: 200 detached calls that finish (allocator, code paths), then the baseline.
             loadgen({**hold, "arguments": {"seconds": 0.2}, "max_requests": 200}, other_cpu)
             time.sleep(1.0)
             rss0 = rss_bytes(proxy.pid)
             t0 = time.perf_counter()
-            res = loadgen({**hold, "arguments": {"seconds": 3600}, "max_requests": n, "concurrency": args.d_concurrency}, other_cpu)
+            res = loadgen(
+                {
+                    **hold,
+                    "arguments": {"seconds": 3600},
+                    "max_requests": n,
+                    "concurrency": args.d_concurrency,
+                },
+                other_cpu,
+            )
             out["detach_phase_s"] = round(time.perf_counter() - t0, 2)
             time.sleep(1.0)
             stats = json.loads(http_get(up_base + "/stats")[1])
             rss1 = rss_bytes(proxy.pid)
-            out.update(rss_before_mb=round(rss0 / 2**20, 1), rss_after_mb=round(rss1 / 2**20, 1), handles=res["total_ok"], errors=res["errors"],
-                       error_samples=res["error_samples"], upstream_inflight=stats["inflight"],
-                       kb_per_call=round((rss1 - rss0) / 1024 / max(1, stats["inflight"]), 2))
+            out.update(
+                rss_before_mb=round(rss0 / 2**20, 1),
+                rss_after_mb=round(rss1 / 2**20, 1),
+                handles=res["total_ok"],
+                errors=res["errors"],
+                error_samples=res["error_samples"],
+                upstream_inflight=stats["inflight"],
+                kb_per_call=round((rss1 - rss0) / 1024 / max(1, stats["inflight"]), 2),
+            )
             # Release them; completion is written to the store; RSS after they are gone.
-            urllib.request.urlopen(urllib.request.Request(up_base + "/release", method="POST"), timeout=30).read()
+            urllib.request.urlopen(
+                urllib.request.Request(up_base + "/release", method="POST"), timeout=30
+            ).read()
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and json.loads(http_get(up_base + "/stats")[1])["inflight"] > 0:
                 time.sleep(0.2)
             time.sleep(2.0)
             out["rss_after_release_mb"] = round(rss_bytes(proxy.pid) / 2**20, 1)
-            log(f"  d: {stats['inflight']} detached in flight: RSS {out['rss_before_mb']} -> {out['rss_after_mb']} MB = "
-                f"{out['kb_per_call']} KB/call (after release {out['rss_after_release_mb']} MB); detach phase {out['detach_phase_s']} s")
+            log(
+                f"  d: {stats['inflight']} detached in flight: RSS {out['rss_before_mb']} -> {out['rss_after_mb']} MB = "
+                f"{out['kb_per_call']} KB/call (after release {out['rss_after_release_mb']} MB); detach phase {out['detach_phase_s']} s"
+            )
         finally:
             proxy.stop()
     finally:
@@ -575,7 +840,9 @@ def section_e(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
     rows = []
     upstream, up_url = start_fake_upstream(workdir, "0" if args.pin else None, "e-upstream-fake")
     try:
-        cases = [(0, workdir / "e-empty-store")] + [(n, p) for n, (p, _) in sorted(stores.items()) if n == max(stores)]
+        cases = [(0, workdir / "e-empty-store")] + [
+            (n, p) for n, (p, _) in sorted(stores.items()) if n == max(stores)
+        ]
         for n, store in cases:
             times = []
             for i in range(args.e_repeats):
@@ -584,17 +851,30 @@ def section_e(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
                 proxy.stop()
                 times.append(ready)
             times.sort()
-            rows.append({"stored_tasks": n, "median_s": round(times[len(times) // 2], 3), "max_s": round(times[-1], 3),
-                         "all_s": [round(t, 3) for t in times]})
-            log(f"  e: {n:>7} tasks: start -> /healthz median {rows[-1]['median_s']} s (max {rows[-1]['max_s']} s, {len(times)} runs)")
+            rows.append(
+                {
+                    "stored_tasks": n,
+                    "median_s": round(times[len(times) // 2], 3),
+                    "max_s": round(times[-1], 3),
+                    "all_s": [round(t, 3) for t in times],
+                }
+            )
+            log(
+                f"  e: {n:>7} tasks: start -> /healthz median {rows[-1]['median_s']} s (max {rows[-1]['max_s']} s, {len(times)} runs)"
+            )
     finally:
         upstream.stop()
     # Python + imports alone, for scale.
     t0 = time.perf_counter()
     subprocess.run([PY, "-c", "import proxy.cli"], check=True, cwd=ROOT, timeout=60)
     import_s = time.perf_counter() - t0
-    return {"rows": rows, "import_only_s": round(import_s, 3),
-            "ratio_largest_vs_empty": round(rows[-1]["median_s"] / rows[0]["median_s"], 3) if rows[0]["median_s"] else None}
+    return {
+        "rows": rows,
+        "import_only_s": round(import_s, 3),
+        "ratio_largest_vs_empty": round(rows[-1]["median_s"] / rows[0]["median_s"], 3)
+        if rows[0]["median_s"]
+        else None,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -615,13 +895,28 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "proxy"], capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "proxy"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=10,
+        ).stdout.strip()
         head += " (+ uncommitted changes in proxy/)" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         head = "?"
-    return {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(), "cpu_model": model, "memory": mem,
-            "python": platform.python_version(), "kernel": platform.release(), "commit": head}
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "memory": mem,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "commit": head,
+    }
 
 
 def _c_store_label(row: dict) -> str:
@@ -631,44 +926,77 @@ def _c_store_label(row: dict) -> str:
 
 
 def report(results: dict, args) -> str:
-    lines = [f"machine: {results['machine']}", f"1-min load average at start/end of each section: {results.get('load_average', {})}", ""]
+    lines = [
+        f"machine: {results['machine']}",
+        f"1-min load average at start/end of each section: {results.get('load_average', {})}",
+        "",
+    ]
     if "a" in results:
         a = results["a"]
-        lines += [f"### a. short tools/call pass-through (concurrency {args.concurrency}, {args.duration:g} s; {a['layout']})", "",
-                  "| path | wire | req/s | vs direct | p50 ms | p99 ms | middle-tier CPU ms/call | errors |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### a. short tools/call pass-through (concurrency {args.concurrency}, {args.duration:g} s; {a['layout']})",
+            "",
+            "| path | wire | req/s | vs direct | p50 ms | p99 ms | middle-tier CPU ms/call | errors |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in a["rows"]:
             if "failed" in r:
                 lines.append(f"| {r['label']} | — | failed | | | | | {r['failed'][:80]} |")
                 continue
             mid = {k: v for k, v in r["cpu_ms_per_call"].items() if "upstream" not in k}
-            lines.append(f"| {r['label']} | {r['wire']} | {r['rps']} | {r.get('ratio_vs_direct')} | {r['p50_ms']} | {r['p99_ms']} | "
-                         f"{', '.join(str(v) for v in mid.values()) or '—'} | {r['errors']} |")
+            lines.append(
+                f"| {r['label']} | {r['wire']} | {r['rps']} | {r.get('ratio_vs_direct')} | {r['p50_ms']} | {r['p99_ms']} | "
+                f"{', '.join(str(v) for v in mid.values()) or '—'} | {r['errors']} |"
+            )
         lines.append("")
     if "b" in results:
-        lines += [f"### b. tasks/get ({results['b']['layout']}, {args.duration:g} s per point)", "",
-                  "| store | stored tasks | concurrency | tasks/get/s | vs smallest store | p50 ms | p99 ms | proxy CPU ms/call | errors |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### b. tasks/get ({results['b']['layout']}, {args.duration:g} s per point)",
+            "",
+            "| store | stored tasks | concurrency | tasks/get/s | vs smallest store | p50 ms | p99 ms | proxy CPU ms/call | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in results["b"]["rows"]:
-            lines.append(f"| {r.get('store', 'diskcache')} | {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | {r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
-                         f"{r['proxy_cpu_ms_per_call']} | {r['errors']} |")
+            lines.append(
+                f"| {r.get('store', 'diskcache')} | {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | {r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
+                f"{r['proxy_cpu_ms_per_call']} | {r['errors']} |"
+            )
         lines.append("")
     if "c" in results:
-        lines += ["### c. detach_after (50 ms) expiry -> CreateTaskResult at the client", "",
-                  "| upstream | round | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | errors |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "### c. detach_after (50 ms) expiry -> CreateTaskResult at the client",
+            "",
+            "| upstream | round | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | errors |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in results["c"]["rows"]:
-            lines.append(f"| {r['upstream']} | {r.get('round', '')} | {_c_store_label(r)} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
-                         f"{r['late_p99_ms']} | {r['late_max_ms']} | {r['errors']} |")
+            lines.append(
+                f"| {r['upstream']} | {r.get('round', '')} | {_c_store_label(r)} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
+                f"{r['late_p99_ms']} | {r['late_max_ms']} | {r['errors']} |"
+            )
         lines += ["", f"Median late p99 over rounds: {results['c'].get('summary')}", ""]
     if "d" in results:
         d = results["d"]
-        lines += ["### d. memory per detached in-flight call", "",
-                  "| calls in flight | RSS before MB | RSS with calls MB | KB per call | RSS after release MB | errors |", "|---:|---:|---:|---:|---:|---:|",
-                  f"| {d['upstream_inflight']} | {d['rss_before_mb']} | {d['rss_after_mb']} | {d['kb_per_call']} | {d['rss_after_release_mb']} | {d['errors']} |", ""]
+        lines += [
+            "### d. memory per detached in-flight call",
+            "",
+            "| calls in flight | RSS before MB | RSS with calls MB | KB per call | RSS after release MB | errors |",
+            "|---:|---:|---:|---:|---:|---:|",
+            f"| {d['upstream_inflight']} | {d['rss_before_mb']} | {d['rss_after_mb']} | {d['kb_per_call']} | {d['rss_after_release_mb']} | {d['errors']} |",
+            "",
+        ]
     if "e" in results:
         e = results["e"]
-        lines += ["### e. start-up (process start -> /healthz 200)", "", "| stored tasks | median s | max s | vs empty |", "|---:|---:|---:|---:|"]
+        lines += [
+            "### e. start-up (process start -> /healthz 200)",
+            "",
+            "| stored tasks | median s | max s | vs empty |",
+            "|---:|---:|---:|---:|",
+        ]
         for r in e["rows"]:
-            lines.append(f"| {r['stored_tasks']} | {r['median_s']} | {r['max_s']} | {round(r['median_s'] / e['rows'][0]['median_s'], 3)} |")
+            lines.append(
+                f"| {r['stored_tasks']} | {r['median_s']} | {r['max_s']} | {round(r['median_s'] / e['rows'][0]['median_s'], 3)} |"
+            )
         lines += [f"(`python -c 'import proxy.cli'` alone: {e['import_only_s']} s)", ""]
     lines += results.get("r", {}).get("table_md", [])
     return "\n".join(lines)
@@ -676,35 +1004,85 @@ def report(results: dict, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and durations (smoke run, no meaningful figures)")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes and durations (smoke run, no meaningful figures)"
+    )
     ap.add_argument("--sections", default="a,b,c,d,e")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per load point (a, b)")
     ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each load point")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop workers for (a)")
     ap.add_argument("--b-concurrency", default="1,16", help="comma list of workers for (b)")
-    ap.add_argument("--store-sizes", default="1000,100000,1000000", help="stored tasks for (b); the largest is used for (e) "
-                    "(seeded stores are cached in bench/.cache: the 1,000,000 one takes ~3 min and 1.2 GB once)")
-    ap.add_argument("--c-requests", type=int, default=400, help="detached calls at concurrency 16 for (c) (a quarter at concurrency 1)")
-    ap.add_argument("--c-rounds", type=int, default=3, help="rounds of (c), alternating which store setting goes first; medians reported")
-    ap.add_argument("--stores", default="diskcache,redis", help="task stores measured in (b) and (c): diskcache and/or redis "
-                    "(a redis-server of the bench's own; skipped with a warning when redis-server is not installed)")
-    ap.add_argument("--c-hold", type=float, default=1.0, help="seconds each slow_compute call runs upstream in (c)")
+    ap.add_argument(
+        "--store-sizes",
+        default="1000,100000,1000000",
+        help="stored tasks for (b); the largest is used for (e) "
+        "(seeded stores are cached in bench/.cache: the 1,000,000 one takes ~3 min and 1.2 GB once)",
+    )
+    ap.add_argument(
+        "--c-requests",
+        type=int,
+        default=400,
+        help="detached calls at concurrency 16 for (c) (a quarter at concurrency 1)",
+    )
+    ap.add_argument(
+        "--c-rounds",
+        type=int,
+        default=3,
+        help="rounds of (c), alternating which store setting goes first; medians reported",
+    )
+    ap.add_argument(
+        "--stores",
+        default="diskcache,redis",
+        help="task stores measured in (b) and (c): diskcache and/or redis "
+        "(a redis-server of the bench's own; skipped with a warning when redis-server is not installed)",
+    )
+    ap.add_argument(
+        "--c-hold", type=float, default=1.0, help="seconds each slow_compute call runs upstream in (c)"
+    )
     ap.add_argument("--mem-calls", type=int, default=10000, help="concurrent detached calls for (d)")
-    ap.add_argument("--d-concurrency", type=int, default=64, help="client workers creating the detached calls in (d)")
-    ap.add_argument("--d-durable", action=argparse.BooleanOptionalAction, default=False, help="fsync store in (d) (default off: RSS is the figure)")
+    ap.add_argument(
+        "--d-concurrency", type=int, default=64, help="client workers creating the detached calls in (d)"
+    )
+    ap.add_argument(
+        "--d-durable",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="fsync store in (d) (default off: RSS is the figure)",
+    )
     ap.add_argument("--e-repeats", type=int, default=5)
-    ap.add_argument("--r-replicas", default="1,3", help="replica counts for (r); --r-concurrency workers, --r-tasks stored tasks")
+    ap.add_argument(
+        "--r-replicas",
+        default="1,3",
+        help="replica counts for (r); --r-concurrency workers, --r-tasks stored tasks",
+    )
     ap.add_argument("--r-concurrency", type=int, default=16)
     ap.add_argument("--r-tasks", type=int, default=1000)
     ap.add_argument("--no-peers", action="store_true", help="skip mcp-proxy and FastMCP rows in (a)")
-    ap.add_argument("--a-more", action=argparse.BooleanOptionalAction, default=True,
-                    help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned (bench/section_a_more.py)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True, help="pin processes to CPUs (needs 2+ CPUs)")
+    ap.add_argument(
+        "--a-more",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned (bench/section_a_more.py)",
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin processes to CPUs (needs 2+ CPUs)",
+    )
     ap.add_argument("--out", help="JSON results file (default bench/results/<timestamp>.json)")
-    ap.add_argument("--wait-idle", type=float, default=0, help="before each section, wait up to this many seconds for the 1-min load "
-                    "average to fall below 1.0 (a shared machine)")
-    ap.add_argument("--ref", help="measure proxy/ as of this git revision (extracted with `git archive` and put first on PYTHONPATH) "
-                    "instead of the working tree; the README table uses it so its figures name a commit")
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        help="before each section, wait up to this many seconds for the 1-min load "
+        "average to fall below 1.0 (a shared machine)",
+    )
+    ap.add_argument(
+        "--ref",
+        help="measure proxy/ as of this git revision (extracted with `git archive` and put first on PYTHONPATH) "
+        "instead of the working tree; the README table uses it so its figures name a commit",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.duration, args.warmup, args.concurrency = 1.0, 0.3, 4
@@ -734,8 +1112,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ref:
         src = workdir / "src"
         src.mkdir()
-        rev = subprocess.run(["git", "rev-parse", "--short", args.ref], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
-        archive = subprocess.run(["git", "archive", rev, "proxy"], capture_output=True, cwd=ROOT, check=True).stdout
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", args.ref], capture_output=True, text=True, cwd=ROOT, check=True
+        ).stdout.strip()
+        archive = subprocess.run(
+            ["git", "archive", rev, "proxy"], capture_output=True, cwd=ROOT, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
         # Only the proxy processes get it (start_proxy); upstream fixtures and peers keep the working tree.
         PROXY_ENV["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -755,14 +1137,18 @@ def main(argv: list[str] | None = None) -> int:
             waited = 0.0
             while args.wait_idle and waited < args.wait_idle and os.getloadavg()[0] > 1.0:
                 if waited == 0:
-                    log(f"  waiting up to {args.wait_idle:g} s for the 1-min load average ({os.getloadavg()[0]:.2f}) to fall below 1.0 ...")
+                    log(
+                        f"  waiting up to {args.wait_idle:g} s for the 1-min load average ({os.getloadavg()[0]:.2f}) to fall below 1.0 ..."
+                    )
                 time.sleep(5)
                 waited += 5
             t0 = time.perf_counter()
             load0 = os.getloadavg()[0]
             log(f"section {name} ... (1-min load average {load0:.2f} on {os.cpu_count()} CPUs)")
             if load0 > 0.5:
-                log("  warning: the machine is busy with other work; figures will be lower and noisier than on an idle machine")
+                log(
+                    "  warning: the machine is busy with other work; figures will be lower and noisier than on an idle machine"
+                )
             try:
                 if name == "a":
                     results["a"] = section_a(args, workdir, log)
@@ -786,7 +1172,9 @@ def main(argv: list[str] | None = None) -> int:
                 Proc.stop_all()
             load1 = os.getloadavg()[0]
             results.setdefault("load_average", {})[name] = {"start": round(load0, 2), "end": round(load1, 2)}
-            log(f"section {name} took {time.perf_counter() - t0:.0f} s (load average {load0:.2f} -> {load1:.2f})")
+            log(
+                f"section {name} took {time.perf_counter() - t0:.0f} s (load average {load0:.2f} -> {load1:.2f})"
+            )
     except KeyboardInterrupt:
         rc = 130
         log("interrupted; stopping every process")
@@ -794,7 +1182,13 @@ def main(argv: list[str] | None = None) -> int:
         Proc.stop_all()
         shutil.rmtree(workdir, ignore_errors=True) if rc == 0 else log(f"work dir (logs) kept: {workdir}")
     table = report({k: v for k, v in results.items() if not (isinstance(v, dict) and "failed" in v)}, args)
-    out = Path(args.out) if args.out else BENCH / "results" / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else BENCH
+        / "results"
+        / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     results["table"] = table
     out.write_text(json.dumps(results, indent=2))

@@ -17,18 +17,36 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-run: Any = None  # bench/run.py as running (its __main__ module: Proc registry, PROXY_ENV for --ref), set by rows()
+run: Any = (
+    None  # bench/run.py as running (its __main__ module: Proc registry, PROXY_ENV for --ref), set by rows()
+)
 
 GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"}
 
 
 def _measure(args, label: str, url: str, mode: str, procs: list, lg_cpu: str | None, log, **extra) -> dict:
     before = {p.name: run.cpu_seconds(p.pid, children=False) for p in procs}
-    res = run.loadgen({"concurrency": args.concurrency, "duration": args.duration, "warmup": args.warmup, **GREET, "mode": mode, "url": url}, lg_cpu)
-    res["cpu_ms_per_call"] = {p.name: round((run.cpu_seconds(p.pid, children=False) - before[p.name]) * 1000 / max(1, res["total_ok"]), 3)
-                              for p in procs}
+    res = run.loadgen(
+        {
+            "concurrency": args.concurrency,
+            "duration": args.duration,
+            "warmup": args.warmup,
+            **GREET,
+            "mode": mode,
+            "url": url,
+        },
+        lg_cpu,
+    )
+    res["cpu_ms_per_call"] = {
+        p.name: round(
+            (run.cpu_seconds(p.pid, children=False) - before[p.name]) * 1000 / max(1, res["total_ok"]), 3
+        )
+        for p in procs
+    }
     res.update(label=label, **extra)
-    log(f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors {res['errors']}")
+    log(
+        f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors {res['errors']}"
+    )
     return res
 
 
@@ -41,18 +59,63 @@ def _group(args, workdir: Path, log, *, upstream: str, pinned: bool, modern: boo
     rows: list[dict] = []
     up, up_url = start(workdir, up_cpu, name)
     try:
-        base = _measure(args, f"direct to upstream ({tag})", up_url, "legacy", [up], lg_cpu, log, role="baseline-extra", wire="2025-11-25",
-                        group=tag, layout=layout)
+        base = _measure(
+            args,
+            f"direct to upstream ({tag})",
+            up_url,
+            "legacy",
+            [up],
+            lg_cpu,
+            log,
+            role="baseline-extra",
+            wire="2025-11-25",
+            group=tag,
+            layout=layout,
+        )
         rows.append(base)
-        cfg = run.write_config(workdir, f"a-proxy-{upstream}-{pinned}", {"url": up_url}, workdir / f"a-store-{upstream}-{pinned}", durable=True)
-        proxy, url, _ = run.start_proxy(workdir, f"a-proxy-{upstream}-{'pinned' if pinned else 'even'}", cfg, mid_cpu)
+        cfg = run.write_config(
+            workdir,
+            f"a-proxy-{upstream}-{pinned}",
+            {"url": up_url},
+            workdir / f"a-store-{upstream}-{pinned}",
+            durable=True,
+        )
+        proxy, url, _ = run.start_proxy(
+            workdir, f"a-proxy-{upstream}-{'pinned' if pinned else 'even'}", cfg, mid_cpu
+        )
         try:
             run.wait_ready(url.rsplit("/", 1)[0], proxy)
-            rows.append(_measure(args, f"mcp-tasks-proxy, legacy client (relay) ({tag})", url, "legacy", [up, proxy], lg_cpu, log, role="proxy",
-                                 wire="2025-11-25", group=tag, layout=layout))
+            rows.append(
+                _measure(
+                    args,
+                    f"mcp-tasks-proxy, legacy client (relay) ({tag})",
+                    url,
+                    "legacy",
+                    [up, proxy],
+                    lg_cpu,
+                    log,
+                    role="proxy",
+                    wire="2025-11-25",
+                    group=tag,
+                    layout=layout,
+                )
+            )
             if modern:
-                rows.append(_measure(args, f"mcp-tasks-proxy, 2026-07-28 client + tasks ext ({tag})", url, "modern", [up, proxy], lg_cpu, log,
-                                     role="proxy", wire="2026-07-28", group=tag, layout=layout))
+                rows.append(
+                    _measure(
+                        args,
+                        f"mcp-tasks-proxy, 2026-07-28 client + tasks ext ({tag})",
+                        url,
+                        "modern",
+                        [up, proxy],
+                        lg_cpu,
+                        log,
+                        role="proxy",
+                        wire="2026-07-28",
+                        group=tag,
+                        layout=layout,
+                    )
+                )
         finally:
             proxy.stop()
     finally:
@@ -73,7 +136,13 @@ def rows(args, workdir: Path, log, runner: ModuleType) -> list[dict]:
             out += _group(args, workdir, log, upstream=upstream, pinned=pinned, modern=modern)
         except Exception as exc:  # one group failing keeps the others
             log(f"  a: extra rows ({upstream}, pinned={pinned}) failed: {exc}")
-            out.append({"label": f"extra rows ({upstream}, pinned={pinned})", "role": "proxy", "failed": str(exc)[:500]})
+            out.append(
+                {
+                    "label": f"extra rows ({upstream}, pinned={pinned})",
+                    "role": "proxy",
+                    "failed": str(exc)[:500],
+                }
+            )
         finally:
             run.Proc.stop_all()
     return out

@@ -23,10 +23,9 @@ TTL_MS = 400 * 24 * 3600 * 1000
 
 def _layout_hash() -> str:
     import inspect
+    from dataclasses import fields
 
     from proxy.tasks import diskcache_store, model
-
-    from dataclasses import fields
 
     h = hashlib.sha256(repr([(f.name, str(f.type)) for f in fields(model.TaskRecord)]).encode())
     h.update(inspect.getsource(model.TaskRecord.to_dict).encode())
@@ -41,7 +40,9 @@ def fill(path: Path, n: int) -> list[str]:
 
     import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # no log line per record
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
+    )  # no log line per record
     from proxy.tasks.diskcache_store import DiskcacheStore
     from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id, now_ms
 
@@ -55,9 +56,20 @@ def fill(path: Path, n: int) -> list[str]:
         cache = store._cache
         with cache.transact():
             for _ in range(n):
-                r = TaskRecord(task_id=new_task_id(), principal="anonymous", server=SERVER, tool="slow_report", created_ms=now,
-                               ttl_ms=TTL_MS, poll_interval_ms=500, owner="bench-fill", status=TaskStatus.COMPLETED,
-                               status_message="done", terminal_ms=now, outcome=outcome)
+                r = TaskRecord(
+                    task_id=new_task_id(),
+                    principal="anonymous",
+                    server=SERVER,
+                    tool="slow_report",
+                    created_ms=now,
+                    ttl_ms=TTL_MS,
+                    poll_interval_ms=500,
+                    owner="bench-fill",
+                    status=TaskStatus.COMPLETED,
+                    status_message="done",
+                    terminal_ms=now,
+                    outcome=outcome,
+                )
                 expire = store._expire_s(r)
                 cache.add("task:" + r.task_id, r.to_dict(), expire=expire)
                 for key in store._index_keys(r):
@@ -100,7 +112,9 @@ def seeded_store(dest: Path, n: int, log=print) -> tuple[list[str], float, bool]
         if cached.exists():
             shutil.rmtree(cached)
         tmp.rename(cached)
-    _checkpoint(cached)  # a store as a running proxy leaves it: the WAL folded in (a 1 GB WAL costs seconds at first open)
+    _checkpoint(
+        cached
+    )  # a store as a running proxy leaves it: the WAL folded in (a 1 GB WAL costs seconds at first open)
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(cached, dest, ignore=shutil.ignore_patterns("bench-ids.json"))

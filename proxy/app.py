@@ -11,8 +11,6 @@ from aiohttp import web
 
 from .auth import Authenticator, auth_middleware
 from .call import Call
-from .protocol.jsonrpc import object_of
-from .upstream_tasks import UpstreamTaskCall
 from .config import Config, ServerEntry
 from .console import build_console
 from .dispatcher import ServerDispatcher
@@ -20,19 +18,22 @@ from .drain import Drain
 from .legacy_bridge import LegacyBridge
 from .mrtr import ParkedCalls, load_or_create_key, shared_key
 from .observability import access_log, json_errors, metrics_handler
+from .protocol.jsonrpc import object_of
 from .replicas import REPLICAS_KEY, Replicas, advertised_url, make_router, on_response_prepare
 from .replicas.forward import SECRET_HEADER as REPLICA_SECRET_HEADER
-from .replicas.internal import PREFIX as REPLICA_PREFIX, add_routes as add_replica_routes
-from .tasks.recovery import RESTART_MESSAGE
+from .replicas.internal import PREFIX as REPLICA_PREFIX
+from .replicas.internal import add_routes as add_replica_routes
+from .tasks.model import TaskRecord
 from .tasks.open_store import open_store, rate_storage
 from .tasks.rates import close_rate_storage
+from .tasks.recovery import RESTART_MESSAGE
 from .tasks.redis_store import RedisTaskStore
-from .tasks.model import TaskRecord
 from .tasks.service import TaskService
 from .tasks.store import StoreUnavailableError
 from .transport import ServerEndpoint, default_allowed_hosts, host_guard
 from .upstream.http import Bounds, UpstreamPool
 from .upstream.stdio import StdioCommand, StdioPool
+from .upstream_tasks import UpstreamTaskCall
 
 log = structlog.get_logger("proxy.app")
 
@@ -52,16 +53,23 @@ def build_app(config: Config) -> web.Application:
     (its own sign-in; client credentials never open it). The task store opens and closes with the app (cleanup context); opening
     it raises StoreLockedError when another process serves the same store directory.
     """
-    allowed = set(config.listen.allowed_hosts) if config.listen.allowed_hosts is not None else default_allowed_hosts(config.listen.host)
+    allowed = (
+        set(config.listen.allowed_hosts)
+        if config.listen.allowed_hosts is not None
+        else default_allowed_hosts(config.listen.host)
+    )
     authenticator = Authenticator(config.auth)
-    if config.replicas is not None:  # a relayed request keeps the principal the relaying replica authenticated
+    if (
+        config.replicas is not None
+    ):  # a relayed request keeps the principal the relaying replica authenticated
         authenticator.replica_secret = (REPLICA_SECRET_HEADER, config.replicas.secret)
     middlewares = [
         access_log(payloads=config.logging.log_payloads),
         json_errors(),
         host_guard(allowed),
         auth_middleware(
-            authenticator, own_auth_prefix="/console" if config.console is not None else None,
+            authenticator,
+            own_auth_prefix="/console" if config.console is not None else None,
             internal_prefix=REPLICA_PREFIX if config.replicas is not None else None,
         ),
     ]
@@ -103,14 +111,20 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     store = open_store(config.store, max_result_bytes=config.limits.max_result_bytes, exclusive=True)
     counters = rate_storage(config.store)
     tasks = TaskService(
-        store, lease_s=config.store.lease, outcome_retry_s=config.store.write_retry,
-        max_tasks_per_principal=config.limits.max_tasks_per_principal, tasks_rate=config.limits.tasks_rate, rate_storage=counters,
+        store,
+        lease_s=config.store.lease,
+        outcome_retry_s=config.store.write_retry,
+        max_tasks_per_principal=config.limits.max_tasks_per_principal,
+        tasks_rate=config.limits.tasks_rate,
+        rate_storage=counters,
     )
     app[TASKS_KEY] = tasks
     try:
         if isinstance(store, RedisTaskStore):
             level, message = await store.persistence_report()
-            (log.warning if level == "warning" else log.info)("store_persistence", store=store.where, detail=message)
+            (log.warning if level == "warning" else log.info)(
+                "store_persistence", store=store.where, detail=message
+            )
             parked = ParkedCalls(await shared_key(store, config.request_state.secret), store)
         else:
             parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
@@ -121,7 +135,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     parked.node = tasks.node
     app[PARKED_KEY] = parked
     replicas: Replicas | None = None
-    if config.replicas is not None and isinstance(store, RedisTaskStore):  # the config requires store.url with replicas
+    if config.replicas is not None and isinstance(
+        store, RedisTaskStore
+    ):  # the config requires store.url with replicas
         replicas = Replicas(config, tasks=tasks, shared=store, url=advertised_url(config))
         tasks.remote = replicas
         app[REPLICAS_KEY] = replicas
@@ -131,18 +147,29 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         pool = make_pool(name, entry, http)
         pools.append(pool)
         dispatcher = ServerDispatcher(
-            name=name, config=config, pool=pool, tasks=tasks, parked=parked, keepalive_s=config.listen.sse_keepalive, drain=app[DRAIN_KEY]
+            name=name,
+            config=config,
+            pool=pool,
+            tasks=tasks,
+            parked=parked,
+            keepalive_s=config.listen.sse_keepalive,
+            drain=app[DRAIN_KEY],
         )
         pool.on_notification = dispatcher.server_notification
         bridge = LegacyBridge(name, pool, drain=app[DRAIN_KEY]) if isinstance(pool, StdioPool) else None
-        endpoint = ServerEndpoint(name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge)
+        endpoint = ServerEndpoint(
+            name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge
+        )
         app[DRAIN_KEY].at_deadline(endpoint.legacy.drained)
         if replicas is not None:
             endpoint.router = make_router(replicas, endpoint, parked).route
         app[ENDPOINTS_KEY][name] = endpoint
     app[POOLS_KEY] = {pool.server: pool for pool in pools}
     try:
-        await tasks.start(lambda record: _rerun(config, app[POOLS_KEY], tasks, record), restart_message=None if replicas else RESTART_MESSAGE)
+        await tasks.start(
+            lambda record: _rerun(config, app[POOLS_KEY], tasks, record),
+            restart_message=None if replicas else RESTART_MESSAGE,
+        )
         if replicas is not None:
             await replicas.start()
     except BaseException:

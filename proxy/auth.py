@@ -18,17 +18,19 @@ import jwt
 import structlog
 from aiohttp import web
 
-from .tasks.model import principal_hash
 from .config import AuthConfig
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INVALID_REQUEST
+from .tasks.model import principal_hash
 
 log = structlog.get_logger("proxy.auth")
 
 ANONYMOUS = "anonymous"
 PRINCIPAL_KEY = web.RequestKey("principal", str)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-RELAYED_PRINCIPAL_HEADER = "X-Mcp-Replica-Principal"  # on a relayed request: whom the receiving replica authenticated
+RELAYED_PRINCIPAL_HEADER = (
+    "X-Mcp-Replica-Principal"  # on a relayed request: whom the receiving replica authenticated
+)
 
 
 class AuthError(Exception):
@@ -40,18 +42,20 @@ def hash_token(token: str) -> str:
     return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
 
 
-
-
 class Authenticator:
     """Turns a request into a principal name, or raises AuthError. Build with `from_config`."""
 
     def __init__(self, config: AuthConfig, *, base_dir: Path | None = None) -> None:
         self.config = config
         self.mode = config.mode
-        self._tokens = {digest.removeprefix("sha256:").lower(): name for name, digest in config.tokens.items()}
+        self._tokens = {
+            digest.removeprefix("sha256:").lower(): name for name, digest in config.tokens.items()
+        }
         self._jwks: jwt.PyJWKSet | None = None
         self._jwks_client: jwt.PyJWKClient | None = None
-        self.replica_secret: tuple[str, str] | None = None  # (header, shared secret): relayed requests carry their principal
+        self.replica_secret: tuple[str, str] | None = (
+            None  # (header, shared secret): relayed requests carry their principal
+        )
         if self.mode == "jwt":
             assert config.jwt is not None
             if config.jwt.jwks_file:
@@ -60,7 +64,12 @@ class Authenticator:
                     path = base_dir / path
                 self._jwks = jwt.PyJWKSet.from_json(path.read_text())
             elif config.jwt.jwks_url:
-                self._jwks_client = jwt.PyJWKClient(config.jwt.jwks_url, cache_keys=True, lifespan=300, timeout=int(max(1, config.jwt.jwks_timeout)))
+                self._jwks_client = jwt.PyJWKClient(
+                    config.jwt.jwks_url,
+                    cache_keys=True,
+                    lifespan=300,
+                    timeout=int(max(1, config.jwt.jwks_timeout)),
+                )
 
     async def principal(self, request: web.Request) -> str:
         """The principal of `request`. Raises AuthError.
@@ -74,7 +83,11 @@ class Authenticator:
             if self.replica_secret is None:
                 raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
             header, secret = self.replica_secret
-            if len(relayed) != 1 or not relayed[0] or not hmac.compare_digest(request.headers.get(header, "").encode(), secret.encode()):
+            if (
+                len(relayed) != 1
+                or not relayed[0]
+                or not hmac.compare_digest(request.headers.get(header, "").encode(), secret.encode())
+            ):
                 raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
             return relayed[0]
         if self.mode == "none":
@@ -83,7 +96,9 @@ class Authenticator:
             return self._from_header(request)
         token = _bearer(request)
         if self.mode == "bearer":
-            digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()  # raw header bytes: no 500
+            digest = hashlib.sha256(
+                token.encode("utf-8", "surrogateescape")
+            ).hexdigest()  # raw header bytes: no 500
             for known, name in self._tokens.items():
                 if hmac.compare_digest(digest, known):
                     return name
@@ -129,7 +144,12 @@ class Authenticator:
             )
         except jwt.PyJWTError as exc:
             raise AuthError(f"invalid token: {exc}") from None
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a key the token's alg cannot use, a malformed header
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            AttributeError,
+        ) as exc:  # a key the token's alg cannot use, a malformed header
             raise AuthError(f"invalid token ({exc.__class__.__name__})") from None
         principal = claims.get(cfg.principal_claim)
         if not isinstance(principal, str) or not principal:
@@ -158,7 +178,9 @@ def _bearer(request: web.Request) -> str:
     return token.strip()
 
 
-def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None = None, internal_prefix: str | None = None):
+def auth_middleware(
+    authenticator: Authenticator, *, own_auth_prefix: str | None = None, internal_prefix: str | None = None
+):
     """aiohttp middleware: set `request[PRINCIPAL_KEY]`, or answer 401 with a JSON-RPC error.
 
     Health and metrics paths stay open. Paths under `own_auth_prefix` (the console, `/console`)
@@ -171,7 +193,9 @@ def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None
     async def middleware(request: web.Request, handler):
         if request.path in OPEN_PATHS:
             return await handler(request)
-        if own_auth_prefix is not None and (request.path == own_auth_prefix or request.path.startswith(own_auth_prefix + "/")):
+        if own_auth_prefix is not None and (
+            request.path == own_auth_prefix or request.path.startswith(own_auth_prefix + "/")
+        ):
             return await handler(request)
         if internal_prefix is not None and request.path.startswith(internal_prefix + "/"):
             return await handler(request)
@@ -180,9 +204,14 @@ def auth_middleware(authenticator: Authenticator, *, own_auth_prefix: str | None
             structlog.contextvars.bind_contextvars(principal=principal_hash(request[PRINCIPAL_KEY]))
         except AuthError as exc:
             log.warning("security_auth_failed", reason=str(exc), remote=request.remote, path=request.path)
-            body = jsonrpc.error_response(None, jsonrpc.error_object(INVALID_REQUEST, f"authentication required: {exc}"))
+            body = jsonrpc.error_response(
+                None, jsonrpc.error_object(INVALID_REQUEST, f"authentication required: {exc}")
+            )
             return web.Response(
-                status=401, text=json.dumps(body), content_type="application/json", headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy"'}
+                status=401,
+                text=json.dumps(body),
+                content_type="application/json",
+                headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy"'},
             )
         return await handler(request)
 

@@ -16,10 +16,18 @@ from typing import Any
 import structlog
 
 from . import observability as obs
-from .call_sink import DISCARD as _DISCARD, TaskSink
+from .call_sink import DISCARD as _DISCARD
+from .call_sink import TaskSink
 from .protocol import jsonrpc
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS
-from .protocol.inputs import INPUT_CAPABILITY, INPUT_KEY_HINT, INPUT_METHODS, InputError, PendingInput, input_request_value
+from .protocol.inputs import (
+    INPUT_CAPABILITY,
+    INPUT_KEY_HINT,
+    INPUT_METHODS,
+    InputError,
+    PendingInput,
+    input_request_value,
+)
 from .protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, object_of
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
 from .upstream.stdio import StdioPool, StdioSession
@@ -27,7 +35,9 @@ from .upstream.stdio import StdioPool, StdioSession
 log = structlog.get_logger("proxy.calls")
 
 PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call (or its poll interval, if longer)
-CANCEL_GRACE_S = 0.5  # how long (s) a call whose questions were just refused may take to end before it is cancelled
+CANCEL_GRACE_S = (
+    0.5  # how long (s) a call whose questions were just refused may take to end before it is cancelled
+)
 REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
 
@@ -48,10 +58,43 @@ class Call:
     """
 
     # Slots: ~10,000 detached calls may be alive at once, and a per-instance dict costs ~1.8 KB each.
-    __slots__ = ("call_id", "_progress_text", "_progress_written", "_progress_timer", "progress_write_s", "ended_by", "started", "principal", "pool",
-                 "server", "method", "tool", "params", "input_timeout", "prefilled", "_used_keys", "_input_timers", "capabilities", "timeout", "sink",
-                 "client_progress_token", "relay_logs", "progress_token", "outcome", "events", "task_id", "session", "upstream_request_id", "sent", "pending",
-                 "_runner", "_on_done", "server_notifications", "task_notify", "__weakref__")
+    __slots__ = (
+        "call_id",
+        "_progress_text",
+        "_progress_written",
+        "_progress_timer",
+        "progress_write_s",
+        "ended_by",
+        "started",
+        "principal",
+        "pool",
+        "server",
+        "method",
+        "tool",
+        "params",
+        "input_timeout",
+        "prefilled",
+        "_used_keys",
+        "_input_timers",
+        "capabilities",
+        "timeout",
+        "sink",
+        "client_progress_token",
+        "relay_logs",
+        "progress_token",
+        "outcome",
+        "events",
+        "task_id",
+        "session",
+        "upstream_request_id",
+        "sent",
+        "pending",
+        "_runner",
+        "_on_done",
+        "server_notifications",
+        "task_notify",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -111,7 +154,9 @@ class Call:
 
     def start(self) -> None:
         """Start the upstream request in a task of its own."""
-        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.method} {self.server}/{self.tool}")
+        self._runner = asyncio.get_running_loop().create_task(
+            self._run(), name=f"{self.method} {self.server}/{self.tool}"
+        )
 
     def add_done_callback(self, fn: Callable[[Call], None]) -> None:
         """Call `fn(call)` once, when the outcome is known."""
@@ -130,13 +175,24 @@ class Call:
         try:
             async with asyncio.timeout(self.timeout):
                 # (In this frame, not a helper's: a detached call holds every frame of its chain.)
-                for attempt in (1, 2):  # a session the upstream forgot (404: it ran nothing) is left, the request sent once more
+                for attempt in (
+                    1,
+                    2,
+                ):  # a session the upstream forgot (404: it ran nothing) is left, the request sent once more
                     session = await self.pool.session(self.capabilities, self.principal or None)
                     self.session = session
                     self.upstream_request_id = session.next_id()
-                    self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
+                    self.sent = (
+                        False  # True once the request left the max_concurrency queue (stdio) / was POSTed
+                    )
                     try:
-                        reply = await session.request(self.method, params, handler=self._on_message, request_id=self.upstream_request_id, on_sent=self._mark_sent)
+                        reply = await session.request(
+                            self.method,
+                            params,
+                            handler=self._on_message,
+                            request_id=self.upstream_request_id,
+                            on_sent=self._mark_sent,
+                        )
                         break
                     except SessionExpiredError:
                         if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
@@ -146,7 +202,12 @@ class Call:
         except TimeoutError:
             self.ended_by = "timeout"
             self._spawn(self._send_cancelled("hard timeout"))
-            reply = {"error": {"code": INTERNAL_ERROR, "message": f"upstream {self.server} hard timeout: no answer within {self.timeout:g} s"}}
+            reply = {
+                "error": {
+                    "code": INTERNAL_ERROR,
+                    "message": f"upstream {self.server} hard timeout: no answer within {self.timeout:g} s",
+                }
+            }
         except UpstreamError as exc:
             reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
         except asyncio.CancelledError:
@@ -155,7 +216,12 @@ class Call:
             raise
         except Exception as exc:  # a bug or a garbage upstream must not kill the proxy
             log.exception("call_crashed", server=self.server, tool=self.tool)
-            reply = {"error": {"code": INTERNAL_ERROR, "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}"}}
+            reply = {
+                "error": {
+                    "code": INTERNAL_ERROR,
+                    "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}",
+                }
+            }
         self._finish(reply)
 
     def _finish(self, reply: JsonObject) -> None:
@@ -198,7 +264,15 @@ class Call:
             if method in INPUT_METHODS:
                 self._on_input_request(msg)
             else:
-                self._spawn(self._respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"the proxy does not relay {method}"}))
+                self._spawn(
+                    self._respond(
+                        msg["id"],
+                        error={
+                            "code": jsonrpc.METHOD_NOT_FOUND,
+                            "message": f"the proxy does not relay {method}",
+                        },
+                    )
+                )
             return
         params = object_of(msg.get("params"))
         if method == "notifications/progress" and params.get("progressToken") == self.progress_token:
@@ -214,7 +288,11 @@ class Call:
     def _on_progress(self, params: JsonObject) -> None:
         if self.task_id is not None:
             progress, total, message = params.get("progress"), params.get("total"), params.get("message")
-            text = f"{progress:g}/{total:g}" if isinstance(progress, (int, float)) and isinstance(total, (int, float)) else f"{progress}"
+            text = (
+                f"{progress:g}/{total:g}"
+                if isinstance(progress, (int, float)) and isinstance(total, (int, float))
+                else f"{progress}"
+            )
             if message:
                 text = f"{text}: {message}"
             self._progress_text = text
@@ -226,7 +304,11 @@ class Call:
             elif self._progress_timer is None:
                 self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
             if self.task_notify is not None and self.client_progress_token is not None:
-                self.task_notify(jsonrpc.notification("notifications/progress", dict(params, progressToken=self.client_progress_token)))
+                self.task_notify(
+                    jsonrpc.notification(
+                        "notifications/progress", dict(params, progressToken=self.client_progress_token)
+                    )
+                )
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
@@ -247,7 +329,15 @@ class Call:
         capability = INPUT_CAPABILITY[msg["method"]]
         if capability not in self.capabilities:
             # The client of this call never declared it can answer this kind of question.
-            self._spawn(self._respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": f"the client did not declare the {capability} capability"}))
+            self._spawn(
+                self._respond(
+                    msg["id"],
+                    error={
+                        "code": jsonrpc.INVALID_REQUEST,
+                        "message": f"the client did not declare the {capability} capability",
+                    },
+                )
+            )
             if self.task_id is None:
                 self.events.put_nowait(("unsupported", capability))
             return
@@ -256,7 +346,9 @@ class Call:
             self._spawn(self._respond(msg["id"], result=self.prefilled.pop(key)))
             return
         self.pending[key] = PendingInput(upstream_id=msg["id"], request=input_request_value(msg))
-        self._input_timers[key] = asyncio.get_running_loop().call_later(self.input_timeout, self.fail_input_timeout, self.input_timeout)
+        self._input_timers[key] = asyncio.get_running_loop().call_later(
+            self.input_timeout, self.fail_input_timeout, self.input_timeout
+        )
         if self.task_id is not None:
             self._write_inputs()
         else:
@@ -326,7 +418,15 @@ class Call:
             elif isinstance(value, dict):
                 self._spawn(self._respond(pending.upstream_id, result=value))
             else:
-                self._spawn(self._respond(pending.upstream_id, error={"code": jsonrpc.INVALID_PARAMS, "message": "the client sent a malformed input response"}))
+                self._spawn(
+                    self._respond(
+                        pending.upstream_id,
+                        error={
+                            "code": jsonrpc.INVALID_PARAMS,
+                            "message": "the client sent a malformed input response",
+                        },
+                    )
+                )
         return used
 
     def _cancel_timer(self, key: str) -> None:
@@ -367,7 +467,11 @@ class Call:
         runner = self._runner
         for upstream_id in questions:
             await self._respond(upstream_id, error=error)
-        if runner is None or runner.done() or (questions and (await asyncio.wait({runner}, timeout=CANCEL_GRACE_S))[0]):
+        if (
+            runner is None
+            or runner.done()
+            or (questions and (await asyncio.wait({runner}, timeout=CANCEL_GRACE_S))[0])
+        ):
             return  # ended (by itself): a cancel now would name a request already answered
         await self._send_cancelled(reason)
         runner.cancel()
@@ -381,11 +485,15 @@ class Call:
         if self.session is None or self.upstream_request_id is None or not self.sent:
             return
         try:
-            await self.session.notify("notifications/cancelled", {"requestId": self.upstream_request_id, "reason": reason})
+            await self.session.notify(
+                "notifications/cancelled", {"requestId": self.upstream_request_id, "reason": reason}
+            )
         except UpstreamError as exc:
             log.info("upstream_cancel_not_delivered", server=self.server, reason=str(exc))
 
-    async def _respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
+    async def _respond(
+        self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None
+    ) -> None:
         if self.session is None:
             return
         try:

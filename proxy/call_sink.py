@@ -17,7 +17,9 @@ class TaskSink(Protocol):
 
     async def progress(self, task_id: str, text: str) -> bool: ...
 
-    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream") -> None: ...
+    async def finish(
+        self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream"
+    ) -> None: ...
 
 
 class _Discard(asyncio.Queue[tuple[str, Any]]):

@@ -20,7 +20,13 @@ from .drain import Drain
 from .listen import Reply
 from .mrtr import ParkedCalls, request_digest
 from .protocol.era import TASKS_EXTENSION, Envelope, strip_envelope, upstream_capabilities
-from .protocol.jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError, object_of
+from .protocol.jsonrpc import (
+    INTERNAL_ERROR,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonObject,
+    JsonRpcError,
+    object_of,
+)
 from .protocol.tasks_v2 import create_task_result, validate_input_responses
 from .protocol.translate import modern_error, modern_result
 from .tasks.service import TaskService
@@ -40,8 +46,15 @@ class CallRunner:
     """
 
     def __init__(
-        self, *, name: str, pool: UpstreamPool | StdioPool, tasks: TaskService, parked: ParkedCalls, drain: Drain,
-        keepalive_s: float, on_server_notification: Callable[[JsonObject], None],
+        self,
+        *,
+        name: str,
+        pool: UpstreamPool | StdioPool,
+        tasks: TaskService,
+        parked: ParkedCalls,
+        drain: Drain,
+        keepalive_s: float,
+        on_server_notification: Callable[[JsonObject], None],
     ) -> None:
         self.name = name
         self.pool = pool
@@ -51,20 +64,45 @@ class CallRunner:
         self.keepalive_s = keepalive_s
         self.on_server_notification = on_server_notification
 
-    def _start(self, method: str, name: str, params: JsonObject, envelope: Envelope, *, principal: str, policy: ResolvedPolicy) -> Call:
+    def _start(
+        self,
+        method: str,
+        name: str,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        policy: ResolvedPolicy,
+    ) -> Call:
         meta = object_of(params.get("_meta"))
         call = Call(
-            pool=self.pool, server=self.name, tool=name, method=method, params=strip_envelope(params),
-            capabilities=upstream_capabilities(envelope.capabilities), timeout=policy.timeout,
-            client_progress_token=meta.get("progressToken"), relay_logs=envelope.log_level is not None,
-            input_timeout=policy.input_timeout, prefilled=params.get("inputResponses"), principal=principal,
+            pool=self.pool,
+            server=self.name,
+            tool=name,
+            method=method,
+            params=strip_envelope(params),
+            capabilities=upstream_capabilities(envelope.capabilities),
+            timeout=policy.timeout,
+            client_progress_token=meta.get("progressToken"),
+            relay_logs=envelope.log_level is not None,
+            input_timeout=policy.input_timeout,
+            prefilled=params.get("inputResponses"),
+            principal=principal,
         )
         call.server_notifications = self.on_server_notification
         call.start()
         return call
 
     async def run(
-        self, method: str, name: str, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply, policy: ResolvedPolicy,
+        self,
+        method: str,
+        name: str,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        reply: Reply,
+        policy: ResolvedPolicy,
         arrived: float,
     ) -> JsonObject:
         """Start (or, on an MRTR retry, resume) a proxy-owned upstream call and answer with what comes
@@ -78,14 +116,18 @@ class CallRunner:
         upstream needs a capability the client did not declare, a limit error (HTTP 429), the
         upstream's own error (translated), -32603 naming the layer that gave up (store, shutdown).
         """
-        may_detach = method == "tools/call" and envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
+        may_detach = (
+            method == "tools/call" and envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
+        )
         meta = object_of(params.get("_meta"))
         digest = request_digest(method, name, params.get("arguments") if method != "resources/read" else None)
         responses = params.get("inputResponses")
         if responses is not None:
             validate_input_responses(responses)
         if "requestState" in params:
-            call = await self.parked.resume(params["requestState"], principal=principal, server=self.name, digest=digest)
+            call = await self.parked.resume(
+                params["requestState"], principal=principal, server=self.name, digest=digest
+            )
             call.resume(meta.get("progressToken"))
             call.answer(responses or {})
         else:
@@ -102,7 +144,9 @@ class CallRunner:
                         return self._result(call)
                     return await self._detach(call, policy, f"finished upstream on {self.name}") or {}
                 if call.pending:
-                    answer = await self._ask_client(call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply)
+                    answer = await self._ask_client(
+                        call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply
+                    )
                     if answer is None:  # the call ended while the round was being gathered
                         continue
                     return answer
@@ -124,8 +168,15 @@ class CallRunner:
                             f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned",
                         ) from None
                     if deadline is not None and loop.time() >= deadline:
-                        handle = await self._detach(call, policy, f"still running upstream after {policy.detach_after:g} s; continuing in the background", stay=True)
-                        if handle is None:  # the store cannot take the task: the call stays attached (its own timeout bounds it)
+                        handle = await self._detach(
+                            call,
+                            policy,
+                            f"still running upstream after {policy.detach_after:g} s; continuing in the background",
+                            stay=True,
+                        )
+                        if (
+                            handle is None
+                        ):  # the store cannot take the task: the call stays attached (its own timeout bounds it)
                             deadline = None
                             continue
                         obs.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))
@@ -147,18 +198,30 @@ class CallRunner:
                 call.cancel("the client closed the request stream")
             raise
 
-    async def _detach(self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False) -> JsonObject | None:
+    async def _detach(
+        self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False
+    ) -> JsonObject | None:
         """Turn the call into a task (committed before the handle is returned); a refusal (limit,
         store) cancels the call, so it never goes on unseen. With `stay`, a store refusal (503) keeps
         the call attached instead (None is returned): the upstream call has started, so the answer
         must not be a 503 a load balancer would send again. A `mode: required` call the store
         refuses ends with HTTP 500 (-32603) for the same reason."""
         self.parked.release(call)
-        rerun = {"method": call.method, "params": call.params, "capabilities": call.capabilities} if policy.on_restart == "rerun" else None
+        rerun = (
+            {"method": call.method, "params": call.params, "capabilities": call.capabilities}
+            if policy.on_restart == "rerun"
+            else None
+        )
         try:
             record = await self.tasks.detach(
-                call, server=self.name, tool=call.tool, method=call.method, ttl_s=policy.ttl, poll_interval_s=policy.poll_interval,
-                status_message=why, rerun=rerun,
+                call,
+                server=self.name,
+                tool=call.tool,
+                method=call.method,
+                ttl_s=policy.ttl,
+                poll_interval_s=policy.poll_interval,
+                status_message=why,
+                rerun=rerun,
             )
         except JsonRpcError as exc:
             if exc.http_status != 503:
@@ -168,14 +231,18 @@ class CallRunner:
                 log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
                 return None
             call.cancel("refused: the call could not become a task")
-            raise JsonRpcError(exc.code, exc.message, exc.data, status=507) from None  # 507: the task could not be stored; not 503, which balancers retry
+            raise JsonRpcError(
+                exc.code, exc.message, exc.data, status=507
+            ) from None  # 507: the task could not be stored; not 503, which balancers retry
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         if call.method == "tools/call":
             obs.CALLS.labels(self.name, call.tool, "detached").inc()
         structlog.contextvars.bind_contextvars(task_id=record.task_id)
         return create_task_result(record)
 
-    async def _ask_client(self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply) -> JsonObject | None:
+    async def _ask_client(
+        self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply
+    ) -> JsonObject | None:
         """Answer with an InputRequiredResult for every outstanding question (SEP-2322), parking the
         call; None when the call ended meanwhile (the caller then answers with its outcome).
 
@@ -197,7 +264,9 @@ class CallRunner:
                 quiet_until = loop.time() + INPUT_GATHER_S
         if call.done:
             return None
-        state = self.parked.park(call, principal=principal, server=self.name, digest=digest, timeout_s=timeout_s)
+        state = self.parked.park(
+            call, principal=principal, server=self.name, digest=digest, timeout_s=timeout_s
+        )
         return {"resultType": "input_required", "inputRequests": call.input_requests(), "requestState": state}
 
     def _result(self, call: Call) -> JsonObject:

@@ -23,14 +23,14 @@ from aiohttp import web
 
 from . import __version__, event_loop, listener
 from .app import DRAIN_KEY, PARKED_KEY, build_app
-from .replicas import REPLICAS_KEY, advertised_url
 from .auth import hash_token
 from .config import Config, ConfigError, StoreConfig, config_from_data, config_json_schema, load_config
 from .logs import configure_logging
 from .protocol.tasks_v2 import detailed_task
-from .tasks.open_store import open_store
+from .replicas import REPLICAS_KEY, advertised_url
 from .tasks.dirlock import lock_directory, unlock_directory
 from .tasks.model import Change, TaskStatus, TerminalTaskError, iso
+from .tasks.open_store import open_store
 from .tasks.store import ListFilter, StoreLockedError, StoreUnavailableError, TaskNotFoundError
 
 
@@ -46,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", "-c", help="YAML or JSON config file; without it, the bundled demo runs")
     parser.add_argument("--host", help="listen host (overrides listen.host)")
     parser.add_argument("--port", type=int, help="listen port (overrides listen.port; 0 picks a free one)")
-    parser.add_argument("--log-level", default=os.environ.get("MCP_TASKS_PROXY_LOG_LEVEL"), help="debug, info, warning or error (overrides logging.level)")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("MCP_TASKS_PROXY_LOG_LEVEL"),
+        help="debug, info, warning or error (overrides logging.level)",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -55,7 +59,13 @@ def _parser() -> argparse.ArgumentParser:
 async def _demo_upstream() -> AsyncIterator[str]:
     """Start the bundled demo server as a child process on a free loopback port; yield its URL."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.demo.server", "--host", "127.0.0.1", "--port", "0",
+        sys.executable,
+        "-m",
+        "proxy.demo.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
         stdout=subprocess.PIPE,
     )
     try:
@@ -120,7 +130,9 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
         loop.add_signal_handler(sig, stop.set)
     host, port = runner.addresses[0][:2]
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    structlog.get_logger("proxy.cli").info("proxy_listening", address=f"{host}:{port}", event_loop=event_loop.running())
+    structlog.get_logger("proxy.cli").info(
+        "proxy_listening", address=f"{host}:{port}", event_loop=event_loop.running()
+    )
     if announce:
         for name in config.servers:
             print(f"serving {name} at {base}/servers/{name}/mcp", flush=True)
@@ -146,7 +158,11 @@ async def _drain_replica(app: web.Application, config: Config) -> None:
         return
     await replicas.begin_drain()
     parked = app.get(PARKED_KEY)
-    waiting = asyncio.ensure_future(replicas.wait_idle(config.listen.drain_detached, busy=(lambda: len(parked) > 0) if parked is not None else None))
+    waiting = asyncio.ensure_future(
+        replicas.wait_idle(
+            config.listen.drain_detached, busy=(lambda: len(parked) > 0) if parked is not None else None
+        )
+    )
     again = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,7 +176,9 @@ async def _drain_replica(app: web.Application, config: Config) -> None:
     # Synchronous calls keep their drain_timeout (the shutdown waits for them); streams that last as
     # long as their client would hold it that long: they are cut now, and their clients reconnect.
     streams = replicas.close_streams()
-    structlog.get_logger("proxy.cli").info("replica_drained", node=replicas.node, still_running=len(replicas.tasks.live), streams_cut=streams)
+    structlog.get_logger("proxy.cli").info(
+        "replica_drained", node=replicas.node, still_running=len(replicas.tasks.live), streams_cut=streams
+    )
 
 
 def _demo_hint(base: str) -> str:
@@ -168,9 +186,9 @@ def _demo_hint(base: str) -> str:
         "try it: curl -s "
         f"{base}/mcp -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' "
         "-H 'MCP-Protocol-Version: 2026-07-28' -H 'Mcp-Method: tools/call' -H 'Mcp-Name: slow_report' "
-        "-d '{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{\"name\":\"slow_report\","
-        "\"arguments\":{\"seconds\":5},\"_meta\":{\"io.modelcontextprotocol/protocolVersion\":\"2026-07-28\","
-        "\"io.modelcontextprotocol/clientCapabilities\":{\"extensions\":{\"io.modelcontextprotocol/tasks\":{}}}}}}'"
+        '-d \'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"slow_report",'
+        '"arguments":{"seconds":5},"_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28",'
+        '"io.modelcontextprotocol/clientCapabilities":{"extensions":{"io.modelcontextprotocol/tasks":{}}}}}}\''
     )
 
 
@@ -207,12 +225,19 @@ def describe(config: Config, source: str) -> str:
     routes and task policy (durations in seconds)."""
     base = f"http://{config.listen.host}:{config.listen.port}"
     durability = "Redis persistence" if config.store.redis else config.store.durable
-    lines = [f"{source}: valid", f"listen {base}  store {config.store.where}  (durable: {durability})  event loop {event_loop.describe(config.listen.event_loop)}"]
+    lines = [
+        f"{source}: valid",
+        f"listen {base}  store {config.store.where}  (durable: {durability})  event loop {event_loop.describe(config.listen.event_loop)}",
+    ]
     if config.replicas is not None:
-        lines.append(f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout {config.replicas.hop_timeout:g}s, "
-                     f"drain_detached {config.listen.drain_detached:g}s")
+        lines.append(
+            f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout {config.replicas.hop_timeout:g}s, "
+            f"drain_detached {config.listen.drain_detached:g}s"
+        )
     d = config.tasks
-    lines.append(f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s")
+    lines.append(
+        f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s"
+    )
     for name, entry in config.mcpServers.items():
         if not entry.active:
             lines.append(f"- {name}: disabled")
@@ -222,12 +247,18 @@ def describe(config: Config, source: str) -> str:
         lines.append(f"- {name}: {upstream}")
         lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")
         tasks = entry.tasks
-        overrides = {k: getattr(tasks, k) for k in ("detach_after", "ttl", "poll_interval", "input_timeout") if getattr(tasks, k) is not None}
+        overrides = {
+            k: getattr(tasks, k)
+            for k in ("detach_after", "ttl", "poll_interval", "input_timeout")
+            if getattr(tasks, k) is not None
+        }
         if overrides:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:
             policy = config.policy(name, tool)
-            lines.append(f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl {policy.ttl:g}s")
+            lines.append(
+                f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl {policy.ttl:g}s"
+            )
     return "\n".join(lines)
 
 
@@ -249,7 +280,9 @@ def missing_commands(config: Config) -> list[str]:
 
 
 def _check_config(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mcp-tasks-proxy check-config", description="Validate a config file and say what it will serve.")
+    parser = argparse.ArgumentParser(
+        prog="mcp-tasks-proxy check-config", description="Validate a config file and say what it will serve."
+    )
     parser.add_argument("file")
     args = parser.parse_args(argv)
     try:
@@ -257,7 +290,9 @@ def _check_config(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
-    problems = missing_commands(config) + replica_problems(config) + event_loop.problems(config.listen.event_loop)
+    problems = (
+        missing_commands(config) + replica_problems(config) + event_loop.problems(config.listen.event_loop)
+    )
     if problems:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
@@ -267,7 +302,9 @@ def _check_config(argv: list[str]) -> int:
 
 def _tasks_command(argv: list[str]) -> int:
     """`mcp-tasks-proxy tasks [--store DIR | --config FILE] list|show ID|cancel ID` on a store directory."""
-    parser = argparse.ArgumentParser(prog="mcp-tasks-proxy tasks", description="Inspect or cancel tasks in a store directory.")
+    parser = argparse.ArgumentParser(
+        prog="mcp-tasks-proxy tasks", description="Inspect or cancel tasks in a store directory."
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--store", help="the store directory (store.path)")
     where.add_argument("--config", help="a config file; its store (store.path or store.url) is used")
@@ -279,7 +316,11 @@ def _tasks_command(argv: list[str]) -> int:
     sub.add_parser("cancel", help="mark a task cancelled (sticky)").add_argument("task_id")
     # Task ids are base64url and may start with "-": never let argparse read them as options.
     for i, word in enumerate(argv[:-1]):
-        if word in ("show", "cancel") and argv[i + 1].startswith("-") and argv[i + 1] not in ("-h", "--help", "--"):
+        if (
+            word in ("show", "cancel")
+            and argv[i + 1].startswith("-")
+            and argv[i + 1] not in ("-h", "--help", "--")
+        ):
             argv = [*argv[: i + 1], "--", *argv[i + 1 :]]
             break
     args = parser.parse_args(argv)
@@ -301,7 +342,9 @@ def _tasks_command(argv: list[str]) -> int:
 async def _tasks_action(args: argparse.Namespace, store_cfg: StoreConfig) -> int:
     """The `tasks` subcommand's work on an open (shared, unlocked) store; returns the exit status."""
     try:
-        store = open_store(store_cfg.model_copy(update={"durable": True}), max_result_bytes=16 * 1024 * 1024, exclusive=False)
+        store = open_store(
+            store_cfg.model_copy(update={"durable": True}), max_result_bytes=16 * 1024 * 1024, exclusive=False
+        )
     except StoreUnavailableError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 1
@@ -310,15 +353,26 @@ async def _tasks_action(args: argparse.Namespace, store_cfg: StoreConfig) -> int
             records, more = await store.list_tasks(ListFilter(status=args.status), limit=args.limit)
             print(f"{'TASK ID':44} {'STATUS':15} {'SERVER':12} {'TOOL':24} CREATED")
             for r in records:
-                print(f"{r.task_id:44} {r.status.value:15} {r.server[:12]:12} {r.tool[:24]:24} {iso(r.created_ms)}")
-            print(f"{len(records)} task(s)" + (f" shown; more exist beyond --limit {args.limit}" if more else ""))
+                print(
+                    f"{r.task_id:44} {r.status.value:15} {r.server[:12]:12} {r.tool[:24]:24} {iso(r.created_ms)}"
+                )
+            print(
+                f"{len(records)} task(s)"
+                + (f" shown; more exist beyond --limit {args.limit}" if more else "")
+            )
             return 0
         record = await store.get(args.task_id)
         if record is None:
             print(f"mcp-tasks-proxy: unknown or expired task {args.task_id}", file=sys.stderr)
             return 1
         if args.action == "show":
-            out = {"server": record.server, "tool": record.tool, "principal": record.principal, "owner": record.owner, **detailed_task(record)}
+            out = {
+                "server": record.server,
+                "tool": record.tool,
+                "principal": record.principal,
+                "owner": record.owner,
+                **detailed_task(record),
+            }
             out.pop("resultType", None)
             print(json.dumps(out, indent=2))
             return 0
@@ -326,12 +380,19 @@ async def _tasks_action(args: argparse.Namespace, store_cfg: StoreConfig) -> int
             print(f"task {record.task_id} is already {record.status.value}")
             return 0
         try:
-            await store.update(record.task_id, Change(status=TaskStatus.CANCELLED, status_message="cancelled by an operator", input_requests={}))
+            await store.update(
+                record.task_id,
+                Change(
+                    status=TaskStatus.CANCELLED, status_message="cancelled by an operator", input_requests={}
+                ),
+            )
         except (TerminalTaskError, TaskNotFoundError):
             print(f"task {record.task_id} ended meanwhile")
             return 0
-        print(f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress update "
-              "or sweep, within half of store.lease, and discards any later result)")
+        print(
+            f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress update "
+            "or sweep, within half of store.lease, and discards any later result)"
+        )
         return 0
     finally:
         await store.close()
@@ -350,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         return _tasks_command(argv[1:])
     if argv[:1] == ["hash-token"]:
         if argv[1:2] in (["-h"], ["--help"]):
-            print("usage: mcp-tasks-proxy hash-token [TOKEN]\n\nPrint sha256:<hex> for auth.tokens (reads the token from stdin without an argument).")
+            print(
+                "usage: mcp-tasks-proxy hash-token [TOKEN]\n\nPrint sha256:<hex> for auth.tokens (reads the token from stdin without an argument)."
+            )
             return 0
         token = argv[1] if len(argv) > 1 else sys.stdin.readline().strip()
         if not token:

@@ -10,16 +10,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from urllib.parse import urlsplit
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import expandvars
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .config_base import ConfigError, Duration, Strict as _Strict, parse_duration
+from .config_base import ConfigError, Duration, parse_duration
+from .config_base import Strict as _Strict
 from .config_sections import (
     AuthConfig,
     ConsoleConfig,
@@ -35,10 +36,27 @@ from .config_sections import (
 )
 
 __all__ = [
-    "AuthConfig", "Config", "ConsoleConfig", "ConfigError", "Duration", "JwtConfig", "LimitsConfig", "ListenConfig", "LoggingConfig", "MetricsConfig",
-    "ReplicasConfig", "RequestStateConfig", "ResolvedPolicy", "ServerEntry", "StoreConfig", "ToolMode", "TrustedHeaderConfig", "config_from_data",
+    "AuthConfig",
+    "Config",
+    "ConsoleConfig",
+    "ConfigError",
+    "Duration",
+    "JwtConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "ReplicasConfig",
+    "RequestStateConfig",
+    "ResolvedPolicy",
+    "ServerEntry",
+    "StoreConfig",
+    "ToolMode",
+    "TrustedHeaderConfig",
+    "config_from_data",
     "config_json_schema",
-    "load_config", "parse_duration",
+    "load_config",
+    "parse_duration",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -47,7 +65,9 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class ToolMode(StrEnum):
     """How a tool may become a task."""
 
-    OPTIONAL = "optional"  # a task when still running after detach_after and the request declared the extension
+    OPTIONAL = (
+        "optional"  # a task when still running after detach_after and the request declared the extension
+    )
     REQUIRED = "required"  # always a task; requests without the extension get -32021
     FORBIDDEN = "forbidden"  # never a task
 
@@ -110,7 +130,16 @@ class DefaultTasks(_Strict):
 
 
 _TRANSPORT_KINDS = ("stdio", "http", "streamable-http", "streamablehttp", "sse")
-_CLIENT_ONLY_KEYS = ("disabled", "enabled", "alwaysAllow", "autoApprove", "trust", "description", "disabledTools", "timeout_ms")
+_CLIENT_ONLY_KEYS = (
+    "disabled",
+    "enabled",
+    "alwaysAllow",
+    "autoApprove",
+    "trust",
+    "description",
+    "disabledTools",
+    "timeout_ms",
+)
 
 
 class ServerEntry(_Strict):
@@ -147,7 +176,9 @@ class ServerEntry(_Strict):
     request_timeout: Duration = Field("30s", validate_default=True)
     connect_timeout: Duration = Field("10s", validate_default=True)
     max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    max_children: int = Field(32, ge=1, description="isolation per_principal: children running at once, across principals")
+    max_children: int = Field(
+        32, ge=1, description="isolation per_principal: children running at once, across principals"
+    )
     max_restarts: int = Field(5, ge=1)
     disabled: bool = False
     enabled: bool = True
@@ -219,8 +250,12 @@ class Config(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     tasks: DefaultTasks = Field(default_factory=DefaultTasks)
     mcpServers: dict[str, ServerEntry] = Field(default_factory=dict)
-    console: ConsoleConfig | None = Field(None, description="the operator console at /console/; off when absent")
-    replicas: ReplicasConfig | None = Field(None, description="several proxies on one shared store; off when absent")
+    console: ConsoleConfig | None = Field(
+        None, description="the operator console at /console/; off when absent"
+    )
+    replicas: ReplicasConfig | None = Field(
+        None, description="several proxies on one shared store; off when absent"
+    )
 
     @model_validator(mode="after")
     def _names(self) -> Config:
@@ -235,7 +270,9 @@ class Config(_Strict):
             clients = {digest.removeprefix("sha256:").lower() for digest in self.auth.tokens.values()}
             for name, digest in self.console.tokens.items():
                 if digest.removeprefix("sha256:").lower() in clients:
-                    raise ValueError(f"console.tokens.{name} is also a client token in auth.tokens; give the console a token of its own")
+                    raise ValueError(
+                        f"console.tokens.{name} is also a client token in auth.tokens; give the console a token of its own"
+                    )
         return self
 
     @property
@@ -283,7 +320,9 @@ def _interpolation_message(exc: Exception) -> str:
     if isinstance(exc, expandvars.UnboundVariable):
         return f"environment variable {name} is not set (use ${{{name}:-default}} for a fallback, or \\$ for a literal $)"
     if isinstance(exc, expandvars.ParameterNullOrNotSet):
-        return f"environment variable {name} is not set or empty" + ("" if detail == "parameter null or not set" else f": {detail}")
+        return f"environment variable {name} is not set or empty" + (
+            "" if detail == "parameter null or not set" else f": {detail}"
+        )
     return f"cannot interpolate environment variables: {text}"
 
 
@@ -337,7 +376,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     try:
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{file}: not valid {'JSON' if file.suffix == '.json' else 'YAML'}: {exc}") from None
+        raise ConfigError(
+            f"{file}: not valid {'JSON' if file.suffix == '.json' else 'YAML'}: {exc}"
+        ) from None
     config = config_from_data(data, source=str(file))
     if not os.path.isabs(config.store.path):
         config.store.path = str((file.parent / config.store.path).resolve())
@@ -357,4 +398,8 @@ def config_json_schema() -> dict[str, Any]:
     (`# yaml-language-server: $schema=…`); a test keeps the file equal to this function's output.
     """
     schema = Config.model_json_schema(mode="validation")
-    return {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "mcp-tasks-proxy config"}
+    return {
+        **schema,
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "mcp-tasks-proxy config",
+    }

@@ -32,7 +32,13 @@ def parse_duration(value: Any) -> float:
 Duration = Annotated[
     float,
     BeforeValidator(parse_duration),
-    WithJsonSchema({"type": "string", "pattern": r"^\s*[0-9.]+\s*(ms|s|m|h|d)", "examples": ["500ms", "30s", "10m", "1h"]}),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": r"^\s*[0-9.]+\s*(ms|s|m|h|d)",
+            "examples": ["500ms", "30s", "10m", "1h"],
+        }
+    ),
 ]
 
 

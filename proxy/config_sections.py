@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 import limits
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from .config_base import Duration, Strict as _Strict
+from .config_base import Duration
+from .config_base import Strict as _Strict
 from .tasks.redis_keys import redact_url
 
 
@@ -29,23 +30,46 @@ class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     allowed_hosts: list[str] | None = Field(
-        None, description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any"
+        None,
+        description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any",
     )
     max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
-    sse_keepalive: Duration = Field("15s", validate_default=True, description="SSE comment interval on long synchronous calls and every relayed legacy SSE stream")
-    replay_events: int = Field(256, ge=1, le=100_000, description="events kept per relayed legacy SSE stream for Last-Event-ID resumption")
-    replay_bytes: int = Field(1024 * 1024, ge=1024, description="bytes kept per relayed legacy SSE stream for Last-Event-ID resumption")
-    drain_timeout: Duration = Field("30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish")
+    sse_keepalive: Duration = Field(
+        "15s",
+        validate_default=True,
+        description="SSE comment interval on long synchronous calls and every relayed legacy SSE stream",
+    )
+    replay_events: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="events kept per relayed legacy SSE stream for Last-Event-ID resumption",
+    )
+    replay_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="bytes kept per relayed legacy SSE stream for Last-Event-ID resumption",
+    )
+    drain_timeout: Duration = Field(
+        "30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish"
+    )
     drain_detached: Duration = Field(
-        "10m", validate_default=True,
+        "10m",
+        validate_default=True,
         description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on (other replicas serve their polls)",
     )
     header_timeout: Duration = Field(
-        "10s", validate_default=True, description="how long a connection may take to send a complete request head, and stay idle between requests"
+        "10s",
+        validate_default=True,
+        description="how long a connection may take to send a complete request head, and stay idle between requests",
     )
-    body_timeout: Duration = Field("30s", validate_default=True, description="how long a client may take to send a request body")
+    body_timeout: Duration = Field(
+        "30s", validate_default=True, description="how long a client may take to send a request body"
+    )
     max_connections: int | None = Field(
-        None, ge=8, description="open client connections at most (more are answered 503 and closed); default: half the open-file limit"
+        None,
+        ge=8,
+        description="open client connections at most (more are answered 503 and closed); default: half the open-file limit",
     )
     event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
         "asyncio",
@@ -56,8 +80,6 @@ class ListenConfig(_Strict):
     def max_body_bytes(self) -> int:
         """`max_body` in bytes."""
         return self.max_body
-
-
 
 
 class ReplicasConfig(_Strict):
@@ -71,17 +93,27 @@ class ReplicasConfig(_Strict):
     not `0.0.0.0`). `hop_timeout` (s) bounds one replica-to-replica request (connect and answer).
     """
 
-    secret: str = Field(min_length=32, description="shared by all replicas; authenticates their internal requests")
-    advertise: str | None = Field(None, description="base URL the other replicas use, like http://10.0.0.5:{port}; default from listen host/port")
-    hop_timeout: Duration = Field("2s", validate_default=True, description="bound on one replica-to-replica request")
+    secret: str = Field(
+        min_length=32, description="shared by all replicas; authenticates their internal requests"
+    )
+    advertise: str | None = Field(
+        None,
+        description="base URL the other replicas use, like http://10.0.0.5:{port}; default from listen host/port",
+    )
+    hop_timeout: Duration = Field(
+        "2s", validate_default=True, description="bound on one replica-to-replica request"
+    )
 
     @model_validator(mode="after")
     def _advertise(self) -> ReplicasConfig:
         if self.advertise is not None and not re.match(r"^https?://[^/?#]+/?$", self.advertise):
-            raise ValueError("advertise must be a base URL like http://10.0.0.5:{port} (scheme and host[:port], no path)")
+            raise ValueError(
+                "advertise must be a base URL like http://10.0.0.5:{port} (scheme and host[:port], no path)"
+            )
         if self.hop_timeout <= 0:
             raise ValueError("hop_timeout must be longer than 0s")
         return self
+
 
 class StoreConfig(_Strict):
     """The task store: a diskcache directory (`path`, served by one proxy process at a time: an OS
@@ -100,9 +132,18 @@ class StoreConfig(_Strict):
     """
 
     path: str = "./var/tasks"
-    url: str | None = Field(None, description="redis:// or rediss:// URL of a shared Redis store (instead of `path`)")
-    prefix: str = Field("mcp-tasks-proxy:", min_length=1, max_length=100, description="start of every Redis key (Redis store only)")
-    timeout: Duration = Field("5s", validate_default=True, description="bound on each Redis call (Redis store only)")
+    url: str | None = Field(
+        None, description="redis:// or rediss:// URL of a shared Redis store (instead of `path`)"
+    )
+    prefix: str = Field(
+        "mcp-tasks-proxy:",
+        min_length=1,
+        max_length=100,
+        description="start of every Redis key (Redis store only)",
+    )
+    timeout: Duration = Field(
+        "5s", validate_default=True, description="bound on each Redis call (Redis store only)"
+    )
     durable: bool = True
     lease: Duration = Field("15s", validate_default=True)
     write_retry: Duration = Field("5s", validate_default=True)
@@ -163,7 +204,9 @@ class JwtConfig(_Strict):
     algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
     principal_claim: str = "sub"
     leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
-    jwks_timeout: Duration = Field("10s", validate_default=True, description="how long fetching `jwks_url` may take")
+    jwks_timeout: Duration = Field(
+        "10s", validate_default=True, description="how long fetching `jwks_url` may take"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> JwtConfig:
@@ -193,7 +236,9 @@ class TrustedHeaderConfig(_Strict):
             try:
                 ipaddress.ip_network(peer, strict=False)
             except ValueError:
-                raise ValueError(f"trusted_peers entry {peer!r} is not an IP address or CIDR network") from None
+                raise ValueError(
+                    f"trusted_peers entry {peer!r} is not an IP address or CIDR network"
+                ) from None
         return self
 
     def trusts(self, remote: str | None) -> bool:
@@ -223,11 +268,15 @@ class AuthConfig(_Strict):
                 raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")
             for name, digest in self.tokens.items():
                 if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
-                    raise ValueError(f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself")
+                    raise ValueError(
+                        f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
+                    )
         if self.mode == "jwt" and self.jwt is None:
             raise ValueError("mode jwt needs a `jwt` section")
         if self.mode == "header" and self.header is None:
-            raise ValueError("mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or `any`)")
+            raise ValueError(
+                "mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or `any`)"
+            )
         return self
 
 
@@ -243,7 +292,9 @@ class LimitsConfig(_Strict):
     max_tasks_per_principal: int | None = Field(None, ge=1)
     max_ttl: Duration | None = None
     max_result_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    tasks_rate: str | None = Field(None, description="tasks/* calls per principal, like `20/second` or `600/minute`")
+    tasks_rate: str | None = Field(
+        None, description="tasks/* calls per principal, like `20/second` or `600/minute`"
+    )
 
     @model_validator(mode="after")
     def _rate(self) -> LimitsConfig:
@@ -251,7 +302,9 @@ class LimitsConfig(_Strict):
             try:
                 limits.parse(self.tasks_rate)
             except ValueError:
-                raise ValueError(f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`") from None
+                raise ValueError(
+                    f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`"
+                ) from None
         return self
 
 
@@ -261,8 +314,6 @@ class LoggingConfig(_Strict):
 
     level: Literal["debug", "info", "warning", "error"] = "info"
     log_payloads: bool = False
-
-
 
 
 class MetricsConfig(_Strict):
@@ -284,14 +335,18 @@ class ConsoleConfig(_Strict):
     principals, and client tokens (`auth.tokens`) never open the console.
     """
 
-    tokens: dict[str, str] = Field(min_length=1, description="operator name: sha256:<hex> hash of its console token")
+    tokens: dict[str, str] = Field(
+        min_length=1, description="operator name: sha256:<hex> hash of its console token"
+    )
     session_ttl: Duration = Field("8h", validate_default=True, description="how long a console sign-in lasts")
 
     @model_validator(mode="after")
     def _hashes(self) -> ConsoleConfig:
         for name, digest in self.tokens.items():
             if not re.fullmatch(_TOKEN_HASH, digest):
-                raise ValueError(f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself")
+                raise ValueError(
+                    f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
+                )
         if self.session_ttl <= 0:
             raise ValueError("session_ttl must be longer than 0s")
         return self
@@ -299,4 +354,3 @@ class ConsoleConfig(_Strict):
     def hashes(self) -> dict[str, str]:
         """Lower-case hex digests (without `sha256:`) to operator names."""
         return {digest.removeprefix("sha256:").lower(): name for name, digest in self.tokens.items()}
-

@@ -22,16 +22,23 @@ from .listen import ListenHub, Reply
 from .mrtr import ParkedCalls
 from .param_headers import ParamHeaderIndex
 from .protocol.era import (
-    LEGACY_VERSIONS, META_SERVER_INFO, MODERN_VERSIONS, TASKS_EXTENSION, Envelope, check_param_headers, modern_method_refusal, strip_envelope,
+    LEGACY_VERSIONS,
+    META_SERVER_INFO,
+    MODERN_VERSIONS,
+    TASKS_EXTENSION,
+    Envelope,
+    check_param_headers,
+    modern_method_refusal,
+    strip_envelope,
     upstream_capabilities,
 )
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError
 from .protocol.translate import modern_error, modern_result
 from .task_methods import TaskMethods
 from .tasks.service import TaskService
-from .upstream_tasks import UpstreamTasks
 from .upstream.http import SessionExpiredError, UpstreamError, UpstreamPool, UpstreamSession
 from .upstream.stdio import StdioPool, StdioSession
+from .upstream_tasks import UpstreamTasks
 
 log = structlog.get_logger("proxy.dispatch")
 
@@ -42,8 +49,15 @@ class ServerDispatcher:
     """Routes modern requests for one upstream server (`name`); shares the TaskService across servers."""
 
     def __init__(
-        self, *, name: str, config: Config, pool: UpstreamPool | StdioPool, tasks: TaskService, parked: ParkedCalls,
-        keepalive_s: float = 15.0, drain: Drain | None = None,
+        self,
+        *,
+        name: str,
+        config: Config,
+        pool: UpstreamPool | StdioPool,
+        tasks: TaskService,
+        parked: ParkedCalls,
+        keepalive_s: float = 15.0,
+        drain: Drain | None = None,
     ) -> None:
         self.name = name
         self.config = config
@@ -56,20 +70,42 @@ class ServerDispatcher:
         self.task_methods = TaskMethods(tasks, name)
         self.upstream_tasks = UpstreamTasks(name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s)
         self.calls = CallRunner(
-            name=name, pool=pool, tasks=tasks, parked=parked, drain=self.drain, keepalive_s=keepalive_s, on_server_notification=self.server_notification
+            name=name,
+            pool=pool,
+            tasks=tasks,
+            parked=parked,
+            drain=self.drain,
+            keepalive_s=keepalive_s,
+            on_server_notification=self.server_notification,
         )
         self.routes: dict[str, Handler] = {
-            "server/discover": lambda body, params, envelope, principal, reply: self.discover(envelope, principal),
-            "tasks/get": lambda body, params, envelope, principal, reply: self.task_methods.get(params, envelope, principal),
-            "tasks/update": lambda body, params, envelope, principal, reply: self.task_methods.update(params, envelope, principal),
-            "tasks/cancel": lambda body, params, envelope, principal, reply: self.task_methods.cancel(params, envelope, principal),
-            "tools/call": lambda body, params, envelope, principal, reply: self.call_tool(params, envelope, principal=principal, reply=reply),
-            "prompts/get": lambda body, params, envelope, principal, reply: self.read("prompts/get", "name", params, envelope, principal, reply),
-            "resources/read": lambda body, params, envelope, principal, reply: self.read("resources/read", "uri", params, envelope, principal, reply),
+            "server/discover": lambda body, params, envelope, principal, reply: self.discover(
+                envelope, principal
+            ),
+            "tasks/get": lambda body, params, envelope, principal, reply: self.task_methods.get(
+                params, envelope, principal
+            ),
+            "tasks/update": lambda body, params, envelope, principal, reply: self.task_methods.update(
+                params, envelope, principal
+            ),
+            "tasks/cancel": lambda body, params, envelope, principal, reply: self.task_methods.cancel(
+                params, envelope, principal
+            ),
+            "tools/call": lambda body, params, envelope, principal, reply: self.call_tool(
+                params, envelope, principal=principal, reply=reply
+            ),
+            "prompts/get": lambda body, params, envelope, principal, reply: self.read(
+                "prompts/get", "name", params, envelope, principal, reply
+            ),
+            "resources/read": lambda body, params, envelope, principal, reply: self.read(
+                "resources/read", "uri", params, envelope, principal, reply
+            ),
             "subscriptions/listen": self._listen,
         }
 
-    async def dispatch(self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
+    async def dispatch(
+        self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply
+    ) -> JsonObject:
         """Answer one request; return the `result` object. Raises JsonRpcError for error replies
         (-32601, HTTP 404, for any method outside the 2026-07-28 surface: it never reaches the upstream)."""
         method = body["method"]
@@ -89,7 +125,9 @@ class ServerDispatcher:
         """`server/discover`, built from the upstream's `initialize` result plus the tasks extension."""
         session = await self._session(envelope, principal)
         init = session.initialize_result
-        caps = {k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")}
+        caps = {
+            k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")
+        }
         for key in ("tools", "prompts", "resources"):
             if isinstance(caps.get(key), dict):
                 # listChanged stays: the proxy relays the upstream's list changes on subscriptions/listen.
@@ -103,23 +141,40 @@ class ServerDispatcher:
             "capabilities": caps,
             "ttlMs": 0,
             "cacheScope": "private",
-            "_meta": {META_SERVER_INFO: {"name": "mcp-tasks-proxy", "version": __version__, "upstream": init.get("serverInfo")}},
+            "_meta": {
+                META_SERVER_INFO: {
+                    "name": "mcp-tasks-proxy",
+                    "version": __version__,
+                    "upstream": init.get("serverInfo"),
+                }
+            },
         }
         if init.get("instructions"):
             result["instructions"] = init["instructions"]
         return result
 
-    async def _listen(self, body: JsonObject, params: JsonObject, envelope: Envelope, principal: str, reply: Reply) -> JsonObject:
+    async def _listen(
+        self, body: JsonObject, params: JsonObject, envelope: Envelope, principal: str, reply: Reply
+    ) -> JsonObject:
         session = await self._session(envelope, principal)
         caps = session.initialize_result.get("capabilities") or {}
         return await self.listeners.listen(
-            body["id"], params, envelope, upstream_capabilities=caps, reply=reply, keepalive_s=self.keepalive_s,
-            tasks=self.tasks, principal=principal, server=self.name,
+            body["id"],
+            params,
+            envelope,
+            upstream_capabilities=caps,
+            reply=reply,
+            keepalive_s=self.keepalive_s,
+            tasks=self.tasks,
+            principal=principal,
+            server=self.name,
         )
 
     # -- tools/call, prompts/get, resources/read ---------------------------------------------
 
-    async def call_tool(self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply) -> JsonObject:
+    async def call_tool(
+        self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply
+    ) -> JsonObject:
         """Run `tools/call` upstream; return its result, an InputRequiredResult (SEP-2322), or a flat
         CreateTaskResult (ext-tasks, once the call outlives `detach_after` s since it arrived).
 
@@ -137,19 +192,41 @@ class ServerDispatcher:
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise require_tasks_for(tool)
-        names = await self.param_headers.names(tool, principal, lambda page: self.forward("tools/list", page, envelope, principal))
+        names = await self.param_headers.names(
+            tool, principal, lambda page: self.forward("tools/list", page, envelope, principal)
+        )
         if names:
             check_param_headers(getattr(reply, "headers", {}), params.get("arguments"), names)
         if "requestState" not in params and policy.mode is not ToolMode.FORBIDDEN:
             # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
-            support = await self.upstream_tasks.support(tool, upstream_capabilities(envelope.capabilities), principal)
+            support = await self.upstream_tasks.support(
+                tool, upstream_capabilities(envelope.capabilities), principal
+            )
             if support == "required" or (support == "optional" and envelope.declares_tasks):
-                return await self.upstream_tasks.call(params, envelope, principal=principal, reply=reply, policy=policy, as_task=envelope.declares_tasks)
+                return await self.upstream_tasks.call(
+                    params,
+                    envelope,
+                    principal=principal,
+                    reply=reply,
+                    policy=policy,
+                    as_task=envelope.declares_tasks,
+                )
         if policy.mode is ToolMode.REQUIRED:
             self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
-        return await self.calls.run("tools/call", tool, params, envelope, principal=principal, reply=reply, policy=policy, arrived=arrived)
+        return await self.calls.run(
+            "tools/call",
+            tool,
+            params,
+            envelope,
+            principal=principal,
+            reply=reply,
+            policy=policy,
+            arrived=arrived,
+        )
 
-    async def read(self, method: str, key: str, params: JsonObject, envelope: Envelope, principal: str, reply: Reply) -> JsonObject:
+    async def read(
+        self, method: str, key: str, params: JsonObject, envelope: Envelope, principal: str, reply: Reply
+    ) -> JsonObject:
         """`prompts/get` / `resources/read` as MRTR-capable calls that never become tasks.
 
         Raises JsonRpcError -32602 when `params.<key>` is not a non-empty string, else as `call_tool`.
@@ -159,17 +236,23 @@ class ServerDispatcher:
         if not isinstance(name, str) or not name:
             raise JsonRpcError(INVALID_PARAMS, f"{method} needs params.{key} (a string)")
         policy = self.config.policy(self.name, name).model_copy(update={"mode": ToolMode.FORBIDDEN})
-        return await self.calls.run(method, name, params, envelope, principal=principal, reply=reply, policy=policy, arrived=arrived)
+        return await self.calls.run(
+            method, name, params, envelope, principal=principal, reply=reply, policy=policy, arrived=arrived
+        )
 
     # -- everything else ---------------------------------------------------------------------
 
-    async def _session(self, envelope: Envelope, principal: str | None = None) -> UpstreamSession | StdioSession:
+    async def _session(
+        self, envelope: Envelope, principal: str | None = None
+    ) -> UpstreamSession | StdioSession:
         try:
             return await self.pool.session(upstream_capabilities(envelope.capabilities), principal)
         except UpstreamError as exc:
             raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
 
-    async def forward(self, method: str, params: JsonObject, envelope: Envelope, principal: str | None = None) -> JsonObject:
+    async def forward(
+        self, method: str, params: JsonObject, envelope: Envelope, principal: str | None = None
+    ) -> JsonObject:
         """Forward a request upstream on the session for the request's capabilities; return its result
         in the 2026-07-28 shape (protocol.md §4.4).
 
@@ -180,13 +263,19 @@ class ServerDispatcher:
         for attempt in (1, 2):
             session = await self._session(envelope, principal)
             try:
-                reply = await session.request(method, upstream_params or None, handler=_ignore_messages(session, self.server_notification))
+                reply = await session.request(
+                    method,
+                    upstream_params or None,
+                    handler=_ignore_messages(session, self.server_notification),
+                )
                 break
             except SessionExpiredError:
                 if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
                     self.pool.discard(session)
                 if attempt == 2:
-                    raise JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session") from None
+                    raise JsonRpcError(
+                        INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session"
+                    ) from None
             except UpstreamError as exc:
                 raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
         if "error" in reply:
@@ -206,7 +295,9 @@ class ServerDispatcher:
         self.listeners.publish(message)
 
 
-def _ignore_messages(session: Any, on_notification: Callable[[JsonObject], None]) -> Callable[[JsonObject], Awaitable[None]]:
+def _ignore_messages(
+    session: Any, on_notification: Callable[[JsonObject], None]
+) -> Callable[[JsonObject], Awaitable[None]]:
     """Message handler for a forwarded request: list changes go to the listen streams, upstream
     questions are refused (only tools/call, prompts/get and resources/read run MRTR rounds)."""
 
@@ -214,6 +305,9 @@ def _ignore_messages(session: Any, on_notification: Callable[[JsonObject], None]
         if "id" not in msg:
             on_notification(msg)
         elif "method" in msg:
-            await session.respond(msg["id"], error={"code": METHOD_NOT_FOUND, "message": f"the proxy does not relay {msg['method']} here"})
+            await session.respond(
+                msg["id"],
+                error={"code": METHOD_NOT_FOUND, "message": f"the proxy does not relay {msg['method']} here"},
+            )
 
     return handler

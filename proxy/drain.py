@@ -50,7 +50,9 @@ class Drain:
         getter = asyncio.ensure_future(awaitable)
         started = asyncio.ensure_future(self._started.wait())
         try:
-            done, _ = await asyncio.wait({getter, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {getter, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             started.cancel()
         if getter in done:

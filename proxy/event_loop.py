@@ -30,7 +30,9 @@ def resolve(choice: str) -> str:
     else:
         has_uvloop = True
     if choice == "uvloop" and not has_uvloop:
-        raise EventLoopUnavailableError("listen.event_loop is uvloop, but the uvloop package is not installed (pip install uvloop), or set it to auto or asyncio")
+        raise EventLoopUnavailableError(
+            "listen.event_loop is uvloop, but the uvloop package is not installed (pip install uvloop), or set it to auto or asyncio"
+        )
     if choice == "asyncio" or not has_uvloop:
         return "asyncio"
     return "uvloop"

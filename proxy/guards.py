@@ -41,7 +41,10 @@ def host_guard(allowed: set[str] | None):
                     continue
                 host = _host_name(value)
                 if host is None:
-                    return _json_error(JsonRpcError(INVALID_REQUEST, f"{header} {value[:200]!r} is not a valid host"), status=400)
+                    return _json_error(
+                        JsonRpcError(INVALID_REQUEST, f"{header} {value[:200]!r} is not a valid host"),
+                        status=400,
+                    )
                 if host not in allowed:  # `Origin: null` (sandboxed pages) too
                     err = JsonRpcError(INVALID_REQUEST, f"{header} {value[:200]!r} is not allowed here")
                     return _json_error(err, status=403)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import ClientConnectionError, web
@@ -38,11 +38,15 @@ class BridgeSession:
     principal: str
     version: str
     questions: dict[str, tuple[StdioSession, RequestId]] = field(default_factory=dict)
-    calls: dict[RequestId, tuple[StdioSession, RequestId, asyncio.Future[JsonObject]]] = field(default_factory=dict)
+    calls: dict[RequestId, tuple[StdioSession, RequestId, asyncio.Future[JsonObject]]] = field(
+        default_factory=dict
+    )
 
 
 def _error(request_id: Any, code: int, message: str, status: int) -> web.Response:
-    return web.json_response(jsonrpc.error_response(request_id, jsonrpc.error_object(code, message)), status=status)
+    return web.json_response(
+        jsonrpc.error_response(request_id, jsonrpc.error_object(code, message)), status=status
+    )
 
 
 class LegacyBridge:
@@ -69,7 +73,12 @@ class LegacyBridge:
         if session is not None and session.principal != principal:
             session = None  # another principal's session does not exist for this caller
         if sid and session is None:
-            return _error(body.get("id") if isinstance(body, dict) else None, INVALID_REQUEST, "unknown or expired session; initialize a new one", 404)
+            return _error(
+                body.get("id") if isinstance(body, dict) else None,
+                INVALID_REQUEST,
+                "unknown or expired session; initialize a new one",
+                404,
+            )
         if request.method == "DELETE":
             self.sessions.pop(sid, None)
             return web.Response(status=200 if sid else 400)
@@ -98,7 +107,9 @@ class LegacyBridge:
         try:
             child = await self.pool.session(caps, principal)
         except UpstreamError as exc:
-            return _error(body.get("id"), INTERNAL_ERROR, str(exc), 200)  # §1.4.4: errors for requests in a 200
+            return _error(
+                body.get("id"), INTERNAL_ERROR, str(exc), 200
+            )  # §1.4.4: errors for requests in a 200
         wanted = params.get("protocolVersion")
         version = wanted if wanted in LEGACY_VERSIONS else child.protocol_version
         sid = secrets.token_urlsafe(24)
@@ -143,10 +154,15 @@ class LegacyBridge:
         remaining = self.drain.remaining()
         if remaining != 0.0:
             with contextlib.suppress(TimeoutError):
-                await self.drain.wait_for(asyncio.wait({waiting}), self.keepalive_s if remaining is None else min(self.keepalive_s, remaining))
+                await self.drain.wait_for(
+                    asyncio.wait({waiting}),
+                    self.keepalive_s if remaining is None else min(self.keepalive_s, remaining),
+                )
         return waiting.done()
 
-    async def _request(self, request: web.Request, session: BridgeSession, body: JsonObject) -> web.StreamResponse:
+    async def _request(
+        self, request: web.Request, session: BridgeSession, body: JsonObject
+    ) -> web.StreamResponse:
         try:
             child = await self.pool.session(session.capabilities, session.principal)
         except UpstreamError as exc:
@@ -163,7 +179,13 @@ class LegacyBridge:
         async def open_stream() -> web.StreamResponse:
             nonlocal stream
             if stream is None:
-                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                stream = web.StreamResponse(
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        "X-Accel-Buffering": "no",
+                    }
+                )
                 await stream.prepare(request)
             return stream
 
@@ -177,14 +199,18 @@ class LegacyBridge:
                 msg = {**msg, "params": {**msg.get("params", {}), "progressToken": client_token}}
             await stream.write(encode_message(msg))
 
-        waiting = asyncio.ensure_future(child.request(body["method"], params or None, handler=relay, request_id=upstream_id))
+        waiting = asyncio.ensure_future(
+            child.request(body["method"], params or None, handler=relay, request_id=upstream_id)
+        )
         session.calls[body["id"]] = (child, upstream_id, waiting)
         try:
             try:
                 while not await self._answered(waiting):
                     if self.drain.remaining() == 0.0:  # SIGTERM, and drain_timeout passed
                         waiting.cancel()
-                        raise UpstreamError(f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned")
+                        raise UpstreamError(
+                            f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned"
+                        )
                     # A silent call: an SSE comment every keepalive_s (s) keeps idle-cutting intermediaries off.
                     with contextlib.suppress(ConnectionResetError, ClientConnectionError):
                         await (await open_stream()).write(KEEPALIVE)
@@ -195,7 +221,10 @@ class LegacyBridge:
                     waiting.cancel()
                     raise
                 # The client cancelled it while it waited for a slot: nothing reached the child.
-                reply = jsonrpc.error_response(body["id"], jsonrpc.error_object(REQUEST_CANCELLED, "cancelled by the client before it was sent"))
+                reply = jsonrpc.error_response(
+                    body["id"],
+                    jsonrpc.error_object(REQUEST_CANCELLED, "cancelled by the client before it was sent"),
+                )
             out = {**reply, "id": body["id"]}
             if self.reply_hook is not None:
                 out = await self.reply_hook(body["method"], out)

@@ -23,7 +23,10 @@ import structlog
 from aiohttp import web
 
 from .legacy_sessions import LegacySession, as_jsonrpc_reply, read_limited
-from .legacy_streams import RelayStreams, decode as _decode, dumps as _dumps, json_error as _json_error
+from .legacy_streams import RelayStreams
+from .legacy_streams import decode as _decode
+from .legacy_streams import dumps as _dumps
+from .legacy_streams import json_error as _json_error
 from .legacy_tasks import client_capabilities
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
@@ -52,7 +55,9 @@ class LegacyRelay(RelayStreams):
 
     # -- entry ---------------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request, *, body: Any, raw: bytes, request_id: Any, principal: str) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, *, body: Any, raw: bytes, request_id: Any, principal: str
+    ) -> web.StreamResponse:
         """Relay one legacy-era HTTP request (POST, GET or DELETE, already validated) to the upstream."""
         headers = {**self.headers}
         for name in FORWARD_REQUEST_HEADERS:
@@ -63,22 +68,38 @@ class LegacyRelay(RelayStreams):
         if request.method == "POST":
             headers["Content-Type"] = "application/json"
         for name, value in request.headers.items():
-            if name.lower().startswith("mcp-") and name.lower() not in ("mcp-session-id", "mcp-protocol-version"):
+            if name.lower().startswith("mcp-") and name.lower() not in (
+                "mcp-session-id",
+                "mcp-protocol-version",
+            ):
                 headers[name] = value
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
         session = self.legacy.sessionless(principal)  # session-less traffic: scoped to its principal
         if sid:
             found = self.legacy.get(sid, principal)
             if found is None:
-                return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one"), status=404)
+                return _json_error(
+                    request_id,
+                    JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one"),
+                    status=404,
+                )
             session = found
             if found.upstream_id:
                 headers["Mcp-Session-Id"] = found.upstream_id
         version = request.headers.get("MCP-Protocol-Version") or session.version or None
         if request.method == "POST" and await self.v1.intercepts(body, principal, version):
             if not sid:
-                return _json_error(request_id, JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"), status=400)
-            return await self.v1.handle(request, self.v1.for_version(body, version), principal=principal, capabilities=session.capabilities)
+                return _json_error(
+                    request_id,
+                    JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"),
+                    status=400,
+                )
+            return await self.v1.handle(
+                request,
+                self.v1.for_version(body, version),
+                principal=principal,
+                capabilities=session.capabilities,
+            )
         if request.method == "GET" and request.headers.get("Last-Event-ID") is not None:
             return await self._resume(request, session, sid, headers)
         live = session.get_stream
@@ -92,7 +113,11 @@ class LegacyRelay(RelayStreams):
             if jsonrpc.is_response(body):
                 target = session.request_ids.pop(body["id"], None)
                 if target is None:  # unknown, or already answered: never reaches the upstream
-                    log.info("legacy_response_dropped", server=self.name, reason="no pending server request has this id")
+                    log.info(
+                        "legacy_response_dropped",
+                        server=self.name,
+                        reason="no pending server request has this id",
+                    )
                     return web.Response(status=202)
                 body = {**body, "id": target}
             elif "id" not in body and body.get("method") == "notifications/cancelled":
@@ -109,17 +134,38 @@ class LegacyRelay(RelayStreams):
                 body = {**body, "id": upstream_rid}
             raw = _dumps(body).encode()
         try:
-            return await self._forward(request, session, sid, headers, body=body, raw=raw, request_id=request_id, upstream_rid=upstream_rid, principal=principal)
+            return await self._forward(
+                request,
+                session,
+                sid,
+                headers,
+                body=body,
+                raw=raw,
+                request_id=request_id,
+                upstream_rid=upstream_rid,
+                principal=principal,
+            )
         finally:
-            if upstream_rid is not None and session.pending.get(request_id) == upstream_rid:  # (an answered one left already)
+            if (
+                upstream_rid is not None and session.pending.get(request_id) == upstream_rid
+            ):  # (an answered one left already)
                 if not any(s.upstream_rid == upstream_rid and not s.closed for s in session.streams.values()):
                     session.pending.pop(request_id, None)
 
     # -- one exchange with the upstream ---------------------------------------------------------
 
     async def _forward(
-        self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str], *,
-        body: Any, raw: bytes, request_id: Any, upstream_rid: int | None, principal: str,
+        self,
+        request: web.Request,
+        session: LegacySession,
+        sid: str,
+        headers: dict[str, str],
+        *,
+        body: Any,
+        raw: bytes,
+        request_id: Any,
+        upstream_rid: int | None,
+        principal: str,
     ) -> web.StreamResponse:
         method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
         # A POSTed request is bounded like the proxy's own (its hard timeout for calls), a DELETE by
@@ -130,36 +176,61 @@ class LegacyRelay(RelayStreams):
         elif request.method == "DELETE":
             bound, key = self.bounds.request_timeout, "request_timeout"
         else:
-            bound, key = self.bounds.connect_timeout + self.bounds.request_timeout, "connect_timeout + request_timeout"
-        opening = asyncio.ensure_future(self._send(request.method, raw, headers, bound, headers_only=request.method == "GET"))
+            bound, key = (
+                self.bounds.connect_timeout + self.bounds.request_timeout,
+                "connect_timeout + request_timeout",
+            )
+        opening = asyncio.ensure_future(
+            self._send(request.method, raw, headers, bound, headers_only=request.method == "GET")
+        )
         # A request whose answer may come on SSE (not initialize: its reply carries the session id)
         # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
-        may_switch = request_id is not None and method not in (None, "initialize") and "text/event-stream" in request.headers.get("Accept", "")
+        may_switch = (
+            request_id is not None
+            and method not in (None, "initialize")
+            and "text/event-stream" in request.headers.get("Accept", "")
+        )
         if request.method == "GET" or may_switch:
             try:
                 done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
             except asyncio.CancelledError:
                 opening.cancel()
                 raise
-            if not done and request.method == "GET":  # a slow upstream: the client's stream starts now, with keepalives
+            if (
+                not done and request.method == "GET"
+            ):  # a slow upstream: the client's stream starts now, with keepalives
                 return await self._late_get(request, session, sid, opening)
             if not done:
-                return await self._late_post(request, session, sid, headers, opening, str(method), request_id, upstream_rid, bound, key)
+                return await self._late_post(
+                    request, session, sid, headers, opening, str(method), request_id, upstream_rid, bound, key
+                )
         try:
             upstream = await opening
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            reason = (
+                f"no answer within {bound:g} s ({key})"
+                if isinstance(exc, asyncio.TimeoutError)
+                else f"{exc.__class__.__name__}: {exc}"
+            )
             err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
             return _upstream_error(request_id, err, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
         if 300 <= upstream.status < 400:
             upstream.release()
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed")
+            err = JsonRpcError(
+                INTERNAL_ERROR,
+                f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed",
+            )
             return _upstream_error(request_id, err, 502)
         limit = self.bounds.max_response_bytes
-        is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300
+        is_sse = (
+            upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300
+        )
         if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
             upstream.release()
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)")
+            err = JsonRpcError(
+                INTERNAL_ERROR,
+                f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)",
+            )
             return _upstream_error(request_id, err, 502)
         out_headers = {n: upstream.headers[n] for n in FORWARD_RESPONSE_HEADERS if n in upstream.headers}
         upstream_new_sid = upstream.headers.get("Mcp-Session-Id")
@@ -168,12 +239,16 @@ class LegacyRelay(RelayStreams):
                 self.legacy.end(sid)
             out_headers["Mcp-Session-Id"] = sid
         elif upstream_new_sid:
-            out_headers["Mcp-Session-Id"] = self.legacy.open(upstream_new_sid, principal, capabilities=client_capabilities(body))
+            out_headers["Mcp-Session-Id"] = self.legacy.open(
+                upstream_new_sid, principal, capabilities=client_capabilities(body)
+            )
             new = self.legacy.get(out_headers["Mcp-Session-Id"], principal)
             asked: Any = body.get("params") if isinstance(body, dict) else None
             if new is not None and isinstance(asked, dict):
                 new.version = str(asked.get("protocolVersion") or "")
-            if new is not None and upstream_rid is not None:  # the initialize request now belongs to the new session
+            if (
+                new is not None and upstream_rid is not None
+            ):  # the initialize request now belongs to the new session
                 session.pending.pop(request_id, None)
                 new.pending[request_id] = upstream_rid
                 session = new
@@ -184,7 +259,11 @@ class LegacyRelay(RelayStreams):
             finally:
                 if upstream_rid is not None and session.pending.get(request_id) == upstream_rid:
                     session.pending.pop(request_id, None)  # answered: a later cancel for it is not forwarded
-        stream = RelayStream(kind="get" if request.method == "GET" else "post", max_events=self.replay_events, max_bytes=self.replay_bytes)
+        stream = RelayStream(
+            kind="get" if request.method == "GET" else "post",
+            max_events=self.replay_events,
+            max_bytes=self.replay_bytes,
+        )
         stream.upstream_rid = upstream_rid
         self._remember(session, stream)
         loop = asyncio.get_running_loop()
@@ -192,11 +271,17 @@ class LegacyRelay(RelayStreams):
             if session.get_stream is not None and session.get_stream.pump is not None:
                 session.get_stream.pump.cancel()  # a new standalone stream replaces the old one
             session.get_stream = stream
-            stream.pump = loop.create_task(self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}")
-        else:
-            stream.json_only = "text/event-stream" not in request.headers.get("Accept", "")  # a client that takes no SSE
             stream.pump = loop.create_task(
-                self._pump_post(session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key),
+                self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}"
+            )
+        else:
+            stream.json_only = "text/event-stream" not in request.headers.get(
+                "Accept", ""
+            )  # a client that takes no SSE
+            stream.pump = loop.create_task(
+                self._pump_post(
+                    session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key
+                ),
                 name=f"legacy POST relay {self.name}",
             )
         if stream.json_only:
@@ -204,8 +289,17 @@ class LegacyRelay(RelayStreams):
         return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
 
     async def _late_post(
-        self, request: web.Request, session: LegacySession, sid: str, headers: dict[str, str], opening: asyncio.Future[aiohttp.ClientResponse],
-        method: str, request_id: Any, upstream_rid: int | None, bound: float, key: str,
+        self,
+        request: web.Request,
+        session: LegacySession,
+        sid: str,
+        headers: dict[str, str],
+        opening: asyncio.Future[aiohttp.ClientResponse],
+        method: str,
+        request_id: Any,
+        upstream_rid: int | None,
+        bound: float,
+        key: str,
     ) -> web.StreamResponse:
         """A request the upstream has not answered within `keepalive_s` (a slow JSON-mode upstream,
         or one slow to start its stream): the client's reply becomes an SSE stream at once, with
@@ -220,12 +314,30 @@ class LegacyRelay(RelayStreams):
                 upstream = await opening
             except asyncio.CancelledError:
                 if stream.ended_by:  # the session ended while the upstream was awaited
-                    stream.append(SseEvent("message", _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": self._ended(stream)})), None, None))
+                    stream.append(
+                        SseEvent(
+                            "message",
+                            _dumps(
+                                jsonrpc.error_response(
+                                    request_id, {"code": INTERNAL_ERROR, "message": self._ended(stream)}
+                                )
+                            ),
+                            None,
+                            None,
+                        )
+                    )
                 stream.close()
                 raise
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                reason = f"no answer within {bound:g} s ({key})" if isinstance(exc, asyncio.TimeoutError) else f"{exc.__class__.__name__}: {exc}"
-                reply = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"})
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                reason = (
+                    f"no answer within {bound:g} s ({key})"
+                    if isinstance(exc, asyncio.TimeoutError)
+                    else f"{exc.__class__.__name__}: {exc}"
+                )
+                reply = jsonrpc.error_response(
+                    request_id,
+                    {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"},
+                )
                 stream.append(SseEvent("message", _dumps(reply), None, None))
                 stream.close()
                 if session.pending.get(request_id) == upstream_rid:  # answered (with the error)
@@ -235,15 +347,32 @@ class LegacyRelay(RelayStreams):
                 opening.cancel()  # this task was cancelled while waiting: so is the exchange
             if upstream.status == 404 and sid:
                 self.legacy.end(sid)
-            if upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300:
-                await self._pump_post(session, stream, upstream, headers, method, request_id, upstream_rid, bound, key)
+            if (
+                upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+                and upstream.status < 300
+            ):
+                await self._pump_post(
+                    session, stream, upstream, headers, method, request_id, upstream_rid, bound, key
+                )
                 return
             plain: Any = b""
             try:
-                if 300 <= upstream.status < 400 or (upstream.content_length or 0) > self.bounds.max_response_bytes:
+                if (
+                    300 <= upstream.status < 400
+                    or (upstream.content_length or 0) > self.bounds.max_response_bytes
+                ):
                     upstream.release()
-                    why = "a redirect, not followed" if upstream.status < 400 else f"a reply larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
-                    plain = _dumps(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"})).encode()
+                    why = (
+                        "a redirect, not followed"
+                        if upstream.status < 400
+                        else f"a reply larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
+                    )
+                    plain = _dumps(
+                        jsonrpc.error_response(
+                            request_id,
+                            {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"},
+                        )
+                    ).encode()
                 else:
                     async with upstream:
                         plain = (await self._plain(upstream, {}, method, request_id, upstream_rid)).body
@@ -256,32 +385,65 @@ class LegacyRelay(RelayStreams):
                     session.pending.pop(request_id, None)
 
         stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy POST relay {self.name}")
-        return await self._serve(request, session, stream, 0, headers={"Mcp-Session-Id": sid} if sid else None)
+        return await self._serve(
+            request, session, stream, 0, headers={"Mcp-Session-Id": sid} if sid else None
+        )
 
-    async def _plain(self, upstream: aiohttp.ClientResponse, out_headers: dict[str, str], method: Any, request_id: Any, upstream_rid: int | None) -> web.Response:
+    async def _plain(
+        self,
+        upstream: aiohttp.ClientResponse,
+        out_headers: dict[str, str],
+        method: Any,
+        request_id: Any,
+        upstream_rid: int | None,
+    ) -> web.Response:
         """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC, under the client's id."""
         try:
             data = await read_limited(upstream, self.bounds.max_response_bytes)
-        except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, EventTooLargeError) as exc:
             reason = str(exc) or exc.__class__.__name__
-            return _upstream_error(request_id, JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"), 502)
+            return _upstream_error(
+                request_id,
+                JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"),
+                502,
+            )
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
             if upstream_rid is not None and message.get("id") == upstream_rid:
                 data = _dumps({**message, "id": request_id}).encode()
             elif message.get("id") is not None and message.get("id") != request_id:
-                log.warning("legacy_foreign_response_dropped", server=self.name, reason="a reply for another request id")
-                err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} answered with a response for another request id")
+                log.warning(
+                    "legacy_foreign_response_dropped",
+                    server=self.name,
+                    reason="a reply for another request id",
+                )
+                err = JsonRpcError(
+                    INTERNAL_ERROR, f"upstream {self.name} answered with a response for another request id"
+                )
                 return _upstream_error(request_id, err, 502)
         data = await self.v1.rewrite_plain(method, data)
-        if data and status != upstream.status or not out_headers.get("Content-Type", "").startswith("application/json"):
-            out_headers["Content-Type"] = "application/json" if data else out_headers.get("Content-Type", "application/json")
+        if (
+            data
+            and status != upstream.status
+            or not out_headers.get("Content-Type", "").startswith("application/json")
+        ):
+            out_headers["Content-Type"] = (
+                "application/json" if data else out_headers.get("Content-Type", "application/json")
+            )
         return web.Response(status=status, body=data, headers=out_headers)
 
     async def _pump_post(
-        self, session: LegacySession, stream: RelayStream, upstream: aiohttp.ClientResponse, headers: dict[str, str],
-        method: str, request_id: Any, upstream_rid: int | None, bound: float | None, key: str,
+        self,
+        session: LegacySession,
+        stream: RelayStream,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        method: str,
+        request_id: Any,
+        upstream_rid: int | None,
+        bound: float | None,
+        key: str,
     ) -> None:
         """Read a POST's upstream stream into `stream` until the answer; resume the upstream (GET +
         its `Last-Event-ID`) when it asked for polling; else end with a JSON-RPC error."""
@@ -298,12 +460,18 @@ class LegacyRelay(RelayStreams):
                     got = 0
                     try:
                         async with resp:
-                            async for event in ReaderEvents(resp.content, max_event_bytes=self.bounds.max_response_bytes):
+                            async for event in ReaderEvents(
+                                resp.content, max_event_bytes=self.bounds.max_response_bytes
+                            ):
                                 got += 1
                                 last_upstream_id = event.id if event.id is not None else last_upstream_id
                                 retry_ms = event.retry if event.retry is not None else retry_ms
                                 out, answers = self._from_upstream(session, event, upstream_rid, request_id)
-                                if out is None or (stream.json_only and not answers and await self._refuse_question(session, out, headers)):
+                                if out is None or (
+                                    stream.json_only
+                                    and not answers
+                                    and await self._refuse_question(session, out, headers)
+                                ):
                                     continue
                                 if answers and rewriter is not None:
                                     out = await rewriter(out)
@@ -311,11 +479,16 @@ class LegacyRelay(RelayStreams):
                                 if answers:
                                     answered = True
                                     return
-                    except (aiohttp.ClientError, OSError, EventTooLargeError, asyncio.TimeoutError) as exc:
+                    except (TimeoutError, aiohttp.ClientError, OSError, EventTooLargeError) as exc:
                         reason = f"broke its stream: {str(exc) or exc.__class__.__name__}"
                         retry_ms = None
                     fruitless = 0 if got else fruitless + 1
-                    if answered or retry_ms is None or last_upstream_id is None or fruitless >= MAX_RESUME_ATTEMPTS:
+                    if (
+                        answered
+                        or retry_ms is None
+                        or last_upstream_id is None
+                        or fruitless >= MAX_RESUME_ATTEMPTS
+                    ):
                         break
                     # SSE polling (SEP-1699): the upstream closed on purpose; the client gets the same.
                     stream.cut()

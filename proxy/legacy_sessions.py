@@ -16,10 +16,10 @@ from aiohttp import web
 
 from . import observability as obs
 from .auth import ANONYMOUS
-from .tasks.model import principal_hash
 from .protocol import jsonrpc
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonObject, RequestId
 from .replay import RelayStream
+from .tasks.model import principal_hash
 from .upstream.sse import EventTooLargeError
 
 log = structlog.get_logger("proxy.transport")
@@ -30,7 +30,9 @@ def _dumps(obj: Any) -> str:
 
 
 MAX_SESSIONLESS = 1024  # principals whose session-less id maps are kept while idle
-MAX_STREAMS = 16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
+MAX_STREAMS = (
+    16  # relayed SSE streams remembered per session for Last-Event-ID (the oldest ended ones go first)
+)
 
 
 @dataclass
@@ -49,11 +51,15 @@ class LegacySession:
     upstream_id: str | None
     principal: str = ANONYMOUS
     request_ids: dict[str, RequestId] = field(default_factory=dict)
-    capabilities: JsonObject = field(default_factory=dict)  # what its initialize declared (elicitation, sampling, roots)
+    capabilities: JsonObject = field(
+        default_factory=dict
+    )  # what its initialize declared (elicitation, sampling, roots)
     pending: dict[RequestId, int] = field(default_factory=dict)
     streams: dict[str, RelayStream] = field(default_factory=dict)
     get_stream: RelayStream | None = None
-    version: str = ""  # the protocol revision its initialize asked for (when a request has no MCP-Protocol-Version)
+    version: str = (
+        ""  # the protocol revision its initialize asked for (when a request has no MCP-Protocol-Version)
+    )
     node: str = ""  # the replica holding it (named in the ids of the questions it relays)
     previous_owner: str | None = None  # the replica it was adopted from (may still serve its requests)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
@@ -65,7 +71,9 @@ class LegacySession:
     def question_id(self) -> str:
         """A fresh proxy id for a server→client request relayed to the client: `mtp-<node>.<random>`
         (the node routes the client's answer back to this replica), `mtp-<random>` without replicas."""
-        return f"mtp-{self.node}.{secrets.token_urlsafe(9)}" if self.node else "mtp-" + secrets.token_urlsafe(9)
+        return (
+            f"mtp-{self.node}.{secrets.token_urlsafe(9)}" if self.node else "mtp-" + secrets.token_urlsafe(9)
+        )
 
     def add_stream(self, stream: RelayStream) -> None:
         """Remember `stream` for resumption; past MAX_STREAMS the oldest ended stream is forgotten."""
@@ -83,7 +91,9 @@ class LegacySession:
         for stream in self.streams.values():
             stream.ended_by = reason
             if stream.pump is not None and not stream.pump.done():
-                stream.pump.add_done_callback(functools.partial(_close_after_pump, stream))  # whatever the pump did on its way out
+                stream.pump.add_done_callback(
+                    functools.partial(_close_after_pump, stream)
+                )  # whatever the pump did on its way out
                 stream.pump.cancel()
             else:
                 stream.close()
@@ -111,9 +121,15 @@ class LegacySessions:
         if session is None:
             if len(self._sessionless) >= MAX_SESSIONLESS:
                 for key, old in list(self._sessionless.items()):
-                    if not old.pending and not old.request_ids and all(s.closed for s in old.streams.values()):
+                    if (
+                        not old.pending
+                        and not old.request_ids
+                        and all(s.closed for s in old.streams.values())
+                    ):
                         del self._sessionless[key]
-            session = LegacySession(upstream_id=None, principal=principal, _ids=self._sessionless_ids, node=self.node)
+            session = LegacySession(
+                upstream_id=None, principal=principal, _ids=self._sessionless_ids, node=self.node
+            )
             self._sessionless[principal] = session
         return session
 
@@ -121,7 +137,12 @@ class LegacySessions:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new upstream session of `principal`
         whose client declared `capabilities` (legacy ClientCapabilities) in its initialize."""
         sid = secrets.token_urlsafe(24)
-        self._sessions[sid] = LegacySession(upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}), node=self.node)
+        self._sessions[sid] = LegacySession(
+            upstream_id=upstream_session_id,
+            principal=principal,
+            capabilities=dict(capabilities or {}),
+            node=self.node,
+        )
         return sid
 
     def get(self, sid: str, principal: str) -> LegacySession | None:
@@ -137,13 +158,24 @@ class LegacySessions:
         """The session behind `sid` whoever opened it (for replica routing), or None."""
         return self._sessions.get(sid)
 
-    def adopt(self, sid: str, upstream_session_id: str, principal: str, capabilities: JsonObject | None = None, previous_owner: str | None = None) -> None:
+    def adopt(
+        self,
+        sid: str,
+        upstream_session_id: str,
+        principal: str,
+        capabilities: JsonObject | None = None,
+        previous_owner: str | None = None,
+    ) -> None:
         """Hold under its own id a session another replica opened (replica routing; the upstream
         session is the same). Its upstream request ids start at a random base (< 2**53), so they
         never meet the ones `previous_owner` still has in flight on that upstream session."""
         self._sessions[sid] = LegacySession(
-            upstream_id=upstream_session_id, principal=principal, capabilities=dict(capabilities or {}), node=self.node,
-            previous_owner=previous_owner, _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
+            upstream_id=upstream_session_id,
+            principal=principal,
+            capabilities=dict(capabilities or {}),
+            node=self.node,
+            previous_owner=previous_owner,
+            _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
         )
 
     def end(self, sid: str) -> None:
@@ -168,7 +200,9 @@ class LegacySessions:
             session.end(reason)
 
 
-def observe_legacy(server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float) -> None:
+def observe_legacy(
+    server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float
+) -> None:
     """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`,
     or `error` for an HTTP error status or a JSON-RPC error in a plain JSON reply; an SSE reply is
     not read), upstream latency (s)."""
@@ -218,5 +252,10 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
             return (status if status < 500 else failed), data
     code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
     text = data[:200].decode("utf-8", errors="replace").strip()
-    error = {"code": code, "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else "")}
-    return (status if 400 <= status < 500 else failed), _dumps(jsonrpc.error_response(request_id, error)).encode()
+    error = {
+        "code": code,
+        "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else ""),
+    }
+    return (status if 400 <= status < 500 else failed), _dumps(
+        jsonrpc.error_response(request_id, error)
+    ).encode()

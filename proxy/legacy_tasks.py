@@ -28,14 +28,22 @@ from .config import Config, ToolMode
 from .protocol import jsonrpc
 from .protocol.era import META_RELATED_TASK, upstream_capabilities
 from .protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
-from .protocol.tasks_v1 import SERVER_TASKS_CAPABILITY, create_task_result_v1, status_notification, tool_with_task_support, with_related_task
+from .protocol.tasks_v1 import (
+    SERVER_TASKS_CAPABILITY,
+    create_task_result_v1,
+    status_notification,
+    tool_with_task_support,
+    with_related_task,
+)
 from .task_methods_v1 import V1_TASK_METHODS, V1TaskMethods
 from .tasks.service import TaskService
 from .upstream.http import UpstreamError, UpstreamPool
 from .upstream.sse import KEEPALIVE, SseEvent, encode_message
 from .upstream.stdio import StdioPool
 
-V1_TASKS_VERSION = "2025-11-25"  # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
+V1_TASKS_VERSION = (
+    "2025-11-25"  # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
+)
 REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
 
 
@@ -47,7 +55,15 @@ class V1Front:
     """The v1 tasks front of one server (`server`): decides what to intercept, runs task calls,
     and rewrites the `initialize` and `tools/list` replies the relay passes back."""
 
-    def __init__(self, *, server: str, config: Config, pool: UpstreamPool | StdioPool, tasks: TaskService, keepalive_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        *,
+        server: str,
+        config: Config,
+        pool: UpstreamPool | StdioPool,
+        tasks: TaskService,
+        keepalive_s: float = 15.0,
+    ) -> None:
         self.server = server
         self.config = config
         self.pool = pool
@@ -76,7 +92,10 @@ class V1Front:
 
     async def strip_initialize(self, body: Any) -> Any:
         """The client's `initialize` request without `capabilities.tasks` (unless the upstream has tasks)."""
-        if not (isinstance(body, dict) and body.get("method") == "initialize") or await self.upstream_has_tasks():
+        if (
+            not (isinstance(body, dict) and body.get("method") == "initialize")
+            or await self.upstream_has_tasks()
+        ):
             return body
         params = object_of(body.get("params"))
         caps = object_of(params.get("capabilities"))
@@ -88,7 +107,11 @@ class V1Front:
         """The upstream's reply to `initialize` (adds `capabilities.tasks`) or `tools/list` (adds
         `execution.taskSupport` per tool); anything else, an error, or an upstream with tasks of
         its own passes unchanged."""
-        if method not in REWRITTEN_REPLIES or not isinstance(message.get("result"), dict) or await self.upstream_has_tasks():
+        if (
+            method not in REWRITTEN_REPLIES
+            or not isinstance(message.get("result"), dict)
+            or await self.upstream_has_tasks()
+        ):
             return message
         result = dict(message["result"])
         if method == "initialize":
@@ -100,7 +123,8 @@ class V1Front:
         elif isinstance(result.get("tools"), list):
             result["tools"] = [
                 tool_with_task_support(tool, self.config.policy(self.server, tool["name"]).mode.value)
-                if isinstance(tool, dict) and isinstance(tool.get("name"), str) else tool
+                if isinstance(tool, dict) and isinstance(tool.get("name"), str)
+                else tool
                 for tool in result["tools"]
             ]
         return {**message, "result": result}
@@ -118,7 +142,9 @@ class V1Front:
         rewritten = await self.rewrite_reply(method, message)
         return data if rewritten is message else _dumps(rewritten).encode()
 
-    def event_rewriter(self, method: str | None, request_id: Any) -> Callable[[SseEvent], Awaitable[SseEvent]] | None:
+    def event_rewriter(
+        self, method: str | None, request_id: Any
+    ) -> Callable[[SseEvent], Awaitable[SseEvent]] | None:
         """For the relay's SSE replies: rewrites the event that answers `request_id` (None when
         `method` needs no rewrite)."""
         if method not in REWRITTEN_REPLIES:
@@ -130,12 +156,16 @@ class V1Front:
             except ValueError:
                 return event
             if isinstance(msg, dict) and jsonrpc.is_response(msg) and msg.get("id") == request_id:
-                return SseEvent(event.event, _dumps(await self.rewrite_reply(method, msg)), event.id, event.retry)
+                return SseEvent(
+                    event.event, _dumps(await self.rewrite_reply(method, msg)), event.id, event.retry
+                )
             return event
 
         return rewrite
 
-    def status_pump(self, stream: web.StreamResponse, principal: str, session: str = "") -> asyncio.Task[None] | None:
+    def status_pump(
+        self, stream: web.StreamResponse, principal: str, session: str = ""
+    ) -> asyncio.Task[None] | None:
         """Write `notifications/tasks/status` for each status change of `principal`'s tasks on this
         server to a session's open GET stream (an SSE response), until the returned task is
         cancelled; None when the upstream has tasks of its own (its stream is left alone). Without
@@ -163,12 +193,20 @@ class V1Front:
 
         return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
 
-    async def serve_get_stream(self, request: web.Request, alive: Callable[[], bool], principal: str) -> web.StreamResponse:
+    async def serve_get_stream(
+        self, request: web.Request, alive: Callable[[], bool], principal: str
+    ) -> web.StreamResponse:
         """The session's standalone GET stream where the proxy itself is the legacy server (stdio
         upstreams): v1 `notifications/tasks/status` and progress for `principal`'s tasks, an SSE
         comment every keepalive_s (s), until the client leaves or `alive()` turns False (the
         session ended)."""
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        stream = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
         await stream.prepare(request)
         pump = self.status_pump(stream, principal, request.headers.get("Mcp-Session-Id", "").strip())
         try:
@@ -189,7 +227,13 @@ class V1Front:
     def for_version(self, body: Any, version: str | None) -> Any:
         """`body` as the v1 front handles it for a session of `version`: before 2025-11-25 a
         `params.task` is not a task request (a `mode: required` tool is then refused, not run as a task)."""
-        if version is None or version >= V1_TASKS_VERSION or not isinstance(body, dict) or not isinstance(body.get("params"), dict) or "task" not in body["params"]:
+        if (
+            version is None
+            or version >= V1_TASKS_VERSION
+            or not isinstance(body, dict)
+            or not isinstance(body.get("params"), dict)
+            or "task" not in body["params"]
+        ):
             return body
         return {**body, "params": {k: v for k, v in body["params"].items() if k != "task"}}
 
@@ -206,11 +250,15 @@ class V1Front:
         method = body.get("method")
         params = object_of(body.get("params"))
         wants_task = "task" in params and (version is None or version >= V1_TASKS_VERSION)
-        if method not in V1_TASK_METHODS and not (method == "tools/call" and (wants_task or self._required(params.get("name")))):
+        if method not in V1_TASK_METHODS and not (
+            method == "tools/call" and (wants_task or self._required(params.get("name")))
+        ):
             return False
         return "id" in body and not await self.upstream_has_tasks()
 
-    async def handle(self, request: web.Request, body: JsonObject, *, principal: str, capabilities: JsonObject) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, body: JsonObject, *, principal: str, capabilities: JsonObject
+    ) -> web.StreamResponse:
         """Answer an intercepted message. JSON-RPC errors go out in an HTTP 200, as on the 2025-11-25
         wire (the SDKs read codes only from a 2xx), except limits (429) and the store (503)."""
         if jsonrpc.is_response(body):
@@ -228,25 +276,34 @@ class V1Front:
                 result = await self.methods.list_tasks(params, principal)
                 if self.shared_principal:
                     session = request.headers.get("Mcp-Session-Id", "").strip()
-                    result["tasks"] = [t for t in result["tasks"] if self._origin.get(t.get("taskId")) == session]
+                    result["tasks"] = [
+                        t for t in result["tasks"] if self._origin.get(t.get("taskId")) == session
+                    ]
             elif method == "tasks/cancel":
                 result = await self.methods.cancel(params, principal)
             elif "task" not in params:
-                raise JsonRpcError(METHOD_NOT_FOUND, f"tool {params.get('name')!r} runs only as a task (execution.taskSupport: required): send params.task")
+                raise JsonRpcError(
+                    METHOD_NOT_FOUND,
+                    f"tool {params.get('name')!r} runs only as a task (execution.taskSupport: required): send params.task",
+                )
             else:
                 result = await self.call_as_task(params, principal=principal, capabilities=capabilities)
                 self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
                 if len(self._origin) > 100_000:
                     del self._origin[next(iter(self._origin))]
         except JsonRpcError as exc:
-            return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc))
+            return web.json_response(
+                jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc)
+            )
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
 
     def _required(self, tool: Any) -> bool:
         """True for a tool configured `mode: required` (then a call without `params.task` is -32601)."""
         return isinstance(tool, str) and self.config.tool_mode(self.server, tool) is ToolMode.REQUIRED
 
-    async def call_as_task(self, params: JsonObject, *, principal: str, capabilities: JsonObject) -> JsonObject:
+    async def call_as_task(
+        self, params: JsonObject, *, principal: str, capabilities: JsonObject
+    ) -> JsonObject:
         """`tools/call` with `params.task` → v1 `CreateTaskResult`, committed before it is returned.
 
         The upstream gets the call without `params.task` (and with a progress token of the proxy's);
@@ -264,11 +321,17 @@ class V1Front:
         if not isinstance(task, dict):
             raise JsonRpcError(INVALID_PARAMS, "params.task must be an object ({ttl?: integer ms})")
         requested = task.get("ttl")
-        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 0):
-            raise JsonRpcError(INVALID_PARAMS, "params.task.ttl must be a non-negative integer (ms) or absent")
+        if requested is not None and (
+            isinstance(requested, bool) or not isinstance(requested, int) or requested < 0
+        ):
+            raise JsonRpcError(
+                INVALID_PARAMS, "params.task.ttl must be a non-negative integer (ms) or absent"
+            )
         policy = self.config.policy(self.server, tool)
         if policy.mode is ToolMode.FORBIDDEN:
-            raise JsonRpcError(METHOD_NOT_FOUND, f"tool {tool!r} does not run as a task (execution.taskSupport: forbidden)")
+            raise JsonRpcError(
+                METHOD_NOT_FOUND, f"tool {tool!r} does not run as a task (execution.taskSupport: forbidden)"
+            )
         ttl_s: float | None = policy.ttl
         if requested is not None:
             ttl_s = requested / 1000 if ttl_s is None else min(ttl_s, requested / 1000)
@@ -282,19 +345,40 @@ class V1Front:
         token = meta.get("progressToken")
         self.tasks.check_capacity(principal)
         call = Call(
-            pool=self.pool, server=self.server, tool=tool, params=upstream_params, capabilities=capabilities, timeout=policy.timeout,
-            client_progress_token=token if isinstance(token, (str, int)) and not isinstance(token, bool) else None,
-            input_timeout=policy.input_timeout, principal=principal,
+            pool=self.pool,
+            server=self.server,
+            tool=tool,
+            params=upstream_params,
+            capabilities=capabilities,
+            timeout=policy.timeout,
+            client_progress_token=token
+            if isinstance(token, (str, int)) and not isinstance(token, bool)
+            else None,
+            input_timeout=policy.input_timeout,
+            principal=principal,
         )
-        rerun = {"method": "tools/call", "params": upstream_params, "capabilities": capabilities} if policy.on_restart == "rerun" else None
+        rerun = (
+            {"method": "tools/call", "params": upstream_params, "capabilities": capabilities}
+            if policy.on_restart == "rerun"
+            else None
+        )
         record = await self.tasks.detach(
-            call, server=self.server, tool=tool, method="tools/call", ttl_s=ttl_s, poll_interval_s=policy.poll_interval,
-            status_message=f"running upstream on {self.server} as a task", rerun=rerun,
+            call,
+            server=self.server,
+            tool=tool,
+            method="tools/call",
+            ttl_s=ttl_s,
+            poll_interval_s=policy.poll_interval,
+            status_message=f"running upstream on {self.server} as a task",
+            rerun=rerun,
         )
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         push, task_id = self.tasks.push, record.task_id
         call.task_notify = lambda message: push.publish(
-            principal=principal, server=self.server, task_id=task_id, message=with_related_task(message, task_id)
+            principal=principal,
+            server=self.server,
+            task_id=task_id,
+            message=with_related_task(message, task_id),
         )
         call.start()
         return create_task_result_v1(record)

@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .protocol.era import LIST_CHANGED_NOTIFICATIONS, META_SUBSCRIPTION_ID, TASKS_EXTENSION, Envelope
-from .protocol.jsonrpc import INVALID_PARAMS, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError, RequestId, notification
+from .protocol.jsonrpc import (
+    INVALID_PARAMS,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonObject,
+    JsonRpcError,
+    RequestId,
+    notification,
+)
 from .protocol.tasks_v2 import detailed_task
 from .tasks.model import TaskStatus
 from .tasks.push import QUEUE_MAX
@@ -55,8 +62,17 @@ class ListenHub:
             self._queues.discard(queue)
 
     async def listen(
-        self, request_id: RequestId, params: JsonObject, envelope: Envelope, *, upstream_capabilities: JsonObject, reply: Reply, keepalive_s: float,
-        tasks: TaskService | None = None, principal: str = "", server: str = "",
+        self,
+        request_id: RequestId,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        upstream_capabilities: JsonObject,
+        reply: Reply,
+        keepalive_s: float,
+        tasks: TaskService | None = None,
+        principal: str = "",
+        server: str = "",
     ) -> JsonObject:
         """Acknowledge the subset of the filter the proxy honours, then relay the upstream's
         list-changed notifications and, for the `taskIds` it agreed to (the caller's own tasks on
@@ -69,7 +85,10 @@ class ListenHub:
         extension."""
         wanted = params.get("notifications")
         if not isinstance(wanted, dict):
-            raise JsonRpcError(INVALID_PARAMS, "subscriptions/listen needs params.notifications (a SubscriptionFilter object)")
+            raise JsonRpcError(
+                INVALID_PARAMS,
+                "subscriptions/listen needs params.notifications (a SubscriptionFilter object)",
+            )
         if "taskIds" in wanted and not envelope.declares_tasks:
             raise JsonRpcError(
                 MISSING_REQUIRED_CLIENT_CAPABILITY,
@@ -83,12 +102,20 @@ class ListenHub:
             if wanted.get(flag) is True and isinstance(cap, dict) and cap.get("listChanged") is True:
                 agreed[flag] = True
                 methods.add(method)
-        task_ids = await _own_task_ids(wanted.get("taskIds"), tasks, principal, server) if "taskIds" in wanted else []
+        task_ids = (
+            await _own_task_ids(wanted.get("taskIds"), tasks, principal, server)
+            if "taskIds" in wanted
+            else []
+        )
         if "taskIds" in wanted:
             agreed["taskIds"] = task_ids
         tag = {META_SUBSCRIPTION_ID: request_id}
         with self.subscribe() as queue, _task_subscription(tasks, principal, server, task_ids, queue):
-            await reply.notify(notification("notifications/subscriptions/acknowledged", {"notifications": agreed, "_meta": tag}))
+            await reply.notify(
+                notification(
+                    "notifications/subscriptions/acknowledged", {"notifications": agreed, "_meta": tag}
+                )
+            )
             while True:
                 try:
                     message = await asyncio.wait_for(queue.get(), timeout=keepalive_s)
@@ -112,7 +139,9 @@ async def _own_task_ids(raw: Any, tasks: TaskService | None, principal: str, ser
     """The ids in a listen filter's `taskIds` that are `principal`'s live or finished tasks on
     `server`; the rest are silently left out. Raises JsonRpcError -32602 for a malformed list."""
     if not isinstance(raw, list) or len(raw) > MAX_TASK_IDS or not all(isinstance(t, str) and t for t in raw):
-        raise JsonRpcError(INVALID_PARAMS, f"notifications.taskIds must be a list of at most {MAX_TASK_IDS} task id strings")
+        raise JsonRpcError(
+            INVALID_PARAMS, f"notifications.taskIds must be a list of at most {MAX_TASK_IDS} task id strings"
+        )
     own: list[str] = []
     for task_id in dict.fromkeys(raw):
         if tasks is None:
@@ -128,7 +157,9 @@ async def _own_task_ids(raw: Any, tasks: TaskService | None, principal: str, ser
 
 
 @contextlib.contextmanager
-def _task_subscription(tasks: TaskService | None, principal: str, server: str, task_ids: list[str], queue: asyncio.Queue[Any]) -> Iterator[None]:
+def _task_subscription(
+    tasks: TaskService | None, principal: str, server: str, task_ids: list[str], queue: asyncio.Queue[Any]
+) -> Iterator[None]:
     """Push the changes of `task_ids` into `queue` while the block runs (nothing without ids)."""
     if tasks is None or not task_ids:
         yield

@@ -60,7 +60,14 @@ class _Refuse(asyncio.Protocol):
     descriptors they hold are beyond the cap); past that they are closed at once, resets and all."""
 
     BODY = json.dumps(
-        {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "too many open connections (listen.max_connections); try again later"}}
+        {
+            "jsonrpc": "2.0",
+            "id": None,
+            "error": {
+                "code": -32603,
+                "message": "too many open connections (listen.max_connections); try again later",
+            },
+        }
     ).encode()
     REFUSE_LINGER_S = 1.0
     lingering = 0  # refused connections lingering now, in this process
@@ -105,7 +112,13 @@ class JsonErrorRequestHandler(RequestHandler):
     header, a `Content-Encoding` it cannot decode) is answered with a JSON-RPC error, not a text
     page, and logged as one line without a traceback."""
 
-    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         """The error response for a request that failed below the app; `status` as aiohttp decided."""
         if status >= 500:
             return super().handle_error(request, status, exc, message)
@@ -114,7 +127,11 @@ class JsonErrorRequestHandler(RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent; cannot send the error")
         code = -32700 if "encoding" in reason.lower() else -32600
-        body = {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": f"malformed HTTP request: {reason}"}}
+        body = {
+            "jsonrpc": "2.0",
+            "id": None,
+            "error": {"code": code, "message": f"malformed HTTP request: {reason}"},
+        }
         response = web.json_response(body, status=status)
         response.force_close()
         return response
@@ -123,7 +140,9 @@ class JsonErrorRequestHandler(RequestHandler):
 class CappedSite(web.SockSite):
     """A `SockSite` that serves at most `max_connections` connections at a time."""
 
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, max_connections: int, **kwargs: Any) -> None:
+    def __init__(
+        self, runner: web.BaseRunner, sock: socket.socket, *, max_connections: int, **kwargs: Any
+    ) -> None:
         super().__init__(runner, sock, **kwargs)
         self.max_connections = max_connections
         self._last_refusal_log = 0.0
@@ -184,7 +203,9 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
-async def start(app: web.Application, config: Config, sock: socket.socket | None = None) -> tuple[web.AppRunner, CappedSite]:
+async def start(
+    app: web.Application, config: Config, sock: socket.socket | None = None
+) -> tuple[web.AppRunner, CappedSite]:
     """Run `app` on `sock` (bound from `config.listen` when None) with the listen section's bounds:
     `header_timeout` (s) for a request head, idle connections and draining an unread body, at most `max_connections` open
     connections, `drain_timeout` (s) (+1 s) for shutdown. Raises OSError when the address cannot be bound."""

@@ -64,7 +64,9 @@ async def shared_key(store: TaskStore, configured: str | None) -> bytes:
     await store.put_blob(KEY_BLOB, secrets.token_bytes(32), None, only_new=True)
     key = await store.get_blob(KEY_BLOB)
     if key is None or len(key) < 32:
-        raise ConfigError(f"task store {store.where}: the shared request_state key is missing or short; set request_state.secret")
+        raise ConfigError(
+            f"task store {store.where}: the shared request_state key is missing or short; set request_state.secret"
+        )
     return key
 
 
@@ -126,7 +128,9 @@ def _read_key(path: Path) -> bytes:
 
 def request_digest(method: str, name: Any, arguments: Any) -> str:
     """SHA-256 over the canonical JSON of what identifies a request across MRTR rounds."""
-    canonical = json.dumps({"m": method, "n": name, "a": arguments}, sort_keys=True, separators=(",", ":"), default=str)
+    canonical = json.dumps(
+        {"m": method, "n": name, "a": arguments}, sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -171,7 +175,9 @@ class ParkedCalls:
         if not isinstance(state, str):
             return None
         try:
-            claims = jwt.decode(state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]})
+            claims = jwt.decode(
+                state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]}
+            )
         except jwt.InvalidTokenError:
             return None
         owner = claims.get("o")
@@ -190,7 +196,14 @@ class ParkedCalls:
         if entry.timer is not None:
             entry.timer.cancel()
         entry.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, pid, timeout_s)
-        claims = {"pid": pid, "n": nonce, "p": principal_digest(principal), "s": server, "d": digest, "exp": int(time.time() + timeout_s)}
+        claims = {
+            "pid": pid,
+            "n": nonce,
+            "p": principal_digest(principal),
+            "s": server,
+            "d": digest,
+            "exp": int(time.time() + timeout_s),
+        }
         if self.node:
             claims["o"] = self.node
         return jwt.encode(claims, self._key, algorithm="HS256")
@@ -205,13 +218,23 @@ class ParkedCalls:
         if not isinstance(state, str):
             raise JsonRpcError(INVALID_PARAMS, "requestState must be the string this server sent")
         try:
-            claims = jwt.decode(state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]})
+            claims = jwt.decode(
+                state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]}
+            )
         except jwt.ExpiredSignatureError:
-            raise JsonRpcError(INVALID_PARAMS, "requestState has expired; send the request again without it") from None
+            raise JsonRpcError(
+                INVALID_PARAMS, "requestState has expired; send the request again without it"
+            ) from None
         except jwt.InvalidTokenError:
-            raise JsonRpcError(INVALID_PARAMS, "requestState is not valid (it was altered or not issued here)") from None
+            raise JsonRpcError(
+                INVALID_PARAMS, "requestState is not valid (it was altered or not issued here)"
+            ) from None
         pid = claims.get("pid")
-        if claims.get("p") != principal_digest(principal) or claims.get("s") != server or claims.get("d") != digest:
+        if (
+            claims.get("p") != principal_digest(principal)
+            or claims.get("s") != server
+            or claims.get("d") != digest
+        ):
             raise JsonRpcError(INVALID_PARAMS, "requestState does not belong to this request")
         once_key = f"mrtr:{pid}:{claims.get('n')}"
         entry = self._parked.get(pid) if isinstance(pid, str) else None

@@ -26,23 +26,55 @@ ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the reques
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 
-CALLS = Counter("mcp_tasks_proxy_calls_total", "tools/call by outcome: sync (answered on the request), detached (became a task), error", ["server", "tool", "outcome"])
-DETACH_LATENCY = Histogram(
-    "mcp_tasks_proxy_detach_latency_seconds", "from detach_after expiring to the CreateTaskResult being handed to the transport", buckets=_LATENCY_BUCKETS
+CALLS = Counter(
+    "mcp_tasks_proxy_calls_total",
+    "tools/call by outcome: sync (answered on the request), detached (became a task), error",
+    ["server", "tool", "outcome"],
 )
-UPSTREAM_LATENCY = Histogram("mcp_tasks_proxy_upstream_latency_seconds", "upstream request duration until its response", ["server", "method"], buckets=_LATENCY_BUCKETS)
+DETACH_LATENCY = Histogram(
+    "mcp_tasks_proxy_detach_latency_seconds",
+    "from detach_after expiring to the CreateTaskResult being handed to the transport",
+    buckets=_LATENCY_BUCKETS,
+)
+UPSTREAM_LATENCY = Histogram(
+    "mcp_tasks_proxy_upstream_latency_seconds",
+    "upstream request duration until its response",
+    ["server", "method"],
+    buckets=_LATENCY_BUCKETS,
+)
 TASKS = Counter("mcp_tasks_proxy_tasks_total", "tasks reaching each status (created = working)", ["status"])
 LIVE_TASKS = Gauge("mcp_tasks_proxy_live_tasks", "detached calls running in this process")
-TASK_AGE = Histogram("mcp_tasks_proxy_task_age_seconds", "task age when it reached a terminal status", ["status"], buckets=_LATENCY_BUCKETS)
-INPUT_WAIT = Histogram("mcp_tasks_proxy_input_wait_seconds", "time an upstream question waited for its answer", buckets=_LATENCY_BUCKETS)
-ORPHANED = Counter("mcp_tasks_proxy_tasks_orphaned_total", "tasks whose upstream call died with an earlier proxy process, by fate", ["fate"])
-STORE_TASKS = Gauge("mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until purged)")
-STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
-LIMIT_REJECTIONS = Counter("mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"])
-UPSTREAM_PROCESSES = Counter(
-    "mcp_tasks_proxy_upstream_processes_total", "stdio upstream child processes by event: started, start_failed, exited, crash_loop", ["server", "event"]
+TASK_AGE = Histogram(
+    "mcp_tasks_proxy_task_age_seconds",
+    "task age when it reached a terminal status",
+    ["status"],
+    buckets=_LATENCY_BUCKETS,
 )
-REQUESTS = Counter("mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"])
+INPUT_WAIT = Histogram(
+    "mcp_tasks_proxy_input_wait_seconds",
+    "time an upstream question waited for its answer",
+    buckets=_LATENCY_BUCKETS,
+)
+ORPHANED = Counter(
+    "mcp_tasks_proxy_tasks_orphaned_total",
+    "tasks whose upstream call died with an earlier proxy process, by fate",
+    ["fate"],
+)
+STORE_TASKS = Gauge(
+    "mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until purged)"
+)
+STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
+LIMIT_REJECTIONS = Counter(
+    "mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"]
+)
+UPSTREAM_PROCESSES = Counter(
+    "mcp_tasks_proxy_upstream_processes_total",
+    "stdio upstream child processes by event: started, start_failed, exited, crash_loop",
+    ["server", "event"],
+)
+REQUESTS = Counter(
+    "mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"]
+)
 
 
 @functools.lru_cache(maxsize=512)
@@ -63,10 +95,26 @@ async def metrics_handler(request: web.Request) -> web.Response:
     if expected is not None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         digest = hashlib.sha256(token.strip().encode()).hexdigest()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(digest, expected.removeprefix("sha256:").lower()):
-            log.warning("security_auth_failed", reason="metrics token missing or wrong", remote=request.remote, path=request.path)
-            body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "authentication required: /metrics needs its bearer token"}}
-            return web.json_response(body, status=401, headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy metrics"'})
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            digest, expected.removeprefix("sha256:").lower()
+        ):
+            log.warning(
+                "security_auth_failed",
+                reason="metrics token missing or wrong",
+                remote=request.remote,
+                path=request.path,
+            )
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {
+                    "code": -32600,
+                    "message": "authentication required: /metrics needs its bearer token",
+                },
+            }
+            return web.json_response(
+                body, status=401, headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy metrics"'}
+            )
     tasks = request.app[TASKS_KEY]
     try:
         STORE_TASKS.set(await tasks.store.count())
@@ -91,12 +139,23 @@ def json_errors():
             if exc.status < 400 or exc.content_type == "application/json":
                 raise
             code = -32601 if exc.status == 404 else -32600
-            body = {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": f"{exc.status} {exc.reason}: {request.method} {request.path}"}}
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {
+                    "code": code,
+                    "message": f"{exc.status} {exc.reason}: {request.method} {request.path}",
+                },
+            }
             headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
             return web.json_response(body, status=exc.status, headers=headers)
         except Exception:
             log.exception("unhandled_error", path=request.path)
-            body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "internal proxy error; see the proxy log"}}
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {"code": -32603, "message": "internal proxy error; see the proxy log"},
+            }
             return web.json_response(body, status=500)
 
     return middleware
@@ -133,8 +192,13 @@ def access_log(*, payloads: bool):
             raise
         finally:
             _request_counter("console" if request.path.startswith("/console") else "mcp", status).inc()
-            log.info(event, http_method=request.method, path=request.path, status=status,
-                     duration_ms=round((time.perf_counter() - started) * 1000, 2))
+            log.info(
+                event,
+                http_method=request.method,
+                path=request.path,
+                status=status,
+                duration_ms=round((time.perf_counter() - started) * 1000, 2),
+            )
             structlog.contextvars.clear_contextvars()
 
     return middleware

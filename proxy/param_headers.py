@@ -32,7 +32,9 @@ class ParamHeaderIndex:
         """Forget everything (the upstream's tool list changed)."""
         self._by_principal.clear()
 
-    async def names(self, tool: str, principal: str, fetch: Callable[[JsonObject], Awaitable[JsonObject]]) -> dict[str, str]:
+    async def names(
+        self, tool: str, principal: str, fetch: Callable[[JsonObject], Awaitable[JsonObject]]
+    ) -> dict[str, str]:
         """`{argument: header name}` of `tool`'s `x-mcp-header` arguments. `fetch(params)` returns
         one `tools/list` page (JsonRpcError when the upstream fails: then no header is required and
         the call itself reports what is wrong with the upstream)."""

@@ -32,7 +32,9 @@ class RelayStream:
     client reconnects with `Last-Event-ID`.
     """
 
-    def __init__(self, *, kind: str, max_events: int = DEFAULT_REPLAY_EVENTS, max_bytes: int = DEFAULT_REPLAY_BYTES) -> None:
+    def __init__(
+        self, *, kind: str, max_events: int = DEFAULT_REPLAY_EVENTS, max_bytes: int = DEFAULT_REPLAY_BYTES
+    ) -> None:
         self.kind = kind  # "post" or "get"
         self.token = secrets.token_urlsafe(12)
         self.max_events = max(1, max_events)
@@ -48,9 +50,15 @@ class RelayStream:
         self.pump: asyncio.Task[None] | None = None
         self.upstream_rid: int | None = None  # the proxy's upstream id of the request a POST stream answers
         self._wake = asyncio.Event()
-        self.last_data: str | None = None  # the data of the newest event (a POST stream's answer once it closed)
-        self.json_only = False  # its client takes no SSE: it gets the answer only, and no server→client request
-        self.ended_by: str | None = None  # why the proxy ended the stream before its answer (the session ended)
+        self.last_data: str | None = (
+            None  # the data of the newest event (a POST stream's answer once it closed)
+        )
+        self.json_only = (
+            False  # its client takes no SSE: it gets the answer only, and no server→client request
+        )
+        self.ended_by: str | None = (
+            None  # why the proxy ended the stream before its answer (the session ended)
+        )
 
     def event_id(self, seq: int) -> str:
         """The opaque id of event `seq` of this stream."""

@@ -21,8 +21,8 @@ import aiohttp
 from aiohttp import web
 
 from .protocol import jsonrpc
-from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, RequestId
 from .protocol.inputs import InputError
+from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, RequestId
 from .protocol.tasks_v1 import status_notification, task_outcome_v1, v1_status, v1_task, with_related_task
 from .tasks.model import TaskRecord, TaskStatus
 from .tasks.service import TaskService
@@ -47,7 +47,13 @@ class _Sse:
 
     async def write(self, data: bytes) -> None:
         if self.stream is None:
-            self.stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self.stream = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
             await self.stream.prepare(self.request)
         await self.stream.write(data)
 
@@ -87,7 +93,9 @@ class V1TaskMethods:
         if cursor is not None and not isinstance(cursor, str):
             raise JsonRpcError(INVALID_PARAMS, "params.cursor must be a string")
         try:
-            records, next_cursor = await self.tasks.store.list_tasks(ListFilter(principal=principal, server=self.server), cursor=cursor, limit=LIST_PAGE)
+            records, next_cursor = await self.tasks.store.list_tasks(
+                ListFilter(principal=principal, server=self.server), cursor=cursor, limit=LIST_PAGE
+            )
         except ValueError:
             raise JsonRpcError(INVALID_PARAMS, "invalid cursor") from None
         except StoreUnavailableError as exc:
@@ -106,13 +114,19 @@ class V1TaskMethods:
         """
         record = await self._lookup(params, principal)
         if record.status.terminal:
-            raise JsonRpcError(INVALID_PARAMS, f"task {record.task_id} is already {v1_status(record)}; it cannot be cancelled")
+            raise JsonRpcError(
+                INVALID_PARAMS,
+                f"task {record.task_id} is already {v1_status(record)}; it cannot be cancelled",
+            )
         try:
             record = await self.tasks.cancel(record, by="client")
         except StoreUnavailableError as exc:
             raise _store_error(exc, self.tasks.store.where) from None
         if record.status is not TaskStatus.CANCELLED:  # the work won the race
-            raise JsonRpcError(INVALID_PARAMS, f"task {record.task_id} is already {v1_status(record)}; it cannot be cancelled")
+            raise JsonRpcError(
+                INVALID_PARAMS,
+                f"task {record.task_id} is already {v1_status(record)}; it cannot be cancelled",
+            )
         return v1_task(record)
 
     async def answer(self, body: JsonObject, principal: str) -> bool:
@@ -130,11 +144,19 @@ class V1TaskMethods:
         except JsonRpcError:
             return True  # the task is gone: nothing left to answer
         error = body.get("error")
-        value = body["result"] if isinstance(body.get("result"), dict) else InputError(error) if isinstance(error, dict) else None
+        value = (
+            body["result"]
+            if isinstance(body.get("result"), dict)
+            else InputError(error)
+            if isinstance(error, dict)
+            else None
+        )
         await self.tasks.answer(record, {key: value})
         return True
 
-    async def result(self, request: web.Request, request_id: RequestId, params: JsonObject, principal: str) -> web.StreamResponse:
+    async def result(
+        self, request: web.Request, request_id: RequestId, params: JsonObject, principal: str
+    ) -> web.StreamResponse:
         """`tasks/result`: block until the task is terminal, then answer exactly the upstream's
         CallToolResult (with the related-task `_meta`) or its JSON-RPC error.
 
@@ -149,7 +171,9 @@ class V1TaskMethods:
         final: JsonObject | None = None
         waited = False
         try:
-            with self.tasks.push.subscribe(principal=principal, server=self.server, task_ids=frozenset({task_id})) as sub:
+            with self.tasks.push.subscribe(
+                principal=principal, server=self.server, task_ids=frozenset({task_id})
+            ) as sub:
                 while not record.status.terminal:
                     for key, question in record.input_requests.items():
                         if key not in asked:
@@ -176,7 +200,11 @@ class V1TaskMethods:
                 self.questions.pop(minted_id, None)
         if final is None:
             result, error = task_outcome_v1(record)
-            final = jsonrpc.response(request_id, result) if result is not None else jsonrpc.error_response(request_id, error or {})
+            final = (
+                jsonrpc.response(request_id, result)
+                if result is not None
+                else jsonrpc.error_response(request_id, error or {})
+            )
         if sse.stream is None:
             return web.json_response(final)
         try:
@@ -188,18 +216,28 @@ class V1TaskMethods:
 
     async def _wait(self, sse: _Sse, sub: Any, record: TaskRecord) -> TaskRecord:
         """One bounded wait (≤ keepalive_s): relay what was pushed, then the record as it is now."""
-        changed = asyncio.ensure_future(self.tasks.store.wait_for_change(record.task_id, record.version, self.keepalive_s))
+        changed = asyncio.ensure_future(
+            self.tasks.store.wait_for_change(record.task_id, record.version, self.keepalive_s)
+        )
         pushed = asyncio.ensure_future(sub.queue.get())
         try:
-            done, _ = await asyncio.wait({changed, pushed}, timeout=self.keepalive_s + 1.0, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {changed, pushed}, timeout=self.keepalive_s + 1.0, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for fut in (changed, pushed):
                 if not fut.done():
                     fut.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await fut
-        items = await self._relay(sse, sub, [pushed.result()] if pushed in done and not pushed.cancelled() else [], record.task_id)
-        now = changed.result() if changed in done and not changed.cancelled() and changed.exception() is None else record
+        items = await self._relay(
+            sse, sub, [pushed.result()] if pushed in done and not pushed.cancelled() else [], record.task_id
+        )
+        now = (
+            changed.result()
+            if changed in done and not changed.cancelled() and changed.exception() is None
+            else record
+        )
         moved = now is None or now.version != record.version
         if not items and not moved:
             await sse.write(KEEPALIVE)

@@ -17,27 +17,38 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from .auth import ANONYMOUS, PRINCIPAL_KEY
 from . import observability as obs
+from .auth import ANONYMOUS, PRINCIPAL_KEY
 from .dispatcher import Reply, ServerDispatcher
+from .guards import default_allowed_hosts, host_guard
 from .legacy_bridge import LegacyBridge
+from .legacy_relay import LegacyRelay
+from .legacy_sessions import LegacySession, LegacySessions, observe_legacy
 from .legacy_tasks import V1Front
 from .protocol import jsonrpc
 from .protocol.era import check_headers, is_modern_request, legacy_method_refusal, parse_envelope
 from .protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
-from .guards import default_allowed_hosts, host_guard
-from .legacy_relay import LegacyRelay
-from .legacy_sessions import LegacySession, LegacySessions, observe_legacy
 from .upstream.common import Bounds
 from .upstream.sse import KEEPALIVE, encode_message
 
 log = structlog.get_logger("proxy.transport")
 
-__all__ = ["LegacySession", "LegacySessions", "ModernReply", "ServerEndpoint", "default_allowed_hosts", "host_guard", "principal_of", "prefers_sse"]
+__all__ = [
+    "LegacySession",
+    "LegacySessions",
+    "ModernReply",
+    "ServerEndpoint",
+    "default_allowed_hosts",
+    "host_guard",
+    "principal_of",
+    "prefers_sse",
+]
 
 
 def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:
-    return web.json_response(jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status)
+    return web.json_response(
+        jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status
+    )
 
 
 def prefers_sse(accept: str | None) -> bool:
@@ -71,7 +82,9 @@ class ModernReply(Reply):
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.headers = request.headers
-        self.arrived: float | None = request.get(obs.ARRIVED_KEY)  # event-loop time (s) the request reached the proxy
+        self.arrived: float | None = request.get(
+            obs.ARRIVED_KEY
+        )  # event-loop time (s) the request reached the proxy
         self.stream: web.StreamResponse | None = None
         self.prefer_sse = prefers_sse(request.headers.get("Accept"))
 
@@ -79,7 +92,11 @@ class ModernReply(Reply):
         if self.stream is None:
             stream = web.StreamResponse(
                 status=200,
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                },
             )
             await stream.prepare(self.request)
             self.stream = stream
@@ -131,7 +148,9 @@ class ServerEndpoint:
     ) -> None:
         self.bridge = bridge
         # Replicas: decides first whether a request is served by another replica (or refused while draining).
-        self.router: Callable[[web.Request, Any, bytes | None], Awaitable[web.StreamResponse | None]] | None = None
+        self.router: (
+            Callable[[web.Request, Any, bytes | None], Awaitable[web.StreamResponse | None]] | None
+        ) = None
         self.name = name
         self.url = url
         self.headers = headers
@@ -142,16 +161,34 @@ class ServerEndpoint:
         self.bounds = Bounds.from_entry(entry) if entry is not None else Bounds()
         self.body_timeout = dispatcher.config.listen.body_timeout
         # v1 tasks (2025-11-25) for legacy clients, served by the proxy when the upstream has none.
-        self.v1 = V1Front(server=name, config=dispatcher.config, pool=dispatcher.pool, tasks=dispatcher.tasks, keepalive_s=dispatcher.keepalive_s)
+        self.v1 = V1Front(
+            server=name,
+            config=dispatcher.config,
+            pool=dispatcher.pool,
+            tasks=dispatcher.tasks,
+            keepalive_s=dispatcher.keepalive_s,
+        )
         if bridge is not None:
             bridge.reply_hook = self.v1.rewrite_reply
             bridge.keepalive_s = dispatcher.config.listen.sse_keepalive
         listen = dispatcher.config.listen
         # An HTTP upstream: the legacy relay (own ids toward the upstream, own SSE event ids toward the client).
-        self.relay = LegacyRelay(
-            name=name, url=url, headers=headers, http=http, bounds=self.bounds, v1=self.v1, sessions=self.legacy,
-            keepalive_s=listen.sse_keepalive, replay_events=listen.replay_events, replay_bytes=listen.replay_bytes,
-        ) if url is not None else None
+        self.relay = (
+            LegacyRelay(
+                name=name,
+                url=url,
+                headers=headers,
+                http=http,
+                bounds=self.bounds,
+                v1=self.v1,
+                sessions=self.legacy,
+                keepalive_s=listen.sse_keepalive,
+                replay_events=listen.replay_events,
+                replay_bytes=listen.replay_bytes,
+            )
+            if url is not None
+            else None
+        )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -162,14 +199,21 @@ class ServerEndpoint:
             routed = await self.router(request, None, None) if self.router is not None else None
             return routed if routed is not None else await self._relay_legacy(request, body=None, raw=b"")
         # GET/DELETE without a session: modern clients have no GET stream (2026-07-28 §4.2).
-        err = JsonRpcError(INVALID_REQUEST, f"{request.method} is not served here without an Mcp-Session-Id; send JSON-RPC with POST")
+        err = JsonRpcError(
+            INVALID_REQUEST,
+            f"{request.method} is not served here without an Mcp-Session-Id; send JSON-RPC with POST",
+        )
         response = _json_error(None, err, status=405)
         response.headers["Allow"] = "POST"
         return response
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
-        too_large = JsonRpcError(INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes")
-        if (request.content_length or 0) > request._client_max_size:  # declared too large: refused before a byte is read
+        too_large = JsonRpcError(
+            INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes"
+        )
+        if (
+            request.content_length or 0
+        ) > request._client_max_size:  # declared too large: refused before a byte is read
             obs.LIMIT_REJECTIONS.labels("max_body").inc()
             return _closing(_json_error(None, too_large, status=413))
         try:
@@ -179,13 +223,18 @@ class ServerEndpoint:
             obs.LIMIT_REJECTIONS.labels("max_body").inc()
             return _closing(_json_error(None, too_large, status=exc.status))
         except TimeoutError:
-            err = JsonRpcError(INVALID_REQUEST, f"the request body did not arrive within body_timeout ({self.body_timeout:g} s)")
+            err = JsonRpcError(
+                INVALID_REQUEST,
+                f"the request body did not arrive within body_timeout ({self.body_timeout:g} s)",
+            )
             obs.LIMIT_REJECTIONS.labels("body_timeout").inc()
             return _closing(_json_error(None, err, status=408))
         except RequestPayloadError as exc:
             reason = str(exc).replace("\n", " ").strip() or exc.__class__.__name__
             request.content.feed_eof()  # nothing more can be read: aiohttp must not try to drain it (and log a traceback)
-            return _closing(_json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400))
+            return _closing(
+                _json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400)
+            )
         try:
             body = jsonrpc.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -216,11 +265,19 @@ class ServerEndpoint:
                 return web.Response(status=202)  # 2026-07-28 defines no client→server notifications on HTTP
             envelope = parse_envelope(body.get("params"))
             check_headers(request.headers, body, envelope)
-            result = await self.dispatcher.dispatch(body, envelope, principal=principal_of(request), reply=reply)
+            result = await self.dispatcher.dispatch(
+                body, envelope, principal=principal_of(request), reply=reply
+            )
         except JsonRpcError as exc:
-            return await reply.finish(jsonrpc.error_response(request_id, exc.to_error()), status=exc.http_status)
+            return await reply.finish(
+                jsonrpc.error_response(request_id, exc.to_error()), status=exc.http_status
+            )
         except Exception:
-            log.exception("request_failed", server=self.name, method=body.get("method") if isinstance(body, dict) else None)
+            log.exception(
+                "request_failed",
+                server=self.name,
+                method=body.get("method") if isinstance(body, dict) else None,
+            )
             err = JsonRpcError(INTERNAL_ERROR, "internal proxy error; see the proxy log")
             return await reply.finish(jsonrpc.error_response(request_id, err.to_error()), status=500)
         return await reply.finish(jsonrpc.response(request_id, result))
@@ -234,7 +291,9 @@ class ServerEndpoint:
             request_id = None
         if (refusal := legacy_method_refusal(request.headers, body)) is not None:  # outside the era's surface
             return _json_error(request_id, refusal)
-        method = body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
+        method = (
+            body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
+        )
         started = asyncio.get_running_loop().time()
         response: web.StreamResponse | None = None
         try:
@@ -244,33 +303,58 @@ class ServerEndpoint:
             if method is not None and "id" in body:
                 observe_legacy(self.name, method, body, response, asyncio.get_running_loop().time() - started)
 
-    async def _relay_legacy_inner(self, request: web.Request, *, body: Any, raw: bytes, request_id: Any) -> web.StreamResponse:
+    async def _relay_legacy_inner(
+        self, request: web.Request, *, body: Any, raw: bytes, request_id: Any
+    ) -> web.StreamResponse:
         if self.bridge is not None:  # a stdio upstream: the proxy is the legacy server itself
             if request.method == "POST":
                 try:
-                    jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
+                    jsonrpc.validate_request(body) if isinstance(
+                        body, dict
+                    ) and "method" in body else _validate_legacy_response(body)
                 except JsonRpcError as exc:
                     return _json_error(request_id, exc)
             bridged = self.bridge.session_of(request, principal_of(request))
-            version = request.headers.get("MCP-Protocol-Version") or (bridged.version if bridged is not None else None)
+            version = request.headers.get("MCP-Protocol-Version") or (
+                bridged.version if bridged is not None else None
+            )
             if request.method == "POST" and await self.v1.intercepts(body, principal_of(request), version):
                 if bridged is None:  # as the bridge answers: 404 for an unknown session, 400 for none
                     known = bool(request.headers.get("Mcp-Session-Id"))
-                    message = "unknown or expired session; initialize a new one" if known else "missing Mcp-Session-Id: initialize first"
-                    return _json_error(request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400)
-                return await self.v1.handle(request, self.v1.for_version(body, version), principal=principal_of(request), capabilities=bridged.capabilities)
+                    message = (
+                        "unknown or expired session; initialize a new one"
+                        if known
+                        else "missing Mcp-Session-Id: initialize first"
+                    )
+                    return _json_error(
+                        request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400
+                    )
+                return await self.v1.handle(
+                    request,
+                    self.v1.for_version(body, version),
+                    principal=principal_of(request),
+                    capabilities=bridged.capabilities,
+                )
             if request.method == "GET" and not await self.v1.upstream_has_tasks():
                 bridge, bridge_sid = self.bridge, request.headers.get("Mcp-Session-Id", "").strip()
-                if bridge.session_of(request, principal_of(request)) is not None:  # the v1 status stream (legacy_tasks)
-                    return await self.v1.serve_get_stream(request, lambda: bridge_sid in bridge.sessions, principal_of(request))
+                if (
+                    bridge.session_of(request, principal_of(request)) is not None
+                ):  # the v1 status stream (legacy_tasks)
+                    return await self.v1.serve_get_stream(
+                        request, lambda: bridge_sid in bridge.sessions, principal_of(request)
+                    )
             return await self.bridge.handle(request, body, principal_of(request))
         if request.method == "POST":
             try:
-                jsonrpc.validate_request(body) if isinstance(body, dict) and "method" in body else _validate_legacy_response(body)
+                jsonrpc.validate_request(body) if isinstance(
+                    body, dict
+                ) and "method" in body else _validate_legacy_response(body)
             except JsonRpcError as exc:
                 return _json_error(request_id, exc)
         assert self.relay is not None
-        return await self.relay.handle(request, body=body, raw=raw, request_id=request_id, principal=principal_of(request))
+        return await self.relay.handle(
+            request, body=body, raw=raw, request_id=request_id, principal=principal_of(request)
+        )
 
 
 def _validate_legacy_response(body: Any) -> None:

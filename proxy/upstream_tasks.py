@@ -35,6 +35,7 @@ log = structlog.get_logger("proxy.calls")
 
 MAX_TOOL_PAGES = 100  # tools/list pages read at most to learn the upstream's taskSupport
 
+
 class UpstreamTaskCall(Call):
     """A `Call` that follows an upstream task (`tasks/result` for `upstream_task_id`); cancelling it
     also sends the upstream `tasks/cancel`."""
@@ -57,7 +58,9 @@ class UpstreamTaskCall(Call):
 class UpstreamTasks:
     """What one server's upstream offers as v1 tasks, and calls that use them."""
 
-    def __init__(self, *, name: str, pool: UpstreamPool | StdioPool, tasks: TaskService, keepalive_s: float) -> None:
+    def __init__(
+        self, *, name: str, pool: UpstreamPool | StdioPool, tasks: TaskService, keepalive_s: float
+    ) -> None:
         self.name = name
         self.pool = pool
         self.tasks = tasks
@@ -75,16 +78,24 @@ class UpstreamTasks:
             try:
                 session = await self.pool.session(capabilities, principal)
                 caps = object_of(session.initialize_result.get("capabilities"))
-                call_tasks = object_of(object_of(object_of(caps.get("tasks")).get("requests")).get("tools")).get("call")
+                call_tasks = object_of(
+                    object_of(object_of(caps.get("tasks")).get("requests")).get("tools")
+                ).get("call")
                 support: dict[str, str] = {}
                 if isinstance(call_tasks, dict):
                     params: JsonObject | None = None
                     for _ in range(MAX_TOOL_PAGES):
-                        page = object_of((await session.request("tools/list", params, handler=None)).get("result"))
+                        page = object_of(
+                            (await session.request("tools/list", params, handler=None)).get("result")
+                        )
                         tools = page.get("tools")
                         for item in tools if isinstance(tools, list) else []:
                             value = object_of(object_of(item).get("execution")).get("taskSupport")
-                            if isinstance(item, dict) and isinstance(item.get("name"), str) and value in ("required", "optional"):
+                            if (
+                                isinstance(item, dict)
+                                and isinstance(item.get("name"), str)
+                                and value in ("required", "optional")
+                            ):
                                 support[item["name"]] = value
                         if not isinstance(page.get("nextCursor"), str) or not page["nextCursor"]:
                             break
@@ -95,7 +106,14 @@ class UpstreamTasks:
         return self._support.get(tool)
 
     async def call(
-        self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply, policy: ResolvedPolicy, as_task: bool
+        self,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        reply: Reply,
+        policy: ResolvedPolicy,
+        as_task: bool,
     ) -> JsonObject:
         """Run `tools/call` as an upstream task: a flat v2 CreateTaskResult when `as_task`, else the
         synchronous result once the upstream's `tasks/result` answers.
@@ -122,16 +140,29 @@ class UpstreamTasks:
         if not isinstance(task_id, str):
             return modern_result("tools/call", result)  # the upstream answered at once
         call = UpstreamTaskCall(
-            pool=self.pool, server=self.name, tool=tool, method="tasks/result", params={"taskId": task_id}, capabilities=caps,
-            timeout=policy.timeout, input_timeout=policy.input_timeout, principal=principal,
+            pool=self.pool,
+            server=self.name,
+            tool=tool,
+            method="tasks/result",
+            params={"taskId": task_id},
+            capabilities=caps,
+            timeout=policy.timeout,
+            input_timeout=policy.input_timeout,
+            principal=principal,
         )
         call.upstream_task_id = task_id
         if not as_task:
             call.start()
             return await self._wait(call, reply)
         record = await self.tasks.detach(
-            call, server=self.name, tool=tool, method="tools/call", ttl_s=policy.ttl, poll_interval_s=policy.poll_interval,
-            status_message=f"running upstream on {self.name} as its own task", rerun={"method": "tasks/result", "params": {"taskId": task_id}, "capabilities": caps},
+            call,
+            server=self.name,
+            tool=tool,
+            method="tools/call",
+            ttl_s=policy.ttl,
+            poll_interval_s=policy.poll_interval,
+            status_message=f"running upstream on {self.name} as its own task",
+            rerun={"method": "tasks/result", "params": {"taskId": task_id}, "capabilities": caps},
         )
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         call.start()
@@ -154,7 +185,9 @@ class UpstreamTasks:
                         "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to answer it through the task",
                     )
                 try:
-                    await asyncio.wait_for(call.events.get(), timeout=self.keepalive_s)  # input, done, notifications
+                    await asyncio.wait_for(
+                        call.events.get(), timeout=self.keepalive_s
+                    )  # input, done, notifications
                 except TimeoutError:
                     await reply.keepalive()
         except asyncio.CancelledError:

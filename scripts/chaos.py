@@ -99,7 +99,9 @@ class Child:
     def __init__(self, argv: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         err = open(log, "ab") if log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True, env=env
+        )
         self.url = ""
         assert self.proc.stdout is not None
         lines: queue.Queue[str] = queue.Queue()
@@ -213,11 +215,22 @@ class SingleProxy:
         self.upstream, self.starts = counting_upstream(workdir)
         self.store_path = workdir / "store"
         config = workdir / "proxy.json"
-        config.write_text(json.dumps({
-            "store": {"path": str(workdir / "store")},
-            "tasks": {"detach_after": "100ms", "ttl": "1h", "poll_interval": "100ms"},
-            "mcpServers": {"fx": {"url": self.upstream.url, "tasks": {"tools": {"slow_compute": {"on_restart": "rerun" if rerun else "fail"}}}}},
-        }))
+        config.write_text(
+            json.dumps(
+                {
+                    "store": {"path": str(workdir / "store")},
+                    "tasks": {"detach_after": "100ms", "ttl": "1h", "poll_interval": "100ms"},
+                    "mcpServers": {
+                        "fx": {
+                            "url": self.upstream.url,
+                            "tasks": {
+                                "tools": {"slow_compute": {"on_restart": "rerun" if rerun else "fail"}}
+                            },
+                        }
+                    },
+                }
+            )
+        )
         self.argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
         self.log = workdir / "proxy.log"
         try:
@@ -271,9 +284,19 @@ class Replicas:
         self.upstream, self.starts = counting_upstream(workdir)
         (workdir / "cluster").mkdir()  # Cluster writes its logs there but does not create a given dir
         self.cluster = Cluster(
-            upstream_url=self.upstream.url, replicas=args.replicas, workdir=workdir / "cluster", check_inter="100ms",
-            settings={"MCP_LEASE": args.lease, "MCP_DETACH_AFTER": "100ms", "MCP_POLL_INTERVAL": "100ms", "MCP_STDIO_DISABLED": "true",
-                      "MCP_DRAIN_TIMEOUT": "1s", "MCP_DRAIN_DETACHED": "1s", "MCP_RERUN_POLICY": "rerun" if args.rerun else "fail"},
+            upstream_url=self.upstream.url,
+            replicas=args.replicas,
+            workdir=workdir / "cluster",
+            check_inter="100ms",
+            settings={
+                "MCP_LEASE": args.lease,
+                "MCP_DETACH_AFTER": "100ms",
+                "MCP_POLL_INTERVAL": "100ms",
+                "MCP_STDIO_DISABLED": "true",
+                "MCP_DRAIN_TIMEOUT": "1s",
+                "MCP_DRAIN_DETACHED": "1s",
+                "MCP_RERUN_POLICY": "rerun" if args.rerun else "fail",
+            },
         )
         # Persistence on: every write on disk (AOF, fsync per write) before Redis acknowledges it.
         self.redis = _redis_server_class()(workdir / "redis", appendonly=True, appendfsync="always")
@@ -292,8 +315,13 @@ class Replicas:
 
         status, body = _get(f"http://127.0.0.1:{self.cluster.stats_port}/stats;csv")
         rows = csv.DictReader(io.StringIO(body.decode().lstrip("# "))) if status == 200 else []
-        return {int(r["svname"][1:]): int(r["scur"] or 0) for r in rows
-                if r.get("pxname") == "replicas" and r["svname"][1:].isdigit() and int(r["svname"][1:]) < self.cluster.n}
+        return {
+            int(r["svname"][1:]): int(r["scur"] or 0)
+            for r in rows
+            if r.get("pxname") == "replicas"
+            and r["svname"][1:].isdigit()
+            and int(r["svname"][1:]) < self.cluster.n
+        }
 
     def kill(self, rng: random.Random) -> Killed:
         from proxy.tasks.redis_store import RedisTaskStore
@@ -333,7 +361,10 @@ class Replicas:
             self.upstream.stop()
 
 
-EXPECTED_FAILURE = {"failing_job": "job failed", "instant_error": "instant_error exploded"}  # tool -> its own error text
+EXPECTED_FAILURE = {
+    "failing_job": "job failed",
+    "instant_error": "instant_error exploded",
+}  # tool -> its own error text
 LOST = re.compile(r"\(node ([0-9a-f]+)\) was lost|the proxy restarted while this call was running")
 
 
@@ -358,7 +389,9 @@ class Run:
     call_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # task id -> (tool, label)
     labels: dict[str, str] = field(default_factory=dict)  # label of every call sent -> tool
     killed: list[Killed] = field(default_factory=list)
-    sync_failures: list[tuple[str, dict]] = field(default_factory=list)  # (tool, error) of sync JSON-RPC errors
+    sync_failures: list[tuple[str, dict]] = field(
+        default_factory=list
+    )  # (tool, error) of sync JSON-RPC errors
     completed: dict[str, Any] = field(default_factory=dict)  # task id -> result first seen
     completed_at: dict[str, float] = field(default_factory=dict)
     terminal: dict[str, tuple[str, Any]] = field(default_factory=dict)  # failed/cancelled first seen
@@ -371,12 +404,28 @@ class Run:
     extra_times: dict[str, float] = field(default_factory=dict)  # e.g. redis -> when it was first killed
     inflight_calls: dict[int, float] = field(default_factory=dict)  # call number -> monotonic start
     inflight_polls: int = 0
-    counts: dict[str, int] = field(default_factory=lambda: {
-        "calls": 0, "sync_results": 0, "sync_errors": 0, "polls": 0, "store_unavailable": 0,
-        "kills": 0, "kills_with_requests_in_flight": 0, "requests_at_killed_processes": 0, "calls_in_flight_at_kills": 0, "polls_in_flight_at_kills": 0,
-        "redis_restarts": 0})
-    transport: dict[str, int] = field(default_factory=lambda: {f"{what}_{kind}": 0 for what in ("call", "poll")
-                                                               for kind in ("cut", "refused", "no_backend", "timeouts", "other")})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {
+            "calls": 0,
+            "sync_results": 0,
+            "sync_errors": 0,
+            "polls": 0,
+            "store_unavailable": 0,
+            "kills": 0,
+            "kills_with_requests_in_flight": 0,
+            "requests_at_killed_processes": 0,
+            "calls_in_flight_at_kills": 0,
+            "polls_in_flight_at_kills": 0,
+            "redis_restarts": 0,
+        }
+    )
+    transport: dict[str, int] = field(
+        default_factory=lambda: {
+            f"{what}_{kind}": 0
+            for what in ("call", "poll")
+            for kind in ("cut", "refused", "no_backend", "timeouts", "other")
+        }
+    )
     samples: list[str] = field(default_factory=list)
 
     def note(self, msg: str) -> None:
@@ -423,7 +472,9 @@ class Transport(Exception):
         self.kind = kind
 
 
-async def rpc(http: aiohttp.ClientSession, url: str, method: str, params: dict, name: str, timeout_s: float) -> dict:
+async def rpc(
+    http: aiohttp.ClientSession, url: str, method: str, params: dict, name: str, timeout_s: float
+) -> dict:
     """One 2026-07-28 request; returns the JSON-RPC message (plus `_http` status). Raises Transport."""
     headers = {
         "Content-Type": "application/json",
@@ -432,29 +483,42 @@ async def rpc(http: aiohttp.ClientSession, url: str, method: str, params: dict, 
         "Mcp-Method": method,
         "Mcp-Name": name,
     }
-    body = {"jsonrpc": "2.0", "id": random.randrange(1 << 30), "method": method, "params": {**params, "_meta": META}}
+    body = {
+        "jsonrpc": "2.0",
+        "id": random.randrange(1 << 30),
+        "method": method,
+        "params": {**params, "_meta": META},
+    }
     try:
-        async with http.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with http.post(
+            url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             status = resp.status
             text = await resp.text()
     except aiohttp.ClientConnectorError as exc:
         raise Transport("refused", str(exc)) from None
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
         raise Transport("cut", f"{type(exc).__name__}: {exc}") from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise Transport("timeouts", f"{method} timed out") from None
     except aiohttp.ClientError as exc:
         raise Transport("other", f"{type(exc).__name__}: {exc}") from None
     try:
         if text.startswith("event:") or "\ndata:" in text or text.startswith("data:"):
-            datas = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()]
+            datas = [
+                json.loads(line[5:])
+                for line in text.splitlines()
+                if line.startswith("data:") and line[5:].strip()
+            ]
             msg = datas[-1]
         else:
             msg = json.loads(text)
     except (ValueError, IndexError):
         # HAProxy's own page: 502/504 = the backend died under the request, 503 = no backend up.
-        raise Transport("cut" if status in (502, 504) else "no_backend" if status == 503 else "other",
-                        f"HTTP {status} {text[:120]!r}") from None
+        raise Transport(
+            "cut" if status in (502, 504) else "no_backend" if status == 503 else "other",
+            f"HTTP {status} {text[:120]!r}",
+        ) from None
     if not isinstance(msg, dict):
         raise Transport("other", f"HTTP {status} {text[:120]!r}")
     msg["_http"] = status
@@ -474,7 +538,9 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     stop_polling = asyncio.Event()
     kills_done = asyncio.Event()
     call_budget = asyncio.Semaphore(args.concurrency)
-    connector = aiohttp.TCPConnector(force_close=True, limit=0)  # one connection per request: a kill cuts only what it cuts
+    connector = aiohttp.TCPConnector(
+        force_close=True, limit=0
+    )  # one connection per request: a kill cuts only what it cuts
     async with aiohttp.ClientSession(connector=connector) as http:
 
         async def one_call(i: int) -> None:
@@ -483,7 +549,14 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             run.counts["calls"] += 1
             run.inflight_calls[i] = time.monotonic()
             try:
-                reply = await rpc(http, target.url, "tools/call", {"name": tool, "arguments": arguments}, tool, args.request_timeout)
+                reply = await rpc(
+                    http,
+                    target.url,
+                    "tools/call",
+                    {"name": tool, "arguments": arguments},
+                    tool,
+                    args.request_timeout,
+                )
             except Transport as exc:
                 transport_error(run, exc, "call")  # no handle was delivered: not a task of ours
                 await asyncio.sleep(0.05)
@@ -525,7 +598,9 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         async def poll(task_id: str) -> None:
             run.inflight_polls += 1
             try:
-                reply = await rpc(http, target.url, "tasks/get", {"taskId": task_id}, task_id, args.request_timeout)
+                reply = await rpc(
+                    http, target.url, "tasks/get", {"taskId": task_id}, task_id, args.request_timeout
+                )
             except Transport as exc:
                 transport_error(run, exc, "poll")
                 return
@@ -563,7 +638,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 try:  # a longer pause while nothing answers
                     pause = args.poll_pause * (4 if refusals() > refused else 1)
                     await asyncio.wait_for(stop_polling.wait(), timeout=pause)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
         async def wait_for(cond, bound_s: float) -> bool:
@@ -608,15 +683,23 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                     run.counts["kills_with_requests_in_flight"] += 1
                 if at_process is not None:
                     run.counts["requests_at_killed_processes"] += at_process
-                print(f"kill {k + 1}: {label} (node {killed.node}, {len(killed.owned)} tasks running) with {calls} calls and {polls} polls of the client in flight"
-                      + ("" if at_process is None else f", {at_process} at the killed process (HAProxy)"), file=sys.stderr, flush=True)
+                print(
+                    f"kill {k + 1}: {label} (node {killed.node}, {len(killed.owned)} tasks running) with {calls} calls and {polls} polls of the client in flight"
+                    + ("" if at_process is None else f", {at_process} at the killed process (HAProxy)"),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 await asyncio.sleep(rng.uniform(0.1, 0.5))
                 await asyncio.to_thread(target.revive)
                 if k + 1 == extra_after:
                     for name in extras:
                         await asyncio.sleep(rng.uniform(0.2, 0.8))
                         await wait_for(calls_reached_server, 10)
-                        print(f"{name} restart with {len(run.inflight_calls)} calls in flight", file=sys.stderr, flush=True)
+                        print(
+                            f"{name} restart with {len(run.inflight_calls)} calls in flight",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         run.extra_times.setdefault(name, time.monotonic())
                         await asyncio.to_thread(target.extra, name, rng.uniform(0.3, 1.0))
                         run.counts[f"{name}_restarts"] += 1
@@ -637,7 +720,9 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             reply: dict | None = None
             for _ in range(50):
                 try:
-                    reply = await rpc(http, target.url, "tasks/get", {"taskId": task_id}, task_id, args.request_timeout)
+                    reply = await rpc(
+                        http, target.url, "tasks/get", {"taskId": task_id}, task_id, args.request_timeout
+                    )
                     if reply["_http"] != 503:
                         break
                 except Transport:
@@ -678,7 +763,11 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         "kills_with_requests_in_flight": run.counts["kills_with_requests_in_flight"],
         "calls_in_flight_at_kills": run.counts["calls_in_flight_at_kills"],
         "polls_in_flight_at_kills": run.counts["polls_in_flight_at_kills"],
-        **({"requests_at_killed_replicas": run.counts["requests_at_killed_processes"]} if args.replicas else {}),
+        **(
+            {"requests_at_killed_replicas": run.counts["requests_at_killed_processes"]}
+            if args.replicas
+            else {}
+        ),
         "transport_errors": sum(run.transport.values()),
         "transport": run.transport,
         "store_unavailable": run.counts["store_unavailable"],
@@ -694,7 +783,18 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         at = run.extra_times["redis"]
         report["seen_completed_before_redis_restart"] = sum(1 for t in run.completed_at.values() if t < at)
         report["handed_out_before_redis_restart"] = sum(1 for t in run.handed.values() if t < at)
-    violations = [k for k in ("unknown_ids", "lost_results", "terminal_changed", "not_terminal", "unexplained_failures", "double_runs") if report[k]]
+    violations = [
+        k
+        for k in (
+            "unknown_ids",
+            "lost_results",
+            "terminal_changed",
+            "not_terminal",
+            "unexplained_failures",
+            "double_runs",
+        )
+        if report[k]
+    ]
     if args.rerun and report["lost_despite_rerun"]:
         violations.append("lost_despite_rerun")
     if args.rerun and args.kills and report["reruns"] == 0:
@@ -734,8 +834,16 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
             owned_at.setdefault(task_id, []).append(killed.node)
     killed_at = {k.node: t for k, t in zip(run.killed, run.kill_times)}
     kinds: Counter[str] = Counter()
-    out: dict[str, Any] = {"tasks_running_at_kills": sum(len(k.owned) for k in run.killed), "failed_replica_lost": 0, "failed_expected": 0,
-                           "unexplained_failures": 0, "double_runs": 0, "reruns": 0, "rerun_completed": 0, "lost_despite_rerun": 0}
+    out: dict[str, Any] = {
+        "tasks_running_at_kills": sum(len(k.owned) for k in run.killed),
+        "failed_replica_lost": 0,
+        "failed_expected": 0,
+        "unexplained_failures": 0,
+        "double_runs": 0,
+        "reruns": 0,
+        "rerun_completed": 0,
+        "lost_despite_rerun": 0,
+    }
     samples: list[str] = []
 
     def unexplained(kind: str, msg: str) -> None:
@@ -764,7 +872,10 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
                 kind = "lost_before_its_node_was_killed"
             else:
                 kind = "lost_but_not_running_at_the_kill"
-            unexplained(kind, f"{task_id} {tool} {label}: {kind} (killed nodes {sorted(killed_at)}, running at {owned_at.get(task_id, [])}): {text[:200]}")
+            unexplained(
+                kind,
+                f"{task_id} {tool} {label}: {kind} (killed nodes {sorted(killed_at)}, running at {owned_at.get(task_id, [])}): {text[:200]}",
+            )
         elif status == "failed" and tool in EXPECTED_FAILURE and EXPECTED_FAILURE[tool] in text:
             out["failed_expected"] += 1
         else:
@@ -786,10 +897,18 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if reruns and finals.get(task_id, {}).get("status") == "completed":
             out["rerun_completed"] += 1
         if n - 1 > reruns:
-            double_kinds["no_task_handed" if not task_id else "task_at_a_kill" if task_id in owned_at else "task_never_at_a_kill"] += n - 1 - reruns
+            double_kinds[
+                "no_task_handed"
+                if not task_id
+                else "task_at_a_kill"
+                if task_id in owned_at
+                else "task_never_at_a_kill"
+            ] += n - 1 - reruns
         if n - 1 > reruns and len(doubles) < 6:
-            doubles.append(f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
-                           f"running at {len(owned_at.get(task_id, ()))} kills; final {finals.get(task_id, {}).get('status')}")
+            doubles.append(
+                f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
+                f"running at {len(owned_at.get(task_id, ()))} kills; final {finals.get(task_id, {}).get('status')}"
+            )
     out["labels_started"] = len(starts)
     if kinds:
         out["unexplained"] = dict(kinds)
@@ -809,18 +928,31 @@ def make_target(args: argparse.Namespace, workdir: Path) -> Target:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--replicas", type=int, default=0, help="0 = one proxy process; N = N replicas behind HAProxy on Redis")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="0 = one proxy process; N = N replicas behind HAProxy on Redis",
+    )
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--kills", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8, help="calls outstanding at once")
     parser.add_argument("--spacing", type=float, default=0.03, help="mean seconds between two call starts")
-    parser.add_argument("--min-seen", type=int, default=3, help="completed results to see before the first kill")
-    parser.add_argument("--settle", type=float, default=30.0, help="seconds after the load for every task to end")
+    parser.add_argument(
+        "--min-seen", type=int, default=3, help="completed results to see before the first kill"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=30.0, help="seconds after the load for every task to end"
+    )
     parser.add_argument("--poll-concurrency", type=int, default=4)
     parser.add_argument("--poll-pause", type=float, default=0.05, help="seconds between two polling rounds")
     parser.add_argument("--request-timeout", type=float, default=20.0, help="seconds per request")
     parser.add_argument("--lease", default="500ms", help="store.lease of the replicas (replica mode)")
-    parser.add_argument("--rerun", action="store_true", help="slow_compute on_restart: rerun (a killed process's calls run again; replicas: MCP_RERUN_POLICY)")
+    parser.add_argument(
+        "--rerun",
+        action="store_true",
+        help="slow_compute on_restart: rerun (a killed process's calls run again; replicas: MCP_RERUN_POLICY)",
+    )
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     args = parser.parse_args(argv)

@@ -86,7 +86,9 @@ def _end(proc: subprocess.Popen[Any] | None, sig: int = signal.SIGTERM, timeout:
 
 def _redis_server_class() -> Any:
     """`RedisServer` of tests/redis_server.py (the test suite's launcher: free port, own directory)."""
-    spec = importlib.util.spec_from_file_location("mcp_tasks_proxy_redis_server", ROOT / "tests" / "redis_server.py")
+    spec = importlib.util.spec_from_file_location(
+        "mcp_tasks_proxy_redis_server", ROOT / "tests" / "redis_server.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -103,12 +105,22 @@ class Cluster:
     """
 
     def __init__(
-        self, *, upstream_url: str, replicas: int = 3, settings: dict[str, str] | None = None, config: Path = CONFIG,
-        haproxy_cfg: Path = HAPROXY_CFG, workdir: Path | None = None, check_inter: str = "100ms",
-        ready_timeout_s: float = 30.0, drain_timeout_s: float = 60.0,
+        self,
+        *,
+        upstream_url: str,
+        replicas: int = 3,
+        settings: dict[str, str] | None = None,
+        config: Path = CONFIG,
+        haproxy_cfg: Path = HAPROXY_CFG,
+        workdir: Path | None = None,
+        check_inter: str = "100ms",
+        ready_timeout_s: float = 30.0,
+        drain_timeout_s: float = 60.0,
     ) -> None:
         if not 1 <= replicas <= HAPROXY_SLOTS:
-            raise ValueError(f"config/haproxy.cfg names {HAPROXY_SLOTS} servers; replicas must be 1..{HAPROXY_SLOTS}")
+            raise ValueError(
+                f"config/haproxy.cfg names {HAPROXY_SLOTS} servers; replicas must be 1..{HAPROXY_SLOTS}"
+            )
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="mcp-cluster-"))
         self.n = replicas
@@ -185,7 +197,10 @@ class Cluster:
         try:
             self.procs[i] = subprocess.Popen(
                 [sys.executable, "-m", "proxy", "--config", str(self.config), "--port", str(self.ports[i])],
-                cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=log,
+                cwd=ROOT,
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
             )
         finally:
             log.close()
@@ -213,12 +228,16 @@ class Cluster:
             **{f"REPLICA_{k}": address for k, address in enumerate(addresses)},
         }
         with open(self.workdir / "haproxy.log", "ab") as log:
-            self.haproxy = subprocess.Popen([binary, "-db", "-f", str(self.haproxy_cfg)], env=env, stdout=log, stderr=log)
+            self.haproxy = subprocess.Popen(
+                [binary, "-db", "-f", str(self.haproxy_cfg)], env=env, stdout=log, stderr=log
+            )
 
         def up() -> bool:
             assert self.haproxy is not None
             if self.haproxy.poll() is not None:
-                raise RuntimeError(f"haproxy exited: {(self.workdir / 'haproxy.log').read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"haproxy exited: {(self.workdir / 'haproxy.log').read_text(errors='replace')[-2000:]}"
+                )
             return _get(f"http://127.0.0.1:{self.stats_port}/stats;csv")[0] == 200
 
         _wait(up, self.ready_timeout_s, "haproxy listening")
@@ -229,11 +248,19 @@ class Cluster:
         if status != 200:
             return {}
         rows = csv.DictReader(io.StringIO(body.decode().lstrip("# ")))
-        return {row["svname"]: row["status"] for row in rows if row.get("pxname") == "replicas" and row["svname"].startswith("r")}
+        return {
+            row["svname"]: row["status"]
+            for row in rows
+            if row.get("pxname") == "replicas" and row["svname"].startswith("r")
+        }
 
     def wait_routed(self, i: int) -> None:
         """Wait until HAProxy counts replica `i` UP (bounded by `ready_timeout_s`)."""
-        _wait(lambda: self.server_states().get(f"r{i}", "").startswith("UP"), self.ready_timeout_s, f"haproxy routing to replica {i}")
+        _wait(
+            lambda: self.server_states().get(f"r{i}", "").startswith("UP"),
+            self.ready_timeout_s,
+            f"haproxy routing to replica {i}",
+        )
 
     def alive(self, i: int) -> bool:
         """True while replica `i`'s process runs."""
@@ -259,7 +286,9 @@ class Cluster:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-            raise TimeoutError(f"cluster: replica {i} did not exit within {timeout or self.drain_timeout_s:g} s of SIGTERM") from None
+            raise TimeoutError(
+                f"cluster: replica {i} did not exit within {timeout or self.drain_timeout_s:g} s of SIGTERM"
+            ) from None
 
     def restart(self, i: int) -> None:
         """Start replica `i` again (after `kill` or `terminate`) on its port; returns once it is ready
@@ -292,14 +321,21 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a cluster in the foreground until Ctrl-C."""
-    parser = argparse.ArgumentParser(description="redis + N replicas of config/replicas.yaml + HAProxy, on loopback")
+    parser = argparse.ArgumentParser(
+        description="redis + N replicas of config/replicas.yaml + HAProxy, on loopback"
+    )
     parser.add_argument("--upstream", required=True, help="Streamable HTTP upstream URL (server `web`)")
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="a config variable, e.g. MCP_LEASE=2s")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="VAR=VALUE", help="a config variable, e.g. MCP_LEASE=2s"
+    )
     args = parser.parse_args(argv)
     settings = dict(item.split("=", 1) for item in args.set)
     with Cluster(upstream_url=args.upstream, replicas=args.replicas, settings=settings) as cluster:
-        print(f"haproxy: {cluster.url}/servers/web/mcp (stats http://127.0.0.1:{cluster.stats_port}/stats)", flush=True)
+        print(
+            f"haproxy: {cluster.url}/servers/web/mcp (stats http://127.0.0.1:{cluster.stats_port}/stats)",
+            flush=True,
+        )
         for i, url in enumerate(cluster.replica_urls):
             print(f"replica {i}: {url}  log {cluster.log_path(i)}", flush=True)
         print(f"redis: {cluster.redis_url}", flush=True)

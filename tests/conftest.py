@@ -18,13 +18,17 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-
 from redis_server import RedisServer
 
 from proxy import listener
 from proxy.app import POOLS_KEY, TASKS_KEY, build_app
 from proxy.config import Config, config_from_data
-from proxy.protocol.era import META_CLIENT_CAPABILITIES, META_PROTOCOL_VERSION, MODERN_VERSION, TASKS_EXTENSION
+from proxy.protocol.era import (
+    META_CLIENT_CAPABILITIES,
+    META_PROTOCOL_VERSION,
+    MODERN_VERSION,
+    TASKS_EXTENSION,
+)
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskRecord, now_ms
 from proxy.upstream.sse import iter_events
@@ -36,9 +40,16 @@ TASKS_CAPS = {"extensions": {TASKS_EXTENSION: {}}}
 class ServerProcess:
     """A child process that prints `listening on URL` on stdout once ready."""
 
-    def __init__(self, argv: list[str], *, env: dict[str, str] | None = None, ready_prefix: str = "listening on ") -> None:
+    def __init__(
+        self, argv: list[str], *, env: dict[str, str] | None = None, ready_prefix: str = "listening on "
+    ) -> None:
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}, cwd=ROOT, text=True
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+            text=True,
         )
         assert self.proc.stdout is not None
         self.lines: list[str] = []
@@ -80,7 +91,12 @@ def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
     assert npm, f"npm must be on the PATH to install {', '.join(packages)} (README: Run all tests)"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "package.json").write_text('{"private": true}\n')
-    subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", *packages], cwd=folder, check=True, timeout=timeout_s)
+    subprocess.run(
+        [npm, "install", "--silent", "--no-audit", "--no-fund", *packages],
+        cwd=folder,
+        check=True,
+        timeout=timeout_s,
+    )
 
 
 def python_venv(folder: Path, requirement: str, *, timeout_s: float = 600) -> Path:
@@ -92,15 +108,27 @@ def python_venv(folder: Path, requirement: str, *, timeout_s: float = 600) -> Pa
     marker = folder / f".installed-{requirement}"
     if not marker.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True, timeout=120)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement], check=True, timeout=timeout_s)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement],
+            check=True,
+            timeout=timeout_s,
+        )
         marker.write_text("")
     return python
 
 
 def make_record(**fields: Any) -> TaskRecord:
     """A task record with test defaults (principal `p`, server `s`, owner `ghost`); `fields` override."""
-    defaults: dict[str, Any] = {"task_id": "task-1", "principal": "p", "server": "s", "tool": "t", "created_ms": now_ms(),
-                                "ttl_ms": 60_000, "poll_interval_ms": 500, "owner": "ghost"}
+    defaults: dict[str, Any] = {
+        "task_id": "task-1",
+        "principal": "p",
+        "server": "s",
+        "tool": "t",
+        "created_ms": now_ms(),
+        "ttl_ms": 60_000,
+        "poll_interval_ms": 500,
+        "owner": "ghost",
+    }
     record = TaskRecord(**{**defaults, **fields})
     if record.status.terminal and record.terminal_ms is None:
         record.terminal_ms = record.last_updated_ms
@@ -195,7 +223,14 @@ async def served_app(app: web.Application) -> AsyncIterator[int]:
         await runner.cleanup()
 
 
-def make_config(upstream_url: str, store_path: Path, *, tasks: dict | None = None, server: dict | None = None, name: str = "legacy") -> Config:
+def make_config(
+    upstream_url: str,
+    store_path: Path,
+    *,
+    tasks: dict | None = None,
+    server: dict | None = None,
+    name: str = "legacy",
+) -> Config:
     """A one-server config with test-sized timings (detach after 50 ms)."""
     return config_from_data(
         {
@@ -215,7 +250,11 @@ async def proxy(legacy_url: str, tmp_path: Path) -> AsyncIterator[RunningProxy]:
 
 def envelope(capabilities: dict | None = None, **extra: Any) -> dict:
     """A 2026-07-28 `_meta` envelope."""
-    return {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: capabilities if capabilities is not None else {}, **extra}
+    return {
+        META_PROTOCOL_VERSION: MODERN_VERSION,
+        META_CLIENT_CAPABILITIES: capabilities if capabilities is not None else {},
+        **extra,
+    }
 
 
 @dataclass
@@ -266,12 +305,21 @@ class ModernClient:
         return headers
 
     async def request(
-        self, method: str, params: dict | None = None, *, capabilities: dict | None = None, headers: dict | None = None, meta: dict | None = None
+        self,
+        method: str,
+        params: dict | None = None,
+        *,
+        capabilities: dict | None = None,
+        headers: dict | None = None,
+        meta: dict | None = None,
     ) -> Reply:
         """Send one request; parse a JSON or SSE reply."""
         self._ids += 1
         params = dict(params or {})
-        params["_meta"] = {**envelope(self.capabilities if capabilities is None else capabilities), **(meta or {})}
+        params["_meta"] = {
+            **envelope(self.capabilities if capabilities is None else capabilities),
+            **(meta or {}),
+        }
         body = {"jsonrpc": "2.0", "id": self._ids, "method": method, "params": params}
         all_headers = {**self.headers_for(method, params), **(headers or {})}
         return await self.post_raw(json.dumps(body).encode(), all_headers)
@@ -324,20 +372,27 @@ class ModernClient:
                 await asyncio.sleep(0.02)
 
 
-FIXTURE_STDIO = {"command": sys.executable, "args": [str(ROOT / "tests" / "fixtures" / "legacy_server.py"), "--stdio"]}
+FIXTURE_STDIO = {
+    "command": sys.executable,
+    "args": [str(ROOT / "tests" / "fixtures" / "legacy_server.py"), "--stdio"],
+}
 
 
 @pytest.fixture(params=["http", "stdio"])
-async def flow_proxy(request: pytest.FixtureRequest, legacy_url: str, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+async def flow_proxy(
+    request: pytest.FixtureRequest, legacy_url: str, tmp_path: Path
+) -> AsyncIterator[RunningProxy]:
     """The proxy in front of the legacy fixture server over Streamable HTTP and, as a second run,
     over stdio (the same server as a child process): the core flows must hold on both."""
     config = make_config(legacy_url, tmp_path / "store")
     if request.param == "stdio":
-        config = config_from_data({
-            "store": {"path": str(tmp_path / "store"), "durable": False},
-            "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
-            "mcpServers": {"legacy": FIXTURE_STDIO},
-        })
+        config = config_from_data(
+            {
+                "store": {"path": str(tmp_path / "store"), "durable": False},
+                "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+                "mcpServers": {"legacy": FIXTURE_STDIO},
+            }
+        )
     async with running_proxy(config) as running:
         yield running
 

@@ -34,7 +34,11 @@ from types import TracebackType
 
 def redis_server_binary() -> str | None:
     """The path of `redis-server`, or None when it is not installed."""
-    return shutil.which("redis-server") or (os.path.exists("/usr/bin/redis-server") and "/usr/bin/redis-server") or None
+    return (
+        shutil.which("redis-server")
+        or (os.path.exists("/usr/bin/redis-server") and "/usr/bin/redis-server")
+        or None
+    )
 
 
 def free_port() -> int:
@@ -48,8 +52,14 @@ class RedisServer:
     """One redis-server process on loopback; see the module docstring."""
 
     def __init__(
-        self, workdir: str | os.PathLike[str], *, password: str | None = None, appendonly: bool = True,
-        appendfsync: str = "everysec", extra: tuple[str, ...] = (), launcher: tuple[str, ...] = (),
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        password: str | None = None,
+        appendonly: bool = True,
+        appendfsync: str = "everysec",
+        extra: tuple[str, ...] = (),
+        launcher: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.password = password
@@ -74,13 +84,31 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         args = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
-            "--logfile", str(self.workdir / "redis.log"), "--daemonize", "no", "--protected-mode", "no",
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--logfile",
+            str(self.workdir / "redis.log"),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen([*self.launcher, *args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [*self.launcher, *args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -89,7 +117,9 @@ class RedisServer:
                 return self
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout_s:g} s; log:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"redis-server on port {self.port} did not answer PING within {timeout_s:g} s; log:\n{self.log_tail()}"
+        )
 
     def _ping(self) -> bool:
         """True when the server answers PING (or asks for the password: it is up)."""
@@ -130,5 +160,7 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self
 
-    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+    def __exit__(
+        self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+    ) -> None:
         self.stop()

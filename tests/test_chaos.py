@@ -15,12 +15,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
 def chaos(*argv: str, timeout: float) -> dict:
-    out = subprocess.run([sys.executable, "scripts/chaos.py", *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "scripts/chaos.py", *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["violations"] == []
@@ -51,20 +52,41 @@ def assert_proved(report: dict, kills: int, *, rerun: bool = False) -> None:
 def test_small_chaos_run_single_process() -> None:
     report = chaos("--calls", "40", "--kills", "3", "--seed", "7", "--min-seen", "2", timeout=120)
     assert_proved(report, 3)
-    assert report["transport"]["call_cut"] > 0  # some kill cut a request mid-way (not just refused ones after it)
+    assert (
+        report["transport"]["call_cut"] > 0
+    )  # some kill cut a request mid-way (not just refused ones after it)
 
 
-@pytest.mark.skipif(not (shutil.which("redis-server") and (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy"))),
-                    reason="needs redis-server and haproxy")
+@pytest.mark.skipif(
+    not (shutil.which("redis-server") and (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy"))),
+    reason="needs redis-server and haproxy",
+)
 def test_small_chaos_run_three_replicas_and_a_redis_restart() -> None:
-    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "7", "--lease", "1s", timeout=180)
+    report = chaos(
+        "--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "7", "--lease", "1s", timeout=180
+    )
     assert_proved(report, 3)
     assert report["redis_restarts"] == 1 and report["seen_completed_before_redis_restart"] > 0
 
 
-@pytest.mark.skipif(not (shutil.which("redis-server") and (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy"))),
-                    reason="needs redis-server and haproxy")
+@pytest.mark.skipif(
+    not (shutil.which("redis-server") and (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy"))),
+    reason="needs redis-server and haproxy",
+)
 def test_small_chaos_run_three_replicas_rerun_policy() -> None:
     # config/replicas.yaml reads MCP_RERUN_POLICY for slow_compute: a killed replica's calls run again.
-    report = chaos("--replicas", "3", "--calls", "60", "--kills", "3", "--seed", "11", "--lease", "1s", "--rerun", timeout=180)
+    report = chaos(
+        "--replicas",
+        "3",
+        "--calls",
+        "60",
+        "--kills",
+        "3",
+        "--seed",
+        "11",
+        "--lease",
+        "1s",
+        "--rerun",
+        timeout=180,
+    )
     assert_proved(report, 3, rerun=True)

@@ -21,8 +21,13 @@ import pytest
 from conftest import ModernClient, make_record, seed_store
 
 from proxy import __version__
+from proxy.protocol.era import (
+    META_CLIENT_CAPABILITIES,
+    META_PROTOCOL_VERSION,
+    MODERN_VERSION,
+    TASKS_EXTENSION,
+)
 from proxy.tasks.model import now_ms
-from proxy.protocol.era import META_CLIENT_CAPABILITIES, META_PROTOCOL_VERSION, MODERN_VERSION, TASKS_EXTENSION
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +66,9 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path: Path):
 
 def test_bad_duration_exits_2(tmp_path: Path):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"tasks": {"detach_after": 5}, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}}}))
+    bad.write_text(
+        json.dumps({"tasks": {"detach_after": 5}, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}}})
+    )
     proc = run_cli("-c", str(bad))
     assert proc.returncode == 2
     assert "tasks.detach_after" in proc.stderr and "unit" in proc.stderr
@@ -69,13 +76,23 @@ def test_bad_duration_exits_2(tmp_path: Path):
 
 def test_missing_env_var_exits_2(tmp_path: Path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n    headers: {Authorization: 'Bearer ${CLI_TEST_UNSET_TOKEN}'}\n")
+    cfg.write_text(
+        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n    headers: {Authorization: 'Bearer ${CLI_TEST_UNSET_TOKEN}'}\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "CLI_TEST_UNSET_TOKEN"}
     proc = subprocess.run(
-        [sys.executable, "-m", "proxy", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=30, env=env
+        [sys.executable, "-m", "proxy", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
     )
     assert proc.returncode == 2
-    assert "mcpServers.a.headers.Authorization: environment variable CLI_TEST_UNSET_TOKEN is not set" in proc.stderr
+    assert (
+        "mcpServers.a.headers.Authorization: environment variable CLI_TEST_UNSET_TOKEN is not set"
+        in proc.stderr
+    )
 
 
 def test_missing_config_file(tmp_path: Path):
@@ -187,13 +204,17 @@ class DemoProxy:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"no line starting with {prefix!r}; saw {self.seen}; stderr: {self.stderr_path.read_text()}")
+                raise AssertionError(
+                    f"no line starting with {prefix!r}; saw {self.seen}; stderr: {self.stderr_path.read_text()}"
+                )
             try:
                 line = self.lines.get(timeout=remaining)
             except queue.Empty:
                 continue
             if line is None:
-                raise AssertionError(f"the proxy exited ({self.proc.poll()}); saw {self.seen}; stderr: {self.stderr_path.read_text()}")
+                raise AssertionError(
+                    f"the proxy exited ({self.proc.poll()}); saw {self.seen}; stderr: {self.stderr_path.read_text()}"
+                )
             self.seen.append(line)
             if line.startswith(prefix):
                 return line
@@ -238,7 +259,9 @@ def _modern_headers(method: str, name: str | None) -> dict[str, str]:
 def _modern_body(request_id: int, method: str, params: dict, *, tasks: bool) -> bytes:
     caps = {"extensions": {TASKS_EXTENSION: {}}} if tasks else {}
     meta = {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: caps}
-    return json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method, "params": {**params, "_meta": meta}}).encode()
+    return json.dumps(
+        {"jsonrpc": "2.0", "id": request_id, "method": method, "params": {**params, "_meta": meta}}
+    ).encode()
 
 
 async def _exercise_demo(url: str) -> None:
@@ -246,7 +269,12 @@ async def _exercise_demo(url: str) -> None:
     try:
         # A fast call: the demo's echo tool answers synchronously.
         reply = await client.post_raw(
-            _modern_body(1, "tools/call", {"name": "echo", "arguments": {"text": "hello from the cli test"}}, tasks=False),
+            _modern_body(
+                1,
+                "tools/call",
+                {"name": "echo", "arguments": {"text": "hello from the cli test"}},
+                tasks=False,
+            ),
             _modern_headers("tools/call", "echo"),
         )
         assert reply.status == 200, reply
@@ -257,7 +285,9 @@ async def _exercise_demo(url: str) -> None:
         # A slow call with the tasks extension declared: detached after 1 s into a task.
         started = time.monotonic()
         reply = await client.post_raw(
-            _modern_body(2, "tools/call", {"name": "slow_report", "arguments": {"seconds": 2, "steps": 2}}, tasks=True),
+            _modern_body(
+                2, "tools/call", {"name": "slow_report", "arguments": {"seconds": 2, "steps": 2}}, tasks=True
+            ),
             _modern_headers("tools/call", "slow_report"),
         )
         assert reply.status == 200, reply
@@ -273,7 +303,8 @@ async def _exercise_demo(url: str) -> None:
             while True:
                 n += 1
                 got = await client.post_raw(
-                    _modern_body(n, "tasks/get", {"taskId": task_id}, tasks=True), _modern_headers("tasks/get", task_id)
+                    _modern_body(n, "tasks/get", {"taskId": task_id}, tasks=True),
+                    _modern_headers("tasks/get", task_id),
                 )
                 assert got.status == 200, got
                 task = got.result
@@ -292,7 +323,9 @@ def test_demo_serves_and_stops_cleanly(demo_proxy: DemoProxy):
     url = line.removeprefix("listening on ")
     assert url.startswith("http://127.0.0.1:") and url.endswith("/mcp")
     assert int(url.removeprefix("http://127.0.0.1:").removesuffix("/mcp")) > 0
-    assert any(s.startswith("demo upstream (a legacy MCP server) at http://127.0.0.1:") for s in demo_proxy.seen)
+    assert any(
+        s.startswith("demo upstream (a legacy MCP server) at http://127.0.0.1:") for s in demo_proxy.seen
+    )
 
     demo_children = [pid for pid in _children(demo_proxy.proc.pid) if "proxy.demo.server" in _cmdline(pid)]
     demo_proxy.child_pids = demo_children
@@ -315,54 +348,103 @@ def test_demo_serves_and_stops_cleanly(demo_proxy: DemoProxy):
 def test_shipped_json_schema_is_generated_from_the_models():
     from proxy.config import SCHEMA_FILE, config_json_schema
 
-    assert json.loads(SCHEMA_FILE.read_text()) == config_json_schema(), "run: mcp-tasks-proxy schema > proxy/config.schema.json"
+    assert json.loads(SCHEMA_FILE.read_text()) == config_json_schema(), (
+        "run: mcp-tasks-proxy schema > proxy/config.schema.json"
+    )
 
 
 def test_schema_command_prints_the_schema():
-    out = subprocess.run([sys.executable, "-m", "proxy", "schema"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "schema"], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert out.returncode == 0
     schema = json.loads(out.stdout)
     assert schema["title"] == "mcp-tasks-proxy config" and "mcpServers" in schema["properties"]
 
 
 def test_check_config_prints_what_it_will_serve(tmp_path):
-    venv_path = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # where mcp-server-time is
-    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", "config/claude_desktop.json"], capture_output=True, text=True, timeout=30, cwd=ROOT,
-                         env=venv_path)
+    venv_path = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }  # where mcp-server-time is
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", "config/claude_desktop.json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env=venv_path,
+    )
     assert out.returncode == 0, out.stderr
     assert "config/claude_desktop.json: valid" in out.stdout
     assert "- time: stdio: mcp-server-time" in out.stdout and "/servers/demo/mcp" in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("mcpServers:\n  a:\n    url: http://x/mcp\n    tasks: {tools: {t: {mode: sometimes}}}\n")
-    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(bad)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
 
 
 def test_check_config_refuses_a_stdio_command_not_on_the_path(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("mcpServers:\n  gone:\n    command: no-such-mcp-server-xyz\n  rel:\n    command: ./missing.sh\n")
-    out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    config.write_text(
+        "mcpServers:\n  gone:\n    command: no-such-mcp-server-xyz\n  rel:\n    command: ./missing.sh\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
     assert "mcpServers.gone.command: 'no-such-mcp-server-xyz' is not on the PATH" in out.stderr
     assert "mcpServers.rel.command: './missing.sh' is not an executable file" in out.stderr
 
 
 def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
-    seed_store(tmp_path / "store", *(
-        make_record(task_id=f"task-{i}", tool=f"tool{i}", created_ms=now_ms() + i, status=status,
-                    outcome={"result": {"content": [], "isError": False}} if status == "completed" else None)
-        for i, status in enumerate(("working", "completed"))
-    ))
+    seed_store(
+        tmp_path / "store",
+        *(
+            make_record(
+                task_id=f"task-{i}",
+                tool=f"tool{i}",
+                created_ms=now_ms() + i,
+                status=status,
+                outcome={"result": {"content": [], "isError": False}} if status == "completed" else None,
+            )
+            for i, status in enumerate(("working", "completed"))
+        ),
+    )
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store"), *args],
-                              capture_output=True, text=True, timeout=30, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store"), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
 
     listing = run("list")
-    assert listing.returncode == 0 and "task-0" in listing.stdout and "task-1" in listing.stdout and "2 task(s)" in listing.stdout
+    assert (
+        listing.returncode == 0
+        and "task-0" in listing.stdout
+        and "task-1" in listing.stdout
+        and "2 task(s)" in listing.stdout
+    )
     assert "task-1" not in run("list", "--status", "working").stdout
     shown = json.loads(run("show", "task-1").stdout)
-    assert shown["status"] == "completed" and shown["tool"] == "tool1" and shown["result"] == {"content": [], "isError": False, "resultType": "complete"}
+    assert (
+        shown["status"] == "completed"
+        and shown["tool"] == "tool1"
+        and shown["result"] == {"content": [], "isError": False, "resultType": "complete"}
+    )
     assert "cancelled" in run("cancel", "task-0").stdout
     assert json.loads(run("show", "task-0").stdout)["status"] == "cancelled"
     assert "already completed" in run("cancel", "task-1").stdout
@@ -372,15 +454,38 @@ def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
 def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
     seed_store(tmp_path / "store", make_record(task_id="-vNAuJ4MJ9dash"))
     base = [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store")]
-    shown = subprocess.run([*base, "show", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    shown = subprocess.run(
+        [*base, "show", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert shown.returncode == 0 and json.loads(shown.stdout)["taskId"] == "-vNAuJ4MJ9dash"
-    cancelled = subprocess.run([*base, "cancel", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    cancelled = subprocess.run(
+        [*base, "cancel", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
-    helped = subprocess.run([sys.executable, "-m", "proxy", "hash-token", "--help"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    helped = subprocess.run(
+        [sys.executable, "-m", "proxy", "hash-token", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert helped.returncode == 0 and helped.stdout.startswith("usage:")
-    empty = subprocess.run([sys.executable, "-m", "proxy", "hash-token"], input="", capture_output=True, text=True, timeout=30, cwd=ROOT)
+    empty = subprocess.run(
+        [sys.executable, "-m", "proxy", "hash-token"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert empty.returncode == 2
-    hashed = subprocess.run([sys.executable, "-m", "proxy", "hash-token", "s3cret"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    hashed = subprocess.run(
+        [sys.executable, "-m", "proxy", "hash-token", "s3cret"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert hashed.stdout.strip() == "sha256:" + __import__("hashlib").sha256(b"s3cret").hexdigest()
 
 
@@ -393,14 +498,44 @@ def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_p
         "listen: {host: 0.0.0.0, port: 0}\nstore: {url: redis://127.0.0.1:1/0}\n"
         f"replicas: {{secret: {secret}}}\nmcpServers:\n  a: {{url: http://127.0.0.1:1/mcp}}\n"
     )
-    checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    checked = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert checked.returncode == 2 and "replicas.advertise is needed" in checked.stderr, checked
-    served = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
-    assert served.returncode == 2 and "replicas.advertise is needed" in served.stderr and "Traceback" not in served.stderr, served
+    served = subprocess.run(
+        [sys.executable, "-m", "proxy", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert (
+        served.returncode == 2
+        and "replicas.advertise is needed" in served.stderr
+        and "Traceback" not in served.stderr
+    ), served
     config.write_text(config.read_text().replace("secret:", "advertise: 'http://10.0.0.5:{port}', secret:"))
-    checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    checked = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert checked.returncode == 0 and "advertised as http://10.0.0.5:0" in checked.stdout, checked
     # The shipped template `http://{host}:{port}` on a wildcard host is no address either.
     config.write_text(config.read_text().replace("http://10.0.0.5:{port}", "http://{host}:{port}"))
-    checked = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(config)], capture_output=True, text=True, timeout=30, cwd=ROOT)
-    assert checked.returncode == 2 and "a wildcard address other replicas cannot reach" in checked.stderr, checked
+    checked = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert checked.returncode == 2 and "a wildcard address other replicas cannot reach" in checked.stderr, (
+        checked
+    )

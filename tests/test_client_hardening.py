@@ -13,16 +13,20 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
-import structlog
 import jwt
 import pytest
+import structlog
 from conftest import ModernClient, make_config, running_proxy
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from proxy.config import Config, config_from_data
 from proxy.logs import configure_logging
 
-LEGACY = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+LEGACY = {
+    "Content-Type": "application/json",
+    "Accept": "application/json, text/event-stream",
+    "MCP-Protocol-Version": "2025-11-25",
+}
 
 
 @asynccontextmanager
@@ -33,7 +37,10 @@ async def served(config: Config) -> AsyncIterator[str]:
 
 
 async def healthy(base: str) -> bool:
-    async with aiohttp.ClientSession() as http, http.get(f"{base}/healthz", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{base}/healthz", timeout=aiohttp.ClientTimeout(total=2)) as resp,
+    ):
         return resp.status == 200
 
 
@@ -61,7 +68,9 @@ async def test_a_slow_body_is_answered_408(legacy_url: str, tmp_path: Path) -> N
     config.listen.header_timeout = 0.3  # also bounds draining the unread rest of the body before the close
     async with served(config) as base:
         reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
-        writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"jsonrpc\"")
+        writer.write(
+            b'POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"jsonrpc"'
+        )
         async with asyncio.timeout(3):
             answer = await reader.read()
         writer.close()
@@ -75,7 +84,9 @@ def _post_at_once(port: int) -> bytes:
     import socket
 
     with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
-        sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        sock.sendall(
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        )
         time.sleep(0.05)  # the proxy refuses while the request sits unread
         chunks = []
         try:
@@ -121,7 +132,11 @@ def _legacy_session_post(body: bytes, **headers: str) -> tuple[bytes, dict[str, 
 async def test_malformed_input_is_4xx_never_500(legacy_url: str, tmp_path: Path) -> None:
     cases: list[tuple[str, bytes, dict[str, str]]] = [
         ("bad Host", b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}', {**LEGACY, "Host": "[::1"}),
-        ("bad Origin", b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}', {**LEGACY, "Origin": "http://[::1"}),
+        (
+            "bad Origin",
+            b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}',
+            {**LEGACY, "Origin": "http://[::1"},
+        ),
         ("not gzip", b"this is not gzip at all", {**LEGACY, "Content-Encoding": "gzip"}),
         ("unsupported encoding", b"", {**LEGACY, "Content-Encoding": "br"}),
         ("unknown encoding", b"{}", {**LEGACY, "Content-Encoding": "bogus"}),
@@ -132,10 +147,18 @@ async def test_malformed_input_is_4xx_never_500(legacy_url: str, tmp_path: Path)
     async with served(make_config(legacy_url, tmp_path / "store")) as base:
         async with aiohttp.ClientSession(auto_decompress=False) as http:
             for label, body, headers in cases:
-                async with http.post(f"{base}/mcp", data=body, headers=headers, skip_auto_headers=["Host"] if "Host" in headers else ()) as resp:
+                async with http.post(
+                    f"{base}/mcp",
+                    data=body,
+                    headers=headers,
+                    skip_auto_headers=["Host"] if "Host" in headers else (),
+                ) as resp:
                     answer = await resp.json(content_type=None)
                     assert 400 <= resp.status < 500, (label, resp.status, answer)
-                    assert answer["jsonrpc"] == "2.0" and isinstance(answer["error"]["code"], int), (label, answer)
+                    assert answer["jsonrpc"] == "2.0" and isinstance(answer["error"]["code"], int), (
+                        label,
+                        answer,
+                    )
         assert await healthy(base)
 
 
@@ -144,16 +167,25 @@ async def test_a_jwt_whose_alg_does_not_fit_its_key_is_401(legacy_url: str, tmp_
     jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key())) | {"kid": "k1"}
     (tmp_path / "jwks.json").write_text(json.dumps({"keys": [jwk]}))
     config = make_config(legacy_url, tmp_path / "store")
-    config.auth = type(config.auth).model_validate({"mode": "jwt", "jwt": {"jwks_file": str(tmp_path / "jwks.json"), "algorithms": ["RS256", "ES256", "HS256"]}})
+    config.auth = type(config.auth).model_validate(
+        {
+            "mode": "jwt",
+            "jwt": {"jwks_file": str(tmp_path / "jwks.json"), "algorithms": ["RS256", "ES256", "HS256"]},
+        }
+    )
     claims = {"sub": "mallory", "exp": int(time.time()) + 60}
-    ec_token = jwt.encode(claims, ec.generate_private_key(ec.SECP256R1()), algorithm="ES256", headers={"kid": "k1"})
+    ec_token = jwt.encode(
+        claims, ec.generate_private_key(ec.SECP256R1()), algorithm="ES256", headers={"kid": "k1"}
+    )
     hs_token = jwt.encode(claims, "k" * 32, algorithm="HS256", headers={"kid": "k1"})
     junk = "e30." + base64.urlsafe_b64encode(b'{"sub":"x"}').decode().rstrip("=") + ".sig"
     async with served(config) as base:
         for token in (ec_token, hs_token, junk, "not-even-a-jwt"):
             client = ModernClient(f"{base}/mcp")
             try:
-                reply = await client.post_raw(b"{}", {**client.headers_for("tools/list", {}), "Authorization": f"Bearer {token}"})
+                reply = await client.post_raw(
+                    b"{}", {**client.headers_for("tools/list", {}), "Authorization": f"Bearer {token}"}
+                )
                 assert reply.status == 401 and reply.error["code"] == -32600, (token[:20], reply)
             finally:
                 await client.close()
@@ -165,22 +197,37 @@ async def test_header_trust_needs_trusted_peers_and_never_lists_them(legacy_url:
 
     for header in (None, {"name": "X-Forwarded-User"}, {"trusted_peers": []}):
         with pytest.raises(ConfigError, match="trusted_peers"):
-            config_from_data({**data, "auth": {"mode": "header", **({"header": header} if header is not None else {})}})
-    assert config_from_data({**data, "auth": {"mode": "header", "header": {"trusted_peers": "any"}}}).auth.header.trusted_peers == "any"
+            config_from_data(
+                {**data, "auth": {"mode": "header", **({"header": header} if header is not None else {})}}
+            )
+    assert (
+        config_from_data(
+            {**data, "auth": {"mode": "header", "header": {"trusted_peers": "any"}}}
+        ).auth.header.trusted_peers
+        == "any"
+    )
     with pytest.raises(ConfigError, match="not an IP address"):
-        config_from_data({**data, "auth": {"mode": "header", "header": {"trusted_peers": ["auth-proxy.internal"]}}})
+        config_from_data(
+            {**data, "auth": {"mode": "header", "header": {"trusted_peers": ["auth-proxy.internal"]}}}
+        )
     config = make_config(legacy_url, tmp_path / "store")
-    config.auth = type(config.auth).model_validate({"mode": "header", "header": {"trusted_peers": ["10.20.0.0/16"]}})
+    config.auth = type(config.auth).model_validate(
+        {"mode": "header", "header": {"trusted_peers": ["10.20.0.0/16"]}}
+    )
     async with served(config) as base:
         client = ModernClient(f"{base}/mcp")
         try:
-            reply = await client.post_raw(b"{}", {**client.headers_for("tools/list", {}), "X-Forwarded-User": "alice"})
+            reply = await client.post_raw(
+                b"{}", {**client.headers_for("tools/list", {}), "X-Forwarded-User": "alice"}
+            )
             assert reply.status == 401 and "10.20" not in json.dumps(reply.message)
         finally:
             await client.close()
 
 
-async def test_a_client_that_hangs_up_is_logged_as_499_not_500(legacy_url: str, tmp_path: Path, capsys) -> None:
+async def test_a_client_that_hangs_up_is_logged_as_499_not_500(
+    legacy_url: str, tmp_path: Path, capsys
+) -> None:
     configure_logging("info")
     try:
         async with served(make_config(legacy_url, tmp_path / "store")) as base:

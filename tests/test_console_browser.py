@@ -20,8 +20,16 @@ from test_console_api import CONSOLE_TOKEN, client_for, console_config, seed
 from proxy.tasks.model import TaskStatus, now_ms
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def require_browser() -> None:
@@ -30,7 +38,9 @@ def require_browser() -> None:
     if importlib.util.find_spec("playwright") is None:
         problem = "the playwright package is missing (pip install -e '.[test]')"
     elif not os.access(CHROMIUM, os.X_OK):
-        problem = f"chromium is missing at {CHROMIUM} (apt-get install chromium; scripts/test.sh does it as root)"
+        problem = (
+            f"chromium is missing at {CHROMIUM} (apt-get install chromium; scripts/test.sh does it as root)"
+        )
     if problem:
         if os.environ.get("CI") == "true":
             pytest.fail(problem)
@@ -44,16 +54,39 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
     expect.set_options(timeout=15_000)  # a busy 2-core CI machine; every wait still ends
 
     now = now_ms()
-    await seed(tmp_path / "store", [  # some history, so the table is not empty
-        make_record(task_id="nightly-build-7", server="other", tool="build", principal="ci", status=TaskStatus.COMPLETED, created_ms=now - 400_000,
-                    status_message="build 7 done", ttl_ms=3_600_000, outcome={"result": {"content": [{"type": "text", "text": "ok"}]}}),
-        make_record(task_id="deploy-staging-3", server="legacy", tool="deploy", principal="release-bot", status=TaskStatus.FAILED, created_ms=now - 90_000,
-                    status_message="upstream timed out after 60 s", ttl_ms=3_600_000, outcome={"error": {"code": -32603, "message": "timed out"}}),
-    ])
+    await seed(
+        tmp_path / "store",
+        [  # some history, so the table is not empty
+            make_record(
+                task_id="nightly-build-7",
+                server="other",
+                tool="build",
+                principal="ci",
+                status=TaskStatus.COMPLETED,
+                created_ms=now - 400_000,
+                status_message="build 7 done",
+                ttl_ms=3_600_000,
+                outcome={"result": {"content": [{"type": "text", "text": "ok"}]}},
+            ),
+            make_record(
+                task_id="deploy-staging-3",
+                server="legacy",
+                tool="deploy",
+                principal="release-bot",
+                status=TaskStatus.FAILED,
+                created_ms=now - 90_000,
+                status_message="upstream timed out after 60 s",
+                ttl_ms=3_600_000,
+                outcome={"error": {"code": -32603, "message": "timed out"}},
+            ),
+        ],
+    )
     async with running_proxy(console_config(legacy_url, tmp_path / "store")) as proxy:
         client = client_for(proxy, "legacy")
         async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            browser = await playwright.chromium.launch(
+                executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+            )
             try:
                 page = await browser.new_page(viewport={"width": 1280, "height": 720})
                 page.set_default_timeout(15_000)
@@ -64,10 +97,16 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
                 await expect(page.locator("#live")).to_have_text("live")  # the event stream is open
                 await expect(page.locator("#operator")).to_have_text("alice")
                 await page.evaluate("window.__notReloaded = true")
-                await expect(page.locator('tr[data-task-id="deploy-staging-3"] td.status')).to_have_text("failed")
+                await expect(page.locator('tr[data-task-id="deploy-staging-3"] td.status')).to_have_text(
+                    "failed"
+                )
 
-                kept = (await client.call("slow_compute", {"seconds": 60, "label": "browser-kept"})).result["taskId"]
-                task_id = (await client.call("slow_compute", {"seconds": 60, "label": "browser-cancel"})).result["taskId"]
+                kept = (await client.call("slow_compute", {"seconds": 60, "label": "browser-kept"})).result[
+                    "taskId"
+                ]
+                task_id = (
+                    await client.call("slow_compute", {"seconds": 60, "label": "browser-cancel"})
+                ).result["taskId"]
                 row = page.locator(f'tr[data-task-id="{task_id}"]')
                 await expect(row.locator("td.status")).to_have_text("working")  # appeared from the stream
                 await expect(page.locator(f'tr[data-task-id="{kept}"] td.status')).to_have_text("working")
@@ -86,9 +125,13 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
                 await expect(page.locator("#d-history li")).to_have_count(2)
                 assert await page.evaluate("window.__notReloaded === true")
                 record = await proxy.store.get(task_id)
-                assert record.status is TaskStatus.CANCELLED and record.status_message == "cancelled by operator"
+                assert (
+                    record.status is TaskStatus.CANCELLED and record.status_message == "cancelled by operator"
+                )
                 assert (await proxy.store.get(kept)).status is TaskStatus.WORKING
-                await expect(page.locator("#upstreams")).to_contain_text("1 call(s) running")  # the overview followed the changes
+                await expect(page.locator("#upstreams")).to_contain_text(
+                    "1 call(s) running"
+                )  # the overview followed the changes
                 if os.environ.get("CONSOLE_SCREENSHOT"):
                     await page.screenshot(path=os.environ["CONSOLE_SCREENSHOT"])
             finally:

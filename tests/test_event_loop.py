@@ -19,7 +19,15 @@ WITHOUT_UVLOOP = "import sys; sys.modules['uvloop'] = None; from proxy.cli impor
 def _config(tmp_path: Path, url: str, event_loop: str | None) -> Path:
     listen = {"event_loop": event_loop} if event_loop else {}
     path = tmp_path / "proxy.json"
-    path.write_text(json.dumps({"listen": listen, "store": {"path": str(tmp_path / "store")}, "mcpServers": {"legacy": {"url": url}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "listen": listen,
+                "store": {"path": str(tmp_path / "store")},
+                "mcpServers": {"legacy": {"url": url}},
+            }
+        )
+    )
     return path
 
 
@@ -43,33 +51,90 @@ def _start_line(args: list[str]) -> dict:
                 stream.close()
 
 
-@pytest.mark.parametrize(("setting", "expected"), [(None, "asyncio"), ("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")])
-def test_the_start_up_line_names_the_loop_the_setting_gives(legacy_url: str, tmp_path: Path, setting: str | None, expected: str) -> None:
-    line = _start_line([sys.executable, "-m", "proxy", "--config", str(_config(tmp_path, legacy_url, setting)), "--port", "0"])
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [(None, "asyncio"), ("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")],
+)
+def test_the_start_up_line_names_the_loop_the_setting_gives(
+    legacy_url: str, tmp_path: Path, setting: str | None, expected: str
+) -> None:
+    line = _start_line(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "--config",
+            str(_config(tmp_path, legacy_url, setting)),
+            "--port",
+            "0",
+        ]
+    )
     assert line["event_loop"] == expected
 
 
 def test_auto_falls_back_to_asyncio_where_uvloop_is_not_installed(legacy_url: str, tmp_path: Path) -> None:
-    line = _start_line([sys.executable, "-c", WITHOUT_UVLOOP, "--config", str(_config(tmp_path, legacy_url, "auto")), "--port", "0"])
+    line = _start_line(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_UVLOOP,
+            "--config",
+            str(_config(tmp_path, legacy_url, "auto")),
+            "--port",
+            "0",
+        ]
+    )
     assert line["event_loop"] == "asyncio"
 
 
-def test_uvloop_insisted_on_where_it_is_not_installed_stops_the_start_with_one_line(legacy_url: str, tmp_path: Path) -> None:
+def test_uvloop_insisted_on_where_it_is_not_installed_stops_the_start_with_one_line(
+    legacy_url: str, tmp_path: Path
+) -> None:
     config = str(_config(tmp_path, legacy_url, "uvloop"))
-    served = subprocess.run([sys.executable, "-c", WITHOUT_UVLOOP, "--config", config, "--port", "0"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    served = subprocess.run(
+        [sys.executable, "-c", WITHOUT_UVLOOP, "--config", config, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert served.returncode == 2
     assert "uvloop package is not installed" in served.stderr and "Traceback" not in served.stderr
     assert "proxy_listening" not in served.stderr
-    checked = subprocess.run([sys.executable, "-c", WITHOUT_UVLOOP, "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    checked = subprocess.run(
+        [sys.executable, "-c", WITHOUT_UVLOOP, "check-config", config],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert checked.returncode == 2 and "uvloop package is not installed" in checked.stderr
-    fine = subprocess.run([sys.executable, "-m", "proxy", "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    fine = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", config],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert fine.returncode == 0, fine.stderr
     assert "event loop uvloop" in fine.stdout
 
 
 def test_check_config_says_which_loop_auto_gives(legacy_url: str, tmp_path: Path) -> None:
     config = str(_config(tmp_path, legacy_url, "auto"))
-    here = subprocess.run([sys.executable, "-m", "proxy", "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    here = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", config],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert here.returncode == 0 and "event loop uvloop" in here.stdout
-    without = subprocess.run([sys.executable, "-c", WITHOUT_UVLOOP, "check-config", config], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    without = subprocess.run(
+        [sys.executable, "-c", WITHOUT_UVLOOP, "check-config", config],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
     assert without.returncode == 0 and "event loop asyncio (auto: uvloop is not installed)" in without.stdout

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
 import pytest
 from conftest import ROOT, ServerProcess, npm_install, running_proxy
 from fastmcp import Client
 
-import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
 from proxy.config import config_from_data
 from proxy.tasks.model import TaskStatus
 from proxy.tasks.store import ListFilter
@@ -33,19 +33,26 @@ def everything_url() -> Iterator[str]:
     """server-everything over Streamable HTTP on a free port (a thin wrapper prints the ready line)."""
     entry = _install_everything()
     wrapper = ROOT / "tests" / "fixtures" / "run_node_server.py"
-    server = ServerProcess([sys.executable, str(wrapper), "node", str(entry), "streamableHttp"], env={"NODE_NO_WARNINGS": "1"})
+    server = ServerProcess(
+        [sys.executable, str(wrapper), "node", str(entry), "streamableHttp"], env={"NODE_NO_WARNINGS": "1"}
+    )
     yield server.url
     server.stop()
 
 
-async def test_long_operation_becomes_a_task_and_returns_the_direct_content(everything_url: str, tmp_path: Path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store")},
-        "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
-        "mcpServers": {"everything": {"url": everything_url}},
-    })
+async def test_long_operation_becomes_a_task_and_returns_the_direct_content(
+    everything_url: str, tmp_path: Path
+) -> None:
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
     args = {"duration": 4, "steps": 4}
     async with running_proxy(config) as proxy:
+
         async def direct() -> object:
             async with Client(everything_url) as client:
                 return await client.call_tool("trigger-long-running-operation", args)
@@ -58,7 +65,9 @@ async def test_long_operation_becomes_a_task_and_returns_the_direct_content(ever
                 return result, echo
 
         direct_result, (proxied_result, echo) = await asyncio.gather(direct(), proxied())
-        assert [c.model_dump() for c in proxied_result.content] == [c.model_dump() for c in direct_result.content]
+        assert [c.model_dump() for c in proxied_result.content] == [
+            c.model_dump() for c in direct_result.content
+        ]
         assert "hello" in echo.content[0].text
         records, _ = await proxy.store.list_tasks(ListFilter())
         long_ops = [r for r in records if r.tool == "trigger-long-running-operation"]
@@ -67,11 +76,13 @@ async def test_long_operation_becomes_a_task_and_returns_the_direct_content(ever
 
 
 async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: str, tmp_path: Path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store")},
-        "tasks": {"detach_after": "1s"},
-        "mcpServers": {"everything": {"url": everything_url}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
     asked: list[str] = []
 
     async def on_elicit(message, response_type, params, context):
@@ -86,18 +97,23 @@ async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: s
     assert "Ada Lovelace" in text and "ada@example.com" in text
 
 
-async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(everything_url: str, tmp_path: Path) -> None:
+async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(
+    everything_url: str, tmp_path: Path
+) -> None:
     """server-everything's `simulate-research-query` (`taskSupport: required`, the upstream's own
     v1 task): FastMCP's tasks client gets a v2 task that completes with the upstream's result; a
     2026-07-28 client without the extension gets the synchronous result."""
     from conftest import ModernClient
 
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store")},
-        "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
-        "mcpServers": {"everything": {"url": everything_url}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
     async with running_proxy(config) as proxy:
+
         async def with_tasks() -> str:
             async with Client(proxy.url()) as client:
                 result = await client.call_tool("simulate-research-query", {"topic": "tides"})
@@ -120,12 +136,16 @@ async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(everythin
         assert [r.status for r in records if r.tool == "simulate-research-query"] == [TaskStatus.COMPLETED]
 
 
-async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(everything_url: str, tmp_path: Path) -> None:
+async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(
+    everything_url: str, tmp_path: Path
+) -> None:
     """In front of an upstream with v1 tasks of its own, a v1 client talks to those: the proxy
     neither declares its own `capabilities.tasks` nor serves `tasks/*` (they reach the upstream)."""
     from v1_client import V1Client
 
-    config = config_from_data({"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}})
+    config = config_from_data(
+        {"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}}
+    )
     async with running_proxy(config) as proxy:
         client = V1Client(proxy.url())
         try:
@@ -142,14 +162,18 @@ async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(
             await client.close()
 
 
-async def test_upstream_task_question_becomes_input_required_and_is_answered(everything_url: str, tmp_path: Path) -> None:
+async def test_upstream_task_question_becomes_input_required_and_is_answered(
+    everything_url: str, tmp_path: Path
+) -> None:
     """The upstream's own task asks (elicitation on its `tasks/result` stream): the v2 task goes
     `input_required`, FastMCP answers through `tasks/update`, and the upstream's task completes."""
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store")},
-        "tasks": {"poll_interval": "200ms"},
-        "mcpServers": {"everything": {"url": everything_url}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
     asked: list[str] = []
 
     async def on_elicit(message, response_type, params, context):
@@ -163,17 +187,23 @@ async def test_upstream_task_question_becomes_input_required_and_is_answered(eve
     assert "Clarification**: technical" in result.content[0].text
 
 
-async def test_upstream_task_question_fails_a_call_without_the_extension_at_once(everything_url: str, tmp_path: Path) -> None:
+async def test_upstream_task_question_fails_a_call_without_the_extension_at_once(
+    everything_url: str, tmp_path: Path
+) -> None:
     """Without the tasks extension nothing can carry the upstream task's question: the client gets
     -32603 saying so as soon as it is asked (not after input_timeout), and the upstream task is cancelled."""
     from conftest import ModernClient
 
-    config = config_from_data({"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}})
+    config = config_from_data(
+        {"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}}
+    )
     async with running_proxy(config) as proxy:
         plain = ModernClient(proxy.url(), capabilities={"elicitation": {}})
         try:
             async with asyncio.timeout(15):
                 reply = await plain.call("simulate-research-query", {"topic": "python", "ambiguous": True})
-            assert reply.error["code"] == -32603 and "elicitation/create" in reply.error["message"], reply.message
+            assert reply.error["code"] == -32603 and "elicitation/create" in reply.error["message"], (
+                reply.message
+            )
         finally:
             await plain.close()

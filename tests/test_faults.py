@@ -23,18 +23,22 @@ FAULTS = {
 
 @pytest.fixture(scope="module")
 def bad_url() -> Iterator[str]:
-    server = ServerProcess([sys.executable, str(ROOT / "tests" / "fixtures" / "bad_upstream.py"), "--port", "0"])
+    server = ServerProcess(
+        [sys.executable, str(ROOT / "tests" / "fixtures" / "bad_upstream.py"), "--port", "0"]
+    )
     yield server.url
     server.stop()
 
 
 def fault_config(url: str, tmp_path: Path, *, required: bool):
     tools = {name: {"mode": "required"} for name in [*FAULTS, "ok"]} if required else {}
-    return config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "tasks": {"detach_after": "5s", "poll_interval": "100ms"},
-        "mcpServers": {"bad": {"url": url, "timeout": "400ms", "tasks": {"tools": tools}}},
-    })
+    return config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "5s", "poll_interval": "100ms"},
+            "mcpServers": {"bad": {"url": url, "timeout": "400ms", "tasks": {"tools": tools}}},
+        }
+    )
 
 
 async def test_faults_are_clear_synchronous_errors(bad_url: str, tmp_path: Path) -> None:
@@ -44,7 +48,10 @@ async def test_faults_are_clear_synchronous_errors(bad_url: str, tmp_path: Path)
             for tool, cause in FAULTS.items():
                 reply = await client.call(tool)
                 assert reply.error["code"] == -32603, tool
-                assert cause in reply.error["message"] and "bad" in reply.error["message"], (tool, reply.error)
+                assert cause in reply.error["message"] and "bad" in reply.error["message"], (
+                    tool,
+                    reply.error,
+                )
             assert (await client.call("ok")).result["content"][0]["text"] == "ok"
         finally:
             await client.close()
@@ -67,15 +74,23 @@ async def test_faults_fail_the_task_naming_the_cause(bad_url: str, tmp_path: Pat
 
 
 async def test_unreachable_upstream_fails_a_required_task_naming_the_cause(tmp_path: Path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "mcpServers": {"gone": {"url": "http://127.0.0.1:9/mcp", "tasks": {"tools": {"job": {"mode": "required"}}}}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {
+                "gone": {"url": "http://127.0.0.1:9/mcp", "tasks": {"tools": {"job": {"mode": "required"}}}}
+            },
+        }
+    )
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url())
         try:
             created = (await client.call("job")).result
             done = await client.wait_terminal(created["taskId"])
-            assert done["status"] == "failed" and "unreachable" in done["error"]["message"] and "gone" in done["error"]["message"]
+            assert (
+                done["status"] == "failed"
+                and "unreachable" in done["error"]["message"]
+                and "gone" in done["error"]["message"]
+            )
         finally:
             await client.close()

@@ -18,13 +18,15 @@ from proxy.config import config_from_data
 
 
 def with_auth(url: str, tmp_path: Path, auth: dict, **extra) -> object:
-    return config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "tasks": {"detach_after": "50ms", "poll_interval": "100ms"},
-        "auth": auth,
-        "mcpServers": {"legacy": {"url": url}},
-        **extra,
-    })
+    return config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "50ms", "poll_interval": "100ms"},
+            "auth": auth,
+            "mcpServers": {"legacy": {"url": url}},
+            **extra,
+        }
+    )
 
 
 class AuthClient(ModernClient):
@@ -39,7 +41,10 @@ class AuthClient(ModernClient):
 
 
 async def test_bearer_tokens_bind_tasks_to_their_principal(legacy_url: str, tmp_path: Path, capsys) -> None:
-    auth = {"mode": "bearer", "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")}}
+    auth = {
+        "mode": "bearer",
+        "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")},
+    }
     async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
         alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret"})
         bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret"})
@@ -48,15 +53,24 @@ async def test_bearer_tokens_bind_tasks_to_their_principal(legacy_url: str, tmp_
         try:
             for client in (nobody, wrong):
                 reply = await client.call("greet", {"name": "x"})
-                assert reply.status == 401 and reply.error["code"] == -32600 and "authentication required" in reply.error["message"]
+                assert (
+                    reply.status == 401
+                    and reply.error["code"] == -32600
+                    and "authentication required" in reply.error["message"]
+                )
             created = (await alice.call("slow_compute", {"seconds": 0.3, "label": "alice"})).result
             task_id = created["taskId"]
             unknown = await bob.get("no-such-task")
-            for method, params in (("tasks/get", {"taskId": task_id}), ("tasks/update", {"taskId": task_id, "inputResponses": {}}),
-                                   ("tasks/cancel", {"taskId": task_id})):
+            for method, params in (
+                ("tasks/get", {"taskId": task_id}),
+                ("tasks/update", {"taskId": task_id, "inputResponses": {}}),
+                ("tasks/cancel", {"taskId": task_id}),
+            ):
                 reply = await bob.request(method, params)
                 assert reply.error["code"] == unknown.error["code"] == -32602
-                assert reply.error["message"].replace(task_id, "X") == unknown.error["message"].replace("no-such-task", "X")
+                assert reply.error["message"].replace(task_id, "X") == unknown.error["message"].replace(
+                    "no-such-task", "X"
+                )
             done = await alice.wait_terminal(task_id)
             assert done["status"] == "completed"  # bob's cancel did nothing
             assert (await proxy.store.get(task_id)).principal == "alice"
@@ -85,12 +99,24 @@ def _token(key: object, **claims) -> str:
 
 async def test_jwt_against_a_jwks_file(legacy_url: str, tmp_path: Path) -> None:
     key, jwks = _rsa_jwks(tmp_path)
-    auth = {"mode": "jwt", "jwt": {"jwks_file": str(jwks), "issuer": "https://idp.test", "audience": "mcp-proxy", "algorithms": ["RS256"]}}
+    auth = {
+        "mode": "jwt",
+        "jwt": {
+            "jwks_file": str(jwks),
+            "issuer": "https://idp.test",
+            "audience": "mcp-proxy",
+            "algorithms": ["RS256"],
+        },
+    }
     async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
         carol = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='carol')}"})
         dave = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='dave')}"})
-        expired = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='carol', exp=int(time.time()) - 600)}"})
-        foreign_aud = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='carol', aud='someone-else')}"})
+        expired = AuthClient(
+            proxy.url(), {"Authorization": f"Bearer {_token(key, sub='carol', exp=int(time.time()) - 600)}"}
+        )
+        foreign_aud = AuthClient(
+            proxy.url(), {"Authorization": f"Bearer {_token(key, sub='carol', aud='someone-else')}"}
+        )
         other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         forged = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(other_key, sub='carol')}"})
         try:
@@ -128,7 +154,9 @@ async def test_trusted_header_from_a_fronting_proxy(legacy_url: str, tmp_path: P
 
 async def test_upstream_credentials_never_reach_the_store(legacy_url: str, tmp_path: Path) -> None:
     secret = "upstream-credential-7f3a9c"
-    config = make_config(legacy_url, tmp_path / "store", server={"headers": {"Authorization": f"Bearer {secret}"}})
+    config = make_config(
+        legacy_url, tmp_path / "store", server={"headers": {"Authorization": f"Bearer {secret}"}}
+    )
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url())
         try:
@@ -154,9 +182,14 @@ async def test_limit_on_running_tasks_per_principal(legacy_url: str, tmp_path: P
             first = (await client.call("slow_compute", {"seconds": 0.6, "label": "first"})).result
             refused = await client.call("slow_compute", {"seconds": 0.6, "label": "refused"})
             assert refused.status == 429 and refused.error["code"] == -32603
-            assert refused.error["data"]["limit"] == "max_tasks_per_principal" and "max_tasks_per_principal" in refused.error["message"]
+            assert (
+                refused.error["data"]["limit"] == "max_tasks_per_principal"
+                and "max_tasks_per_principal" in refused.error["message"]
+            )
             await client.wait_terminal(first["taskId"])
-            assert (await client.call("slow_compute", {"seconds": 0.2, "label": "later"})).result["resultType"] == "task"
+            assert (await client.call("slow_compute", {"seconds": 0.2, "label": "later"})).result[
+                "resultType"
+            ] == "task"
         finally:
             await client.close()
 
@@ -175,7 +208,9 @@ async def test_limit_on_tasks_call_rate(legacy_url: str, tmp_path: Path) -> None
 
 
 async def test_limit_on_stored_result_size(legacy_url: str, tmp_path: Path) -> None:
-    config = make_config(legacy_url, tmp_path / "store", server={"tasks": {"tools": {"big_result": {"mode": "required"}}}})
+    config = make_config(
+        legacy_url, tmp_path / "store", server={"tasks": {"tools": {"big_result": {"mode": "required"}}}}
+    )
     config.limits.max_result_bytes = 2048
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url())
@@ -203,7 +238,9 @@ async def test_max_ttl_caps_retention_and_expired_tasks_are_unknown(legacy_url: 
                     await asyncio.sleep(0.05)
             gone = await client.get(created["taskId"])
             assert gone.error["code"] == -32602
-            assert time.time() * 1000 >= _parse_ms(created["createdAt"]) + created["ttlMs"] - 50  # not before its ttl
+            assert (
+                time.time() * 1000 >= _parse_ms(created["createdAt"]) + created["ttlMs"] - 50
+            )  # not before its ttl
         finally:
             await client.close()
 
@@ -215,7 +252,9 @@ def _parse_ms(stamp: str) -> float:
 
 
 @pytest.mark.parametrize("round_", range(1))
-async def test_cancel_racing_completion_has_one_final_state(legacy_url: str, tmp_path: Path, round_: int) -> None:
+async def test_cancel_racing_completion_has_one_final_state(
+    legacy_url: str, tmp_path: Path, round_: int
+) -> None:
     async with running_proxy(make_config(legacy_url, tmp_path / "store")) as proxy:
         client = ModernClient(proxy.url())
         try:
@@ -236,22 +275,41 @@ async def test_cancel_racing_completion_has_one_final_state(legacy_url: str, tmp
             await client.close()
 
 
-async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(legacy_url: str, tmp_path: Path, capsys) -> None:
+async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(
+    legacy_url: str, tmp_path: Path, capsys
+) -> None:
     import aiohttp
 
-    auth = {"mode": "bearer", "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")}}
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    auth = {
+        "mode": "bearer",
+        "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")},
+    }
+    init = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
     base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy, aiohttp.ClientSession() as http:
-        async with http.post(proxy.url(), json=init, headers={**base, "Authorization": "Bearer alice-secret"}) as resp:
+        async with http.post(
+            proxy.url(), json=init, headers={**base, "Authorization": "Bearer alice-secret"}
+        ) as resp:
             sid = resp.headers["Mcp-Session-Id"]
             await resp.read()
         listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
         session = {**base, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
-        async with http.post(proxy.url(), json=listing, headers={**session, "Authorization": "Bearer bob-secret"}) as resp:
+        async with http.post(
+            proxy.url(), json=listing, headers={**session, "Authorization": "Bearer bob-secret"}
+        ) as resp:
             assert resp.status == 404
-        async with http.post(proxy.url(), json=listing, headers={**session, "Authorization": "Bearer alice-secret"}) as resp:
+        async with http.post(
+            proxy.url(), json=listing, headers={**session, "Authorization": "Bearer alice-secret"}
+        ) as resp:
             assert resp.status == 200
             await resp.read()
     logs = capsys.readouterr()
@@ -262,17 +320,30 @@ async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path)
     from aiohttp import web
 
     key, jwks = _rsa_jwks(tmp_path)
+
     async def serve_jwks(request: web.Request) -> web.FileResponse:
         return web.FileResponse(jwks)
 
     app = web.Application()
     app.router.add_get("/.well-known/jwks.json", serve_jwks)
     async with served_app(app) as port:
-        auth = {"mode": "jwt", "jwt": {"jwks_url": f"http://127.0.0.1:{port}/.well-known/jwks.json", "issuer": "https://idp.test",
-                                       "audience": "mcp-proxy", "algorithms": ["RS256"]}}
+        auth = {
+            "mode": "jwt",
+            "jwt": {
+                "jwks_url": f"http://127.0.0.1:{port}/.well-known/jwks.json",
+                "issuer": "https://idp.test",
+                "audience": "mcp-proxy",
+                "algorithms": ["RS256"],
+            },
+        }
         async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
             frank = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='frank')}"})
-            forged = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"})
+            forged = AuthClient(
+                proxy.url(),
+                {
+                    "Authorization": f"Bearer {_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"
+                },
+            )
             try:
                 created = (await frank.call("slow_compute", {"seconds": 0.1})).result
                 assert (await proxy.store.get(created["taskId"])).principal == "frank"

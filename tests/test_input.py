@@ -17,27 +17,34 @@ ACCEPT = {"action": "accept", "content": {"confirm": True}}
 
 async def released(client: ModernClient, label: str) -> bool:
     reply = await client.call("cancelled_log")
-    return any(e["label"] == label and e["reason"].startswith("elicitation released") for e in json.loads(reply.result["content"][0]["text"]))
+    return any(
+        e["label"] == label and e["reason"].startswith("elicitation released")
+        for e in json.loads(reply.result["content"][0]["text"])
+    )
 
 
 # -- detached calls (v2 task input) -----------------------------------------------------------
 
 
-async def test_detached_call_question_becomes_input_required_and_update_resumes(flow_proxy: RunningProxy) -> None:
+async def test_detached_call_question_becomes_input_required_and_update_resumes(
+    flow_proxy: RunningProxy,
+) -> None:
     client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
         await client.warm_up()  # the upstream session for these capabilities is open
         created = (await client.call("confirm_delete", {"filename": "a.txt", "delay": 0.2})).result
         assert created["resultType"] == "task"
         task = await client.wait_status(created["taskId"], ("input_required",), timeout=5)
-        (key, request), = task["inputRequests"].items()
+        ((key, request),) = task["inputRequests"].items()
         assert request["method"] == "elicitation/create"
         assert request["params"]["message"] == "Delete a.txt?"
         assert request["params"]["requestedSchema"]["properties"]["confirm"]["type"] == "boolean"
         assert "_meta" not in request["params"]
         again = (await client.get(created["taskId"])).result
         assert again["inputRequests"] == task["inputRequests"]  # the same key on every poll, no duplicate
-        ack = await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: ACCEPT}})
+        ack = await client.request(
+            "tasks/update", {"taskId": created["taskId"], "inputResponses": {key: ACCEPT}}
+        )
         assert ack.result == {"resultType": "complete"}
         assert (await client.get(created["taskId"])).result["status"] in ("working", "completed")
         done = await client.wait_terminal(created["taskId"])
@@ -47,7 +54,9 @@ async def test_detached_call_question_becomes_input_required_and_update_resumes(
         await client.close()
 
 
-async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(flow_proxy: RunningProxy) -> None:
+async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(
+    flow_proxy: RunningProxy,
+) -> None:
     client = ModernClient(flow_proxy.url(), capabilities=ELICIT_CAPS)
     try:
         await client.warm_up()  # the upstream session for these capabilities is open
@@ -57,16 +66,37 @@ async def test_partial_answer_removes_exactly_the_answered_key_before_the_ack(fl
                 await asyncio.sleep(0.02)
         first, second = sorted(task["inputRequests"])
         assert first != second
-        await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {first: {"action": "accept", "content": {"answer": "one"}}}})
+        await client.request(
+            "tasks/update",
+            {
+                "taskId": created["taskId"],
+                "inputResponses": {first: {"action": "accept", "content": {"answer": "one"}}},
+            },
+        )
         after = (await client.get(created["taskId"])).result
         assert after["status"] == "input_required" and list(after["inputRequests"]) == [second]
         # Answering the same key again, or an unknown key, changes nothing.
-        await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {first: {"action": "decline"}, "bogus": {"action": "accept"}}})
+        await client.request(
+            "tasks/update",
+            {
+                "taskId": created["taskId"],
+                "inputResponses": {first: {"action": "decline"}, "bogus": {"action": "accept"}},
+            },
+        )
         assert list((await client.get(created["taskId"])).result["inputRequests"]) == [second]
-        await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {second: {"action": "accept", "content": {"answer": "two"}}}})
+        await client.request(
+            "tasks/update",
+            {
+                "taskId": created["taskId"],
+                "inputResponses": {second: {"action": "accept", "content": {"answer": "two"}}},
+            },
+        )
         done = await client.wait_terminal(created["taskId"])
         answers = json.loads(done["result"]["content"][0]["text"])
-        assert {answers["first"]["content"]["answer"], answers["second"]["content"]["answer"]} == {"one", "two"}
+        assert {answers["first"]["content"]["answer"], answers["second"]["content"]["answer"]} == {
+            "one",
+            "two",
+        }
     finally:
         await client.close()
 
@@ -113,7 +143,9 @@ async def test_input_timeout_fails_the_task_and_releases_the_upstream(legacy_url
             created = (await client.call("confirm_delete", {"filename": "slow.txt", "delay": 0.2})).result
             done = await client.wait_terminal(created["taskId"], timeout=5)
             assert done["status"] == "failed"
-            assert "input timed out" in done["error"]["message"] and "input timed out" in done["statusMessage"]
+            assert (
+                "input timed out" in done["error"]["message"] and "input timed out" in done["statusMessage"]
+            )
             async with asyncio.timeout(5):
                 while not await released(client, "confirm_delete:slow.txt"):
                     await asyncio.sleep(0.05)
@@ -133,9 +165,17 @@ async def test_mrtr_round_then_retry_finishes_synchronously(flow_proxy: RunningP
             first = (await client.call("confirm_delete", args)).result
             assert first["resultType"] == "input_required" and "taskId" not in first
             assert isinstance(first["requestState"], str)
-            (key, request), = first["inputRequests"].items()
-            assert request["method"] == "elicitation/create" and request["params"]["message"] == "Delete mrtr.txt?"
-            retry = {"name": "confirm_delete", "arguments": args, "inputResponses": {key: ACCEPT}, "requestState": first["requestState"]}
+            ((key, request),) = first["inputRequests"].items()
+            assert (
+                request["method"] == "elicitation/create"
+                and request["params"]["message"] == "Delete mrtr.txt?"
+            )
+            retry = {
+                "name": "confirm_delete",
+                "arguments": args,
+                "inputResponses": {key: ACCEPT},
+                "requestState": first["requestState"],
+            }
             final = (await client.request("tools/call", retry)).result
             assert final["resultType"] == "complete" and final["content"][0]["text"] == "deleted mrtr.txt"
         finally:
@@ -150,17 +190,27 @@ async def test_mrtr_then_long_work_becomes_a_task(flow_proxy: RunningProxy) -> N
         first = (await client.call("ask_then_work", args)).result
         assert first["resultType"] == "input_required"
         key = next(iter(first["inputRequests"]))
-        retry = {"name": "ask_then_work", "arguments": args, "inputResponses": {key: {"action": "accept", "content": {"name": "Alice"}}},
-                 "requestState": first["requestState"]}
+        retry = {
+            "name": "ask_then_work",
+            "arguments": args,
+            "inputResponses": {key: {"action": "accept", "content": {"name": "Alice"}}},
+            "requestState": first["requestState"],
+        }
         created = (await client.request("tools/call", retry)).result
-        assert created["resultType"] == "task" and "requestState" not in created and "inputRequests" not in created
+        assert (
+            created["resultType"] == "task"
+            and "requestState" not in created
+            and "inputRequests" not in created
+        )
         done = await client.wait_terminal(created["taskId"])
         assert "Alice" in done["result"]["content"][0]["text"]
     finally:
         await client.close()
 
 
-async def test_required_tool_asks_in_mrtr_rounds_then_is_a_task_even_when_its_result_comes_first(legacy_url: str, tmp_path) -> None:
+async def test_required_tool_asks_in_mrtr_rounds_then_is_a_task_even_when_its_result_comes_first(
+    legacy_url: str, tmp_path
+) -> None:
     """`mode: required` composes with MRTR (SEP-2663): a question asked before the task exists is an
     MRTR round, and the final round mints the task, even when the upstream's result is there before
     `detach_after` (never a synchronous result); -32021 without the extension."""
@@ -171,34 +221,62 @@ async def test_required_tool_asks_in_mrtr_rounds_then_is_a_task_even_when_its_re
             await client.warm_up()  # the upstream session for these capabilities is open
             args = {"seconds": 0, "key_hint": "name"}
             first = (await client.call("ask_then_work", args)).result
-            assert first["resultType"] == "input_required" and "taskId" not in first and list(first["inputRequests"]) == ["name"]
-            retry = {"name": "ask_then_work", "arguments": args, "inputResponses": {"name": {"action": "accept", "content": {"name": "Ada"}}},
-                     "requestState": first["requestState"]}
+            assert (
+                first["resultType"] == "input_required"
+                and "taskId" not in first
+                and list(first["inputRequests"]) == ["name"]
+            )
+            retry = {
+                "name": "ask_then_work",
+                "arguments": args,
+                "inputResponses": {"name": {"action": "accept", "content": {"name": "Ada"}}},
+                "requestState": first["requestState"],
+            }
             created = (await client.request("tools/call", retry)).result
-            assert created["resultType"] == "task" and "requestState" not in created and "inputRequests" not in created
+            assert (
+                created["resultType"] == "task"
+                and "requestState" not in created
+                and "inputRequests" not in created
+            )
             done = await client.wait_terminal(created["taskId"])
-            assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "Hello Ada, the work took 0s"
+            assert (
+                done["status"] == "completed"
+                and done["result"]["content"][0]["text"] == "Hello Ada, the work took 0s"
+            )
             refused = await client.call("ask_then_work", args, capabilities={"elicitation": {}})
             assert refused.status == 400 and refused.error["code"] == -32021
         finally:
             await client.close()
 
 
-async def test_concurrent_questions_share_one_round_and_partial_answers_get_a_new_round(proxy: RunningProxy) -> None:
+async def test_concurrent_questions_share_one_round_and_partial_answers_get_a_new_round(
+    proxy: RunningProxy,
+) -> None:
     client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
     try:
         first = (await client.call("multi_input", {})).result
         assert first["resultType"] == "input_required" and len(first["inputRequests"]) == 2
         k1, k2 = sorted(first["inputRequests"])
-        retry = {"name": "multi_input", "arguments": {}, "inputResponses": {k1: {"action": "accept", "content": {"answer": "one"}}},
-                 "requestState": first["requestState"]}
+        retry = {
+            "name": "multi_input",
+            "arguments": {},
+            "inputResponses": {k1: {"action": "accept", "content": {"answer": "one"}}},
+            "requestState": first["requestState"],
+        }
         second = (await client.request("tools/call", retry)).result
         assert second["resultType"] == "input_required" and list(second["inputRequests"]) == [k2]
         assert second["requestState"] != first["requestState"]
-        retry = {**retry, "inputResponses": {k2: {"action": "accept", "content": {"answer": "two"}}}, "requestState": second["requestState"]}
+        retry = {
+            **retry,
+            "inputResponses": {k2: {"action": "accept", "content": {"answer": "two"}}},
+            "requestState": second["requestState"],
+        }
         final = (await client.request("tools/call", retry)).result
         answers = json.loads(final["content"][0]["text"])
-        assert {answers["first"]["content"]["answer"], answers["second"]["content"]["answer"]} == {"one", "two"}
+        assert {answers["first"]["content"]["answer"], answers["second"]["content"]["answer"]} == {
+            "one",
+            "two",
+        }
     finally:
         await client.close()
 
@@ -211,12 +289,30 @@ async def test_tampered_foreign_and_replayed_state_are_refused_and_touch_nothing
         key, state = next(iter(first["inputRequests"])), first["requestState"]
         head, payload, sig = state.split(".")
         flipped = payload[:-2] + ("A" if payload[-2] != "A" else "B") + payload[-1]
-        for bad_state, bad_args in ((f"{head}.{flipped}.{sig}", args), (state[:-3] + "abc", args), ("garbage", args), (42, args),
-                                    (state, {"filename": "other.txt"})):
-            reply = await client.request("tools/call", {"name": "confirm_delete", "arguments": bad_args, "inputResponses": {key: ACCEPT}, "requestState": bad_state})
+        for bad_state, bad_args in (
+            (f"{head}.{flipped}.{sig}", args),
+            (state[:-3] + "abc", args),
+            ("garbage", args),
+            (42, args),
+            (state, {"filename": "other.txt"}),
+        ):
+            reply = await client.request(
+                "tools/call",
+                {
+                    "name": "confirm_delete",
+                    "arguments": bad_args,
+                    "inputResponses": {key: ACCEPT},
+                    "requestState": bad_state,
+                },
+            )
             assert reply.error["code"] == -32602, (bad_state, reply.message)
         # Nothing was touched: the genuine retry still works, once.
-        good = {"name": "confirm_delete", "arguments": args, "inputResponses": {key: ACCEPT}, "requestState": state}
+        good = {
+            "name": "confirm_delete",
+            "arguments": args,
+            "inputResponses": {key: ACCEPT},
+            "requestState": state,
+        }
         assert (await client.request("tools/call", good)).result["content"][0]["text"] == "deleted state.txt"
         replay = await client.request("tools/call", good)
         assert replay.error["code"] == -32602
@@ -229,12 +325,21 @@ async def test_replayed_state_of_an_earlier_round_is_refused(proxy: RunningProxy
     try:
         first = (await client.call("multi_input", {})).result
         k1, k2 = sorted(first["inputRequests"])
-        retry = {"name": "multi_input", "arguments": {}, "inputResponses": {k1: {"action": "accept", "content": {"answer": "x"}}}, "requestState": first["requestState"]}
+        retry = {
+            "name": "multi_input",
+            "arguments": {},
+            "inputResponses": {k1: {"action": "accept", "content": {"answer": "x"}}},
+            "requestState": first["requestState"],
+        }
         second = (await client.request("tools/call", retry)).result
         assert second["resultType"] == "input_required"
         replay = await client.request("tools/call", retry)
         assert replay.error["code"] == -32602
-        retry = {**retry, "inputResponses": {k2: {"action": "accept", "content": {"answer": "y"}}}, "requestState": second["requestState"]}
+        retry = {
+            **retry,
+            "inputResponses": {k2: {"action": "accept", "content": {"answer": "y"}}},
+            "requestState": second["requestState"],
+        }
         assert (await client.request("tools/call", retry)).result["resultType"] == "complete"
     finally:
         await client.close()
@@ -251,7 +356,15 @@ async def test_unretried_mrtr_round_expires_and_releases_the_upstream(legacy_url
                 while not await released(client, "confirm_delete:expire.txt"):
                     await asyncio.sleep(0.05)
             key = next(iter(first["inputRequests"]))
-            late = await client.request("tools/call", {"name": "confirm_delete", "arguments": args, "inputResponses": {key: ACCEPT}, "requestState": first["requestState"]})
+            late = await client.request(
+                "tools/call",
+                {
+                    "name": "confirm_delete",
+                    "arguments": args,
+                    "inputResponses": {key: ACCEPT},
+                    "requestState": first["requestState"],
+                },
+            )
             assert late.error["code"] == -32602
         finally:
             await client.close()
@@ -261,9 +374,21 @@ async def test_answers_supplied_up_front_are_used_by_key_hint(proxy: RunningProx
     client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
     try:
         args = {"filename": "hint.txt", "key_hint": "confirm"}
-        reply = await client.request("tools/call", {"name": "confirm_delete", "arguments": args, "inputResponses": {"confirm": ACCEPT, "extra": {"x": 1}}})
+        reply = await client.request(
+            "tools/call",
+            {
+                "name": "confirm_delete",
+                "arguments": args,
+                "inputResponses": {"confirm": ACCEPT, "extra": {"x": 1}},
+            },
+        )
         assert reply.result["content"][0]["text"] == "deleted hint.txt"
-        wrong = (await client.request("tools/call", {"name": "confirm_delete", "arguments": args, "inputResponses": {"nope": ACCEPT}})).result
+        wrong = (
+            await client.request(
+                "tools/call",
+                {"name": "confirm_delete", "arguments": args, "inputResponses": {"nope": ACCEPT}},
+            )
+        ).result
         assert wrong["resultType"] == "input_required" and list(wrong["inputRequests"]) == ["confirm"]
     finally:
         await client.close()
@@ -290,7 +415,9 @@ async def test_two_legacy_clients_each_answer_their_own_question(proxy: RunningP
     seen_ids: list = []
 
     async def run(answer: bool, filename: str) -> str:
-        async def on_elicit(context: ClientRequestContext, params: types.ElicitRequestParams) -> types.ElicitResult:
+        async def on_elicit(
+            context: ClientRequestContext, params: types.ElicitRequestParams
+        ) -> types.ElicitResult:
             seen_ids.append(context.request_id)
             await asyncio.sleep(0.1)  # both questions are outstanding at the same time
             return types.ElicitResult(action="accept", content={"confirm": answer})
@@ -308,28 +435,39 @@ async def test_two_legacy_clients_each_answer_their_own_question(proxy: RunningP
 
 
 async def test_request_state_is_bound_to_principal_and_server(legacy_url: str, tmp_path) -> None:
+    from test_identity_limits import AuthClient
+
     from proxy.auth import hash_token
     from proxy.config import config_from_data
 
-    from test_identity_limits import AuthClient
-
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "auth": {"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}},
-        "mcpServers": {"x": {"url": legacy_url}, "y": {"url": legacy_url}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "auth": {"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}},
+            "mcpServers": {"x": {"url": legacy_url}, "y": {"url": legacy_url}},
+        }
+    )
     async with running_proxy(config) as proxy:
         alice = AuthClient(proxy.url("x"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
         bob = AuthClient(proxy.url("x"), {"Authorization": "Bearer b"}, capabilities={"elicitation": {}})
-        alice_on_y = AuthClient(proxy.url("y"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
+        alice_on_y = AuthClient(
+            proxy.url("y"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}}
+        )
         try:
             args = {"filename": "owned.txt"}
             first = (await alice.call("confirm_delete", args)).result
             key = next(iter(first["inputRequests"]))
-            retry = {"name": "confirm_delete", "arguments": args, "inputResponses": {key: ACCEPT}, "requestState": first["requestState"]}
+            retry = {
+                "name": "confirm_delete",
+                "arguments": args,
+                "inputResponses": {key: ACCEPT},
+                "requestState": first["requestState"],
+            }
             assert (await bob.request("tools/call", retry)).error["code"] == -32602  # another principal
             assert (await alice_on_y.request("tools/call", retry)).error["code"] == -32602  # another server
-            assert (await alice.request("tools/call", retry)).result["content"][0]["text"] == "deleted owned.txt"
+            assert (await alice.request("tools/call", retry)).result["content"][0][
+                "text"
+            ] == "deleted owned.txt"
         finally:
             for c in (alice, bob, alice_on_y):
                 await c.close()

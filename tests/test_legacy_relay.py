@@ -16,12 +16,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
 from conftest import ModernClient, ServerProcess, running_proxy
+from test_stdio import stdio_config
+
 from proxy.config import config_from_data
 from proxy.upstream.http import SessionBrokenError, UpstreamError, UpstreamSession
 from proxy.upstream.sse import iter_events
-from test_stdio import stdio_config
 
 LEGACY = "2025-11-25"
 ELICIT_TASKS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
@@ -35,12 +35,14 @@ def upstream() -> Iterator[str]:
 
 
 def relay_config(upstream_url: str, tmp_path: Path, server: dict | None = None, **listen: object):
-    return config_from_data({
-        "listen": {"sse_keepalive": "50ms", **listen},
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "50ms"},
-        "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s", **(server or {})}},
-    })
+    return config_from_data(
+        {
+            "listen": {"sse_keepalive": "50ms", **listen},
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "50ms"},
+            "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s", **(server or {})}},
+        }
+    )
 
 
 @pytest.fixture
@@ -56,14 +58,26 @@ class Legacy:
         self.url, self.http, self.sid = url, http, ""
 
     def headers(self, **extra: str) -> dict[str, str]:
-        h = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": LEGACY}
+        h = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            "MCP-Protocol-Version": LEGACY,
+        }
         if self.sid:
             h["Mcp-Session-Id"] = self.sid
         return {**h, **extra}
 
     async def open(self, capabilities: dict | None = None) -> Legacy:
-        body = {"jsonrpc": "2.0", "id": "init", "method": "initialize",
-                "params": {"protocolVersion": LEGACY, "capabilities": capabilities or {}, "clientInfo": {"name": "raw", "version": "0"}}}
+        body = {
+            "jsonrpc": "2.0",
+            "id": "init",
+            "method": "initialize",
+            "params": {
+                "protocolVersion": LEGACY,
+                "capabilities": capabilities or {},
+                "clientInfo": {"name": "raw", "version": "0"},
+            },
+        }
         async with self.http.post(self.url, json=body, headers=self.headers()) as resp:
             assert resp.status == 200, await resp.text()
             self.sid = resp.headers["Mcp-Session-Id"]
@@ -77,7 +91,12 @@ class Legacy:
             return resp.status
 
     def call(self, rid: object, tool: str, **args: object):
-        body = {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {"name": tool, "arguments": args}}
+        body = {
+            "jsonrpc": "2.0",
+            "id": rid,
+            "method": "tools/call",
+            "params": {"name": tool, "arguments": args},
+        }
         return self.http.post(self.url, json=body, headers=self.headers())
 
 
@@ -114,7 +133,11 @@ async def test_own_request_ids_toward_the_upstream(upstream: str, proxy_url: str
             events = await read_events(resp)
         final = json.loads(events[-1].data)
         assert final["id"] == "same-id" and final["result"]["content"][0]["text"] == "sse_echo done"
-    seen = [entry["message"] for entry in await upstream_log(upstream) if entry["message"].get("method") == "tools/call"]
+    seen = [
+        entry["message"]
+        for entry in await upstream_log(upstream)
+        if entry["message"].get("method") == "tools/call"
+    ]
     assert seen and all(isinstance(m["id"], int) for m in seen[-2:])  # the proxy's ids, never the client's
 
 
@@ -133,14 +156,21 @@ async def test_own_event_ids_scoped_to_session_and_stream(proxy_url: str) -> Non
 
 async def test_server_requests_get_proxy_ids_and_one_answer_each(upstream: str, proxy_url: str) -> None:
     async with aiohttp.ClientSession() as http:
-        a, b = await Legacy(proxy_url, http).open({"elicitation": {}}), await Legacy(proxy_url, http).open({"elicitation": {}})
+        a, b = (
+            await Legacy(proxy_url, http).open({"elicitation": {}}),
+            await Legacy(proxy_url, http).open({"elicitation": {}}),
+        )
 
         async def ask(client: Legacy, answer: str) -> tuple[str, dict]:
             async with client.call(5, "ask") as resp:
                 it = iter_events(resp.content.iter_any())
                 question = json.loads((await anext(it)).data)
                 assert question["method"] == "elicitation/create" and question["id"] != 0
-                reply = {"jsonrpc": "2.0", "id": question["id"], "result": {"action": "accept", "content": {"who": answer}}}
+                reply = {
+                    "jsonrpc": "2.0",
+                    "id": question["id"],
+                    "result": {"action": "accept", "content": {"who": answer}},
+                }
                 assert await client.post(reply) == 202
                 assert await client.post(reply) == 202  # a duplicate: dropped, never forwarded
                 assert await client.post({**reply, "id": "mtp-unknown"}) == 202
@@ -191,7 +221,12 @@ async def test_polling_upstream_resumed_through_the_proxys_ids(proxy_url: str) -
         client = await Legacy(proxy_url, http).open()
         async with client.call(9, "poll") as resp:
             events = await asyncio.wait_for(read_events(resp), 5)  # cut like the upstream cut it
-        assert len(events) == 1 and events[0].data == "" and events[0].retry == 50 and ":" in (events[0].id or "")
+        assert (
+            len(events) == 1
+            and events[0].data == ""
+            and events[0].retry == 50
+            and ":" in (events[0].id or "")
+        )
         headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": events[0].id})
         async with http.get(proxy_url, headers=headers) as resp:
             assert resp.status == 200
@@ -220,7 +255,9 @@ async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str,
         upstream_sid = (await upstream_sessions(upstream))[-1]
 
         async def push(n: int) -> None:
-            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+            async with http.post(
+                upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n
+            ) as r:
                 assert r.status == 204
 
         async def next_message(it: AsyncIterator) -> tuple[str, int]:
@@ -248,7 +285,9 @@ async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str,
 
 
 async def test_an_ended_stream_stays_resumable_for_the_linger_time_then_is_forgotten(
-    upstream: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    upstream: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An ended reply stream is resumable for LINGER_S (scaled down here), then forgotten by the
     relay's sweep: also in a session that opens no further stream, and behind a stream that is
@@ -272,13 +311,20 @@ async def test_an_ended_stream_stays_resumable_for_the_linger_time_then_is_forgo
         long_call.close()
 
 
-async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(upstream: str, tmp_path: Path) -> None:
-    async with running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy, aiohttp.ClientSession() as http:
+async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(
+    upstream: str, tmp_path: Path
+) -> None:
+    async with (
+        running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
         client = await Legacy(proxy.url(), http).open()
         upstream_sid = (await upstream_sessions(upstream))[-1]
 
         async def push(n: int) -> None:
-            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+            async with http.post(
+                upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n
+            ) as r:
                 assert r.status == 204
 
         async def messages(resp: aiohttp.ClientResponse, count: int) -> list[tuple[str, int]]:
@@ -316,7 +362,9 @@ async def test_unknown_or_foreign_last_event_id_is_refused(proxy_url: str) -> No
         async with a.call(1, "sse_echo") as resp:
             event_id = (await read_events(resp))[0].id
         for client, value in ((b, event_id), (a, "not-ours"), (a, "zzz:1")):
-            async with http.get(proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": value})) as resp:
+            async with http.get(
+                proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": value})
+            ) as resp:
                 assert resp.status == 400
                 assert "Last-Event-ID" in (await resp.json())["error"]["message"]
 
@@ -356,10 +404,18 @@ async def test_update_and_cancel_race_sends_one_response(upstream: str, proxy_ur
             assert created["resultType"] == "task"
             task = await client.wait_status(created["taskId"], ("input_required",))
             key = next(iter(task["inputRequests"]))
-            answer = {"taskId": created["taskId"], "inputResponses": {key: {"action": "accept", "content": {}}}}
-            await asyncio.gather(client.request("tasks/update", answer), client.request("tasks/cancel", {"taskId": created["taskId"]}))
+            answer = {
+                "taskId": created["taskId"],
+                "inputResponses": {key: {"action": "accept", "content": {}}},
+            }
+            await asyncio.gather(
+                client.request("tasks/update", answer),
+                client.request("tasks/cancel", {"taskId": created["taskId"]}),
+            )
             await asyncio.sleep(0.2)
-            assert (await client.call("echo", {"after": "race"})).result["content"][0]["text"] == '{"after": "race"}'
+            assert (await client.call("echo", {"after": "race"})).result["content"][0][
+                "text"
+            ] == '{"after": "race"}'
     finally:
         await client.close()
     counts: dict[tuple, int] = {}
@@ -371,7 +427,9 @@ async def test_update_and_cancel_race_sends_one_response(upstream: str, proxy_ur
 
 
 @pytest.mark.parametrize("stubborn", [False, True])
-async def test_cancel_answers_questions_first_and_cancels_only_a_request_still_running(upstream: str, proxy_url: str, stubborn: bool) -> None:
+async def test_cancel_answers_questions_first_and_cancels_only_a_request_still_running(
+    upstream: str, proxy_url: str, stubborn: bool
+) -> None:
     client = ModernClient(proxy_url, capabilities=ELICIT_TASKS)
     try:
         created = (await client.call("ask", {"delay_ms": 150, "stubborn": stubborn})).result
@@ -391,7 +449,9 @@ async def test_cancel_answers_questions_first_and_cancels_only_a_request_still_r
         assert cancels == []
 
 
-async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(upstream: str, proxy_url: str) -> None:
+async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(
+    upstream: str, proxy_url: str
+) -> None:
     client = ModernClient(proxy_url, capabilities={})
     try:
         assert (await client.call("echo", {"n": 1})).status == 200
@@ -427,10 +487,14 @@ async def test_second_answer_for_one_upstream_id_is_never_sent(upstream: str) ->
 
         reply = await session.request("tools/call", {"name": "ask"}, handler=on_message)
         assert "cancelled" in reply["result"]["content"][0]["text"]
-        assert (await session.request("tools/call", {"name": "echo", "arguments": {"ok": 1}}, handler=None))["result"]
+        assert (await session.request("tools/call", {"name": "echo", "arguments": {"ok": 1}}, handler=None))[
+            "result"
+        ]
         sid = session.session_id
         await session.close()
-    answers = [e for e in await upstream_log(upstream) if e["session"] == sid and "method" not in e["message"]]
+    answers = [
+        e for e in await upstream_log(upstream) if e["session"] == sid and "method" not in e["message"]
+    ]
     assert len(answers) == 1
 
 
@@ -438,14 +502,22 @@ async def test_second_answer_for_one_upstream_id_is_never_sent(upstream: str) ->
 
 
 async def test_stdio_queued_call_cancelled_is_never_sent(tmp_path: Path) -> None:
-    async with running_proxy(stdio_config(tmp_path, server={"max_concurrency": 1})) as proxy, aiohttp.ClientSession() as http:
+    async with (
+        running_proxy(stdio_config(tmp_path, server={"max_concurrency": 1})) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
         client = await Legacy(proxy.url(), http).open()
         first = asyncio.ensure_future(client.call("a", "slow_compute", seconds=1.0, label="A").__aenter__())
         await asyncio.sleep(0.2)
         started = time.monotonic()
         queued = asyncio.ensure_future(client.call("b", "slow_compute", seconds=0.1, label="B").__aenter__())
         await asyncio.sleep(0.2)
-        assert await client.post({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "b"}}) == 202
+        assert (
+            await client.post(
+                {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "b"}}
+            )
+            == 202
+        )
         resp = await asyncio.wait_for(queued, 2)
         body = await resp.json()
         assert body["id"] == "b" and body["error"]["code"] == -32800
@@ -468,7 +540,9 @@ async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             raw = await resp.read()
     assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
-    final = json.loads([e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1])
+    final = json.loads(
+        [e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1]
+    )
     assert final["id"] == "k" and final["result"]["content"][0]["text"] == "computed K after 0.3s"
 
 
@@ -477,7 +551,9 @@ async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
 
 async def _run_json(argv: list[str]) -> object:
     """Run a client script off the event loop the proxy serves on; its last stdout line as JSON."""
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     finally:
@@ -488,7 +564,9 @@ async def _run_json(argv: list[str]) -> object:
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
-async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(upstream: str, tmp_path: Path) -> None:
+async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
+    upstream: str, tmp_path: Path
+) -> None:
     """protocol.md §1.4.4: on the legacy wire a JSON-RPC error for a request comes in an HTTP 200;
     an `mcp` 1.x client raises on any other status inside its task group and loses its transport."""
     from conftest import ROOT, python_venv
@@ -496,14 +574,32 @@ async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
     async with running_proxy(relay_config(upstream, tmp_path, {"timeout": "200ms"})) as proxy:
         async with aiohttp.ClientSession() as http:
             client = await Legacy(proxy.url(), http).open()
-            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 500}}}
-            async with http.post(proxy.url(), json=body, headers=client.headers(Accept="application/json")) as resp:  # no SSE: stays JSON
-                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603  # timed out before its headers
-            async with http.get(proxy.base + "/metrics") as resp:  # still counted as an error, though in a 200
+            body = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "slow_json", "arguments": {"ms": 500}},
+            }
+            async with http.post(
+                proxy.url(), json=body, headers=client.headers(Accept="application/json")
+            ) as resp:  # no SSE: stays JSON
+                assert (
+                    resp.status == 200 and (await resp.json())["error"]["code"] == -32603
+                )  # timed out before its headers
+            async with http.get(
+                proxy.base + "/metrics"
+            ) as resp:  # still counted as an error, though in a 200
                 assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
         python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
-        calls = await _run_json([str(python), "tests/fixtures/mcp1_relay_client.py", proxy.url(),
-                                 'slow_json:{"ms": 500}', 'echo:{"x": 1}'])
+        calls = await _run_json(
+            [
+                str(python),
+                "tests/fixtures/mcp1_relay_client.py",
+                proxy.url(),
+                'slow_json:{"ms": 500}',
+                'echo:{"x": 1}',
+            ]
+        )
     assert isinstance(calls, list) and calls[0]["error"] == -32603 and "timeout" in calls[0]["message"], calls
     assert calls[1] == {"text": '{"x": 1}'}, calls
 
@@ -511,25 +607,51 @@ async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
 async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream: str, tmp_path: Path) -> None:
     """A session-less upstream: Bob's cancel for id 1 never touches Alice's request 1, and two
     principals using id 1 at once keep their own mappings (fresh upstream id per request)."""
-    config = config_from_data({
-        "listen": {"sse_keepalive": "50ms"},
-        "auth": {"mode": "header", "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]}},
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "mcpServers": {"bad": {"url": upstream.removesuffix("/mcp") + "/stateless", "timeout": "5s"}},
-    })
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": LEGACY}
-    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "wait_cancel", "arguments": {"ms": 1500}}}
+    config = config_from_data(
+        {
+            "listen": {"sse_keepalive": "50ms"},
+            "auth": {
+                "mode": "header",
+                "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]},
+            },
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"bad": {"url": upstream.removesuffix("/mcp") + "/stateless", "timeout": "5s"}},
+        }
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": LEGACY,
+    }
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "wait_cancel", "arguments": {"ms": 1500}},
+    }
     cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+
         async def post(user: str, body: dict) -> tuple[int, dict | None]:
-            async with http.post(proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user}) as resp:
+            async with http.post(
+                proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user}
+            ) as resp:
                 if resp.status == 202:
                     return 202, None
                 return resp.status, await reply_of(resp)
 
         async def calls_seen(n: int) -> None:
             async with asyncio.timeout(5):
-                while len([m for m in (await upstream_log(upstream))[before:] if m["message"].get("method") == "tools/call"]) < n:
+                while (
+                    len(
+                        [
+                            m
+                            for m in (await upstream_log(upstream))[before:]
+                            if m["message"].get("method") == "tools/call"
+                        ]
+                    )
+                    < n
+                ):
                     await asyncio.sleep(0.02)
 
         before = len(await upstream_log(upstream))
@@ -542,7 +664,9 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream:
         status, reply = await bob
         assert status == 200 and reply["id"] == 1 and reply["error"]["code"] == -32800
         status, reply = await alice
-        assert status == 200 and reply["id"] == 1 and reply["result"]["content"][0]["text"] == "wait_cancel done"
+        assert (
+            status == 200 and reply["id"] == 1 and reply["result"]["content"][0]["text"] == "wait_cancel done"
+        )
     seen = [entry["message"] for entry in (await upstream_log(upstream))[before:]]
     calls = [m["id"] for m in seen if m.get("method") == "tools/call"]
     cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
@@ -550,7 +674,9 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream:
     assert len(cancels) == 1 and cancels[0] in calls
 
 
-async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(upstream: str, tmp_path: Path) -> None:
+async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(
+    upstream: str, tmp_path: Path
+) -> None:
     """DELETE is bounded by request_timeout; a GET's wait for the upstream's headers by
     connect_timeout + request_timeout, with keepalives on the client's stream meanwhile."""
     config = relay_config(upstream, tmp_path, {"request_timeout": "300ms", "connect_timeout": "200ms"})
@@ -559,7 +685,10 @@ async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(upst
         async with client.call(1, "hang") as resp:
             assert (await reply_of(resp))["result"]["content"][0]["text"] == "hanging"
         started = time.monotonic()
-        async with asyncio.timeout(5), http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as resp:
+        async with (
+            asyncio.timeout(5),
+            http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as resp,
+        ):
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
             body = await resp.text()  # ends once the upstream's bound is over
         assert body.count(": keepalive") >= 3, body
@@ -576,12 +705,18 @@ async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_
     tasks/cancel of its task) must reach the child neither as a tools/call nor as a cancel."""
     stdin_log = tmp_path / "stdin.jsonl"
     fixture = Path(__file__).parent / "fixtures" / "legacy_server.py"
-    server = {"command": "sh", "args": ["-c", f"tee {stdin_log} | {sys.executable} {fixture} --stdio"], "max_concurrency": 1}
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "50ms"},
-        "mcpServers": {"fx": server},
-    })
+    server = {
+        "command": "sh",
+        "args": ["-c", f"tee {stdin_log} | {sys.executable} {fixture} --stdio"],
+        "max_concurrency": 1,
+    }
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "50ms"},
+            "mcpServers": {"fx": server},
+        }
+    )
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url(), capabilities=None if how == "tasks_cancel" else {})
         try:
@@ -609,12 +744,18 @@ async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_
         finally:
             await client.close()
     sent = [json.loads(line) for line in stdin_log.read_text().splitlines() if line.strip()]
-    labels = [m["params"]["arguments"].get("label") for m in sent if m.get("method") == "tools/call" and m["params"]["name"] == "slow_compute"]
+    labels = [
+        m["params"]["arguments"].get("label")
+        for m in sent
+        if m.get("method") == "tools/call" and m["params"]["name"] == "slow_compute"
+    ]
     assert labels == ["A"], sent
     assert not [m for m in sent if m.get("method") == "notifications/cancelled"], sent
 
 
-async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(upstream: str, proxy_url: str) -> None:
+async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(
+    upstream: str, proxy_url: str
+) -> None:
     """A pooled upstream session that broke unannounced: the first request on it gets a stream that
     closes with no event. A non-call (tools/list) is sent again on a new session and works; a
     tools/call is not (the upstream accepted it; whether the tool ran is unknowable), it fails with
@@ -623,7 +764,10 @@ async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(u
 
     async def break_latest() -> str:
         sid = (await upstream_sessions(upstream))[-1]
-        async with aiohttp.ClientSession() as http, http.post(upstream.removesuffix("/mcp") + f"/break?session={sid}") as resp:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(upstream.removesuffix("/mcp") + f"/break?session={sid}") as resp,
+        ):
             assert resp.status == 204
         return sid
 
@@ -633,13 +777,23 @@ async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(u
         before = len(await upstream_log(upstream))
         listing = await client.request("tools/list")
         assert "echo" in [t["name"] for t in listing.result["tools"]], listing.message
-        lists = [e["session"] for e in (await upstream_log(upstream))[before:] if e["message"].get("method") == "tools/list"]
+        lists = [
+            e["session"]
+            for e in (await upstream_log(upstream))[before:]
+            if e["message"].get("method") == "tools/list"
+        ]
         assert lists[0] == broken and len(lists) == 2 and lists[1] != broken  # sent again, on a new session
         broken = await break_latest()
         before = len(await upstream_log(upstream))
         reply = await client.call("echo", {"n": 2})
-        assert reply.error["code"] == -32603 and "closed the stream before answering" in reply.error["message"]
-        calls = [e["session"] for e in (await upstream_log(upstream))[before:] if e["message"].get("method") == "tools/call"]
+        assert (
+            reply.error["code"] == -32603 and "closed the stream before answering" in reply.error["message"]
+        )
+        calls = [
+            e["session"]
+            for e in (await upstream_log(upstream))[before:]
+            if e["message"].get("method") == "tools/call"
+        ]
         assert calls == [broken]  # never sent twice
         assert (await client.call("echo", {"n": 3})).result["content"][0]["text"] == '{"n": 3}'
     finally:
@@ -656,14 +810,27 @@ async def test_slow_json_upstream_reply_switches_to_sse_with_keepalives(proxy_ur
             text = await resp.text()
         assert text.count(": keepalive") >= 2, text
         data = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
-        assert data == [{"jsonrpc": "2.0", "id": 7, "result": {"content": [{"type": "text", "text": "slow_json done"}], "isError": False}}]
-        body = {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"name": "slow_json", "arguments": {"ms": 200}}}
+        assert data == [
+            {
+                "jsonrpc": "2.0",
+                "id": 7,
+                "result": {"content": [{"type": "text", "text": "slow_json done"}], "isError": False},
+            }
+        ]
+        body = {
+            "jsonrpc": "2.0",
+            "id": 8,
+            "method": "tools/call",
+            "params": {"name": "slow_json", "arguments": {"ms": 200}},
+        }
         async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
             assert resp.headers["Content-Type"].startswith("application/json")
             assert (await resp.json())["id"] == 8
 
 
-async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attached(upstream: str, proxy_url: str) -> None:
+async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attached(
+    upstream: str, proxy_url: str
+) -> None:
     """2025-11-25 transports: a message is never broadcast on two streams. A GET with Last-Event-ID
     while the first GET connection is still open: the new one gets what follows, the old one ends."""
     async with aiohttp.ClientSession() as http:
@@ -671,7 +838,9 @@ async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attach
         upstream_sid = (await upstream_sessions(upstream))[-1]
 
         async def push(n: int) -> None:
-            async with http.post(upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n) as r:
+            async with http.post(
+                upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n
+            ) as r:
                 assert r.status == 204
 
         async def messages(it: AsyncIterator, count: int) -> list:
@@ -701,7 +870,9 @@ async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attach
 # -- found by a newcomer's run (2026-12-02) ------------------------------------------------------
 
 
-async def test_an_upstream_withdrawn_question_reaches_the_client_under_its_proxy_id(upstream: str, proxy_url: str) -> None:
+async def test_an_upstream_withdrawn_question_reaches_the_client_under_its_proxy_id(
+    upstream: str, proxy_url: str
+) -> None:
     """The upstream's `notifications/cancelled` for its own question names the proxy id the client
     got the question under; the client's late answer is then not forwarded."""
     async with aiohttp.ClientSession() as http:
@@ -712,12 +883,18 @@ async def test_an_upstream_withdrawn_question_reaches_the_client_under_its_proxy
             cancel = json.loads((await anext(it)).data)
             final = json.loads((await anext(it)).data)
         assert question["method"] == "elicitation/create"
-        assert cancel["method"] == "notifications/cancelled" and cancel["params"]["requestId"] == question["id"]
+        assert (
+            cancel["method"] == "notifications/cancelled" and cancel["params"]["requestId"] == question["id"]
+        )
         assert final["id"] == 6
         late = {"jsonrpc": "2.0", "id": question["id"], "result": {"action": "accept", "content": {}}}
         assert await client.post(late) == 202
     upstream_sid = (await upstream_sessions(upstream))[-1]
-    assert [e for e in await upstream_log(upstream) if e["session"] == upstream_sid and "method" not in e["message"]] == []
+    assert [
+        e
+        for e in await upstream_log(upstream)
+        if e["session"] == upstream_sid and "method" not in e["message"]
+    ] == []
 
 
 async def test_a_last_event_id_past_the_newest_event_is_refused(proxy_url: str) -> None:
@@ -725,19 +902,35 @@ async def test_a_last_event_id_past_the_newest_event_is_refused(proxy_url: str) 
         client = await Legacy(proxy_url, http).open()
         async with client.call(1, "sse_echo") as resp:
             token = (await read_events(resp))[-1].id.rpartition(":")[0]
-        async with http.get(proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": f"{token}:999"})) as again:
+        async with http.get(
+            proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": f"{token}:999"})
+        ) as again:
             assert again.status == 400
 
 
-@pytest.mark.parametrize("extra", [{"Content-Type": "text/plain", "Accept": "application/json"}, {"Content-Type": "", "Accept": ""}])
-async def test_a_client_without_json_content_type_or_sse_accept_is_served_json(proxy_url: str, extra: dict) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [{"Content-Type": "text/plain", "Accept": "application/json"}, {"Content-Type": "", "Accept": ""}],
+)
+async def test_a_client_without_json_content_type_or_sse_accept_is_served_json(
+    proxy_url: str, extra: dict
+) -> None:
     """README "Transport leniency": the upstream is asked properly whatever the client sent, and a
     client that takes no SSE gets the answer as one JSON body (the upstream replied on SSE)."""
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open()
         headers = {k: v for k, v in client.headers(**extra).items() if v}
-        body = json.dumps({"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {"name": "sse_echo", "arguments": {}}})
-        async with http.post(proxy_url, data=body, headers=headers, skip_auto_headers=["Content-Type"]) as resp:
+        body = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": 4,
+                "method": "tools/call",
+                "params": {"name": "sse_echo", "arguments": {}},
+            }
+        )
+        async with http.post(
+            proxy_url, data=body, headers=headers, skip_auto_headers=["Content-Type"]
+        ) as resp:
             assert resp.status == 200, await resp.text()
             assert resp.headers["Content-Type"].startswith("application/json")
             reply = await resp.json()
@@ -761,27 +954,51 @@ async def test_a_2025_06_18_session_is_not_offered_v1_tasks(proxy_url: str) -> N
     async with aiohttp.ClientSession() as http:
         client = Legacy(proxy_url, http)
         old = {"MCP-Protocol-Version": "2025-06-18"}
-        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-                "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "old", "version": "0"}}}
+        init = {
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "old", "version": "0"},
+            },
+        }
         async with http.post(proxy_url, json=init, headers=client.headers(**old)) as resp:
             client.sid = resp.headers["Mcp-Session-Id"]
             result = (await resp.json())["result"]
         assert result["protocolVersion"] == "2025-06-18" and "tasks" not in result["capabilities"]
-        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"a": 1}, "task": {"ttl": 60000}}}
+        call = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"a": 1}, "task": {"ttl": 60000}},
+        }
         async with http.post(proxy_url, json=call, headers=client.headers(**old)) as resp:
             reply = await reply_of(resp)
     assert reply["id"] == 1 and json.loads(reply["result"]["content"][0]["text"]) == {"a": 1}
 
 
-async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late_stream(proxy_url: str) -> None:
+async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late_stream(
+    proxy_url: str,
+) -> None:
     """The session's end reaches every kind of waiting reply: a JSON-only client's (one JSON body
     with the error) and a reply already switched to SSE while a slow JSON upstream was awaited."""
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open()
-        body = {"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": {"name": "slow", "arguments": {"ms": 4000}}}
-        json_only = asyncio.ensure_future(http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")))
+        body = {
+            "jsonrpc": "2.0",
+            "id": 11,
+            "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"ms": 4000}},
+        }
+        json_only = asyncio.ensure_future(
+            http.post(proxy_url, json=body, headers=client.headers(Accept="application/json"))
+        )
         async with client.call(12, "slow_json", ms=4000) as late:
-            assert late.headers["Content-Type"].startswith("text/event-stream")  # switched after sse_keepalive
+            assert late.headers["Content-Type"].startswith(
+                "text/event-stream"
+            )  # switched after sse_keepalive
             async with http.delete(proxy_url, headers=client.headers()) as gone:
                 assert gone.status == 200
             events = [e for e in await asyncio.wait_for(read_events(late), 5) if e.data.strip()]
@@ -789,26 +1006,51 @@ async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late
         async with resp:
             assert resp.status == 200
             reply = await resp.json()
-    assert json.loads(events[-1].data)["id"] == 12 and "session ended" in json.loads(events[-1].data)["error"]["message"]
+    assert (
+        json.loads(events[-1].data)["id"] == 12
+        and "session ended" in json.loads(events[-1].data)["error"]["message"]
+    )
     assert reply["id"] == 11 and "session ended" in reply["error"]["message"]
 
 
-async def test_a_2025_06_18_session_without_the_version_header_and_a_required_tool(upstream: str, tmp_path: Path) -> None:
+async def test_a_2025_06_18_session_without_the_version_header_and_a_required_tool(
+    upstream: str, tmp_path: Path
+) -> None:
     """The version the session's initialize asked for counts when a request has no
     MCP-Protocol-Version; a `mode: required` tool refuses a 2025-06-18 session's calls."""
     config = relay_config(upstream, tmp_path, server={"tasks": {"tools": {"slow": {"mode": "required"}}}})
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
         client = Legacy(proxy.url(), http)
-        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-                "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "old", "version": "0"}}}
-        async with http.post(proxy.url(), json=init, headers=client.headers(**{"MCP-Protocol-Version": "2025-06-18"})) as resp:
+        init = {
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "old", "version": "0"},
+            },
+        }
+        async with http.post(
+            proxy.url(), json=init, headers=client.headers(**{"MCP-Protocol-Version": "2025-06-18"})
+        ) as resp:
             client.sid = resp.headers["Mcp-Session-Id"]
         no_header = {k: v for k, v in client.headers().items() if k != "MCP-Protocol-Version"}
         task = {"ttl": 60000}
-        echo = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"a": 1}, "task": task}}
+        echo = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"a": 1}, "task": task},
+        }
         async with http.post(proxy.url(), json=echo, headers=no_header) as resp:
             assert json.loads((await reply_of(resp))["result"]["content"][0]["text"]) == {"a": 1}
-        slow = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "slow", "arguments": {}, "task": task}}
+        slow = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "slow", "arguments": {}, "task": task},
+        }
         async with http.post(proxy.url(), json=slow, headers=no_header) as resp:
             assert (await reply_of(resp))["error"]["code"] == -32601
 
@@ -818,7 +1060,12 @@ async def test_a_json_only_client_does_not_leave_the_upstreams_question_waiting(
     with -32601 at once, so the call ends now rather than at its timeout."""
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open({"elicitation": {}})
-        body = {"jsonrpc": "2.0", "id": 13, "method": "tools/call", "params": {"name": "ask", "arguments": {}}}
+        body = {
+            "jsonrpc": "2.0",
+            "id": 13,
+            "method": "tools/call",
+            "params": {"name": "ask", "arguments": {}},
+        }
         async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
             assert resp.headers["Content-Type"].startswith("application/json")
             reply = await asyncio.wait_for(resp.json(), 3)  # the fixture waits 5 s for an answer

@@ -37,7 +37,9 @@ async def test_fast_call_returns_plain_result(flow_client: ModernClient) -> None
     assert "taskId" not in reply.result
 
 
-async def test_slow_call_becomes_task_and_completes(flow_client: ModernClient, flow_proxy: RunningProxy) -> None:
+async def test_slow_call_becomes_task_and_completes(
+    flow_client: ModernClient, flow_proxy: RunningProxy
+) -> None:
     reply = await flow_client.call("slow_compute", {"seconds": 0.5, "label": "lifecycle"})
     created = reply.result
     assert created["resultType"] == "task"
@@ -45,7 +47,10 @@ async def test_slow_call_becomes_task_and_completes(flow_client: ModernClient, f
         assert key in created, key
     assert ISO.match(created["createdAt"]) and ISO.match(created["lastUpdatedAt"])
     assert created["ttlMs"] == 600_000 and created["pollIntervalMs"] == 100
-    assert not {"task", "result", "error", "inputRequests", "ttl", "pollInterval", "requestState"} & created.keys()
+    assert (
+        not {"task", "result", "error", "inputRequests", "ttl", "pollInterval", "requestState"}
+        & created.keys()
+    )
     assert len(created["taskId"]) >= 22  # >= 128 bits of urlsafe base64
     # The record is committed before the handle is sent: an immediate poll resolves.
     first = (await flow_client.get(created["taskId"])).result
@@ -81,7 +86,9 @@ async def test_progress_updates_status_message_of_detached_call(flow_client: Mod
 async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningProxy) -> None:
     plain = ModernClient(proxy.url(), capabilities={})
     try:
-        reply = await plain.call("slow_compute", {"seconds": 0.3, "label": "sse"}, meta={"progressToken": "p-1"})
+        reply = await plain.call(
+            "slow_compute", {"seconds": 0.3, "label": "sse"}, meta={"progressToken": "p-1"}
+        )
         assert reply.content_type.startswith("text/event-stream")
         progress = [n for n in reply.notifications if n["method"] == "notifications/progress"]
         assert len(progress) >= 2
@@ -136,15 +143,19 @@ async def test_cancel_of_terminal_task_is_an_idempotent_ack(flow_client: ModernC
     assert (await flow_client.get(created["taskId"])).result["status"] == "completed"
 
 
-async def test_late_upstream_completion_after_cancel_stays_cancelled(proxy: RunningProxy, client: ModernClient, capsys) -> None:
+async def test_late_upstream_completion_after_cancel_stays_cancelled(
+    proxy: RunningProxy, client: ModernClient, capsys
+) -> None:
     # The task is cancelled from outside the call (as the operator CLI or another process would),
     # so the upstream is not told and answers later: that late answer must be discarded.
     created = (await client.call("quiet_compute", {"seconds": 0.3})).result
-    await proxy.store.update(created["taskId"], Change(status=TaskStatus.CANCELLED, status_message="cancelled elsewhere"))
+    await proxy.store.update(
+        created["taskId"], Change(status=TaskStatus.CANCELLED, status_message="cancelled elsewhere")
+    )
     async with asyncio.timeout(5):
         while created["taskId"] in proxy.app[TASKS_KEY].live:
             await asyncio.sleep(0.02)  # the upstream call has ended and tried to record its result
-    record = (await proxy.store.get(created["taskId"]))
+    record = await proxy.store.get(created["taskId"])
     assert record.status == "cancelled" and record.outcome is None
     logs = capsys.readouterr()
     assert "late_outcome_discarded" in logs.out + logs.err
@@ -161,7 +172,9 @@ async def test_tasks_methods_require_the_extension_on_that_request(flow_client: 
         reply = await flow_client.request(method, params, capabilities={})
         assert reply.status == 400
         assert reply.error["code"] == -32021
-        assert reply.error["data"] == {"requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}}
+        assert reply.error["data"] == {
+            "requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+        }
     assert (await flow_client.get(created["taskId"])).status == 200
 
 
@@ -178,14 +191,18 @@ async def test_unknown_task_id_is_invalid_params(flow_client: ModernClient) -> N
 
 async def test_removed_task_methods_are_method_not_found(client: ModernClient) -> None:
     for method in ("tasks/result", "tasks/list"):
-        reply = await client.request(method, {"taskId": "x"} if method == "tasks/result" else {}, headers={"Mcp-Name": ""})
+        reply = await client.request(
+            method, {"taskId": "x"} if method == "tasks/result" else {}, headers={"Mcp-Name": ""}
+        )
         assert reply.status == 404
         assert reply.error["code"] == -32601
 
 
 async def test_tasks_update_acknowledges_and_ignores_unknown_keys(flow_client: ModernClient) -> None:
     created = (await flow_client.call("slow_compute", {"seconds": 0.2, "label": "update"})).result
-    ack = await flow_client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {"nope": {"action": "accept"}}})
+    ack = await flow_client.request(
+        "tasks/update", {"taskId": created["taskId"], "inputResponses": {"nope": {"action": "accept"}}}
+    )
     assert ack.result == {"resultType": "complete"}
     assert (await flow_client.wait_terminal(created["taskId"]))["status"] == "completed"
 
@@ -193,16 +210,29 @@ async def test_tasks_update_acknowledges_and_ignores_unknown_keys(flow_client: M
 async def test_mcp_name_header_on_tasks_get_is_optional_but_checked(client: ModernClient) -> None:
     created = (await client.call("slow_compute", {"seconds": 0.2, "label": "hdr"})).result
     headers = client.headers_for("tasks/get", {})
-    body = {"jsonrpc": "2.0", "id": 9, "method": "tasks/get", "params": {"taskId": created["taskId"], "_meta": {
-        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-        "io.modelcontextprotocol/clientCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}}}}
+    body = {
+        "jsonrpc": "2.0",
+        "id": 9,
+        "method": "tasks/get",
+        "params": {
+            "taskId": created["taskId"],
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": {
+                    "extensions": {"io.modelcontextprotocol/tasks": {}}
+                },
+            },
+        },
+    }
     without = await client.post_raw(json.dumps(body).encode(), headers)
     assert without.result["taskId"] == created["taskId"]
     mismatch = await client.post_raw(json.dumps(body).encode(), {**headers, "Mcp-Name": "someone-else"})
     assert mismatch.status == 400 and mismatch.error["code"] == -32020
 
 
-async def test_client_that_drops_after_the_handle_finds_the_result_from_a_new_connection(proxy: RunningProxy) -> None:
+async def test_client_that_drops_after_the_handle_finds_the_result_from_a_new_connection(
+    proxy: RunningProxy,
+) -> None:
     first = ModernClient(proxy.url())
     created = (await first.call("slow_compute", {"seconds": 0.3, "label": "reconnect"})).result
     await first.close()
@@ -229,7 +259,9 @@ async def test_client_disconnect_before_detach_cancels_upstream(legacy_url: str,
             await client.close()
 
 
-async def test_required_tool_is_always_a_task_and_refused_without_extension(legacy_url: str, tmp_path) -> None:
+async def test_required_tool_is_always_a_task_and_refused_without_extension(
+    legacy_url: str, tmp_path
+) -> None:
     server = {"tasks": {"tools": {"greet": {"mode": "required"}}}}
     async with running_proxy(make_config(legacy_url, tmp_path / "s", server=server)) as proxy:
         client = ModernClient(proxy.url())
@@ -241,7 +273,10 @@ async def test_required_tool_is_always_a_task_and_refused_without_extension(lega
             refused = await client.call("greet", {"name": "Req"}, capabilities={})
             assert refused.status == 400
             assert refused.error["code"] == -32021
-            assert refused.error["data"]["requiredCapabilities"]["extensions"]["io.modelcontextprotocol/tasks"] == {}
+            assert (
+                refused.error["data"]["requiredCapabilities"]["extensions"]["io.modelcontextprotocol/tasks"]
+                == {}
+            )
         finally:
             await client.close()
 
@@ -268,7 +303,9 @@ async def test_per_tool_detach_after_overrides_server_default(legacy_url: str, t
             await client.close()
 
 
-async def test_tasks_survive_a_restart_and_orphans_fail_with_a_restart_message(legacy_url: str, tmp_path) -> None:
+async def test_tasks_survive_a_restart_and_orphans_fail_with_a_restart_message(
+    legacy_url: str, tmp_path
+) -> None:
     config = make_config(legacy_url, tmp_path / "s")
     config.store.durable = True
     async with running_proxy(config) as proxy:
@@ -282,7 +319,10 @@ async def test_tasks_survive_a_restart_and_orphans_fail_with_a_restart_message(l
         client = ModernClient(proxy2.url())
         try:
             done = (await client.get(done_id)).result
-            assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "computed before after 0.1s"
+            assert (
+                done["status"] == "completed"
+                and done["result"]["content"][0]["text"] == "computed before after 0.1s"
+            )
             orphan = (await client.get(orphan_id)).result
             assert orphan["status"] == "failed"
             assert "shut down" in orphan["error"]["message"] or "restarted" in orphan["error"]["message"]
@@ -291,10 +331,12 @@ async def test_tasks_survive_a_restart_and_orphans_fail_with_a_restart_message(l
 
 
 async def test_upstream_unreachable_names_the_cause(tmp_path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "s"), "durable": False},
-        "mcpServers": {"down": {"url": "http://127.0.0.1:9/mcp"}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "s"), "durable": False},
+            "mcpServers": {"down": {"url": "http://127.0.0.1:9/mcp"}},
+        }
+    )
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url())
         try:
@@ -316,12 +358,18 @@ def conformance_url() -> Iterator[str]:
     server.stop()
 
 
-async def read_listen_stream(client: ModernClient, notifications: dict, *, until: int, trigger=None, timeout: float = 3.0) -> list[dict]:
+async def read_listen_stream(
+    client: ModernClient, notifications: dict, *, until: int, trigger=None, timeout: float = 3.0
+) -> list[dict]:
     """Open a subscriptions/listen stream, run `trigger()` after the first frame, return the first `until` frames."""
     params = {"notifications": notifications, "_meta": envelope({})}
-    body = json.dumps({"jsonrpc": "2.0", "id": "listen-1", "method": "subscriptions/listen", "params": params})
+    body = json.dumps(
+        {"jsonrpc": "2.0", "id": "listen-1", "method": "subscriptions/listen", "params": params}
+    )
     frames: list[dict] = []
-    async with client.http.post(client.url, data=body, headers=client.headers_for("subscriptions/listen", params)) as resp:
+    async with client.http.post(
+        client.url, data=body, headers=client.headers_for("subscriptions/listen", params)
+    ) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
@@ -335,7 +383,9 @@ async def read_listen_stream(client: ModernClient, notifications: dict, *, until
     return frames
 
 
-async def test_listen_acknowledges_then_relays_the_upstream_list_changes_it_asked_for(conformance_url: str, tmp_path) -> None:
+async def test_listen_acknowledges_then_relays_the_upstream_list_changes_it_asked_for(
+    conformance_url: str, tmp_path
+) -> None:
     async with running_proxy(make_config(conformance_url, tmp_path / "store")) as proxy:
         client = ModernClient(proxy.url(), capabilities={})
         try:
@@ -346,36 +396,58 @@ async def test_listen_acknowledges_then_relays_the_upstream_list_changes_it_aske
             async def change_tools() -> None:
                 await client.call("test_trigger_tool_change")
 
-            frames = await read_listen_stream(client, {"toolsListChanged": True, "resourceSubscriptions": ["test://x"]}, until=2, trigger=change_tools)
+            frames = await read_listen_stream(
+                client,
+                {"toolsListChanged": True, "resourceSubscriptions": ["test://x"]},
+                until=2,
+                trigger=change_tools,
+            )
             ack, change = frames
             assert ack["method"] == "notifications/subscriptions/acknowledged"
-            assert ack["params"] == {"notifications": {"toolsListChanged": True}, "_meta": {"io.modelcontextprotocol/subscriptionId": "listen-1"}}
+            assert ack["params"] == {
+                "notifications": {"toolsListChanged": True},
+                "_meta": {"io.modelcontextprotocol/subscriptionId": "listen-1"},
+            }
             assert change["method"] == "notifications/tools/list_changed"
             assert change["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == "listen-1"
             # A stream that asked for prompt changes only never sees a tool change.
-            frames = await read_listen_stream(client, {"promptsListChanged": True}, until=3, trigger=change_tools, timeout=1.0)
+            frames = await read_listen_stream(
+                client, {"promptsListChanged": True}, until=3, trigger=change_tools, timeout=1.0
+            )
             assert [f["method"] for f in frames] == ["notifications/subscriptions/acknowledged"]
         finally:
             await client.close()
 
 
-async def test_listen_relays_changes_the_upstream_sends_on_its_standalone_stream(conformance_url: str, tmp_path) -> None:
+async def test_listen_relays_changes_the_upstream_sends_on_its_standalone_stream(
+    conformance_url: str, tmp_path
+) -> None:
     async with running_proxy(make_config(conformance_url, tmp_path / "store")) as proxy:
         client = ModernClient(proxy.url(), capabilities={})
         try:
+
             async def change_tools_later() -> None:
                 await client.call("announce_tool_change_later")
 
-            frames = await read_listen_stream(client, {"toolsListChanged": True}, until=2, trigger=change_tools_later)
-            assert [f["method"] for f in frames] == ["notifications/subscriptions/acknowledged", "notifications/tools/list_changed"]
+            frames = await read_listen_stream(
+                client, {"toolsListChanged": True}, until=2, trigger=change_tools_later
+            )
+            assert [f["method"] for f in frames] == [
+                "notifications/subscriptions/acknowledged",
+                "notifications/tools/list_changed",
+            ]
         finally:
             await client.close()
 
 
 async def test_listen_for_task_ids_needs_the_extension_and_a_filter(client: ModernClient) -> None:
-    refused = await client.request("subscriptions/listen", {"notifications": {"taskIds": ["t"]}}, capabilities={})
+    refused = await client.request(
+        "subscriptions/listen", {"notifications": {"taskIds": ["t"]}}, capabilities={}
+    )
     assert refused.status == 400 and refused.error["code"] == -32021
-    assert refused.error["data"]["requiredCapabilities"] == {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    assert refused.error["data"]["requiredCapabilities"] == {
+        "extensions": {"io.modelcontextprotocol/tasks": {}}
+    }
     assert (await client.request("subscriptions/listen", {})).error["code"] == -32602
 
 
@@ -385,18 +457,31 @@ async def test_mcp_param_headers_must_mirror_annotated_arguments(conformance_url
     async with running_proxy(make_config(conformance_url, tmp_path / "store")) as proxy:
         client = ModernClient(proxy.url(), capabilities={})
         try:
+
             def call(region, header=None):
                 headers = {"Mcp-Param-Region": header} if header is not None else None
-                return client.call("test_header_param", {} if region is None else {"region": region}, headers=headers)
+                return client.call(
+                    "test_header_param", {} if region is None else {"region": region}, headers=headers
+                )
 
             assert (await call("eu", "eu")).result["content"][0]["text"] == "region=eu"
             assert (await call("Hello", "=?base64?SGVsbG8=?=")).result["content"][0]["text"] == "region=Hello"
-            assert (await call("=?base64?SGVsbG8=", "=?base64?SGVsbG8=")).status == 200  # no suffix: a literal
-            for region, header in (("eu", None), ("eu", "us"), ("Hello", "=?base64?SGVsbG8?="), ("Hello", "=?base64?SG!!bG8=?="), (None, "eu")):
+            assert (
+                await call("=?base64?SGVsbG8=", "=?base64?SGVsbG8=")
+            ).status == 200  # no suffix: a literal
+            for region, header in (
+                ("eu", None),
+                ("eu", "us"),
+                ("Hello", "=?base64?SGVsbG8?="),
+                ("Hello", "=?base64?SG!!bG8=?="),
+                (None, "eu"),
+            ):
                 refused = await call(region, header)
                 assert refused.status == 400 and refused.error["code"] == -32020, (region, header)
             # Tools without annotations ignore stray Mcp-Param-* headers.
-            assert (await client.call("greet", {"name": "x"}, headers={"Mcp-Param-Region": "eu"})).status == 200
+            assert (
+                await client.call("greet", {"name": "x"}, headers={"Mcp-Param-Region": "eu"})
+            ).status == 200
         finally:
             await client.close()
 
@@ -404,10 +489,14 @@ async def test_mcp_param_headers_must_mirror_annotated_arguments(conformance_url
 def test_param_header_names_follow_the_annotation_rules() -> None:
     from proxy.protocol.era import param_header_names
 
-    schema = {"properties": {
-        "a": {"type": "string", "x-mcp-header": "A"}, "n": {"type": "integer", "x-mcp-header": "N"},
-        "obj": {"type": "object", "x-mcp-header": "O"}, "bad": {"type": "string", "x-mcp-header": "no spaces"},
-        "plain": {"type": "string"},
-    }}
+    schema = {
+        "properties": {
+            "a": {"type": "string", "x-mcp-header": "A"},
+            "n": {"type": "integer", "x-mcp-header": "N"},
+            "obj": {"type": "object", "x-mcp-header": "O"},
+            "bad": {"type": "string", "x-mcp-header": "no spaces"},
+            "plain": {"type": "string"},
+        }
+    }
     assert param_header_names(schema) == {"a": "A", "n": "N"}
     assert param_header_names(None) == {}

@@ -48,6 +48,7 @@ async def test_metrics_count_calls_tasks_latencies_and_limits(legacy_url: str, t
         finally:
             await client.close()
         after = await scrape(proxy.base)
+
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
@@ -59,19 +60,29 @@ async def test_metrics_count_calls_tasks_latencies_and_limits(legacy_url: str, t
     assert delta("mcp_tasks_proxy_tasks_total", status="completed") == 1
     assert delta("mcp_tasks_proxy_task_age_seconds_count", status="completed") == 1
     assert delta("mcp_tasks_proxy_limit_rejections_total", limit="tasks_rate") == 1
-    assert metric(after, "mcp_tasks_proxy_store_tasks") >= 1 and metric(after, "mcp_tasks_proxy_store_bytes") > 0
-    for name in ("mcp_tasks_proxy_input_wait_seconds", "mcp_tasks_proxy_tasks_orphaned_total", "mcp_tasks_proxy_live_tasks"):
+    assert (
+        metric(after, "mcp_tasks_proxy_store_tasks") >= 1 and metric(after, "mcp_tasks_proxy_store_bytes") > 0
+    )
+    for name in (
+        "mcp_tasks_proxy_input_wait_seconds",
+        "mcp_tasks_proxy_tasks_orphaned_total",
+        "mcp_tasks_proxy_live_tasks",
+    ):
         assert name in after
 
 
-async def test_one_log_line_per_request_and_per_transition_without_payloads(legacy_url: str, tmp_path: Path, capsys) -> None:
+async def test_one_log_line_per_request_and_per_transition_without_payloads(
+    legacy_url: str, tmp_path: Path, capsys
+) -> None:
     configure_logging("info")
     secret_argument = "do-not-log-this-7c1e"
     try:
         async with running_proxy(make_config(legacy_url, tmp_path / "store")) as proxy:
             client = ModernClient(proxy.url())
             try:
-                created = (await client.call("slow_compute", {"seconds": 0.2, "label": secret_argument})).result
+                created = (
+                    await client.call("slow_compute", {"seconds": 0.2, "label": secret_argument})
+                ).result
                 await client.wait_terminal(created["taskId"])
             finally:
                 await client.close()
@@ -82,8 +93,17 @@ async def test_one_log_line_per_request_and_per_transition_without_payloads(lega
         structlog.reset_defaults()
     requests = [entry for entry in lines if entry["event"] == "request"]
     call_line = next(e for e in requests if e.get("rpc_method") == "tools/call")
-    assert call_line["tool"] == "slow_compute" and call_line["server"] == "legacy" and call_line["task_id"] == created["taskId"]
-    assert call_line["principal"] and call_line["request_id"] and call_line["status"] == 200 and "duration_ms" in call_line
+    assert (
+        call_line["tool"] == "slow_compute"
+        and call_line["server"] == "legacy"
+        and call_line["task_id"] == created["taskId"]
+    )
+    assert (
+        call_line["principal"]
+        and call_line["request_id"]
+        and call_line["status"] == 200
+        and "duration_ms" in call_line
+    )
     transitions = [e for e in lines if e["event"] == "task_transition" and e["task_id"] == created["taskId"]]
     assert [t["to"] for t in transitions] == ["working", "completed"]
     assert transitions[-1]["from"] == "working" and transitions[-1]["age_ms"] >= 0
@@ -91,10 +111,12 @@ async def test_one_log_line_per_request_and_per_transition_without_payloads(lega
 
 
 async def test_readyz_names_the_failing_check(tmp_path: Path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "mcpServers": {"down": {"url": "http://127.0.0.1:9/mcp"}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"down": {"url": "http://127.0.0.1:9/mcp"}},
+        }
+    )
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
         async with http.get(f"{proxy.base}/healthz") as resp:
             assert resp.status == 200 and (await resp.json())["status"] == "ok"
@@ -108,13 +130,21 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
     config = make_config(legacy_url, tmp_path / "store")
     async with running_proxy(config) as proxy:
         before = await scrape(proxy.base)
-        client = ModernClient(proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}})
+        client = ModernClient(
+            proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+        )
         try:
             await client.warm_up()
             created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
             task = await client.wait_status(created["taskId"], ("input_required",))
             key = next(iter(task["inputRequests"]))
-            await client.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}}})
+            await client.request(
+                "tasks/update",
+                {
+                    "taskId": created["taskId"],
+                    "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+                },
+            )
             await client.wait_terminal(created["taskId"])
             orphan = (await client.call("slow_compute", {"seconds": 30, "label": "orphan-metric"})).result
         finally:
@@ -133,8 +163,16 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
             await reader.close()
             call.cancel("test over")
         after = await scrape(proxy.base)
-    assert metric(after, "mcp_tasks_proxy_input_wait_seconds_count") - metric(before, "mcp_tasks_proxy_input_wait_seconds_count") == 1
-    assert metric(after, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed") - metric(before, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed") == 1
+    assert (
+        metric(after, "mcp_tasks_proxy_input_wait_seconds_count")
+        - metric(before, "mcp_tasks_proxy_input_wait_seconds_count")
+        == 1
+    )
+    assert (
+        metric(after, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed")
+        - metric(before, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed")
+        == 1
+    )
 
 
 async def test_log_payloads_true_logs_request_bodies(legacy_url: str, tmp_path: Path, capsys) -> None:

@@ -41,12 +41,17 @@ async def scrape(base: str, headers: dict[str, str] | None = None) -> tuple[int,
         return resp.status, await resp.text()
 
 
-async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(legacy_url: str, tmp_path: Path, capsys) -> None:
+async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(
+    legacy_url: str, tmp_path: Path, capsys
+) -> None:
     configure_logging("info")
     try:
         async with running_proxy(make_config(legacy_url, tmp_path / "store")) as proxy:
             _, before = await scrape(proxy.base)
-            async with streamable_http_client(proxy.url()) as (read, write), ClientSession(read, write) as session:
+            async with (
+                streamable_http_client(proxy.url()) as (read, write),
+                ClientSession(read, write) as session,
+            ):
                 await session.initialize()
                 result = await session.call_tool("greet", {"name": "legacy"})
             assert result.content[0].text == "Hello, legacy!"
@@ -56,7 +61,9 @@ async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(legacy_u
             async with asyncio.timeout(2):
                 while True:
                     _, after = await scrape(proxy.base)  # legacy traffic only so far
-                    if metric(after, "mcp_tasks_proxy_calls_total", **calls) > metric(before, "mcp_tasks_proxy_calls_total", **calls):
+                    if metric(after, "mcp_tasks_proxy_calls_total", **calls) > metric(
+                        before, "mcp_tasks_proxy_calls_total", **calls
+                    ):
                         break
                     await asyncio.sleep(0.01)
             modern = ModernClient(proxy.url())
@@ -69,12 +76,19 @@ async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(legacy_u
     finally:
         structlog.reset_defaults()
     calls = {"server": "legacy", "tool": "greet", "outcome": "sync"}
-    assert metric(after, "mcp_tasks_proxy_calls_total", **calls) - metric(before, "mcp_tasks_proxy_calls_total", **calls) == 1
+    assert (
+        metric(after, "mcp_tasks_proxy_calls_total", **calls)
+        - metric(before, "mcp_tasks_proxy_calls_total", **calls)
+        == 1
+    )
     latency = {"server": "legacy", "method": "tools/call"}
     assert metric(after, "mcp_tasks_proxy_upstream_latency_seconds_count", **latency) > metric(
-        before, "mcp_tasks_proxy_upstream_latency_seconds_count", **latency)
+        before, "mcp_tasks_proxy_upstream_latency_seconds_count", **latency
+    )
     requests = [line for line in lines if line["event"] == "request"]
-    legacy_call = [line for line in requests if line.get("era") == "legacy" and line.get("rpc_method") == "tools/call"]
+    legacy_call = [
+        line for line in requests if line.get("era") == "legacy" and line.get("rpc_method") == "tools/call"
+    ]
     assert legacy_call and legacy_call[0]["tool"] == "greet" and legacy_call[0]["server"] == "legacy"
     # The SDK may hang up right after reading initialize's last SSE event: then its line is client_disconnected.
     ends = [line for line in lines if line["event"] in ("request", "client_disconnected")]
@@ -91,14 +105,20 @@ def test_request_state_key_file_is_checked_and_written_safely(tmp_path: Path) ->
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_or_create_key(str(store), None) == key  # kept across restarts
     assert [p.name for p in store.iterdir()] == [KEY_FILE]  # no temporary file left behind
-    for content, complaint in (("", "is empty"), ("not hex at all\n", "does not hold hex digits"), ("abcd", "fewer than 32")):
+    for content, complaint in (
+        ("", "is empty"),
+        ("not hex at all\n", "does not hold hex digits"),
+        ("abcd", "fewer than 32"),
+    ):
         path.write_text(content)
         with pytest.raises(ConfigError, match=complaint) as caught:
             load_or_create_key(str(store), None)
         assert str(path) in str(caught.value) and "request_state.secret" in str(caught.value)
 
 
-async def test_an_empty_key_file_stops_the_start_instead_of_every_mrtr_round(legacy_url: str, tmp_path: Path) -> None:
+async def test_an_empty_key_file_stops_the_start_instead_of_every_mrtr_round(
+    legacy_url: str, tmp_path: Path
+) -> None:
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / KEY_FILE).write_text("")
     with pytest.raises(ConfigError, match="is empty"):
@@ -119,17 +139,40 @@ async def test_metrics_token(legacy_url: str, tmp_path: Path) -> None:
 
 def _write_config(tmp_path: Path, url: str, **listen: object) -> Path:
     path = tmp_path / "proxy.json"
-    path.write_text(json.dumps({"listen": listen, "store": {"path": str(tmp_path / "store")}, "mcpServers": {"legacy": {"url": url}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "listen": listen,
+                "store": {"path": str(tmp_path / "store")},
+                "mcpServers": {"legacy": {"url": url}},
+            }
+        )
+    )
     return path
 
 
-def test_a_failed_bind_is_reported_before_anything_claims_to_have_started(legacy_url: str, tmp_path: Path) -> None:
+def test_a_failed_bind_is_reported_before_anything_claims_to_have_started(
+    legacy_url: str, tmp_path: Path
+) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "proxy", "--config", str(_write_config(tmp_path, legacy_url)), "--port", str(port)],
-                             capture_output=True, text=True, timeout=30, cwd=ROOT)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "--config",
+                str(_write_config(tmp_path, legacy_url)),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
     assert out.returncode == 1 and "cannot listen" in out.stderr
     assert "proxy_started" not in out.stderr and "Traceback" not in out.stderr
 
@@ -139,11 +182,19 @@ def _limit_fds() -> None:
 
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
-def test_running_out_of_file_descriptors_is_survived_quietly(legacy_url: str, tmp_path: Path, event_loop: str) -> None:
+def test_running_out_of_file_descriptors_is_survived_quietly(
+    legacy_url: str, tmp_path: Path, event_loop: str
+) -> None:
     config = _write_config(tmp_path, legacy_url, header_timeout="1s", event_loop=event_loop)
     log = (tmp_path / "stderr.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"], stdout=subprocess.PIPE, stderr=log,
-                            text=True, cwd=ROOT, preexec_fn=_limit_fds)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=_limit_fds,
+    )
     try:
         assert proc.stdout is not None
         base = proc.stdout.readline().strip().split(" at ")[-1].removesuffix("/servers/legacy/mcp")
@@ -177,7 +228,9 @@ def test_running_out_of_file_descriptors_is_survived_quietly(legacy_url: str, tm
     assert "Traceback" not in text
 
 
-async def test_an_accept_retry_firing_after_shutdown_is_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+async def test_an_accept_retry_firing_after_shutdown_is_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """asyncio answers each EMFILE on accept with a retry 1 s later; when shutdown closed the listening
     socket in between, the retry fails on fd -1. The full-process test above hits this only when its
     stop lands inside that second, so the retry is scheduled here directly (asyncio's own method)."""
@@ -201,6 +254,8 @@ async def test_an_accept_retry_firing_after_shutdown_is_not_a_traceback(capsys: 
 
 
 async def _healthz(base: str) -> int:
-    async with aiohttp.ClientSession() as http, http.get(f"{base}/healthz", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{base}/healthz", timeout=aiohttp.ClientTimeout(total=2)) as resp,
+    ):
         return resp.status
-

@@ -20,7 +20,10 @@ from proxy.protocol import jsonrpc
 from proxy.upstream.sse import EventTooLargeError, ReaderEvents, iter_events
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=20,
@@ -44,10 +47,18 @@ def test_codec_writes_every_ascii_character_as_json_did() -> None:
     assert jsonrpc.dumps(value) == json.dumps(value, separators=(",", ":")).encode()
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"a":NaN,"b":[Infinity,-Infinity]}', b"[1e400]", b'"\\ud800"', b"123456789012345678901234567890", b'{"x":"\\u00e9\xc3\xa9"}',
-    b"[1e-07,0.00001,1e16,2.5e-9]", b"\xef\xbb\xbf{}",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a":NaN,"b":[Infinity,-Infinity]}',
+        b"[1e400]",
+        b'"\\ud800"',
+        b"123456789012345678901234567890",
+        b'{"x":"\\u00e9\xc3\xa9"}',
+        b"[1e-07,0.00001,1e16,2.5e-9]",
+        b"\xef\xbb\xbf{}",
+    ],
+)
 def test_codec_edge_cases_round_trip_as_json(raw: bytes) -> None:
     value = jsonrpc.loads(raw)
     plain = json.loads(raw)
@@ -72,19 +83,38 @@ async def _counting_upstream() -> tuple[web.AppRunner, str, list[int]]:
 
     async def mcp(request: web.Request) -> web.StreamResponse:
         if request.method != "POST":
-            return web.Response(status=405 if request.method == "GET" else 200)  # no standalone stream; DELETE ends the session
+            return web.Response(
+                status=405 if request.method == "GET" else 200
+            )  # no standalone stream; DELETE ends the session
         body = await request.json()
         if "id" not in body:
             return web.Response(status=202)
         if body["method"] == "initialize":
-            result = {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}}, "serverInfo": {"name": "count", "version": "1"}}
-            return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": result}, headers={"Mcp-Session-Id": secrets.token_hex(8)})
+            result = {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": "count", "version": "1"},
+            }
+            return web.json_response(
+                {"jsonrpc": "2.0", "id": body["id"], "result": result},
+                headers={"Mcp-Session-Id": secrets.token_hex(8)},
+            )
         if body["method"] == "tools/list":
-            return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"tools": [{"name": "greet", "inputSchema": {"type": "object"}}]}})
+            return web.json_response(
+                {
+                    "jsonrpc": "2.0",
+                    "id": body["id"],
+                    "result": {"tools": [{"name": "greet", "inputSchema": {"type": "object"}}]},
+                }
+            )
         ports.append(request.transport.get_extra_info("peername")[1])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        msg = {"jsonrpc": "2.0", "id": body["id"], "result": {"content": [{"type": "text", "text": "hi"}], "isError": False}}
+        msg = {
+            "jsonrpc": "2.0",
+            "id": body["id"],
+            "result": {"content": [{"type": "text", "text": "hi"}], "isError": False},
+        }
         await resp.write(b"event: message\ndata: " + json.dumps(msg).encode() + b"\n\n")
         await asyncio.sleep(0.02)  # the end of the stream comes after the response
         await resp.write_eof()
@@ -134,7 +164,10 @@ class _Chunks:
 
 async def _both(chunks: list[bytes], limit: int | None) -> tuple[list[object], list[object]]:
     out = []
-    for read in (lambda c: ReaderEvents(c, max_event_bytes=limit), lambda c: iter_events(c.iter_any(), max_event_bytes=limit)):
+    for read in (
+        lambda c: ReaderEvents(c, max_event_bytes=limit),
+        lambda c: iter_events(c.iter_any(), max_event_bytes=limit),
+    ):
         got: list[object] = []
         try:
             async for event in read(_Chunks(chunks)):
@@ -146,12 +179,29 @@ async def _both(chunks: list[bytes], limit: int | None) -> tuple[list[object], l
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.sampled_from([b"data: a", b"\n", b"\r\n", b"id: 7\n", b"retry: 30\n", b"event: x\n", b": c\n", b"data: " + b"z" * 40]), max_size=30),
-       st.integers(1, 7), st.sampled_from([None, 64]))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                b"data: a",
+                b"\n",
+                b"\r\n",
+                b"id: 7\n",
+                b"retry: 30\n",
+                b"event: x\n",
+                b": c\n",
+                b"data: " + b"z" * 40,
+            ]
+        ),
+        max_size=30,
+    ),
+    st.integers(1, 7),
+    st.sampled_from([None, 64]),
+)
 def test_reader_events_match_iter_events(parts: list[bytes], size: int, limit: int | None) -> None:
     """Held call streams read through ReaderEvents (no async generator): same events, same end,
     same too-large error after the events of that chunk, however the bytes are split."""
     raw = b"".join(parts)
-    chunks = [raw[i:i + size] for i in range(0, len(raw), size)]
+    chunks = [raw[i : i + size] for i in range(0, len(raw), size)]
     a, b = asyncio.run(_both(chunks, limit))
     assert a == b

@@ -38,8 +38,8 @@ from proxy.protocol.jsonrpc import (
     is_response,
     validate_request,
 )
-from proxy.protocol.translate import CACHEABLE_METHODS, modern_error, modern_result
 from proxy.protocol.tasks_v2 import create_task_result, detailed_task, wire_task
+from proxy.protocol.translate import CACHEABLE_METHODS, modern_error, modern_result
 from proxy.tasks.model import TaskRecord, TaskStatus, TerminalTaskError, check_transition, iso
 
 META = {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: {}}
@@ -53,7 +53,9 @@ def body(method: str = "tools/call", **params) -> dict:
     return {"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": dict(META)}}
 
 
-def headers(method: str = "tools/call", name: str | None = "echo", version: str | None = MODERN_VERSION, **extra) -> CIMultiDict:
+def headers(
+    method: str = "tools/call", name: str | None = "echo", version: str | None = MODERN_VERSION, **extra
+) -> CIMultiDict:
     h: CIMultiDict = CIMultiDict({"Content-Type": "application/json"})
     if version is not None:
         h["MCP-Protocol-Version"] = version
@@ -80,7 +82,12 @@ def rpc_error(fn, *args) -> JsonRpcError:
 
 
 def test_bare_initialize_is_legacy():
-    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-11-25", "capabilities": {}}}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}},
+    }
     assert not is_modern_request(CIMultiDict(), init)
     # even with the modern version header
     assert not is_modern_request(CIMultiDict({"MCP-Protocol-Version": MODERN_VERSION}), init)
@@ -92,7 +99,9 @@ def test_initialize_with_meta_is_modern():
 
 def test_session_id_is_legacy_even_with_meta():
     assert not is_modern_request(CIMultiDict({"Mcp-Session-Id": "abc"}), body("tools/call", name="echo"))
-    assert not is_modern_request(CIMultiDict({"mcp-session-id": "abc", "MCP-Protocol-Version": MODERN_VERSION}), body())
+    assert not is_modern_request(
+        CIMultiDict({"mcp-session-id": "abc", "MCP-Protocol-Version": MODERN_VERSION}), body()
+    )
 
 
 def test_modern_envelope_is_modern():
@@ -101,10 +110,17 @@ def test_modern_envelope_is_modern():
 
 
 def test_legacy_meta_without_the_envelope_stays_legacy():
-    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "t", "_meta": {"progressToken": "p"}}}
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "t", "_meta": {"progressToken": "p"}},
+    }
     assert not is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2025-11-25"}), call)
     assert not is_modern_request(CIMultiDict(), call)
-    assert is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2026-07-28"}), call)  # then -32602 for the envelope
+    assert is_modern_request(
+        CIMultiDict({"MCP-Protocol-Version": "2026-07-28"}), call
+    )  # then -32602 for the envelope
 
 
 def test_meta_must_be_an_object():
@@ -137,7 +153,14 @@ def test_no_header_no_meta_is_legacy():
 def test_parse_envelope_reads_fields():
     caps = {"extensions": {TASKS_EXTENSION: {}}, "elicitation": {}}
     env = parse_envelope(
-        {"_meta": {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: caps, META_CLIENT_INFO: {"name": "c"}, META_LOG_LEVEL: "debug"}}
+        {
+            "_meta": {
+                META_PROTOCOL_VERSION: MODERN_VERSION,
+                META_CLIENT_CAPABILITIES: caps,
+                META_CLIENT_INFO: {"name": "c"},
+                META_LOG_LEVEL: "debug",
+            }
+        }
     )
     assert env == Envelope(MODERN_VERSION, caps, {"name": "c"}, "debug")
     assert env.declares_tasks
@@ -145,10 +168,18 @@ def test_parse_envelope_reads_fields():
 
 @pytest.mark.parametrize(
     "caps",
-    [{}, {"extensions": {}}, {"extensions": {TASKS_EXTENSION: True}}, {"extensions": [TASKS_EXTENSION]}, {"tasks": {}}],
+    [
+        {},
+        {"extensions": {}},
+        {"extensions": {TASKS_EXTENSION: True}},
+        {"extensions": [TASKS_EXTENSION]},
+        {"tasks": {}},
+    ],
 )
 def test_declares_tasks_needs_the_extension_object(caps: dict):
-    assert not parse_envelope({"_meta": {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: caps}}).declares_tasks
+    assert not parse_envelope(
+        {"_meta": {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: caps}}
+    ).declares_tasks
 
 
 @pytest.mark.parametrize(
@@ -193,8 +224,19 @@ def test_strip_envelope_keeps_other_meta():
 
 
 def test_upstream_capabilities():
-    caps = {"elicitation": {"form": {}}, "sampling": {}, "roots": {"listChanged": True}, "extensions": {TASKS_EXTENSION: {}}, "tasks": {}, "x": 1}
-    assert upstream_capabilities(caps) == {"elicitation": {"form": {}}, "sampling": {}, "roots": {"listChanged": True}}
+    caps = {
+        "elicitation": {"form": {}},
+        "sampling": {},
+        "roots": {"listChanged": True},
+        "extensions": {TASKS_EXTENSION: {}},
+        "tasks": {},
+        "x": 1,
+    }
+    assert upstream_capabilities(caps) == {
+        "elicitation": {"form": {}},
+        "sampling": {},
+        "roots": {"listChanged": True},
+    }
     assert upstream_capabilities({"elicitation": True}) == {}
 
 
@@ -270,7 +312,14 @@ def test_duplicate_header_is_refused():
     assert rpc_error(check_headers, h, b, envelope_of(b)).code == HEADER_MISMATCH
 
 
-@pytest.mark.parametrize(("method", "field", "value"), [("tools/call", "name", "echo"), ("prompts/get", "name", "greet"), ("resources/read", "uri", "file:///a.txt")])
+@pytest.mark.parametrize(
+    ("method", "field", "value"),
+    [
+        ("tools/call", "name", "echo"),
+        ("prompts/get", "name", "greet"),
+        ("resources/read", "uri", "file:///a.txt"),
+    ],
+)
 def test_mcp_name_required(method: str, field: str, value: str):
     b = body(method, **{field: value})
     check_headers(headers(method, value), b, envelope_of(b))
@@ -314,7 +363,9 @@ def test_malformed_base64_header():
     err = rpc_error(check_headers, headers("tools/call", "=?base64?!!!not-base64?="), b, envelope_of(b))
     assert err.code == HEADER_MISMATCH and "base64" in err.message
     bad_utf8 = "=?base64?" + base64.b64encode(b"\xff\xfe").decode() + "?="
-    assert rpc_error(check_headers, headers("tools/call", bad_utf8), b, envelope_of(b)).code == HEADER_MISMATCH
+    assert (
+        rpc_error(check_headers, headers("tools/call", bad_utf8), b, envelope_of(b)).code == HEADER_MISMATCH
+    )
 
 
 def test_surrounding_whitespace_accepted():
@@ -400,7 +451,11 @@ def test_http_status_mapping():
 
 def test_error_object_omits_absent_data():
     assert JsonRpcError(INVALID_PARAMS, "bad").to_error() == {"code": -32602, "message": "bad"}
-    assert JsonRpcError(INVALID_PARAMS, "bad", {"x": 1}).to_error() == {"code": -32602, "message": "bad", "data": {"x": 1}}
+    assert JsonRpcError(INVALID_PARAMS, "bad", {"x": 1}).to_error() == {
+        "code": -32602,
+        "message": "bad",
+        "data": {"x": 1},
+    }
 
 
 # --- legacy → modern translation ----------------------------------------------------------------
@@ -455,7 +510,9 @@ def test_execution_stripped_from_tools():
 
 
 def test_related_task_meta_stripped():
-    out = modern_result("tools/call", {"content": [], "_meta": {META_RELATED_TASK: {"taskId": "x"}, "other": 1}})
+    out = modern_result(
+        "tools/call", {"content": [], "_meta": {META_RELATED_TASK: {"taskId": "x"}, "other": 1}}
+    )
     assert out["_meta"] == {"other": 1}
     out = modern_result("tools/call", {"content": [], "_meta": {META_RELATED_TASK: {"taskId": "x"}}})
     assert "_meta" not in out
@@ -485,7 +542,9 @@ def test_other_errors_pass_through_as_copies():
     assert modern_error({"code": 5, "message": 7})["message"] == "7"
 
 
-@pytest.mark.parametrize("bad", [None, "boom", {"message": "x"}, {"code": "1", "message": "x"}, {"code": True, "message": "x"}])
+@pytest.mark.parametrize(
+    "bad", [None, "boom", {"message": "x"}, {"code": "1", "message": "x"}, {"code": True, "message": "x"}]
+)
 def test_malformed_errors_become_internal(bad):
     out = modern_error(bad)
     assert out["code"] == INTERNAL_ERROR
@@ -499,7 +558,14 @@ ISO_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$")
 
 def task(**kw) -> TaskRecord:
     base = dict(
-        task_id="tid", principal="p", server="s", tool="t", created_ms=1_700_000_000_123, ttl_ms=60_000, poll_interval_ms=500, owner="n"
+        task_id="tid",
+        principal="p",
+        server="s",
+        tool="t",
+        created_ms=1_700_000_000_123,
+        ttl_ms=60_000,
+        poll_interval_ms=500,
+        owner="n",
     )
     record = TaskRecord(**{**base, **kw})
     if record.status.terminal:
@@ -516,7 +582,15 @@ def test_iso_timestamps():
 def test_create_task_result_shape():
     rec = task()
     out = create_task_result(rec)
-    assert out.keys() == {"resultType", "taskId", "status", "createdAt", "lastUpdatedAt", "ttlMs", "pollIntervalMs"}
+    assert out.keys() == {
+        "resultType",
+        "taskId",
+        "status",
+        "createdAt",
+        "lastUpdatedAt",
+        "ttlMs",
+        "pollIntervalMs",
+    }
     assert {k: v for k, v in out.items() if k != "ttlMs"} == {
         "resultType": "task",
         "taskId": "tid",
@@ -543,7 +617,9 @@ def test_detailed_task_working():
 
 def test_detailed_task_completed():
     result = {"content": [{"type": "text", "text": "ok"}], "isError": False}
-    out = detailed_task(task(status=TaskStatus.COMPLETED, outcome={"result": result}, last_updated_ms=1_700_000_002_123))
+    out = detailed_task(
+        task(status=TaskStatus.COMPLETED, outcome={"result": result}, last_updated_ms=1_700_000_002_123)
+    )
     assert out["status"] == "completed" and out["result"] == {**result, "resultType": "complete"}
     assert out["ttlMs"] == 62_000  # createdAt + ttlMs = the end of retention, fixed once terminal
     assert not {"error", "inputRequests"} & out.keys()
@@ -551,15 +627,27 @@ def test_detailed_task_completed():
 
 def test_detailed_task_failed():
     error = {"code": -32603, "message": "upstream unreachable"}
-    out = detailed_task(task(status=TaskStatus.FAILED, outcome={"error": error}, status_message="upstream unreachable"))
-    assert out["status"] == "failed" and out["error"] == error and out["statusMessage"] == "upstream unreachable"
+    out = detailed_task(
+        task(status=TaskStatus.FAILED, outcome={"error": error}, status_message="upstream unreachable")
+    )
+    assert (
+        out["status"] == "failed" and out["error"] == error and out["statusMessage"] == "upstream unreachable"
+    )
     assert not {"result", "inputRequests"} & out.keys()
 
 
 def test_detailed_task_renders_the_raw_upstream_outcome():
     legacy = {"content": [], "_meta": {"io.modelcontextprotocol/related-task": {"taskId": "x"}}}
-    assert detailed_task(task(status=TaskStatus.COMPLETED, outcome={"result": legacy}))["result"] == {"content": [], "resultType": "complete"}
-    assert detailed_task(task(status=TaskStatus.FAILED, outcome={"error": {"code": -32002, "message": "gone"}}))["error"]["code"] == -32602
+    assert detailed_task(task(status=TaskStatus.COMPLETED, outcome={"result": legacy}))["result"] == {
+        "content": [],
+        "resultType": "complete",
+    }
+    assert (
+        detailed_task(task(status=TaskStatus.FAILED, outcome={"error": {"code": -32002, "message": "gone"}}))[
+            "error"
+        ]["code"]
+        == -32602
+    )
 
 
 def test_detailed_task_input_required():

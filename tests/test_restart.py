@@ -20,11 +20,15 @@ def _start(config_file: Path) -> ServerProcess:
 
 async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: str, tmp_path: Path) -> None:
     config_file = tmp_path / "proxy.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "store": {"path": str(tmp_path / "store")},
-        "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
-        "mcpServers": {"legacy": {"url": legacy_url}},
-    }))
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "store": {"path": str(tmp_path / "store")},
+                "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+                "mcpServers": {"legacy": {"url": legacy_url}},
+            }
+        )
+    )
     proxy = _start(config_file)
     try:
         client = ModernClient(proxy.url)
@@ -52,16 +56,27 @@ async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: 
 
 def _write_config(tmp_path: Path, legacy_url: str, **extra) -> Path:
     config_file = tmp_path / "proxy.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "store": {"path": str(tmp_path / "store")},
-        "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
-        "mcpServers": {"legacy": {"url": legacy_url, "tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}},
-        **extra,
-    }))
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "store": {"path": str(tmp_path / "store")},
+                "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+                "mcpServers": {
+                    "legacy": {
+                        "url": legacy_url,
+                        "tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}},
+                    }
+                },
+                **extra,
+            }
+        )
+    )
     return config_file
 
 
-async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(legacy_url: str, tmp_path: Path) -> None:
+async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(
+    legacy_url: str, tmp_path: Path
+) -> None:
     config_file = _write_config(tmp_path, legacy_url)
     proxy = _start(config_file)
     try:
@@ -77,20 +92,27 @@ async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(legacy_ur
         first = (await client.get(rerun_id)).result
         assert first["status"] == "working" and "re-running" in first["statusMessage"]
         done = await client.wait_terminal(rerun_id)
-        assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "computed rerun-me after 1s"
+        assert (
+            done["status"] == "completed"
+            and done["result"]["content"][0]["text"] == "computed rerun-me after 1s"
+        )
         assert (await client.get(failed_id)).result["status"] == "failed"
         await client.close()
     finally:
         proxy.stop()
 
 
-async def test_sigterm_drains_synchronous_calls_and_records_detached_ones(legacy_url: str, tmp_path: Path) -> None:
+async def test_sigterm_drains_synchronous_calls_and_records_detached_ones(
+    legacy_url: str, tmp_path: Path
+) -> None:
     config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "5s"})
     proxy = _start(config_file)
     try:
         client = ModernClient(proxy.url)
         plain = ModernClient(proxy.url, capabilities={})
-        detached_id = (await client.call("confirm_delete", {"filename": "d.txt", "delay": 30})).result["taskId"]
+        detached_id = (await client.call("confirm_delete", {"filename": "d.txt", "delay": 30})).result[
+            "taskId"
+        ]
         sync_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 1.0, "label": "drained"}))
         await asyncio.sleep(0.3)
         proxy.proc.send_signal(signal.SIGTERM)
@@ -123,23 +145,35 @@ asyncio.run(main())
 """
 
 
-async def test_a_new_process_resumes_polling_after_the_client_dropped(legacy_url: str, tmp_path: Path) -> None:
+async def test_a_new_process_resumes_polling_after_the_client_dropped(
+    legacy_url: str, tmp_path: Path
+) -> None:
     proxy = _start(_write_config(tmp_path, legacy_url))
     try:
         client = ModernClient(proxy.url)
         task_id = (await client.call("slow_compute", {"seconds": 0.5, "label": "handoff"})).result["taskId"]
         await client.close()  # the first client is gone
         out = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-c", POLLER, proxy.url, task_id], capture_output=True, text=True, timeout=60, cwd=ROOT
+            subprocess.run,
+            [sys.executable, "-c", POLLER, proxy.url, task_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
         )
         assert out.returncode == 0, out.stderr
         final = json.loads(out.stdout)
-        assert final["status"] == "completed" and final["result"]["content"][0]["text"] == "computed handoff after 0.5s"
+        assert (
+            final["status"] == "completed"
+            and final["result"]["content"][0]["text"] == "computed handoff after 0.5s"
+        )
     finally:
         proxy.stop()
 
 
-async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(legacy_url: str, tmp_path: Path) -> None:
+async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
+    legacy_url: str, tmp_path: Path
+) -> None:
     import time
 
     import aiohttp
@@ -154,7 +188,10 @@ async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
         proxy.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
-            async with aiohttp.ClientSession() as http, http.get(proxy.url.replace("/mcp", "/healthz")) as resp:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(proxy.url.replace("/mcp", "/healthz")) as resp,
+            ):
                 await resp.read()
         reply = await long_call
         assert reply.error["code"] == -32603 and "drain_timeout" in reply.error["message"]
@@ -166,18 +203,19 @@ async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
 
 
 @pytest.mark.parametrize("upstream", ["http", "stdio"])
-async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: str, tmp_path: Path, upstream: str) -> None:
+async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
+    legacy_url: str, tmp_path: Path, upstream: str
+) -> None:
     """A legacy (2025-11-25) call, relayed on an HTTP upstream's stream or bridged to a stdio child,
     gets drain_timeout like a modern one: a JSON-RPC error naming the shutdown, and the proxy exits
     soon after (the relay waited for the call's own end and its client saw the stream end with no
     answer; the bridge's client saw its stream cut at drain_timeout + 1 s)."""
     import time
 
+    from conftest import FIXTURE_STDIO
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared.exceptions import MCPError
-
-    from conftest import FIXTURE_STDIO
 
     config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
     if upstream == "stdio":
@@ -188,8 +226,12 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(legacy_url: s
     try:
         async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
             await session.initialize()
-            call = asyncio.create_task(session.call_tool("slow_compute", {"seconds": 20, "label": "legacy-too-long"}))
-            await asyncio.sleep(0.5)  # (the call is on its way; its relay keeps it whatever the SIGTERM finds)
+            call = asyncio.create_task(
+                session.call_tool("slow_compute", {"seconds": 20, "label": "legacy-too-long"})
+            )
+            await asyncio.sleep(
+                0.5
+            )  # (the call is on its way; its relay keeps it whatever the SIGTERM finds)
             started = time.monotonic()
             proxy.proc.send_signal(signal.SIGTERM)
             with pytest.raises(MCPError) as raised:

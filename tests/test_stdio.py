@@ -23,12 +23,19 @@ FIXTURE = [sys.executable, str(ROOT / "tests" / "fixtures" / "legacy_server.py")
 BIN = str(Path(sys.executable).parent)
 
 
-def stdio_config(tmp_path: Path, server: dict | None = None, tasks: dict | None = None, extra_servers: dict | None = None):
-    return config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "100ms", **(tasks or {})},
-        "mcpServers": {"fx": {"command": FIXTURE[0], "args": FIXTURE[1:], **(server or {})}, **(extra_servers or {})},
-    })
+def stdio_config(
+    tmp_path: Path, server: dict | None = None, tasks: dict | None = None, extra_servers: dict | None = None
+):
+    return config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "100ms", **(tasks or {})},
+            "mcpServers": {
+                "fx": {"command": FIXTURE[0], "args": FIXTURE[1:], **(server or {})},
+                **(extra_servers or {}),
+            },
+        }
+    )
 
 
 async def cancelled(client: ModernClient) -> list[dict]:
@@ -40,46 +47,70 @@ async def test_detach_poll_and_cancel_over_stdio(tmp_path: Path) -> None:
         client = ModernClient(proxy.url())
         try:
             fast = await client.call("greet", {"name": "stdio"})
-            assert fast.result["content"][0]["text"] == "Hello, stdio!" and fast.result["resultType"] == "complete"
+            assert (
+                fast.result["content"][0]["text"] == "Hello, stdio!"
+                and fast.result["resultType"] == "complete"
+            )
             created = (await client.call("slow_compute", {"seconds": 0.5, "label": "stdio-task"})).result
             assert created["resultType"] == "task"
             assert (await client.get(created["taskId"])).result["taskId"] == created["taskId"]
             done = await client.wait_terminal(created["taskId"])
-            assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "computed stdio-task after 0.5s"
+            assert (
+                done["status"] == "completed"
+                and done["result"]["content"][0]["text"] == "computed stdio-task after 0.5s"
+            )
             # progress reached the task while it ran
             assert done["statusMessage"].endswith("tick 5")
             doomed = (await client.call("slow_compute", {"seconds": 5, "label": "stdio-cancel"})).result
-            assert (await client.request("tasks/cancel", {"taskId": doomed["taskId"]})).result == {"resultType": "complete"}
+            assert (await client.request("tasks/cancel", {"taskId": doomed["taskId"]})).result == {
+                "resultType": "complete"
+            }
             async with asyncio.timeout(5):
                 while not any(e["label"] == "stdio-cancel" for e in await cancelled(client)):
                     await asyncio.sleep(0.05)
             assert (await client.get(doomed["taskId"])).result["status"] == "cancelled"
             failed = (await client.call("protocol_error_job")).result
-            assert (await client.wait_terminal(failed["taskId"]))["error"]["message"] == "protocol_error_job exploded"
+            assert (await client.wait_terminal(failed["taskId"]))["error"][
+                "message"
+            ] == "protocol_error_job exploded"
         finally:
             await client.close()
 
 
 async def test_mcp_server_time_from_pypi(tmp_path: Path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "tasks": {"detach_after": "100ms", "poll_interval": "100ms"},
-        "mcpServers": {"time": {"command": os.path.join(BIN, "mcp-server-time"), "args": ["--local-timezone", "UTC"],
-                                "tasks": {"tools": {"get_current_time": {"mode": "required"}}}}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "100ms", "poll_interval": "100ms"},
+            "mcpServers": {
+                "time": {
+                    "command": os.path.join(BIN, "mcp-server-time"),
+                    "args": ["--local-timezone", "UTC"],
+                    "tasks": {"tools": {"get_current_time": {"mode": "required"}}},
+                }
+            },
+        }
+    )
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url())
         try:
             tools = (await client.request("tools/list")).result["tools"]
             assert {"get_current_time", "convert_time"} <= {t["name"] for t in tools}
-            sync = await client.call("convert_time", {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Europe/Paris"})
+            sync = await client.call(
+                "convert_time", {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Europe/Paris"}
+            )
             assert "Europe/Paris" in sync.result["content"][0]["text"]
             created = (await client.call("get_current_time", {"timezone": "UTC"})).result
             assert created["resultType"] == "task"
             done = await client.wait_terminal(created["taskId"])
-            assert done["status"] == "completed" and json.loads(done["result"]["content"][0]["text"])["timezone"] == "UTC"
+            assert (
+                done["status"] == "completed"
+                and json.loads(done["result"]["content"][0]["text"])["timezone"] == "UTC"
+            )
             another = (await client.call("get_current_time", {"timezone": "UTC"})).result
-            assert (await client.request("tasks/cancel", {"taskId": another["taskId"]})).result == {"resultType": "complete"}
+            assert (await client.request("tasks/cancel", {"taskId": another["taskId"]})).result == {
+                "resultType": "complete"
+            }
             assert (await client.wait_terminal(another["taskId"]))["status"] in ("cancelled", "completed")
             refused = await client.call("get_current_time", {"timezone": "UTC"}, capabilities={})
             assert refused.error["code"] == -32021
@@ -101,17 +132,27 @@ async def test_crash_mid_call_fails_the_task_naming_the_exit_status_and_restarts
             async with asyncio.timeout(10):  # restarted without waiting for a request
                 while not pool.children():
                     await asyncio.sleep(0.05)
-            assert (await client.call("greet", {"name": "again"}, capabilities={})).result["content"][0]["text"] == "Hello, again!"
+            assert (await client.call("greet", {"name": "again"}, capabilities={})).result["content"][0][
+                "text"
+            ] == "Hello, again!"
         finally:
             await client.close()
 
 
-async def test_garbage_on_stdout_is_skipped_and_stderr_is_logged_with_the_server_name(tmp_path: Path, capsys) -> None:
-    async with running_proxy(stdio_config(tmp_path, server={"env": {"FIXTURE_STDOUT_GARBAGE": "1"}})) as proxy:
+async def test_garbage_on_stdout_is_skipped_and_stderr_is_logged_with_the_server_name(
+    tmp_path: Path, capsys
+) -> None:
+    async with running_proxy(
+        stdio_config(tmp_path, server={"env": {"FIXTURE_STDOUT_GARBAGE": "1"}})
+    ) as proxy:
         client = ModernClient(proxy.url())
         try:
-            assert (await client.call("log_stderr", {"text": "hello from the child"})).result["content"][0]["text"] == "logged"
-            assert (await client.call("greet", {"name": "still fine"})).result["content"][0]["text"] == "Hello, still fine!"
+            assert (await client.call("log_stderr", {"text": "hello from the child"})).result["content"][0][
+                "text"
+            ] == "logged"
+            assert (await client.call("greet", {"name": "still fine"})).result["content"][0][
+                "text"
+            ] == "Hello, still fine!"
             await asyncio.sleep(0.1)
         finally:
             await client.close()
@@ -188,16 +229,26 @@ async def test_instances_pool_and_idle_timeout(tmp_path: Path) -> None:
             async with asyncio.timeout(10):
                 while pool.children():
                     await asyncio.sleep(0.05)
-            assert (await client.call("greet", {"name": "woken"})).result["content"][0]["text"] == "Hello, woken!"
+            assert (await client.call("greet", {"name": "woken"})).result["content"][0][
+                "text"
+            ] == "Hello, woken!"
         finally:
             await client.close()
 
 
 async def test_crash_loop_is_capped_and_shows_on_readyz(tmp_path: Path) -> None:
-    config = config_from_data({
-        "store": {"path": str(tmp_path / "store"), "durable": False},
-        "mcpServers": {"broken": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(4)"], "max_restarts": 3}},
-    })
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {
+                "broken": {
+                    "command": sys.executable,
+                    "args": ["-c", "import sys; sys.exit(4)"],
+                    "max_restarts": 3,
+                }
+            },
+        }
+    )
     async with running_proxy(config) as proxy:
         client = ModernClient(proxy.url(), capabilities={})
         try:
@@ -213,10 +264,14 @@ async def test_crash_loop_is_capped_and_shows_on_readyz(tmp_path: Path) -> None:
 
 def _proxy_with_stdio_children(tmp_path: Path) -> tuple[ServerProcess, list[int]]:
     config_file = tmp_path / "stdio.json"
-    config_file.write_text(json.dumps({
-        "store": {"path": str(tmp_path / "store")},
-        "mcpServers": {"fx": {"command": FIXTURE[0], "args": FIXTURE[1:], "instances": 2}},
-    }))
+    config_file.write_text(
+        json.dumps(
+            {
+                "store": {"path": str(tmp_path / "store")},
+                "mcpServers": {"fx": {"command": FIXTURE[0], "args": FIXTURE[1:], "instances": 2}},
+            }
+        )
+    )
     proxy = ServerProcess([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"])
     deadline = time.monotonic() + 10
     children: list[int] = []
@@ -232,7 +287,9 @@ def _proxy_with_stdio_children(tmp_path: Path) -> tuple[ServerProcess, list[int]
 def _gone(pids: list[int], timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not alive:
             return True
         time.sleep(0.05)
@@ -275,7 +332,9 @@ async def test_legacy_sdk_client_in_front_of_a_stdio_server(tmp_path: Path) -> N
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared.exceptions import MCPError
 
-    async def on_elicit(context: ClientRequestContext, params: types.ElicitRequestParams) -> types.ElicitResult:
+    async def on_elicit(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult:
         return types.ElicitResult(action="accept", content={"confirm": True})
 
     progress: list[float] = []
@@ -289,16 +348,24 @@ async def test_legacy_sdk_client_in_front_of_a_stdio_server(tmp_path: Path) -> N
                 init = await session.initialize()
                 assert init.server_info.name
                 assert {"greet", "confirm_delete"} <= {t.name for t in (await session.list_tools()).tools}
-                assert (await session.call_tool("greet", {"name": "legacy"})).content[0].text == "Hello, legacy!"
-                assert (await session.call_tool("confirm_delete", {"filename": "s.txt"})).content[0].text == "deleted s.txt"
-                slow = await session.call_tool("slow_compute", {"seconds": 0.3, "label": "lp"}, progress_callback=on_progress)
+                assert (await session.call_tool("greet", {"name": "legacy"})).content[
+                    0
+                ].text == "Hello, legacy!"
+                assert (await session.call_tool("confirm_delete", {"filename": "s.txt"})).content[
+                    0
+                ].text == "deleted s.txt"
+                slow = await session.call_tool(
+                    "slow_compute", {"seconds": 0.3, "label": "lp"}, progress_callback=on_progress
+                )
                 assert slow.content[0].text == "computed lp after 0.3s" and len(progress) >= 2
                 with pytest.raises(MCPError) as info:
                     await session.call_tool("instant_error", {})
                 assert info.value.code == -32603
 
 
-async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_several_calls(tmp_path: Path) -> None:
+async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_several_calls(
+    tmp_path: Path,
+) -> None:
     async with running_proxy(stdio_config(tmp_path)) as proxy:
         client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
         try:
@@ -306,7 +373,9 @@ async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_s
             slow = asyncio.create_task(client.call("slow_compute", {"seconds": 1.5, "label": "bystander"}))
             await asyncio.sleep(0.3)
             asked = await client.call("confirm_delete", {"filename": "ambiguous.txt"})
-            assert "error" in asked.message or asked.result.get("isError"), asked.message  # never shown to a guessed caller
+            assert "error" in asked.message or asked.result.get("isError"), (
+                asked.message
+            )  # never shown to a guessed caller
             log = json.loads((await client.call("cancelled_log")).result["content"][0]["text"])
             assert any(e["label"] == "confirm_delete:ambiguous.txt" for e in log)
             assert (await slow).result["content"][0]["text"] == "computed bystander after 1.5s"
@@ -318,12 +387,14 @@ async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_s
 
 
 async def test_per_principal_isolation_gives_each_principal_its_own_child(tmp_path: Path) -> None:
-    from proxy.auth import hash_token
-
     from test_identity_limits import AuthClient
 
+    from proxy.auth import hash_token
+
     config = stdio_config(tmp_path, server={"isolation": "per_principal"})
-    config.auth = type(config.auth).model_validate({"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}})
+    config.auth = type(config.auth).model_validate(
+        {"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}}
+    )
     async with running_proxy(config) as proxy:
         pool = proxy.app[POOLS_KEY]["fx"]
         alice = AuthClient(proxy.url(), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
@@ -335,8 +406,12 @@ async def test_per_principal_isolation_gives_each_principal_its_own_child(tmp_pa
             assert asked["resultType"] == "input_required"  # bob's own child: no ambiguity
             assert len(pool.children()) >= 2
             key = next(iter(asked["inputRequests"]))
-            retry = {"name": "confirm_delete", "arguments": {"filename": "bob.txt"}, "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
-                     "requestState": asked["requestState"]}
+            retry = {
+                "name": "confirm_delete",
+                "arguments": {"filename": "bob.txt"},
+                "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+                "requestState": asked["requestState"],
+            }
             assert (await bob.request("tools/call", retry)).result["content"][0]["text"] == "deleted bob.txt"
             await slow
         finally:

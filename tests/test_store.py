@@ -15,7 +15,6 @@ import pytest
 from conftest import make_record
 
 from proxy.tasks.diskcache_store import DiskcacheStore
-from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.model import (
     HISTORY_MAX,
     Change,
@@ -28,6 +27,7 @@ from proxy.tasks.model import (
     now_ms,
     reported_ttl_ms,
 )
+from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.store import ListFilter, TaskNotFoundError, TaskStore
 
 BACKENDS = ["diskcache", "redis"]
@@ -38,7 +38,9 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     backend: TaskStore
     if request.param == "redis":
         server = request.getfixturevalue("redis_server")
-        backend = RedisTaskStore(server.url, prefix=request.getfixturevalue("redis_prefix"), max_result_bytes=2048, timeout_s=5)
+        backend = RedisTaskStore(
+            server.url, prefix=request.getfixturevalue("redis_prefix"), max_result_bytes=2048, timeout_s=5
+        )
     else:
         backend = DiskcacheStore(tmp_path / "store", durable=False, max_result_bytes=2048)
     assert isinstance(backend, TaskStore)
@@ -56,7 +58,11 @@ def completed(**fields) -> TaskRecord:
 
 
 async def test_create_get_round_trip(store: TaskStore) -> None:
-    record = make_record(task_id="a", input_requests={"k": {"method": "roots/list"}}, rerun={"method": "tools/call", "params": {}})
+    record = make_record(
+        task_id="a",
+        input_requests={"k": {"method": "roots/list"}},
+        rerun={"method": "tools/call", "params": {}},
+    )
     await store.create(record)
     assert await store.get("a") == record
     assert await store.get("nope") is None
@@ -69,7 +75,11 @@ async def test_terminal_status_never_changes(store: TaskStore) -> None:
     await store.create(make_record(task_id="t"))
     done = await store.update("t", Change(status=TaskStatus.COMPLETED, outcome={"result": {"content": []}}))
     assert done.status is TaskStatus.COMPLETED and done.terminal_ms is not None and done.version == 2
-    for change in (Change(status=TaskStatus.CANCELLED), Change(status_message="late"), Change(outcome={"error": {"code": 1, "message": "x"}})):
+    for change in (
+        Change(status=TaskStatus.CANCELLED),
+        Change(status_message="late"),
+        Change(outcome={"error": {"code": 1, "message": "x"}}),
+    ):
         with pytest.raises(TerminalTaskError):
             await store.update("t", change)
     assert await store.get("t") == done
@@ -101,7 +111,9 @@ async def test_conditional_change_on_owner(store: TaskStore) -> None:
 
 async def test_result_over_the_size_limit_fails_the_task(store: TaskStore) -> None:
     await store.create(make_record(task_id="big"))
-    record = await store.update("big", Change(status=TaskStatus.COMPLETED, outcome={"result": {"text": "x" * 4096}}))
+    record = await store.update(
+        "big", Change(status=TaskStatus.COMPLETED, outcome={"result": {"text": "x" * 4096}})
+    )
     assert record.status is TaskStatus.FAILED and "max_result_bytes" in record.outcome["error"]["message"]
 
 
@@ -110,7 +122,9 @@ async def test_live_tasks_are_the_non_terminal_ones(store: TaskStore) -> None:
     await store.create(make_record(task_id="i", status=TaskStatus.INPUT_REQUIRED))
     await store.create(completed(task_id="c"))
     assert sorted(r.task_id for r in await store.live_tasks()) == ["i", "w"]
-    await store.update("w", Change(status=TaskStatus.FAILED, outcome={"error": {"code": -32603, "message": "x"}}))
+    await store.update(
+        "w", Change(status=TaskStatus.FAILED, outcome={"error": {"code": -32603, "message": "x"}})
+    )
     assert [r.task_id for r in await store.live_tasks()] == ["i"]
 
 
@@ -118,7 +132,9 @@ async def test_status_history_is_kept_with_times_and_survives_the_store(store: T
     await store.create(make_record(task_id="h", created_ms=1_000))
     await store.update("h", Change(status_message="progress only"))
     await store.update("h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}))
-    await store.update("h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}, "j": {}}))  # no status change
+    await store.update(
+        "h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}, "j": {}})
+    )  # no status change
     await store.update("h", Change(status=TaskStatus.WORKING, input_requests={}))
     done = await store.update("h", Change(status=TaskStatus.CANCELLED))
     assert [e["status"] for e in done.history] == ["working", "input_required", "working", "cancelled"]
@@ -171,7 +187,9 @@ async def test_listing_is_scoped_newest_first_and_paginated(store: TaskStore) ->
 
 async def test_listing_filters_by_status_and_tool(store: TaskStore) -> None:
     for i in range(30):
-        await store.create((completed if i % 3 == 0 else make_record)(task_id=f"t{i}", tool="a" if i % 2 else "b"))
+        await store.create(
+            (completed if i % 3 == 0 else make_record)(task_id=f"t{i}", tool="a" if i % 2 else "b")
+        )
     done, _ = await store.list_tasks(ListFilter(status="completed"), limit=100)
     assert len(done) == 10 and all(r.status is TaskStatus.COMPLETED for r in done)
     tool_a, _ = await store.list_tasks(ListFilter(tool="a", principal="p"), limit=100)
@@ -209,7 +227,12 @@ async def test_leases_lapse_unless_renewed(store: TaskStore) -> None:
 async def test_group_commit_lands_every_concurrent_write(store: TaskStore) -> None:
     ids = [new_task_id() for _ in range(200)]
     await asyncio.gather(*(store.create(make_record(task_id=i)) for i in ids))
-    await asyncio.gather(*(store.update(i, Change(status=TaskStatus.COMPLETED, outcome={"result": {"n": n}})) for n, i in enumerate(ids)))
+    await asyncio.gather(
+        *(
+            store.update(i, Change(status=TaskStatus.COMPLETED, outcome={"result": {"n": n}}))
+            for n, i in enumerate(ids)
+        )
+    )
     assert [(await store.get(i)).outcome["result"]["n"] for i in ids] == list(range(200))
     await store.check_writable()
 
@@ -257,16 +280,26 @@ async def test_diskcache_records_survive_reopen(tmp_path: Path) -> None:
 
 async def test_diskcache_serving_lock_names_the_holder(tmp_path: Path) -> None:
     holder = DiskcacheStore(tmp_path / "s", exclusive=True)
-    probe = ("import sys; from proxy.tasks.dirlock import lock_directory\n"
-             "try:\n    lock_directory(sys.argv[1])\nexcept Exception as exc:\n    print(exc); sys.exit(3)")
+    probe = (
+        "import sys; from proxy.tasks.dirlock import lock_directory\n"
+        "try:\n    lock_directory(sys.argv[1])\nexcept Exception as exc:\n    print(exc); sys.exit(3)"
+    )
     try:
-        other = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "s")], capture_output=True, text=True, timeout=30)
-        assert other.returncode == 3 and str(tmp_path / "s") in other.stdout and f"pid {os.getpid()}" in other.stdout, other
+        other = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path / "s")], capture_output=True, text=True, timeout=30
+        )
+        assert (
+            other.returncode == 3
+            and str(tmp_path / "s") in other.stdout
+            and f"pid {os.getpid()}" in other.stdout
+        ), other
         shared = DiskcacheStore(tmp_path / "s")  # operators' tools open it without the lock
         await shared.close()
     finally:
         await holder.close()
-    free = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "s")], capture_output=True, text=True, timeout=30)
+    free = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "s")], capture_output=True, text=True, timeout=30
+    )
     assert free.returncode == 0, free  # released on close
 
 
@@ -278,7 +311,9 @@ async def test_diskcache_directory_and_database_are_private(tmp_path: Path) -> N
         assert (tmp_path / "private").stat().st_mode & 0o777 == 0o700
         files = [p for p in (tmp_path / "private").iterdir() if p.name.startswith("cache.db")]
         assert {p.name for p in files} >= {"cache.db", "cache.db-wal", "cache.db-shm"}
-        assert all(p.stat().st_mode & 0o777 == 0o600 for p in files), [(p.name, oct(p.stat().st_mode)) for p in files]
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in files), [
+            (p.name, oct(p.stat().st_mode)) for p in files
+        ]
     finally:
         await store.close()
 
@@ -288,7 +323,12 @@ async def test_diskcache_directory_and_database_are_private(tmp_path: Path) -> N
 
 def test_apply_does_not_touch_its_input_and_bumps_version() -> None:
     record = make_record(last_updated_ms=1_000, created_ms=1_000)
-    new = apply(record, Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}), at_ms=2_000, max_result_bytes=100)
+    new = apply(
+        record,
+        Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}),
+        at_ms=2_000,
+        max_result_bytes=100,
+    )
     assert record.status is TaskStatus.WORKING and record.version == 1
     assert new.status is TaskStatus.INPUT_REQUIRED and new.version == 2 and new.last_updated_ms == 2_000
     back = apply(new, Change(status_message="x"), at_ms=1_500, max_result_bytes=100)
@@ -303,17 +343,30 @@ def test_apply_refuses_any_change_of_a_terminal_record(terminal: TaskStatus) -> 
 
 
 def test_reaching_a_terminal_status_clears_questions_and_rerun_and_starts_retention() -> None:
-    record = make_record(created_ms=1_000, ttl_ms=500, status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}, rerun={"m": 1})
+    record = make_record(
+        created_ms=1_000,
+        ttl_ms=500,
+        status=TaskStatus.INPUT_REQUIRED,
+        input_requests={"k": {}},
+        rerun={"m": 1},
+    )
     assert record.expires_ms is None
     ended = apply(record, Change(status=TaskStatus.CANCELLED), at_ms=9_000, max_result_bytes=100)
-    assert ended.input_requests == {} and ended.rerun is None and ended.terminal_ms == 9_000 and ended.expires_ms == 9_500
+    assert (
+        ended.input_requests == {}
+        and ended.rerun is None
+        and ended.terminal_ms == 9_000
+        and ended.expires_ms == 9_500
+    )
 
 
 def test_reported_ttl_grows_while_running_then_fixes_the_real_end() -> None:
     record = make_record(created_ms=1_000, ttl_ms=500)
     assert reported_ttl_ms(record, 1_000) == 500
     assert reported_ttl_ms(record, 4_000) == 3_500  # createdAt + ttlMs = now + ttl
-    ended = apply(record, Change(status=TaskStatus.COMPLETED, outcome={"result": {}}), at_ms=5_000, max_result_bytes=100)
+    ended = apply(
+        record, Change(status=TaskStatus.COMPLETED, outcome={"result": {}}), at_ms=5_000, max_result_bytes=100
+    )
     assert reported_ttl_ms(ended, 99_000) == 4_500 and ended.created_ms + 4_500 == ended.expires_ms
     assert reported_ttl_ms(make_record(ttl_ms=None)) is None
 
@@ -325,9 +378,16 @@ def test_history_is_bounded_keeps_the_first_entry_and_old_records_load_without_i
         record = apply(record, Change(status=status), at_ms=2_000 + i, max_result_bytes=100)
     assert len(record.history) == HISTORY_MAX and record.history[0] == {"status": "working", "at_ms": 1_000}
     assert record.history[-1] == {"status": "working", "at_ms": 2_000 + HISTORY_MAX * 2 - 1}
-    old = {k: v for k, v in make_record(version=3).to_dict().items() if k != "history"}  # stored before `history` existed
+    old = {
+        k: v for k, v in make_record(version=3).to_dict().items() if k != "history"
+    }  # stored before `history` existed
     assert TaskRecord.from_dict(old).history == []
-    assert TaskRecord.from_dict({k: v for k, v in make_record().to_dict().items() if k != "history"}).history[0]["status"] == "working"
+    assert (
+        TaskRecord.from_dict({k: v for k, v in make_record().to_dict().items() if k != "history"}).history[0][
+            "status"
+        ]
+        == "working"
+    )
 
 
 def test_record_dict_round_trip_ignores_unknown_fields() -> None:

@@ -25,7 +25,9 @@ async def sse_server() -> AsyncIterator[tuple[str, asyncio.Event, list[object]]]
 
     async def stream(request: web.Request) -> web.StreamResponse:
         peers.append(request.transport.get_extra_info("peername")[1] if request.transport else None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Mcp-Session-Id": "s-1", "X-Upstream": "one"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Mcp-Session-Id": "s-1", "X-Upstream": "one"}
+        )
         await resp.prepare(request)
         await resp.write(b"data: first\n\n")
         await asyncio.wait_for(go.wait(), 10)
@@ -41,15 +43,23 @@ async def sse_server() -> AsyncIterator[tuple[str, asyncio.Event, list[object]]]
 
 def _header_pair_lists(resp: aiohttp.ClientResponse) -> list[list]:
     parser = resp._protocol._parser  # type: ignore[attr-defined]
-    return [held for held in gc.get_referents(parser) if type(held) is list and held and all(type(p) is tuple and len(p) == 2 for p in held)]
+    return [
+        held
+        for held in gc.get_referents(parser)
+        if type(held) is list and held and all(type(p) is tuple and len(p) == 2 for p in held)
+    ]
 
 
-async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_next_request_whole(sse_server) -> None:
+async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_next_request_whole(
+    sse_server,
+) -> None:
     url, go, peers = sse_server
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
         resp = await http.post(url, data=b"{}")
         assert resp.headers["X-Upstream"] == "one"
-        c_parser = bool(_header_pair_lists(resp))  # aiohttp's C parser holds the head's pairs while the body is read
+        c_parser = bool(
+            _header_pair_lists(resp)
+        )  # aiohttp's C parser holds the head's pairs while the body is read
         shed_headers(resp)
         assert _header_pair_lists(resp) == [] and len(resp.headers) == 0
         assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
@@ -63,7 +73,9 @@ async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_n
         again.release()
     assert len(peers) == 2 and peers[0] == peers[1]
     if not c_parser:
-        pytest.skip("aiohttp runs its pure-Python parser here (AIOHTTP_NO_EXTENSIONS): no parser lists to shed; the rest held")
+        pytest.skip(
+            "aiohttp runs its pure-Python parser here (AIOHTTP_NO_EXTENSIONS): no parser lists to shed; the rest held"
+        )
 
 
 async def test_a_reply_whose_body_ended_is_left_to_its_connection(sse_server) -> None:
@@ -77,5 +89,7 @@ async def test_a_reply_whose_body_ended_is_left_to_its_connection(sse_server) ->
         parser = resp._protocol._parser if resp._protocol is not None else None  # type: ignore[attr-defined]
         held = [list(x) for x in gc.get_referents(parser) if type(x) is list] if parser is not None else []
         shed_headers(resp)
-        assert ([list(x) for x in gc.get_referents(parser) if type(x) is list] if parser is not None else []) == held
+        assert (
+            [list(x) for x in gc.get_referents(parser) if type(x) is list] if parser is not None else []
+        ) == held
         resp.release()

@@ -35,7 +35,9 @@ def _mcp1_python() -> Path:
 
 async def _run(argv: list[str]) -> dict:
     """Run a client script (the proxy serves on this event loop, so never block it) and parse its JSON line."""
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     finally:
@@ -60,9 +62,14 @@ async def test_typescript_sdk_1x_experimental_tasks_through_the_proxy(proxy: Run
     assert node, "node is needed for this test"
     out = await _run([node, str(FIXTURES / "ts_v1_client.mjs"), str(_ts_sdk()), proxy.url()])
     _check(out)
-    assert out["slow"]["result"]["content"][0]["text"] == "computed ts after 0.6s" and out["slow"]["error"] is None
+    assert (
+        out["slow"]["result"]["content"][0]["text"] == "computed ts after 0.6s"
+        and out["slow"]["error"] is None
+    )
     assert out["slow"]["taskId"] in out["listed"]
-    assert out["input"]["result"]["content"][0]["text"] == "deleted ts.txt" and out["asked"] == ["Delete ts.txt?"]
+    assert out["input"]["result"]["content"][0]["text"] == "deleted ts.txt" and out["asked"] == [
+        "Delete ts.txt?"
+    ]
     # The SDK reports a `failed` task as an error message (v1: `isError: true` ends `failed`).
     assert out["isError"]["statuses"][-1] == "failed"
     assert out["isError"]["error"] is not None or (out["isError"]["result"] or {}).get("isError") is True

@@ -11,7 +11,10 @@ import aiohttp
 
 from proxy.upstream.sse import iter_events
 
-V1_CAPS = {"tasks": {"list": {}, "cancel": {}, "requests": {"elicitation": {"create": {}}}}, "elicitation": {"form": {}}}
+V1_CAPS = {
+    "tasks": {"list": {}, "cancel": {}, "requests": {"elicitation": {"create": {}}}},
+    "elicitation": {"form": {}},
+}
 
 Answer = Callable[[dict], Awaitable[dict]]
 
@@ -31,21 +34,33 @@ class V1Client:
         await self.http.close()
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            "MCP-Protocol-Version": "2025-11-25",
+        }
         if self.sid:
             headers["Mcp-Session-Id"] = self.sid
         return headers
 
     async def initialize(self) -> dict:
         """`initialize` + `notifications/initialized`; returns the InitializeResult."""
-        params = {"protocolVersion": "2025-11-25", "capabilities": self.capabilities, "clientInfo": {"name": "v1-test", "version": "0"}}
-        status, message, _ = await self.post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params})
+        params = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": self.capabilities,
+            "clientInfo": {"name": "v1-test", "version": "0"},
+        }
+        status, message, _ = await self.post(
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params}
+        )
         assert status == 200, message
         await self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
         self.initialize_result = message["result"]
         return message["result"]
 
-    async def request(self, method: str, params: dict | None = None, *, on_request: Answer | None = None) -> tuple[int, dict, list[dict]]:
+    async def request(
+        self, method: str, params: dict | None = None, *, on_request: Answer | None = None
+    ) -> tuple[int, dict, list[dict]]:
         """One request: (HTTP status, final message, notifications seen before it)."""
         self._ids += 1
         body: dict[str, Any] = {"jsonrpc": "2.0", "id": self._ids, "method": method}
@@ -76,9 +91,15 @@ class V1Client:
             text = await resp.text()
             return resp.status, (json.loads(text) if text else {}), notes
 
-    async def call_as_task(self, tool: str, arguments: dict, ttl: int | None = 60_000, meta: dict | None = None) -> dict:
+    async def call_as_task(
+        self, tool: str, arguments: dict, ttl: int | None = 60_000, meta: dict | None = None
+    ) -> dict:
         """`tools/call` with `params.task`; returns the CreateTaskResult's task."""
-        params: dict[str, Any] = {"name": tool, "arguments": arguments, "task": {} if ttl is None else {"ttl": ttl}}
+        params: dict[str, Any] = {
+            "name": tool,
+            "arguments": arguments,
+            "task": {} if ttl is None else {"ttl": ttl},
+        }
         if meta:
             params["_meta"] = meta
         status, message, _ = await self.request("tools/call", params)

@@ -46,7 +46,9 @@ STATIC_PREFIX = "/console/static/"
 def error(status: int, message: str, **extra: object) -> web.Response:
     """A console error: `{"error": {"status": N, "message": "..."}}` with HTTP status `status` (4xx/5xx)."""
     headers = {"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy console"'} if status == 401 else None
-    return web.json_response({"error": {"status": status, "message": message, **extra}}, status=status, headers=headers)
+    return web.json_response(
+        {"error": {"status": status, "message": message, **extra}}, status=status, headers=headers
+    )
 
 
 def _utf8(text: str) -> bytes | None:
@@ -79,7 +81,12 @@ class ConsoleAccess:
         self._hashes = config.hashes()
         self.session_ttl_s = config.session_ttl
         self.storage = _CookieStorage(
-            os.urandom(32), cookie_name=COOKIE_NAME, max_age=max(1, math.ceil(config.session_ttl)), path="/console/", httponly=True, samesite="Strict"
+            os.urandom(32),
+            cookie_name=COOKIE_NAME,
+            max_age=max(1, math.ceil(config.session_ttl)),
+            path="/console/",
+            httponly=True,
+            samesite="Strict",
         )
         self._sessions: dict[str, float] = {}  # session id → expiry (time.monotonic(), s)
 
@@ -116,20 +123,35 @@ class ConsoleAccess:
             header = request.headers.get("Authorization")
             if header is not None:
                 scheme, _, token = header.partition(" ")
-                operator = self.operator_for(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+                operator = (
+                    self.operator_for(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+                )
                 if operator is None:
-                    log.warning("security_auth_failed", reason="not a console token", remote=request.remote, path=request.path)
+                    log.warning(
+                        "security_auth_failed",
+                        reason="not a console token",
+                        remote=request.remote,
+                        path=request.path,
+                    )
                     return error(401, "authentication required: that is not a console token")
                 request[OPERATOR_KEY] = operator
                 return await handler(request)
             session = await get_session(request)
             operator = session.get("operator")
-            if not isinstance(operator, str) or operator not in self._hashes.values() or not self.session_alive(session.get("sid")):
-                return error(401, "authentication required: sign in, or send Authorization: Bearer <console token>")
+            if (
+                not isinstance(operator, str)
+                or operator not in self._hashes.values()
+                or not self.session_alive(session.get("sid"))
+            ):
+                return error(
+                    401, "authentication required: sign in, or send Authorization: Bearer <console token>"
+                )
             if request.method not in _SAFE_METHODS:
                 problem = cross_site(request) or _csrf_problem(request, session.get("csrf"))
                 if problem:
-                    log.warning("security_csrf_refused", reason=problem, remote=request.remote, path=request.path)
+                    log.warning(
+                        "security_csrf_refused", reason=problem, remote=request.remote, path=request.path
+                    )
                     return error(403, problem)
             request[OPERATOR_KEY] = operator
             return await handler(request)
@@ -157,7 +179,12 @@ class ConsoleAccess:
             token = value if isinstance(value, str) else ""
         operator = self.operator_for(token.strip()) if isinstance(token, str) and token.strip() else None
         if operator is None:
-            log.warning("security_auth_failed", reason="console sign-in with an unknown token", remote=request.remote, path=request.path)
+            log.warning(
+                "security_auth_failed",
+                reason="console sign-in with an unknown token",
+                remote=request.remote,
+                path=request.path,
+            )
             return error(401, "unknown console token")
         session = await new_session(request)
         session["operator"] = operator

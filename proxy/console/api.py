@@ -71,10 +71,14 @@ def build_console(config: Config) -> web.Application:
         return web.FileResponse(STATIC_DIR / "index.html")
 
     async def session(request: web.Request) -> web.Response:
-        return web.json_response({
-            "operator": request[OPERATOR_KEY], "csrf": await access.csrf_token(request),
-            "servers": sorted(config.servers), "keepaliveMs": int(keepalive_s * 1000),
-        })
+        return web.json_response(
+            {
+                "operator": request[OPERATOR_KEY],
+                "csrf": await access.csrf_token(request),
+                "servers": sorted(config.servers),
+                "keepaliveMs": int(keepalive_s * 1000),
+            }
+        )
 
     async def events(request: web.Request) -> web.StreamResponse:
         hub.attach(_tasks(request).store)
@@ -92,9 +96,14 @@ def build_console(config: Config) -> web.Application:
             problems = await asyncio.gather(*(pool.check(timeout_s=2.0) for pool in pools.values()))
             ready["checks"] = {name: problem or "ok" for name, problem in zip(pools, problems, strict=True)}
             ready["at"] = time.monotonic()
-        return web.json_response({
-            "upstreams": ready["checks"], "store": tasks.store_problem or "ok", "liveHere": len(tasks.live), **metrics_snapshot(),
-        })
+        return web.json_response(
+            {
+                "upstreams": ready["checks"],
+                "store": tasks.store_problem or "ok",
+                "liveHere": len(tasks.live),
+                **metrics_snapshot(),
+            }
+        )
 
     console.router.add_get("/", index)
     console.router.add_static("/static/", STATIC_DIR)
@@ -139,7 +148,9 @@ async def list_tasks(request: web.Request) -> web.Response:
     for name in ("server", "tool", "cursor"):
         if len(query.get(name, "")) > 512:
             return error(400, f"{name} is too long")
-    where = ListFilter(principal=None, server=query.get("server") or None, status=status, tool=query.get("tool") or None)
+    where = ListFilter(
+        principal=None, server=query.get("server") or None, status=status, tool=query.get("tool") or None
+    )
     cursor = query.get("cursor") or None
     store = _tasks(request).store
     found: list[TaskRecord] = []

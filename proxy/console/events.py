@@ -54,7 +54,10 @@ class ConsoleHub:
         if not self._queues:
             return
         try:
-            message = {"event": "task", "data": {**row(record), "previousStatus": before.value if before else None}}
+            message = {
+                "event": "task",
+                "data": {**row(record), "previousStatus": before.value if before else None},
+            }
             for queue in list(self._queues):
                 try:
                     queue.put_nowait(message)
@@ -90,7 +93,13 @@ class ConsoleHub:
         per change and `resync` after an overflow; a `: keepalive` comment every `keepalive_s` (s).
         Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream."""
         with self.subscribe() as queue:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-store",
+                    "X-Accel-Buffering": "no",
+                }
+            )
             await response.prepare(request)
             try:
                 await _send(response, b"retry: 2000\n\n" + _event({"event": "ready", "data": {}}))
@@ -104,7 +113,10 @@ class ConsoleHub:
                         break
                     await _send(response, _event(message))
             except TimeoutError:
-                log.info("console_stream_dropped", reason=f"the reader took more than {WRITE_TIMEOUT_S:g} s to accept a write")
+                log.info(
+                    "console_stream_dropped",
+                    reason=f"the reader took more than {WRITE_TIMEOUT_S:g} s to accept a write",
+                )
             return response
 
 

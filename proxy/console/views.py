@@ -10,8 +10,7 @@ import json
 from typing import Any
 
 from .. import observability as obs
-from ..tasks.model import TaskRecord
-from ..tasks.model import principal_hash
+from ..tasks.model import TaskRecord, principal_hash
 
 PREVIEW_CHARS = 4000  # characters of a result or error shown in the detail view
 
@@ -60,7 +59,12 @@ def outcome_preview(outcome: dict[str, Any] | None) -> dict[str, Any] | None:
     value = outcome.get(kind)
     size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
     text = json.dumps(value, indent=2, ensure_ascii=False)
-    return {"kind": kind, "sizeBytes": size, "preview": text[:PREVIEW_CHARS], "truncated": len(text) > PREVIEW_CHARS}
+    return {
+        "kind": kind,
+        "sizeBytes": size,
+        "preview": text[:PREVIEW_CHARS],
+        "truncated": len(text) > PREVIEW_CHARS,
+    }
 
 
 def metrics_snapshot() -> dict[str, Any]:

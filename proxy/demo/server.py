@@ -36,7 +36,9 @@ SERVER_NAME = "demo-legacy-server"
 _STEP_NAMES = ["fetching sources", "compiling", "running tests", "packaging", "uploading", "summarising"]
 
 
-def _tool(name: str, description: str, properties: dict[str, Any], required: list[str] | None = None) -> types.Tool:
+def _tool(
+    name: str, description: str, properties: dict[str, Any], required: list[str] | None = None
+) -> types.Tool:
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if required:
         schema["required"] = required

@@ -57,11 +57,16 @@ class HandshakeOnly:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            version = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"mcp-protocol-version"), None)
+            version = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == b"mcp-protocol-version"), None
+            )
             if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
                 error = {"code": -32600, "message": f"Bad Request: Unsupported protocol version: {version}"}
                 body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ]
                 await send({"type": "http.response.start", "status": 400, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
@@ -100,15 +105,21 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def serve_http(server_factory: ServerFactory, host: str = "127.0.0.1", port: int = 0, **app_kwargs: Any) -> None:
+async def serve_http(
+    server_factory: ServerFactory, host: str = "127.0.0.1", port: int = 0, **app_kwargs: Any
+) -> None:
     """Serve over Streamable HTTP until cancelled; print `listening on URL` once accepting (`port` 0: any free one)."""
     # IPPROTO_TCP explicitly: asyncio then sets TCP_NODELAY (else each SSE reply waits ~40 ms for a delayed ACK).
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
     sock.setblocking(False)
-    config = uvicorn.Config(build_asgi_app(server_factory, **app_kwargs), log_level="warning", access_log=False, lifespan="on")
+    config = uvicorn.Config(
+        build_asgi_app(server_factory, **app_kwargs), log_level="warning", access_log=False, lifespan="on"
+    )
     server = _Uvicorn(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -152,13 +163,25 @@ def run_cli(
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=default_port, help="0 = pick a free port (printed)")
     parser.add_argument("--stdio", action="store_true", help="serve over stdin/stdout instead of HTTP")
-    parser.add_argument("--json-response", action="store_true", help="answer POSTs with JSON instead of SSE (no progress or elicitation)")
+    parser.add_argument(
+        "--json-response",
+        action="store_true",
+        help="answer POSTs with JSON instead of SSE (no progress or elicitation)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.stdio:
             asyncio.run(serve_stdio(server_factory))
         else:
-            asyncio.run(serve_http(server_factory, args.host, args.port, json_response=args.json_response, **(app_kwargs or {})))
+            asyncio.run(
+                serve_http(
+                    server_factory,
+                    args.host,
+                    args.port,
+                    json_response=args.json_response,
+                    **(app_kwargs or {}),
+                )
+            )
     except KeyboardInterrupt:
         pass
     except OSError as exc:

@@ -54,21 +54,47 @@ LIST_CHANGED_NOTIFICATIONS = {
 # `mcp` 1.x line answers -32602, "Invalid request parameters", for a method it cannot parse).
 MODERN_METHODS = frozenset(
     {
-        "server/discover", "subscriptions/listen",
-        "tools/list", "tools/call", "prompts/list", "prompts/get",
-        "resources/list", "resources/templates/list", "resources/read", "completion/complete",
-        "tasks/get", "tasks/update", "tasks/cancel",  # the io.modelcontextprotocol/tasks extension (SEP-2663)
+        "server/discover",
+        "subscriptions/listen",
+        "tools/list",
+        "tools/call",
+        "prompts/list",
+        "prompts/get",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+        "completion/complete",
+        "tasks/get",
+        "tasks/update",
+        "tasks/cancel",  # the io.modelcontextprotocol/tasks extension (SEP-2663)
     }
 )
 # Methods of the legacy era that the 2026-07-28 core removed (the proxy names them in its -32601).
 REMOVED_METHODS = frozenset(
-    {"initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe", "tasks/result", "tasks/list"}
+    {
+        "initialize",
+        "ping",
+        "logging/setLevel",
+        "resources/subscribe",
+        "resources/unsubscribe",
+        "tasks/result",
+        "tasks/list",
+    }
 )
 LEGACY_METHODS = frozenset(
     {
-        "initialize", "ping", "logging/setLevel",
-        "tools/list", "tools/call", "prompts/list", "prompts/get",
-        "resources/list", "resources/templates/list", "resources/read", "resources/subscribe", "resources/unsubscribe",
+        "initialize",
+        "ping",
+        "logging/setLevel",
+        "tools/list",
+        "tools/call",
+        "prompts/list",
+        "prompts/get",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+        "resources/subscribe",
+        "resources/unsubscribe",
         "completion/complete",
     }
 )
@@ -112,7 +138,9 @@ def modern_method_refusal(method: str) -> JsonRpcError | None:
     if method in MODERN_METHODS:
         return None
     if method in REMOVED_METHODS:
-        return JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire", status=404)
+        return JsonRpcError(
+            METHOD_NOT_FOUND, f"method {method!r} is not available on the 2026-07-28 wire", status=404
+        )
     return JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} not found", status=404)
 
 
@@ -124,12 +152,20 @@ def legacy_method_refusal(headers: Mapping[str, str], body: Any) -> JsonRpcError
     The error carries HTTP 200, as JSON-RPC errors do on the legacy wire: a 404 there would tell a
     client its session is gone (2025-11-25 basic/transports, "Session Management").
     """
-    if not isinstance(body, dict) or body.get("jsonrpc") != "2.0" or "id" not in body or not isinstance(body.get("method"), str):
+    if (
+        not isinstance(body, dict)
+        or body.get("jsonrpc") != "2.0"
+        or "id" not in body
+        or not isinstance(body.get("method"), str)
+    ):
         return None  # not a well-formed request: the relay's own checks answer it (-32600)
     method = body["method"]
     if method in LEGACY_METHODS:
         return None
-    if method in LEGACY_TASK_METHODS and (headers.get("MCP-Protocol-Version") or "").strip() not in LEGACY_BEFORE_TASKS:
+    if (
+        method in LEGACY_TASK_METHODS
+        and (headers.get("MCP-Protocol-Version") or "").strip() not in LEGACY_BEFORE_TASKS
+    ):
         return None
     return JsonRpcError(METHOD_NOT_FOUND, f"method {method!r} not found", status=200)
 
@@ -162,7 +198,9 @@ def parse_envelope(params: Any) -> Envelope:
     """
     meta = params.get("_meta") if isinstance(params, dict) else None
     if not isinstance(meta, dict):
-        raise JsonRpcError(INVALID_PARAMS, "missing params._meta: a 2026-07-28 request must carry the envelope")
+        raise JsonRpcError(
+            INVALID_PARAMS, "missing params._meta: a 2026-07-28 request must carry the envelope"
+        )
     version = meta.get(META_PROTOCOL_VERSION)
     if not isinstance(version, str) or not version:
         raise JsonRpcError(INVALID_PARAMS, f"missing _meta[{META_PROTOCOL_VERSION!r}]")
@@ -194,7 +232,11 @@ def decode_header_value(raw: str) -> str:
 
 
 def _single_header(headers: Any, name: str) -> str | None:
-    values = headers.getall(name, []) if hasattr(headers, "getall") else ([headers[name]] if name in headers else [])
+    values = (
+        headers.getall(name, [])
+        if hasattr(headers, "getall")
+        else ([headers[name]] if name in headers else [])
+    )
     if len(values) > 1:
         raise JsonRpcError(HEADER_MISMATCH, f"duplicate {name} header")
     return decode_header_value(values[0]) if values else None
@@ -228,7 +270,9 @@ def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
     if header_method is None:
         raise JsonRpcError(HEADER_MISMATCH, "missing Mcp-Method header")
     if header_method != method:
-        raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Method header {header_method!r} does not match method {method!r}")
+        raise JsonRpcError(
+            HEADER_MISMATCH, f"Mcp-Method header {header_method!r} does not match method {method!r}"
+        )
     params = body.get("params") or {}
     header_name = _single_header(headers, "Mcp-Name")
     if method in NAME_FIELDS:
@@ -236,11 +280,15 @@ def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
         if header_name is None:
             raise JsonRpcError(HEADER_MISMATCH, f"missing Mcp-Name header for {method}")
         if header_name != expected:
-            raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match {expected!r}")
+            raise JsonRpcError(
+                HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match {expected!r}"
+            )
     elif method in TASK_NAME_METHODS and header_name is not None:
         expected = params.get("taskId")
         if header_name != (expected if isinstance(expected, str) else json.dumps(expected)):
-            raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match params.taskId {expected!r}")
+            raise JsonRpcError(
+                HEADER_MISMATCH, f"Mcp-Name header {header_name!r} does not match params.taskId {expected!r}"
+            )
 
 
 def upstream_capabilities(capabilities: JsonObject) -> JsonObject:
@@ -249,7 +297,11 @@ def upstream_capabilities(capabilities: JsonObject) -> JsonObject:
     Keeps `elicitation`, `sampling` and `roots` (legacy servers decide what to offer from these);
     never declares `tasks` or extensions upstream (protocol.md §3.4).
     """
-    return {key: capabilities[key] for key in ("elicitation", "sampling", "roots") if isinstance(capabilities.get(key), dict)}
+    return {
+        key: capabilities[key]
+        for key in ("elicitation", "sampling", "roots")
+        if isinstance(capabilities.get(key), dict)
+    }
 
 
 def strip_envelope(params: JsonObject) -> JsonObject:
@@ -279,7 +331,11 @@ def param_header_names(input_schema: Any) -> dict[str, str]:
     if isinstance(properties, dict):
         for argument, schema in properties.items():
             header = schema.get("x-mcp-header") if isinstance(schema, dict) else None
-            if isinstance(header, str) and _HEADER_TOKEN.match(header) and schema.get("type") in ("string", "integer", "boolean"):
+            if (
+                isinstance(header, str)
+                and _HEADER_TOKEN.match(header)
+                and schema.get("type") in ("string", "integer", "boolean")
+            ):
                 names[argument] = header
     return names
 
@@ -307,9 +363,13 @@ def check_param_headers(headers: Any, arguments: Any, names: dict[str, str]) -> 
         value = arguments.get(argument)
         if value is None:
             if header is not None:
-                raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Param-{name} header given but arguments.{argument} is absent")
+                raise JsonRpcError(
+                    HEADER_MISMATCH, f"Mcp-Param-{name} header given but arguments.{argument} is absent"
+                )
             continue
         if header is None:
             raise JsonRpcError(HEADER_MISMATCH, f"missing Mcp-Param-{name} header for arguments.{argument}")
         if not _param_matches(header, value):
-            raise JsonRpcError(HEADER_MISMATCH, f"Mcp-Param-{name} header {header!r} does not match arguments.{argument}")
+            raise JsonRpcError(
+                HEADER_MISMATCH, f"Mcp-Param-{name} header {header!r} does not match arguments.{argument}"
+            )

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 
 from .jsonrpc import JsonObject, RequestId
 
-INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
+INPUT_CAPABILITY = {
+    "elicitation/create": "elicitation",
+    "sampling/createMessage": "sampling",
+    "roots/list": "roots",
+}
 INPUT_METHODS = frozenset(INPUT_CAPABILITY)
 INPUT_KEY_HINT = "mcp-tasks-proxy/inputKey"  # optional upstream hint (in the question's `_meta`) for its key
 
@@ -40,4 +44,3 @@ class PendingInput:
 class InputError(dict):  # type: ignore[type-arg]
     """An input response that is a JSON-RPC error object (`{code, message, data?}`): a client that
     declined to answer a relayed question in the v1 way. It goes upstream as an error response."""
-

@@ -78,7 +78,9 @@ def http_status_for(code: int) -> int:
 
 # -- the codec: orjson on the hot path, byte for byte what `json` gave -------------------------
 
-_OPTS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME  # those stay TypeErrors, as with json
+_OPTS = (
+    orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+)  # those stay TypeErrors, as with json
 # orjson output that json.dumps would write differently: floats in exponent form (`1e-07` vs
 # `1e-7`) or below 1e-4 (`1e-05` vs `0.00001`), DEL (json writes `\u007f`), and any non-ASCII
 # byte (json escapes it).
@@ -180,7 +182,9 @@ def is_notification(msg: Any) -> bool:
 
 def is_response(msg: Any) -> bool:
     """True for a JSON-RPC response (has `id` and `result` or `error`, no `method`)."""
-    return isinstance(msg, dict) and "method" not in msg and "id" in msg and ("result" in msg or "error" in msg)
+    return (
+        isinstance(msg, dict) and "method" not in msg and "id" in msg and ("result" in msg or "error" in msg)
+    )
 
 
 def validate_request(msg: Any) -> None:
@@ -195,7 +199,9 @@ def validate_request(msg: Any) -> None:
     if msg.get("jsonrpc") != "2.0":
         raise JsonRpcError(INVALID_REQUEST, 'the body must carry "jsonrpc": "2.0"')
     if "method" not in msg:
-        raise JsonRpcError(INVALID_REQUEST, "a client may send requests and notifications only, not responses")
+        raise JsonRpcError(
+            INVALID_REQUEST, "a client may send requests and notifications only, not responses"
+        )
     if not isinstance(msg["method"], str) or not msg["method"]:
         raise JsonRpcError(INVALID_REQUEST, "`method` must be a non-empty string")
     if "id" in msg and (isinstance(msg["id"], bool) or not isinstance(msg["id"], (str, int))):

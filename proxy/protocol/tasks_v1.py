@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..tasks.model import TaskRecord, TaskStatus
-from .tasks_v2 import wire_task
 from .era import META_RELATED_TASK
 from .jsonrpc import INTERNAL_ERROR, JsonObject, notification
+from .tasks_v2 import wire_task
 
 STATUS_NOTIFICATION = "notifications/tasks/status"
 
@@ -73,11 +73,17 @@ def task_outcome_v1(record: TaskRecord) -> tuple[JsonObject | None, JsonObject |
     if "result" in outcome and isinstance(outcome["result"], dict):
         result = dict(outcome["result"])
         meta = result.get("_meta")
-        result["_meta"] = {**(meta if isinstance(meta, dict) else {}), META_RELATED_TASK: related_task_meta(record.task_id)}
+        result["_meta"] = {
+            **(meta if isinstance(meta, dict) else {}),
+            META_RELATED_TASK: related_task_meta(record.task_id),
+        }
         return result, None
     error: Any = outcome.get("error")
     if not isinstance(error, dict):
-        error = {"code": INTERNAL_ERROR, "message": record.status_message or f"task {record.task_id} ended without a result"}
+        error = {
+            "code": INTERNAL_ERROR,
+            "message": record.status_message or f"task {record.task_id} ended without a result",
+        }
     return None, error
 
 
@@ -93,4 +99,7 @@ def tool_with_task_support(tool: Any, mode: str) -> Any:
         return tool
     support = mode if mode in ("required", "forbidden") else "optional"
     execution = tool.get("execution")
-    return {**tool, "execution": {**(execution if isinstance(execution, dict) else {}), "taskSupport": support}}
+    return {
+        **tool,
+        "execution": {**(execution if isinstance(execution, dict) else {}), "taskSupport": support},
+    }

@@ -18,10 +18,14 @@ from .jsonrpc import (
     JsonObject,
 )
 
-CACHEABLE_METHODS = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"})
+CACHEABLE_METHODS = frozenset(
+    {"tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"}
+)
 
 
-def modern_result(method: str, result: JsonObject, *, cache_ttl_ms: int = 0, cache_scope: str = "private") -> JsonObject:
+def modern_result(
+    method: str, result: JsonObject, *, cache_ttl_ms: int = 0, cache_scope: str = "private"
+) -> JsonObject:
     """A copy of an upstream result in the 2026-07-28 shape for `method`.
 
     Adds `resultType: "complete"` when missing; for cacheable methods adds `ttlMs` (integer ms)
@@ -35,7 +39,8 @@ def modern_result(method: str, result: JsonObject, *, cache_ttl_ms: int = 0, cac
         out.setdefault("cacheScope", cache_scope)
     if method == "tools/list" and isinstance(out.get("tools"), list):
         out["tools"] = [
-            {k: v for k, v in tool.items() if k != "execution"} if isinstance(tool, dict) else tool for tool in out["tools"]
+            {k: v for k, v in tool.items() if k != "execution"} if isinstance(tool, dict) else tool
+            for tool in out["tools"]
         ]
     meta = out.get("_meta")
     if isinstance(meta, dict) and META_RELATED_TASK in meta:
@@ -53,15 +58,27 @@ def modern_error(error: Any) -> JsonObject:
     -32002 (resource not found) becomes -32602; -32042 (URL elicitation required) becomes
     -32603 with the original kept in `data`. A malformed error becomes -32603.
     """
-    if not isinstance(error, dict) or not isinstance(error.get("code"), int) or isinstance(error.get("code"), bool):
-        return {"code": INTERNAL_ERROR, "message": "upstream sent a malformed JSON-RPC error", "data": {"upstreamError": error}}
+    if (
+        not isinstance(error, dict)
+        or not isinstance(error.get("code"), int)
+        or isinstance(error.get("code"), bool)
+    ):
+        return {
+            "code": INTERNAL_ERROR,
+            "message": "upstream sent a malformed JSON-RPC error",
+            "data": {"upstreamError": error},
+        }
     out = copy.deepcopy(error)
     if not isinstance(out.get("message"), str):
         out["message"] = str(out.get("message", "upstream error"))
     if out["code"] == RESOURCE_NOT_FOUND_LEGACY:
         out["code"] = INVALID_PARAMS
     elif out["code"] == URL_ELICITATION_REQUIRED_LEGACY:
-        out = {"code": INTERNAL_ERROR, "message": f"upstream requires URL elicitation: {out['message']}", "data": out.get("data")}
+        out = {
+            "code": INTERNAL_ERROR,
+            "message": f"upstream requires URL elicitation: {out['message']}",
+            "data": out.get("data"),
+        }
         if out["data"] is None:
             del out["data"]
     return out

@@ -10,4 +10,14 @@ from .node import REPLICAS_KEY, Replicas, advertised_url
 from .registry import Peer, Registry, SharedMap
 from .routing import EndpointRouter, make_router, on_response_prepare
 
-__all__ = ["REPLICAS_KEY", "EndpointRouter", "Peer", "Registry", "Replicas", "SharedMap", "advertised_url", "make_router", "on_response_prepare"]
+__all__ = [
+    "REPLICAS_KEY",
+    "EndpointRouter",
+    "Peer",
+    "Registry",
+    "Replicas",
+    "SharedMap",
+    "advertised_url",
+    "make_router",
+    "on_response_prepare",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+
 import aiohttp
 import structlog
 from aiohttp import web
@@ -25,12 +26,28 @@ log = structlog.get_logger("proxy.replicas")
 SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared in constant time)
 FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
 _HOP_BY_HOP = frozenset(
-    h.lower() for h in ("Host", "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "TE", "Trailer", "Upgrade",
-                        "Proxy-Connection", "Proxy-Authorization", SECRET_HEADER, FORWARDED_HEADER, RELAYED_PRINCIPAL_HEADER)
+    h.lower()
+    for h in (
+        "Host",
+        "Connection",
+        "Keep-Alive",
+        "Transfer-Encoding",
+        "Content-Length",
+        "TE",
+        "Trailer",
+        "Upgrade",
+        "Proxy-Connection",
+        "Proxy-Authorization",
+        SECRET_HEADER,
+        FORWARDED_HEADER,
+        RELAYED_PRINCIPAL_HEADER,
+    )
 )
 
 HOP_SECONDS = Histogram(
-    "mcp_proxy_replica_hop_seconds", "Replica-to-replica requests (internal operations), seconds", ["op"],
+    "mcp_proxy_replica_hop_seconds",
+    "Replica-to-replica requests (internal operations), seconds",
+    ["op"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 
@@ -52,7 +69,15 @@ class Forwarder:
     chunks of an SSE stream.
     """
 
-    def __init__(self, *, node: str, secret: str, timeout_s: float, read_timeout_s: float = 1800.0, stream_idle_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        node: str,
+        secret: str,
+        timeout_s: float,
+        read_timeout_s: float = 1800.0,
+        stream_idle_s: float = 60.0,
+    ) -> None:
         self.node = node
         self.secret = secret
         self.timeout_s = timeout_s
@@ -85,18 +110,26 @@ class Forwarder:
         started = time.perf_counter()
         try:
             async with self._session().post(
-                f"{peer.url}/_replica/{op}", json=payload, headers={SECRET_HEADER: self.secret},
-                allow_redirects=False, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                f"{peer.url}/_replica/{op}",
+                json=payload,
+                headers={SECRET_HEADER: self.secret},
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
                 if resp.status != 200:
                     log.warning("replica_hop_refused", peer=peer.node, op=op, status=resp.status)
-                    raise HopError(f"replica {peer.node} at {peer.url} refused the hop (HTTP {resp.status}"
-                                   + (": a different replicas.secret)" if resp.status == 403 else ")"), status=resp.status)
+                    raise HopError(
+                        f"replica {peer.node} at {peer.url} refused the hop (HTTP {resp.status}"
+                        + (": a different replicas.secret)" if resp.status == 403 else ")"),
+                        status=resp.status,
+                    )
                 answer = await resp.json()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             reason = str(exc) or exc.__class__.__name__
             log.warning("replica_unreachable", peer=peer.node, op=op, reason=reason)
-            raise HopError(f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s ({reason})") from None
+            raise HopError(
+                f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s ({reason})"
+            ) from None
         finally:
             HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
         if not isinstance(answer, dict):
@@ -112,18 +145,35 @@ class Forwarder:
         away closes the hop.
         """
         # The body was already decoded by this replica: it goes on without its Content-Encoding.
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"
+        }
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
-        if PRINCIPAL_KEY in request:  # authenticated here: the owner takes it as is (auth.Authenticator.principal)
+        if (
+            PRINCIPAL_KEY in request
+        ):  # authenticated here: the owner takes it as is (auth.Authenticator.principal)
             headers[RELAYED_PRINCIPAL_HEADER] = request[PRINCIPAL_KEY]
         try:
             upstream = await self._session().request(
-                request.method, f"{peer.url}{request.path_qs}", data=raw if raw else None, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, connect=self.timeout_s, sock_read=self.read_timeout_s),
+                request.method,
+                f"{peer.url}{request.path_qs}",
+                data=raw if raw else None,
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    sock_connect=self.timeout_s,
+                    connect=self.timeout_s,
+                    sock_read=self.read_timeout_s,
+                ),
             )
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            log.warning("replica_unreachable", peer=peer.node, op="relay", reason=str(exc) or exc.__class__.__name__)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.warning(
+                "replica_unreachable", peer=peer.node, op="relay", reason=str(exc) or exc.__class__.__name__
+            )
             return None
         async with upstream:
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -135,9 +185,13 @@ class Forwarder:
             await out.prepare(request)
             streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             try:
-                while chunk := await (asyncio.wait_for(upstream.content.readany(), self.stream_idle_s) if streaming else upstream.content.readany()):
+                while chunk := await (
+                    asyncio.wait_for(upstream.content.readany(), self.stream_idle_s)
+                    if streaming
+                    else upstream.content.readany()
+                ):
                     await out.write(chunk)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 log.warning("replica_relay_broken", peer=peer.node, reason=str(exc) or exc.__class__.__name__)
                 if request.transport is not None:
                     request.transport.close()  # the client sees the stream cut, as it would from the peer

@@ -55,7 +55,13 @@ async def _cancel(request: web.Request) -> web.Response:
         replicas.tasks.release(task_id)
         reason = payload.get("reason")
         call.cancel(reason if isinstance(reason, str) else "task cancelled")
-        log.info("task_cancelled", task_id=task_id, by="client", via="replica", principal=principal_hash(call.principal))
+        log.info(
+            "task_cancelled",
+            task_id=task_id,
+            by="client",
+            via="replica",
+            principal=principal_hash(call.principal),
+        )
     return web.json_response({"stopped": call is not None})
 
 

@@ -22,6 +22,7 @@ from .registry import Peer, Registry, SharedMap
 
 log = structlog.get_logger("proxy.replicas")
 
+
 def advertised_url(config: Config) -> str:
     """The base URL other replicas reach this one at: `replicas.advertise` with `{host}` and
     `{port}` replaced by the listen address (the bound port when it was 0), else
@@ -33,11 +34,15 @@ def advertised_url(config: Config) -> str:
     if config.replicas.advertise:
         url = config.replicas.advertise.replace("{host}", host).replace("{port}", str(port)).rstrip("/")
         if (urlsplit(url).hostname or "") in wildcard or "://[::]" in url:
-            raise ValueError(f"replicas.advertise gives {url!r}, a wildcard address other replicas cannot reach: "
-                             "name this replica's own address (not {host} when listening on every address)")
+            raise ValueError(
+                f"replicas.advertise gives {url!r}, a wildcard address other replicas cannot reach: "
+                "name this replica's own address (not {host} when listening on every address)"
+            )
         return url
     if host in wildcard:
-        raise ValueError(f"replicas.advertise is needed when listening on {host or 'every address'!r}: other replicas cannot reach a wildcard")
+        raise ValueError(
+            f"replicas.advertise is needed when listening on {host or 'every address'!r}: other replicas cannot reach a wildcard"
+        )
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
@@ -57,7 +62,11 @@ class Replicas:
         hop = config.replicas.hop_timeout
         longest_call = max((entry.timeout for entry in config.servers.values()), default=1800.0)
         self.forwarder = Forwarder(
-            node=tasks.node, secret=self.secret, timeout_s=hop, read_timeout_s=longest_call + hop, stream_idle_s=3 * config.listen.sse_keepalive + hop,
+            node=tasks.node,
+            secret=self.secret,
+            timeout_s=hop,
+            read_timeout_s=longest_call + hop,
+            stream_idle_s=3 * config.listen.sse_keepalive + hop,
         )
         self.shared = shared
         self.draining = False
@@ -85,11 +94,23 @@ class Replicas:
             peers = await self.registry.peers()
         except StoreUnavailableError:
             return self.peer_problem
-        results = await asyncio.gather(*(self.forwarder.ask(p, "ping", {}) for p in peers), return_exceptions=True)
-        refused = [f"{p.node} at {p.url}" for p, r in zip(peers, results) if isinstance(r, HopError) and r.status == 403]
+        results = await asyncio.gather(
+            *(self.forwarder.ask(p, "ping", {}) for p in peers), return_exceptions=True
+        )
+        refused = [
+            f"{p.node} at {p.url}"
+            for p, r in zip(peers, results)
+            if isinstance(r, HopError) and r.status == 403
+        ]
         for who in refused:
-            log.error("replica_peer_refused", peer=who, reason="it refuses this replica's secret: replicas.secret differs")
-        self.peer_problem = f"refused by {', '.join(refused)} (a different replicas.secret)" if refused else None
+            log.error(
+                "replica_peer_refused",
+                peer=who,
+                reason="it refuses this replica's secret: replicas.secret differs",
+            )
+        self.peer_problem = (
+            f"refused by {', '.join(refused)} (a different replicas.secret)" if refused else None
+        )
         return self.peer_problem
 
     async def _renew(self) -> None:
@@ -186,13 +207,20 @@ class Replicas:
             cause = f"the proxy replica running this task (node {record.owner}) is gone or its record cannot be read"
         else:
             try:
-                answer = await self.forwarder.ask(peer, "tasks/answer", {"taskId": record.task_id, "inputResponses": responses})
+                answer = await self.forwarder.ask(
+                    peer, "tasks/answer", {"taskId": record.task_id, "inputResponses": responses}
+                )
             except HopError as exc:
                 cause = str(exc)
             else:
                 keys = answer.get("keys")
                 return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-        raise JsonRpcError(INTERNAL_ERROR, f"the input responses were not delivered: {cause}", {"node": record.owner}, status=503)
+        raise JsonRpcError(
+            INTERNAL_ERROR,
+            f"the input responses were not delivered: {cause}",
+            {"node": record.owner},
+            status=503,
+        )
 
     async def cancel(self, record: TaskRecord, reason: str) -> None:
         """Stop the call of a task another replica runs (the task is already `cancelled` in the

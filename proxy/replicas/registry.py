@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ..protocol.jsonrpc import JsonObject
-
 
 @runtime_checkable
 class SharedMap(Protocol):
@@ -58,7 +56,9 @@ class Registry:
 
     async def announce(self) -> None:
         """Write (renew) this replica's record. Raises StoreUnavailableError."""
-        await self.shared.session_put(_key(self.node), {"url": self.url, "draining": self.draining}, self.lease_ms)
+        await self.shared.session_put(
+            _key(self.node), {"url": self.url, "draining": self.draining}, self.lease_ms
+        )
 
     async def withdraw(self) -> None:
         """Remove this replica's record (clean exit). Raises StoreUnavailableError."""

@@ -30,14 +30,19 @@ from .node import Replicas
 log = structlog.get_logger("proxy.replicas")
 
 MRTR_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
-STREAM_METHODS = frozenset({"subscriptions/listen", "tasks/result"})  # POSTs answered by a stream of open-ended length
+STREAM_METHODS = frozenset(
+    {"subscriptions/listen", "tasks/result"}
+)  # POSTs answered by a stream of open-ended length
 ROUTER_KEY = "mcp_tasks_proxy.replica_router"
 SESSION_TTL_MS = 24 * 3600 * 1000  # a legacy session's map entry outlives any sane session
 
 
 def drain_refusal(request_id: Any, what: str) -> web.Response:
     """HTTP 503 with a JSON-RPC -32603 saying this replica is shutting down (retry elsewhere)."""
-    err = JsonRpcError(INTERNAL_ERROR, f"this proxy replica is shutting down and takes no {what}; send it again (another replica takes it)")
+    err = JsonRpcError(
+        INTERNAL_ERROR,
+        f"this proxy replica is shutting down and takes no {what}; send it again (another replica takes it)",
+    )
     response = web.json_response(jsonrpc.error_response(request_id, err.to_error()), status=503)
     response.headers["Retry-After"] = "0"
     return response
@@ -46,7 +51,9 @@ def drain_refusal(request_id: Any, what: str) -> web.Response:
 def store_refusal(request_id: Any, exc: StoreUnavailableError) -> web.Response:
     """HTTP 503 with a JSON-RPC -32603 naming the store: a legacy session cannot be opened or found
     while the shared session map is unreadable (nothing was started; the client may retry)."""
-    err = JsonRpcError(INTERNAL_ERROR, f"legacy sessions are shared through the task store, which is unavailable: {exc}")
+    err = JsonRpcError(
+        INTERNAL_ERROR, f"legacy sessions are shared through the task store, which is unavailable: {exc}"
+    )
     response = web.json_response(jsonrpc.error_response(request_id, err.to_error()), status=503)
     response.headers["Retry-After"] = "1"
     return response
@@ -71,7 +78,9 @@ class EndpointRouter:
     """Routing for the endpoint of server `server`. `sessions` answers whether a legacy session id
     is held here (`knows`), and adopts one (`adopt`); `kind` is `http` or `stdio`."""
 
-    def __init__(self, replicas: Replicas, *, server: str, kind: str, sessions: Any, parked: ParkedCalls) -> None:
+    def __init__(
+        self, replicas: Replicas, *, server: str, kind: str, sessions: Any, parked: ParkedCalls
+    ) -> None:
         self.replicas = replicas
         self.server = server
         self.kind = kind
@@ -93,8 +102,14 @@ class EndpointRouter:
             # Served here, except a cancel relayed by a third replica (the map names this replica
             # since it adopted the session) for a request the previous owner sent: one more hop, at most.
             previous = self.sessions.cancel_elsewhere(sid, body) if sid and request.method == "POST" else None
-            if previous is not None and previous != request.headers.get(FORWARDED_HEADER) and await self._holds(sid):
-                return await self._relay_to(request, previous, raw)  # only the map's owner does this: no cycle
+            if (
+                previous is not None
+                and previous != request.headers.get(FORWARDED_HEADER)
+                and await self._holds(sid)
+            ):
+                return await self._relay_to(
+                    request, previous, raw
+                )  # only the map's owner does this: no cycle
             return None
         if sid:
             return await self._session(request, sid, body, raw)
@@ -117,7 +132,9 @@ class EndpointRouter:
                 return store_refusal(_request_id(body), exc)
         return None
 
-    async def _mrtr(self, request: web.Request, body: Any, state: Any, raw: bytes | None) -> web.StreamResponse | None:
+    async def _mrtr(
+        self, request: web.Request, body: Any, state: Any, raw: bytes | None
+    ) -> web.StreamResponse | None:
         owner = self.parked.owner_of(state)
         if owner is None or owner == self.replicas.node:
             return None  # parked here (or not a valid state: refused here as usual)
@@ -126,8 +143,13 @@ class EndpointRouter:
             relayed = await self.replicas.forwarder.relay(request, peer, raw)
             if relayed is not None:
                 return relayed
-        err = JsonRpcError(INVALID_PARAMS, "requestState belongs to a call on a proxy replica that is gone; send the request again without it")
-        return web.json_response(jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status)
+        err = JsonRpcError(
+            INVALID_PARAMS,
+            "requestState belongs to a call on a proxy replica that is gone; send the request again without it",
+        )
+        return web.json_response(
+            jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status
+        )
 
     async def _holds(self, sid: str) -> bool:
         """True when the session map names this replica as the owner of `sid`."""
@@ -137,11 +159,15 @@ class EndpointRouter:
             return False
         return isinstance(entry, dict) and entry.get("owner") == self.replicas.node
 
-    async def _relay_to(self, request: web.Request, node: Any, raw: bytes | None) -> web.StreamResponse | None:
+    async def _relay_to(
+        self, request: web.Request, node: Any, raw: bytes | None
+    ) -> web.StreamResponse | None:
         peer = await self.replicas.peer(node)
         return None if peer is None else await self.replicas.forwarder.relay(request, peer, raw)
 
-    async def _session(self, request: web.Request, sid: str, body: Any, raw: bytes | None) -> web.StreamResponse | None:
+    async def _session(
+        self, request: web.Request, sid: str, body: Any, raw: bytes | None
+    ) -> web.StreamResponse | None:
         new_call = request.method == "POST" and isinstance(body, dict) and body.get("method") == "tools/call"
         # The client's answer to a question goes to the replica that relayed the question (its id
         # names it: `mtp-<node>.<random>`), which may be a draining previous owner of the session.
@@ -158,7 +184,9 @@ class EndpointRouter:
                 return relayed
         if self.sessions.knows(sid):
             if self.replicas.draining and new_call and self.kind == "http":
-                return drain_refusal(_request_id(body), "new calls")  # retried elsewhere, which adopts the session
+                return drain_refusal(
+                    _request_id(body), "new calls"
+                )  # retried elsewhere, which adopts the session
             return None
         try:
             entry = await self.replicas.shared.session_get(self._key(sid))
@@ -175,17 +203,32 @@ class EndpointRouter:
             if relayed is not None:
                 return relayed
         principal = request.get(PRINCIPAL_KEY, ANONYMOUS)
-        if self.kind == "http" and entry.get("principal") == principal_hash(principal) and isinstance(entry.get("upstream"), str):
+        if (
+            self.kind == "http"
+            and entry.get("principal") == principal_hash(principal)
+            and isinstance(entry.get("upstream"), str)
+        ):
             capabilities = entry.get("capabilities")
-            self.sessions.adopt(sid, entry["upstream"], principal, capabilities if isinstance(capabilities, dict) else {}, entry.get("owner"))
+            self.sessions.adopt(
+                sid,
+                entry["upstream"],
+                principal,
+                capabilities if isinstance(capabilities, dict) else {},
+                entry.get("owner"),
+            )
             await self.record(sid, upstream=entry["upstream"], principal=principal, capabilities=capabilities)
             log.info("legacy_session_adopted", server=self.server, previous_owner=entry.get("owner"))
         return None  # adopted, or a stdio session whose replica is gone: 404 here
 
     async def record(self, sid: str, *, upstream: str | None, principal: str, capabilities: Any) -> None:
         """Write the session map entry of a session this replica holds (owner: this replica)."""
-        value = {"owner": self.replicas.node, "kind": self.kind, "upstream": upstream, "principal": principal_hash(principal),
-                 "capabilities": capabilities if isinstance(capabilities, dict) else {}}
+        value = {
+            "owner": self.replicas.node,
+            "kind": self.kind,
+            "upstream": upstream,
+            "principal": principal_hash(principal),
+            "capabilities": capabilities if isinstance(capabilities, dict) else {},
+        }
         try:
             await self.replicas.shared.session_put(self._key(sid), value, SESSION_TTL_MS)
         except StoreUnavailableError as exc:
@@ -232,15 +275,28 @@ class HttpSessions:
         session = self.legacy.peek(sid)
         return session.upstream_id, session.principal, session.capabilities
 
-    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None) -> None:
+    def adopt(
+        self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None
+    ) -> None:
         """Hold session `sid` here from now on (its upstream session is `upstream`)."""
-        self.legacy.adopt(sid, upstream, principal, capabilities, previous_owner if isinstance(previous_owner, str) else None)
+        self.legacy.adopt(
+            sid,
+            upstream,
+            principal,
+            capabilities,
+            previous_owner if isinstance(previous_owner, str) else None,
+        )
 
     def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
         """The previous owner of adopted session `sid` when `body` is a notifications/cancelled for a
         request not sent from here (the previous owner sent it), else None."""
         session = self.legacy.peek(sid)
-        if session is None or session.previous_owner is None or not isinstance(body, dict) or body.get("method") != "notifications/cancelled":
+        if (
+            session is None
+            or session.previous_owner is None
+            or not isinstance(body, dict)
+            or body.get("method") != "notifications/cancelled"
+        ):
             return None
         params = body.get("params")
         rid = params.get("requestId") if isinstance(params, dict) else None
@@ -263,7 +319,9 @@ class BridgeSessions:
         session = self.bridge.sessions[sid]
         return None, session.principal, session.capabilities
 
-    def adopt(self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None) -> None:
+    def adopt(
+        self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None
+    ) -> None:
         """Not possible for a stdio upstream (never called)."""
 
     def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
@@ -274,6 +332,14 @@ class BridgeSessions:
 def make_router(replicas: Replicas, endpoint: Any, parked: ParkedCalls) -> EndpointRouter:
     """The router of one `ServerEndpoint` (HTTP relay sessions, or the stdio bridge's)."""
     if endpoint.bridge is not None:
-        return EndpointRouter(replicas, server=endpoint.name, kind="stdio", sessions=BridgeSessions(endpoint.bridge), parked=parked)
+        return EndpointRouter(
+            replicas,
+            server=endpoint.name,
+            kind="stdio",
+            sessions=BridgeSessions(endpoint.bridge),
+            parked=parked,
+        )
     endpoint.legacy.node = replicas.node  # named in the ids of the questions its sessions relay
-    return EndpointRouter(replicas, server=endpoint.name, kind="http", sessions=HttpSessions(endpoint.legacy), parked=parked)
+    return EndpointRouter(
+        replicas, server=endpoint.name, kind="http", sessions=HttpSessions(endpoint.legacy), parked=parked
+    )

@@ -20,6 +20,12 @@ def observe_transition(before: TaskStatus | None, record: TaskRecord) -> None:
     if record.status.terminal:
         obs.TASK_AGE.labels(record.status.value).observe(age_s)
     log.info(
-        "task_transition", task_id=record.task_id, server=record.server, tool=record.tool, principal=principal_hash(record.principal),
-        **{"from": before.value if before else None}, to=record.status.value, age_ms=int(age_s * 1000),
+        "task_transition",
+        task_id=record.task_id,
+        server=record.server,
+        tool=record.tool,
+        principal=principal_hash(record.principal),
+        **{"from": before.value if before else None},
+        to=record.status.value,
+        age_ms=int(age_s * 1000),
     )

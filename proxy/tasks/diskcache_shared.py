@@ -42,17 +42,23 @@ class DiskcacheSharedState:
 
     async def claim_once(self, key: str, ttl_ms: int) -> bool:
         """See TaskStore.claim_once (diskcache `add`, which writes only an absent key)."""
-        return bool(await self._write(lambda: self._cache.add("once:" + key, 1, expire=max(1, ttl_ms) / 1000)))
+        return bool(
+            await self._write(lambda: self._cache.add("once:" + key, 1, expire=max(1, ttl_ms) / 1000))
+        )
 
     async def claimed(self, key: str) -> bool:
         """See TaskStore.claimed."""
         return self._read("once:" + key) is not None
 
-    async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
+    async def put_blob(
+        self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False
+    ) -> bool:
         """See TaskStore.put_blob."""
         expire = None if ttl_ms is None else max(1, ttl_ms) / 1000
         if only_new:
-            return bool(await self._write(lambda: self._cache.add("blob:" + key, bytes(value), expire=expire)))
+            return bool(
+                await self._write(lambda: self._cache.add("blob:" + key, bytes(value), expire=expire))
+            )
         return bool(await self._write(lambda: self._cache.set("blob:" + key, bytes(value), expire=expire)))
 
     async def get_blob(self, key: str) -> bytes | None:
@@ -62,7 +68,10 @@ class DiskcacheSharedState:
 
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
         """See TaskStore.session_put."""
-        await self._write(lambda: self._cache.set("session:" + session_id, dict(info), expire=max(1, ttl_ms) / 1000), fsync=False)
+        await self._write(
+            lambda: self._cache.set("session:" + session_id, dict(info), expire=max(1, ttl_ms) / 1000),
+            fsync=False,
+        )
 
     async def session_get(self, session_id: str) -> dict[str, Any] | None:
         """See TaskStore.session_get."""

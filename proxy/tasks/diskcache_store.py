@@ -26,9 +26,18 @@ from typing import Any
 
 import diskcache
 
-from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, apply, now_ms, principal_key
-from .diskcache_shared import DiskcacheSharedState
 from .dirlock import lock_directory, unlock_directory
+from .diskcache_shared import DiskcacheSharedState
+from .model import (
+    Change,
+    ConflictError,
+    TaskRecord,
+    TaskStatus,
+    TerminalTaskError,
+    apply,
+    now_ms,
+    principal_key,
+)
 from .store import ListFilter, StoreUnavailableError, TaskNotFoundError
 
 Listener = Callable[[TaskStatus | None, TaskRecord], None]
@@ -55,7 +64,14 @@ class DiskcacheStore(DiskcacheSharedState):
     Raises StoreUnavailableError when the directory cannot be opened.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True, exclusive: bool = False, max_result_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        durable: bool = True,
+        exclusive: bool = False,
+        max_result_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
         self.path = self.where = os.fspath(path)
         self.max_result_bytes = max_result_bytes
         self.durable = durable
@@ -68,13 +84,17 @@ class DiskcacheStore(DiskcacheSharedState):
                 self._locked = True
             umask = os.umask(0o077)  # cache.db and its -wal/-shm are created private (0600)
             try:
-                self._cache = diskcache.Cache(self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none", timeout=10)
+                self._cache = diskcache.Cache(
+                    self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none", timeout=10
+                )
             finally:
                 os.umask(umask)
             for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
                 if os.path.exists(os.path.join(self.path, name)):
                     os.chmod(os.path.join(self.path, name), 0o600)
-            self._reader = sqlite3.connect(os.path.join(self.path, "cache.db"), timeout=10, check_same_thread=False, isolation_level=None)
+            self._reader = sqlite3.connect(
+                os.path.join(self.path, "cache.db"), timeout=10, check_same_thread=False, isolation_level=None
+            )
         except _STORE_ERRORS as exc:
             self._release_lock()
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
@@ -108,7 +128,9 @@ class DiskcacheStore(DiskcacheSharedState):
             batch, self._pending = self._pending, []
             fsync = self.durable and any(wants for _, wants, _ in batch)
             try:
-                results = await loop.run_in_executor(self._executor, self._commit, [op for op, _, _ in batch], fsync)
+                results = await loop.run_in_executor(
+                    self._executor, self._commit, [op for op, _, _ in batch], fsync
+                )
             except _STORE_ERRORS as exc:
                 error = StoreUnavailableError(f"task store {self.path}: {exc.__class__.__name__}: {exc}")
                 results = [error] * len(batch)
@@ -120,7 +142,9 @@ class DiskcacheStore(DiskcacheSharedState):
                         future.set_exception(result)
                     else:
                         future.set_result(result)
-        if loop.time() - self._last_checkpoint >= CHECKPOINT_EVERY_S and (self._checkpoint is None or self._checkpoint.done()):
+        if loop.time() - self._last_checkpoint >= CHECKPOINT_EVERY_S and (
+            self._checkpoint is None or self._checkpoint.done()
+        ):
             self._last_checkpoint = loop.time()
             self._checkpoint = loop.run_in_executor(self._checkpointer, self._run_checkpoint)
 
@@ -151,7 +175,9 @@ class DiskcacheStore(DiskcacheSharedState):
 
     def _reader_for_checkpoint(self) -> sqlite3.Connection:
         if self._checkpoint_con is None:
-            self._checkpoint_con = sqlite3.connect(os.path.join(self.path, "cache.db"), timeout=10, isolation_level=None)
+            self._checkpoint_con = sqlite3.connect(
+                os.path.join(self.path, "cache.db"), timeout=10, isolation_level=None
+            )
         return self._checkpoint_con
 
     def _changed_now(self, before: TaskStatus | None, record: TaskRecord) -> None:
@@ -173,7 +199,10 @@ class DiskcacheStore(DiskcacheSharedState):
 
     def _index_keys(self, record: TaskRecord) -> tuple[str, str]:
         rev = _rev(record.created_ms)
-        return (f"ip:{principal_key(record.principal)}{_SEP}{record.server}{_SEP}{rev}{_SEP}{record.task_id}", f"ia:{rev}{_SEP}{record.task_id}")
+        return (
+            f"ip:{principal_key(record.principal)}{_SEP}{record.server}{_SEP}{rev}{_SEP}{record.task_id}",
+            f"ia:{rev}{_SEP}{record.task_id}",
+        )
 
     async def create(self, record: TaskRecord) -> None:
         """See TaskStore.create."""
@@ -232,10 +261,16 @@ class DiskcacheStore(DiskcacheSharedState):
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
         return [row[0] for row in rows]
 
-    async def list_tasks(self, where: ListFilter, *, cursor: str | None = None, limit: int = 50) -> tuple[list[TaskRecord], str | None]:
+    async def list_tasks(
+        self, where: ListFilter, *, cursor: str | None = None, limit: int = 50
+    ) -> tuple[list[TaskRecord], str | None]:
         """See TaskStore.list_tasks. The cursor is the last index key read, base64url-encoded."""
         if where.principal is not None:
-            prefix = f"ip:{principal_key(where.principal)}{_SEP}{where.server}{_SEP}" if where.server is not None else f"ip:{principal_key(where.principal)}{_SEP}"
+            prefix = (
+                f"ip:{principal_key(where.principal)}{_SEP}{where.server}{_SEP}"
+                if where.server is not None
+                else f"ip:{principal_key(where.principal)}{_SEP}"
+            )
         else:
             prefix = "ia:"
         start = None
@@ -261,7 +296,9 @@ class DiskcacheStore(DiskcacheSharedState):
                     if len(found) == limit:
                         break
         more = self._keys(prefix, start, limit=1)
-        return found, (base64.urlsafe_b64encode(start.encode()).decode() if more and start is not None else None)
+        return found, (
+            base64.urlsafe_b64encode(start.encode()).decode() if more and start is not None else None
+        )
 
     async def wait_for_change(self, task_id: str, version: int, timeout_s: float) -> TaskRecord | None:
         """See TaskStore.wait_for_change. Changes by this process wake the wait at once; changes
@@ -291,7 +328,7 @@ class DiskcacheStore(DiskcacheSharedState):
         """See TaskStore.live_tasks."""
         records = []
         for key in self._keys("live:"):
-            record = await self.get(key[len("live:"):])
+            record = await self.get(key[len("live:") :])
             if record is not None and not record.status.terminal:
                 records.append(record)
         return records
@@ -327,7 +364,9 @@ class DiskcacheStore(DiskcacheSharedState):
     async def count(self) -> int:
         """See TaskStore.count."""
         try:
-            row = self._reader.execute("SELECT COUNT(*) FROM Cache WHERE key >= 'task:' AND key < 'task;' AND raw = 1").fetchone()
+            row = self._reader.execute(
+                "SELECT COUNT(*) FROM Cache WHERE key >= 'task:' AND key < 'task;' AND raw = 1"
+            ).fetchone()
         except sqlite3.Error as exc:
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
         return int(row[0])
@@ -365,4 +404,3 @@ def _matches(record: TaskRecord, where: ListFilter) -> bool:
         and (where.status is None or record.status.value == where.status)
         and (where.tool is None or record.tool == where.tool)
     )
-

@@ -96,7 +96,11 @@ def iso(ms: int) -> str:
 
 def principal_key(principal: str) -> str:
     """A fixed-length key for a principal inside store keys (SHA-256, 32 hex characters)."""
-    return _principal_key(principal) if len(principal) <= 256 else hashlib.sha256(principal.encode()).hexdigest()[:32]
+    return (
+        _principal_key(principal)
+        if len(principal) <= 256
+        else hashlib.sha256(principal.encode()).hexdigest()[:32]
+    )
 
 
 @functools.lru_cache(maxsize=1024)  # one hash per principal, not per request (bounded: at most ~1 MB)
@@ -181,7 +185,11 @@ def reported_ttl_ms(record: TaskRecord, at_ms: int | None = None) -> int | None:
     """
     if record.ttl_ms is None:
         return None
-    end = record.terminal_ms if record.terminal_ms is not None else max(at_ms or now_ms(), record.last_updated_ms)
+    end = (
+        record.terminal_ms
+        if record.terminal_ms is not None
+        else max(at_ms or now_ms(), record.last_updated_ms)
+    )
     return end - record.created_ms + record.ttl_ms
 
 
@@ -193,7 +201,7 @@ def with_transition(history: list[dict[str, Any]], status: TaskStatus, at_ms: in
     """`history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list."""
     entries = [*history, {"status": TaskStatus(status).value, "at_ms": at_ms}]
     if len(entries) > HISTORY_MAX:
-        entries = [entries[0], *entries[-(HISTORY_MAX - 1):]]
+        entries = [entries[0], *entries[-(HISTORY_MAX - 1) :]]
     return entries
 
 
@@ -216,7 +224,12 @@ class Change:
     def progress_only(self) -> bool:
         """True when only the status message changes (progress text): a crash may lose it, so
         stores may commit it without waiting for the disk."""
-        return self.status is None and self.outcome is _UNSET and self.input_requests is _UNSET and self.owner is _UNSET
+        return (
+            self.status is None
+            and self.outcome is _UNSET
+            and self.input_requests is _UNSET
+            and self.owner is _UNSET
+        )
 
 
 def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: int) -> TaskRecord:
@@ -237,15 +250,27 @@ def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: i
         size = len(json.dumps(outcome["result"], separators=(",", ":")))
         if size > max_result_bytes:
             status = TaskStatus.FAILED
-            message = f"the result ({size} bytes) exceeds the limit max_result_bytes ({max_result_bytes} bytes)"
-            outcome = {"error": {"code": INTERNAL_ERROR, "message": message, "data": {"limit": "max_result_bytes"}}}
-    updates: dict[str, Any] = {"last_updated_ms": max(at_ms, record.last_updated_ms), "version": record.version + 1}
+            message = (
+                f"the result ({size} bytes) exceeds the limit max_result_bytes ({max_result_bytes} bytes)"
+            )
+            outcome = {
+                "error": {"code": INTERNAL_ERROR, "message": message, "data": {"limit": "max_result_bytes"}}
+            }
+    updates: dict[str, Any] = {
+        "last_updated_ms": max(at_ms, record.last_updated_ms),
+        "version": record.version + 1,
+    }
     if status is not None:
         check_transition(record.status, status)
         updates["status"] = status
         if status is not record.status:
             updates["history"] = with_transition(record.history, status, updates["last_updated_ms"])
-    for name, value in (("status_message", message), ("outcome", outcome), ("input_requests", change.input_requests), ("owner", change.owner)):
+    for name, value in (
+        ("status_message", message),
+        ("outcome", outcome),
+        ("input_requests", change.input_requests),
+        ("owner", change.owner),
+    ):
         if value is not _UNSET:
             updates[name] = value
     new = replace(record, **updates)

@@ -17,8 +17,12 @@ def open_store(store: StoreConfig, *, max_result_bytes: int, exclusive: bool) ->
     DiskcacheStore on `path` (`exclusive`: take its serving lock, StoreLockedError when held).
     Raises StoreUnavailableError."""
     if store.url is not None:
-        return RedisTaskStore(store.url, prefix=store.prefix, max_result_bytes=max_result_bytes, timeout_s=store.timeout)
-    return DiskcacheStore(store.path, durable=store.durable, exclusive=exclusive, max_result_bytes=max_result_bytes)
+        return RedisTaskStore(
+            store.url, prefix=store.prefix, max_result_bytes=max_result_bytes, timeout_s=store.timeout
+        )
+    return DiskcacheStore(
+        store.path, durable=store.durable, exclusive=exclusive, max_result_bytes=max_result_bytes
+    )
 
 
 def rate_storage(store: StoreConfig) -> Storage | None:

@@ -18,7 +18,9 @@ from typing import Any
 
 from .model import TaskRecord, TaskStatus
 
-QUEUE_MAX = 1000  # items a slow stream may fall behind before new ones are dropped (it re-reads the record anyway)
+QUEUE_MAX = (
+    1000  # items a slow stream may fall behind before new ones are dropped (it re-reads the record anyway)
+)
 
 
 @dataclass(eq=False)
@@ -32,7 +34,11 @@ class Subscription:
 
     def wants(self, principal: str, server: str, task_id: str) -> bool:
         """True when a change of `task_id` (owned by `principal` on `server`) is for this stream."""
-        return principal == self.principal and server == self.server and (self.task_ids is None or task_id in self.task_ids)
+        return (
+            principal == self.principal
+            and server == self.server
+            and (self.task_ids is None or task_id in self.task_ids)
+        )
 
     def offer(self, item: tuple[str, Any]) -> None:
         """Queue `item`; dropped when the stream is QUEUE_MAX items behind."""
@@ -65,7 +71,12 @@ class TaskPush:
 
     @contextlib.contextmanager
     def subscribe(
-        self, *, principal: str, server: str, task_ids: frozenset[str] | None = None, queue: asyncio.Queue[Any] | None = None
+        self,
+        *,
+        principal: str,
+        server: str,
+        task_ids: frozenset[str] | None = None,
+        queue: asyncio.Queue[Any] | None = None,
     ) -> Iterator[Subscription]:
         """A subscription that receives what is pushed while the block runs (into `queue` when given,
         so a stream can wait on one queue for several sources)."""

@@ -26,8 +26,12 @@ def redis_rate_storage(url: str, *, prefix: str, timeout_s: float) -> RedisStora
     """`limits`' async Redis storage on redis-py for a `redis://` or `rediss://` `url`, keys under
     `<prefix>limits`, each call bounded by `timeout_s` (s). Storage errors raise StorageError."""
     return RedisStorage(
-        "async+" + url, implementation="redispy", key_prefix=prefix + "limits", wrap_exceptions=True,
-        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        "async+" + url,
+        implementation="redispy",
+        key_prefix=prefix + "limits",
+        wrap_exceptions=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
     )
 
 

@@ -12,12 +12,19 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-import structlog
-
 from .. import observability as obs
-from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, principal_hash, proxy_error
+from .model import (
+    Change,
+    ConflictError,
+    TaskRecord,
+    TaskStatus,
+    TerminalTaskError,
+    principal_hash,
+    proxy_error,
+)
 from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 if TYPE_CHECKING:
@@ -109,7 +116,13 @@ async def take_over(service: TaskService, record: TaskRecord, message: str) -> T
         if record.rerun is not None and service.rerun is not None:
             owned = await store.update(
                 record.task_id,
-                Change(status=TaskStatus.WORKING, status_message=f"re-running: {message}", input_requests={}, owner=service.node, expect_owner=record.owner),
+                Change(
+                    status=TaskStatus.WORKING,
+                    status_message=f"re-running: {message}",
+                    input_requests={},
+                    owner=service.node,
+                    expect_owner=record.owner,
+                ),
             )
             call = service.rerun(owned)  # only once this node owns it: never sent twice
             if call is not None:
@@ -120,7 +133,13 @@ async def take_over(service: TaskService, record: TaskRecord, message: str) -> T
         obs.ORPHANED.labels("failed").inc()
         return await store.update(
             record.task_id,
-            Change(status=TaskStatus.FAILED, status_message=message, outcome=proxy_error(message), input_requests={}, expect_owner=record.owner),
+            Change(
+                status=TaskStatus.FAILED,
+                status_message=message,
+                outcome=proxy_error(message),
+                input_requests={},
+                expect_owner=record.owner,
+            ),
         )
     except (TerminalTaskError, TaskNotFoundError, ConflictError):
         return await store.get(record.task_id) or record
@@ -139,16 +158,23 @@ async def stop_calls_ended_elsewhere(service: TaskService) -> None:
         service.release(task_id)
         call.cancel("the task ended outside this proxy")
         if record is not None and record.status is TaskStatus.CANCELLED:
-            log.info("task_cancelled", task_id=task_id, by="operator", principal=principal_hash(record.principal))
+            log.info(
+                "task_cancelled", task_id=task_id, by="operator", principal=principal_hash(record.principal)
+            )
         else:
-            log.info("task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone")
+            log.info(
+                "task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone"
+            )
 
 
 async def write_later(store: TaskStore, unwritten: dict[str, Any], task_id: str, change: Change) -> None:
     """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart); then
     forget the in-memory copy in `unwritten`."""
     try:
-        async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=5.0), retry=retry_if_exception_type(StoreUnavailableError)):
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential(multiplier=0.1, max=5.0),
+            retry=retry_if_exception_type(StoreUnavailableError),
+        ):
             with attempt:
                 await store.update(task_id, change)
         log.info("outcome_recorded_late", task_id=task_id)

@@ -45,7 +45,9 @@ class ChangeFeed:
     reads a record by id (for messages without the record inside).
     """
 
-    def __init__(self, redis: Redis, channel: str, origin: str, fetch: Callable[[str], Awaitable[TaskRecord | None]]) -> None:
+    def __init__(
+        self, redis: Redis, channel: str, origin: str, fetch: Callable[[str], Awaitable[TaskRecord | None]]
+    ) -> None:
         self._redis = redis
         self._channel = channel
         self.origin = origin
@@ -142,7 +144,11 @@ class ChangeFeed:
                         self._on_message(message["data"])
             except (RedisError, OSError) as exc:
                 if not self._down_logged:
-                    log.warning("task_changes_unsubscribed", reason=f"{exc.__class__.__name__}: {exc}", retry_s=RECONNECT_S)
+                    log.warning(
+                        "task_changes_unsubscribed",
+                        reason=f"{exc.__class__.__name__}: {exc}",
+                        retry_s=RECONNECT_S,
+                    )
                     self._down_logged = True
             finally:
                 self.subscribed.clear()

@@ -84,7 +84,11 @@ class RedisKeys:
     def record_keys(self, record: TaskRecord) -> tuple[str, str, str]:
         """(index member, principal index, principal+server index) of `record`."""
         pkey, skey = principal_key(record.principal), principal_key(record.server)
-        return f"{rev(record.created_ms)}{SEP}{record.task_id}", self.by_principal(pkey), self.by_server(pkey, skey)
+        return (
+            f"{rev(record.created_ms)}{SEP}{record.task_id}",
+            self.by_principal(pkey),
+            self.by_server(pkey, skey),
+        )
 
     def expiry_member(self, record: TaskRecord) -> str:
         """The `exp` member of `record` (what purge needs to find its index entries)."""
@@ -96,7 +100,9 @@ def change_message(origin: str, before: str | None, record: TaskRecord, data: st
     """The pub/sub message of one committed change, as JSON: `o` the committing store object,
     `b` the previous status (null on create), `id`, `v` the new version, and `r` the record itself
     when its JSON (`data`) is at most INLINE_RECORD_MAX bytes (else null: receivers read it)."""
-    head = json.dumps({"o": origin, "b": before, "id": record.task_id, "v": record.version}, separators=(",", ":"))
+    head = json.dumps(
+        {"o": origin, "b": before, "id": record.task_id, "v": record.version}, separators=(",", ":")
+    )
     inline = data if len(data) <= INLINE_RECORD_MAX else "null"
     return f'{head[:-1]},"r":{inline}}}'
 

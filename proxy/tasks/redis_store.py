@@ -32,9 +32,26 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from .model import Change, ConflictError, TaskRecord, TaskStatus, TerminalTaskError, apply, now_ms, principal_key
+from .model import (
+    Change,
+    TaskRecord,
+    TaskStatus,
+    apply,
+    now_ms,
+    principal_key,
+)
 from .redis_events import POLL_S, ChangeFeed, Listener
-from .redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message, redact_url, url_password
+from .redis_keys import (
+    CREATE,
+    DEFAULT_PREFIX,
+    PURGE,
+    SEP,
+    UPDATE,
+    RedisKeys,
+    change_message,
+    redact_url,
+    url_password,
+)
 from .store import ListFilter, StoreUnavailableError, TaskNotFoundError
 
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
@@ -54,7 +71,12 @@ class RedisTaskStore:
     """
 
     def __init__(
-        self, url: str, *, prefix: str = DEFAULT_PREFIX, max_result_bytes: int = 16 * 1024 * 1024, timeout_s: float = 5.0,
+        self,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_result_bytes: int = 16 * 1024 * 1024,
+        timeout_s: float = 5.0,
         max_connections: int = 64,
     ) -> None:
         self.where = redact_url(url)
@@ -63,8 +85,14 @@ class RedisTaskStore:
         self.keys = RedisKeys(prefix)
         try:
             self._pool = BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),  # one retry: a connection Redis dropped is re-made once
+                url,
+                max_connections=max_connections,
+                timeout=timeout_s,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(
+                    ExponentialBackoff(cap=0.2, base=0.05), 1
+                ),  # one retry: a connection Redis dropped is re-made once
             )
         except (ValueError, RedisError) as exc:
             raise StoreUnavailableError(self._message(exc)) from None
@@ -126,8 +154,26 @@ class RedisTaskStore:
         message = change_message(self.feed.origin, None, record, data)
         async with self.guard():
             created = await self._create(
-                keys=[self.keys.task(record.task_id), self.keys.all, by_principal, by_server, self.keys.live, self.keys.expiring],
-                args=[data, record.version, member, record.task_id, owner, ttl, exp_member, exp_score, self.keys.changes, message],
+                keys=[
+                    self.keys.task(record.task_id),
+                    self.keys.all,
+                    by_principal,
+                    by_server,
+                    self.keys.live,
+                    self.keys.expiring,
+                ],
+                args=[
+                    data,
+                    record.version,
+                    member,
+                    record.task_id,
+                    owner,
+                    ttl,
+                    exp_member,
+                    exp_score,
+                    self.keys.changes,
+                    message,
+                ],
             )
         if not created:
             raise ValueError(f"task {record.task_id} already exists")
@@ -160,14 +206,27 @@ class RedisTaskStore:
             async with self.guard():
                 done = await self._update(
                     keys=[self.keys.task(task_id), self.keys.live, self.keys.expiring],
-                    args=[version, data, new.version, task_id, owner, ttl, exp_member, exp_score, self.keys.changes, message],
+                    args=[
+                        version,
+                        data,
+                        new.version,
+                        task_id,
+                        owner,
+                        ttl,
+                        exp_member,
+                        exp_score,
+                        self.keys.changes,
+                        message,
+                    ],
                 )
             if done == -1:
                 raise TaskNotFoundError(task_id)
             if done == 1:
                 self._committed(record.status, new)
                 return new
-        raise StoreUnavailableError(f"task store {self.where}: task {task_id} changed {CAS_ATTEMPTS} times while one change was applied")
+        raise StoreUnavailableError(
+            f"task store {self.where}: task {task_id} changed {CAS_ATTEMPTS} times while one change was applied"
+        )
 
     async def _records(self, task_ids: list[str]) -> list[TaskRecord | None]:
         """The records of `task_ids` (None where gone), in one round trip."""
@@ -190,7 +249,9 @@ class RedisTaskStore:
         skey = principal_key(where.server)
         return f"ps:{pkey}:{skey}", self.keys.by_server(pkey, skey)
 
-    async def list_tasks(self, where: ListFilter, *, cursor: str | None = None, limit: int = 50) -> tuple[list[TaskRecord], str | None]:
+    async def list_tasks(
+        self, where: ListFilter, *, cursor: str | None = None, limit: int = 50
+    ) -> tuple[list[TaskRecord], str | None]:
         """See TaskStore.list_tasks. The cursor is the scope and the last index member read, base64url-encoded."""
         scope, index = self._index(where)
         start = "-"
@@ -208,7 +269,9 @@ class RedisTaskStore:
         last_read: str | None = None
         while len(found) < limit and scanned < LIST_SCAN_LIMIT:
             async with self.guard():
-                raw = await self.redis.zrangebylex(index, start, "+", start=0, num=min(500, LIST_SCAN_LIMIT - scanned))
+                raw = await self.redis.zrangebylex(
+                    index, start, "+", start=0, num=min(500, LIST_SCAN_LIMIT - scanned)
+                )
             if not raw:
                 return found, None
             members = [_text(m) for m in raw]
@@ -277,7 +340,12 @@ class RedisTaskStore:
         total = 0
         while True:
             async with self.guard():
-                count = int(await self._purge(keys=[self.keys.expiring, self.keys.all, self.keys.live], args=[now_ms(), PURGE_BATCH, self.keys.prefix]))
+                count = int(
+                    await self._purge(
+                        keys=[self.keys.expiring, self.keys.all, self.keys.live],
+                        args=[now_ms(), PURGE_BATCH, self.keys.prefix],
+                    )
+                )
             total += count
             if count < PURGE_BATCH:
                 return total
@@ -309,18 +377,35 @@ class RedisTaskStore:
             for name in ("appendonly", "appendfsync", "save"):
                 settings.update(await self.redis.config_get(name))
         except ResponseError:
-            return "warning", f"task store {self.where}: could not check Redis persistence (CONFIG GET refused): make sure appendonly is on"
+            return (
+                "warning",
+                f"task store {self.where}: could not check Redis persistence (CONFIG GET refused): make sure appendonly is on",
+            )
         except (RedisError, OSError) as exc:
             raise StoreUnavailableError(self._message(exc)) from None
         values = {_text(k): _text(v) for k, v in settings.items()}
         aof, fsync, save = values.get("appendonly", ""), values.get("appendfsync", ""), values.get("save", "")
         if aof == "yes":
-            lost = "nothing acknowledged" if fsync == "always" else "up to about 1 s of commits" if fsync == "everysec" else "the commits the OS had not flushed"
-            return "info", f"task store {self.where}: Redis appendonly yes, appendfsync {fsync}: a Redis crash loses {lost}"
+            lost = (
+                "nothing acknowledged"
+                if fsync == "always"
+                else "up to about 1 s of commits"
+                if fsync == "everysec"
+                else "the commits the OS had not flushed"
+            )
+            return (
+                "info",
+                f"task store {self.where}: Redis appendonly yes, appendfsync {fsync}: a Redis crash loses {lost}",
+            )
         if save:
-            return "warning", (f"task store {self.where}: Redis appendonly is off (only RDB snapshots, save '{save}'): "
-                               "a Redis crash loses every commit since the last snapshot")
-        return "warning", f"task store {self.where}: Redis persistence is off (appendonly no, save ''): every task is lost when Redis restarts"
+            return "warning", (
+                f"task store {self.where}: Redis appendonly is off (only RDB snapshots, save '{save}'): "
+                "a Redis crash loses every commit since the last snapshot"
+            )
+        return (
+            "warning",
+            f"task store {self.where}: Redis persistence is off (appendonly no, save ''): every task is lost when Redis restarts",
+        )
 
     # -- small shared state (MRTR, legacy sessions) ----------------------------------------
 
@@ -334,11 +419,17 @@ class RedisTaskStore:
         async with self.guard():
             return bool(await self.redis.exists(self.keys.once(key)))
 
-    async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
+    async def put_blob(
+        self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False
+    ) -> bool:
         """Store `value` under `key` (expiring after `ttl_ms`, or never); with `only_new`, only when
         `key` is absent. Returns whether it was written."""
         async with self.guard():
-            return bool(await self.redis.set(self.keys.blob(key), value, nx=only_new, px=None if ttl_ms is None else max(1, ttl_ms)))
+            return bool(
+                await self.redis.set(
+                    self.keys.blob(key), value, nx=only_new, px=None if ttl_ms is None else max(1, ttl_ms)
+                )
+            )
 
     async def get_blob(self, key: str) -> bytes | None:
         """The value under `key`, or None."""
@@ -349,7 +440,9 @@ class RedisTaskStore:
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
         """Keep `info` (JSON-able) for a legacy session id, for `ttl_ms` from now (a put refreshes it)."""
         async with self.guard():
-            await self.redis.set(self.keys.session(session_id), json.dumps(info, separators=(",", ":")), px=max(1, ttl_ms))
+            await self.redis.set(
+                self.keys.session(session_id), json.dumps(info, separators=(",", ":")), px=max(1, ttl_ms)
+            )
 
     async def session_get(self, session_id: str) -> dict[str, Any] | None:
         """The info of a legacy session id, or None when unknown or expired."""

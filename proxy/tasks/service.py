@@ -20,6 +20,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from .. import observability as obs
 from ..protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
+from . import recovery
+from .audit import observe_transition
 from .model import (
     Change,
     ConflictError,
@@ -32,11 +34,9 @@ from .model import (
     now_ms,
     outcome_status,
     principal_hash,
-    valid_task_id,
     proxy_error,
+    valid_task_id,
 )
-from . import recovery
-from .audit import observe_transition
 from .push import TaskPush
 from .rates import TaskRate
 from .recovery import LOST_MESSAGE, RESTART_MESSAGE
@@ -98,8 +98,12 @@ class TaskService:
         self.max_tasks_per_principal = max_tasks_per_principal
         self.tasks_rate = tasks_rate
         self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
-        self._snapshots: dict[str, TaskRecord] = {}  # live task → record at detach (for the store-failure view)
-        self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown to readers
+        self._snapshots: dict[
+            str, TaskRecord
+        ] = {}  # live task → record at detach (for the store-failure view)
+        self._unwritten: dict[
+            str, TaskRecord
+        ] = {}  # outcomes the store has not taken yet, as shown to readers
         self._retrieved: dict[str, None] = {}
         self.cancelling: set[str] = set()  # tasks this node is cancelling right now
         self._background: set[asyncio.Task[Any]] = set()
@@ -110,12 +114,16 @@ class TaskService:
         self.store_problem: str | None = None  # the last store failure, while it lasts
         self.leases = recovery.LeaseJudge(lease_s)  # when this node may judge other nodes' leases
         store.add_listener(observe_transition)
-        self.push = TaskPush()  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
+        self.push = (
+            TaskPush()
+        )  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
         store.add_remote_listener(self.push.on_change)  # every replica's changes (Redis)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, rerun: Rerun | None = None, *, restart_message: str | None = RESTART_MESSAGE) -> tuple[int, int]:
+    async def start(
+        self, rerun: Rerun | None = None, *, restart_message: str | None = RESTART_MESSAGE
+    ) -> tuple[int, int]:
         """Take this node's lease, end (or re-run) the tasks earlier processes left running (saying
         `restart_message`, or naming the lost node when None), and start the lease/sweep loop.
         Returns (re-run, failed) counts of the first sweep."""
@@ -123,7 +131,9 @@ class TaskService:
         await self.store.renew_lease(self.node, int(self.lease_s * 1000))
         self.leases.started(await recovery.store_instance(self.store))
         counts = await self.sweep(message=restart_message)
-        self._loop_task = asyncio.get_running_loop().create_task(self._maintain(), name="task-lease-and-sweep")
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._maintain(), name="task-lease-and-sweep"
+        )
         return counts
 
     async def _maintain(self) -> None:
@@ -161,7 +171,12 @@ class TaskService:
             self._loop_task.cancel()
             await asyncio.wait({self._loop_task}, timeout=2.0)
         calls = list(self.live.items())
-        await asyncio.gather(*(self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown") for task_id, _ in calls))
+        await asyncio.gather(
+            *(
+                self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown")
+                for task_id, _ in calls
+            )
+        )
         for _, call in calls:
             call.cancel("proxy shutdown")
         self.live.clear()
@@ -178,11 +193,21 @@ class TaskService:
         if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
             log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
             obs.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
-            raise limit_error("max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap)
+            raise limit_error(
+                "max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap
+            )
 
     async def detach(
-        self, call: LiveCall, *, server: str, tool: str, method: str, ttl_s: float | None, poll_interval_s: float,
-        status_message: str, rerun: JsonObject | None = None,
+        self,
+        call: LiveCall,
+        *,
+        server: str,
+        tool: str,
+        method: str,
+        ttl_s: float | None,
+        poll_interval_s: float,
+        status_message: str,
+        rerun: JsonObject | None = None,
     ) -> TaskRecord:
         """Commit a task for a running call and take the call over; return the record.
 
@@ -193,9 +218,17 @@ class TaskService:
         """
         self.check_capacity(call.principal)
         record = TaskRecord(
-            task_id=new_task_id(), principal=call.principal, server=server, tool=tool, method=method, created_ms=now_ms(),
-            ttl_ms=None if ttl_s is None else int(ttl_s * 1000), poll_interval_ms=max(1, int(poll_interval_s * 1000)),
-            owner=self.node, status_message=status_message, rerun=rerun,
+            task_id=new_task_id(),
+            principal=call.principal,
+            server=server,
+            tool=tool,
+            method=method,
+            created_ms=now_ms(),
+            ttl_ms=None if ttl_s is None else int(ttl_s * 1000),
+            poll_interval_ms=max(1, int(poll_interval_s * 1000)),
+            owner=self.node,
+            status_message=status_message,
+            rerun=rerun,
         )
         self.live[record.task_id] = call  # before the commit: the sweep must never see it ownerless
         self._snapshots[record.task_id] = record
@@ -205,10 +238,18 @@ class TaskService:
         except StoreUnavailableError as exc:
             self._forget(record.task_id)
             self.store_failed(exc)
-            raise JsonRpcError(-32603, f"the call could not become a task: {exc}", {"store": self.store.where}, status=503) from None
+            raise JsonRpcError(
+                -32603, f"the call could not become a task: {exc}", {"store": self.store.where}, status=503
+            ) from None
         finally:
             self.creating.discard(record.task_id)
-        log.info("task_created", task_id=record.task_id, server=server, tool=tool, principal=principal_hash(call.principal))
+        log.info(
+            "task_created",
+            task_id=record.task_id,
+            server=server,
+            tool=tool,
+            principal=principal_hash(call.principal),
+        )
         return record
 
     def _forget(self, task_id: str) -> None:
@@ -255,8 +296,10 @@ class TaskService:
     async def _retrying(self, write: Callable[[], Awaitable[Any]]) -> Any:
         """`write()`, retried with backoff while the store is unavailable, for `outcome_retry_s` (s)."""
         async for attempt in AsyncRetrying(
-            stop=stop_after_delay(self.outcome_retry_s), wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type(StoreUnavailableError), reraise=True,
+            stop=stop_after_delay(self.outcome_retry_s),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception_type(StoreUnavailableError),
+            reraise=True,
         ):
             with attempt:
                 return await write()
@@ -275,7 +318,9 @@ class TaskService:
             log.warning("store_write_failed", task_id=task_id, reason=str(exc))
         return True
 
-    async def finish(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream") -> None:
+    async def finish(
+        self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream"
+    ) -> None:
         """Record the call's outcome (the raw upstream answer, or the proxy's error) and release the call.
 
         `by` says what ended it, for the audit log (`upstream`, `timeout`, `input_timeout`). A write the
@@ -285,17 +330,36 @@ class TaskService:
         await self._end(task_id, outcome, status_message, by=by)
 
     async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:
-        keep_message = {} if status_message is None else {"status_message": status_message}  # None: the last progress text stays
-        change = Change(status=outcome_status(outcome), outcome=outcome, input_requests={}, expect_owner=self.node, **keep_message)
+        keep_message = (
+            {} if status_message is None else {"status_message": status_message}
+        )  # None: the last progress text stays
+        change = Change(
+            status=outcome_status(outcome),
+            outcome=outcome,
+            input_requests={},
+            expect_owner=self.node,
+            **keep_message,
+        )
         try:
             record = await self._retrying(lambda: self.store.update(task_id, change))
-            log.info("task_ended", task_id=task_id, status=record.status.value, by=by, principal=principal_hash(record.principal))
+            log.info(
+                "task_ended",
+                task_id=task_id,
+                status=record.status.value,
+                by=by,
+                principal=principal_hash(record.principal),
+            )
         except (TerminalTaskError, TaskNotFoundError, ConflictError) as exc:
             log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
         except StoreUnavailableError as exc:
             self.store_failed(exc)
             message = f"the task store could not record this call's outcome ({exc})"
-            failed = Change(status=TaskStatus.FAILED, outcome=proxy_error(message, store=self.store.where), status_message=message, input_requests={})
+            failed = Change(
+                status=TaskStatus.FAILED,
+                outcome=proxy_error(message, store=self.store.where),
+                status_message=message,
+                input_requests={},
+            )
             snapshot = self._snapshots.get(task_id)
             if snapshot is not None:
                 self._unwritten[task_id] = apply(snapshot, failed, at_ms=now_ms(), max_result_bytes=1 << 62)
@@ -325,7 +389,9 @@ class TaskService:
         if not isinstance(task_id, str) or not task_id:
             raise JsonRpcError(INVALID_PARAMS, "params.taskId must be a non-empty string")
         if not valid_task_id(task_id):
-            raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id[:64]!r}")  # no id of ours looks like that
+            raise JsonRpcError(
+                INVALID_PARAMS, f"unknown or expired task: {task_id[:64]!r}"
+            )  # no id of ours looks like that
         record = self._unwritten.get(task_id)
         if record is None:
             try:
@@ -334,9 +400,18 @@ class TaskService:
                 raise JsonRpcError(-32603, str(exc), {"store": self.store.where}, status=503) from None
         if record is None or record.principal != principal or record.server != server:
             if record is not None:
-                log.warning("security_foreign_task_access", task_id=task_id, server=server, principal=principal_hash(principal))
+                log.warning(
+                    "security_foreign_task_access",
+                    task_id=task_id,
+                    server=server,
+                    principal=principal_hash(principal),
+                )
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
-        if not record.status.terminal and task_id not in self.live and (record.owner == self.node or self.leases.may_judge()):
+        if (
+            not record.status.terminal
+            and task_id not in self.live
+            and (record.owner == self.node or self.leases.may_judge())
+        ):
             try:
                 if not await self.store.lease_alive(record.owner):
                     record = await recovery.take_over(self, record, LOST_MESSAGE.format(node=record.owner))
@@ -346,21 +421,36 @@ class TaskService:
             self._retrieved[task_id] = None
             if len(self._retrieved) > _RETRIEVED_MAX:
                 del self._retrieved[next(iter(self._retrieved))]
-            log.info("task_result_retrieved", task_id=task_id, status=record.status.value, principal=principal_hash(principal))
+            log.info(
+                "task_result_retrieved",
+                task_id=task_id,
+                status=record.status.value,
+                principal=principal_hash(principal),
+            )
         return record
 
     async def answer(self, record: TaskRecord, responses: JsonObject) -> list[str]:
         """Deliver input responses to the task's live call (if it runs here); the answered keys have
         left the stored `inputRequests` when this returns. Returns the keys used."""
         call = self.live.get(record.task_id)
-        if call is None and self.remote is not None and record.owner != self.node and not record.status.terminal:
+        if (
+            call is None
+            and self.remote is not None
+            and record.owner != self.node
+            and not record.status.terminal
+        ):
             return await self.remote.answer(record, responses)  # the call runs on another replica
         if call is None or record.status.terminal:
             return []
         keys = call.answer(responses)
         if keys:
             await self.set_inputs(record.task_id, call.input_requests())
-            log.info("task_input_answered", task_id=record.task_id, keys=len(keys), principal=principal_hash(record.principal))
+            log.info(
+                "task_input_answered",
+                task_id=record.task_id,
+                keys=len(keys),
+                principal=principal_hash(record.principal),
+            )
         return keys
 
     async def cancel(self, record: TaskRecord, *, by: str) -> TaskRecord:
@@ -373,7 +463,9 @@ class TaskService:
         message = f"cancelled by {'client request' if by == 'client' else by}"
         self.cancelling.add(record.task_id)
         try:
-            record = await self.store.update(record.task_id, Change(status=TaskStatus.CANCELLED, status_message=message, input_requests={}))
+            record = await self.store.update(
+                record.task_id, Change(status=TaskStatus.CANCELLED, status_message=message, input_requests={})
+            )
         except (TerminalTaskError, TaskNotFoundError):
             return await self.store.get(record.task_id) or record
         finally:

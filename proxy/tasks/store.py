@@ -75,7 +75,9 @@ class TaskStore(Protocol):
         Raises TaskNotFoundError, TerminalTaskError (nothing written), ConflictError (`expect_owner`).
         """
 
-    async def list_tasks(self, where: ListFilter, *, cursor: str | None = None, limit: int = 50) -> tuple[list[TaskRecord], str | None]:
+    async def list_tasks(
+        self, where: ListFilter, *, cursor: str | None = None, limit: int = 50
+    ) -> tuple[list[TaskRecord], str | None]:
         """A page of records, newest first, and the opaque cursor of the next page (None at the end).
 
         Raises ValueError for a cursor this store did not hand out.
@@ -129,7 +131,9 @@ class TaskStore(Protocol):
     async def claimed(self, key: str) -> bool:
         """True while `key` is claimed (its claim's `ttl_ms` has not passed)."""
 
-    async def put_blob(self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False) -> bool:
+    async def put_blob(
+        self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False
+    ) -> bool:
         """Keep a small `value` under `key` for `ttl_ms` ms (None: no expiry); with `only_new`, only
         when `key` is absent. Returns whether it was written."""
 

@@ -59,7 +59,9 @@ class OpenQuestions:
 
 # Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
 # request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
-CALL_METHODS = frozenset({"tools/call", "prompts/get", "resources/read", "tasks/result"})  # bounded by the hard `timeout`
+CALL_METHODS = frozenset(
+    {"tools/call", "prompts/get", "resources/read", "tasks/result"}
+)  # bounded by the hard `timeout`
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,13 @@ class Bounds:
     @classmethod
     def from_entry(cls, entry: Any) -> Bounds:
         """The bounds configured on a `ServerEntry`."""
-        return cls(entry.timeout, entry.request_timeout, entry.init_timeout, entry.connect_timeout, entry.max_response_bytes)
+        return cls(
+            entry.timeout,
+            entry.request_timeout,
+            entry.init_timeout,
+            entry.connect_timeout,
+            entry.max_response_bytes,
+        )
 
     def for_method(self, method: str) -> tuple[float, str]:
         """The bound (s) of one request and the config key that sets it."""
@@ -88,6 +96,7 @@ class Bounds:
         if method in CALL_METHODS:
             return self.call_timeout, "timeout"
         return self.request_timeout, "request_timeout"
+
 
 async def probe(pool: Any, timeout_s: float) -> str | None:
     """Get `pool`'s session for no optional capabilities (opening it if needed) and, when the

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import structlog
@@ -21,13 +20,40 @@ from .. import __version__
 from ..protocol import jsonrpc
 from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import CALL_METHODS, Bounds, OpenQuestions, SessionBrokenError, SessionExpiredError, UpstreamError, caps_key, probe, read_body
+from .common import (
+    CALL_METHODS,
+    Bounds,
+    OpenQuestions,
+    SessionBrokenError,
+    SessionExpiredError,
+    UpstreamError,
+    caps_key,
+    probe,
+    read_body,
+)
 from .pooling import drain_later, shed_headers
-from .sse import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, EventTooLargeError, ReaderEvents, SseEvent, iter_events
+from .sse import (
+    MAX_RESUME_ATTEMPTS,
+    MAX_RETRY_WAIT_S,
+    EventTooLargeError,
+    ReaderEvents,
+    SseEvent,
+    iter_events,
+)
 
 log = structlog.get_logger("proxy.upstream")
 
-__all__ = ["CALL_METHODS", "Bounds", "SessionBrokenError", "SessionExpiredError", "UpstreamError", "UpstreamPool", "UpstreamSession", "caps_key", "probe"]
+__all__ = [
+    "CALL_METHODS",
+    "Bounds",
+    "SessionBrokenError",
+    "SessionExpiredError",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamSession",
+    "caps_key",
+    "probe",
+]
 
 # Called with every message that arrives on a request's stream before its response:
 # notifications and server→client requests. Returns nothing; answers go through `respond`.
@@ -65,7 +91,9 @@ class UpstreamSession:
         self.closed = False
         self.in_flight = 0
         self._deleted = False
-        self.broken: str | None = None  # why the session is no longer trusted (a stream died before answering)
+        self.broken: str | None = (
+            None  # why the session is no longer trusted (a stream died before answering)
+        )
         self.questions = OpenQuestions()  # server→client request ids not answered yet: one response each
         self.on_notification: Callable[[JsonObject], None] | None = None
         self._listener: asyncio.Task[None] | None = None
@@ -95,7 +123,9 @@ class UpstreamSession:
             async with asyncio.timeout(self.bounds.init_timeout):
                 return await self._open()
         except TimeoutError:
-            raise UpstreamError(f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s (init_timeout)") from None
+            raise UpstreamError(
+                f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s (init_timeout)"
+            ) from None
 
     async def _open(self) -> JsonObject:
         params = {
@@ -116,14 +146,18 @@ class UpstreamSession:
         self.initialize_result = result
         await self.notify("notifications/initialized")
         if self.session_id:
-            self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"upstream GET stream {self.server}")
+            self._listener = asyncio.get_running_loop().create_task(
+                self._listen(), name=f"upstream GET stream {self.server}"
+            )
         return result
 
     async def _listen(self) -> None:
         """Keep the standalone GET stream open (2025-11-25 transports, "Listening for Messages"):
         server-wide notifications (list changes) go to `on_notification`; `ping` is answered; other
         requests are refused. Reconnects with exponential backoff; stops on 405 or close."""
-        async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.5, max=30), retry=retry_if_exception_type(UpstreamError)):
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential(multiplier=0.5, max=30), retry=retry_if_exception_type(UpstreamError)
+        ):
             with attempt:
                 if self.closed:
                     return
@@ -131,15 +165,20 @@ class UpstreamSession:
                 headers["Accept"] = "text/event-stream"
                 try:
                     resp = await self.http.get(
-                        self.url, headers=headers, allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout)
+                        self.url,
+                        headers=headers,
+                        allow_redirects=False,
+                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
                     )
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     raise UpstreamError(f"upstream {self.server} GET stream: {exc}") from exc
                 async with resp:
                     if resp.status >= 300:
                         return  # the upstream offers no standalone stream (or forgot the session); redirects are not followed
                     try:
-                        async for event in iter_events(resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes):
+                        async for event in iter_events(
+                            resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes
+                        ):
                             await self._on_stream_message(event.data)
                     except (aiohttp.ClientError, OSError, EventTooLargeError) as exc:
                         raise UpstreamError(f"upstream {self.server} GET stream broke: {exc}") from exc
@@ -157,11 +196,19 @@ class UpstreamSession:
                 await self._answer_ping(msg["id"])
             else:
                 with contextlib.suppress(UpstreamError):
-                    await self.respond(msg["id"], error={"code": jsonrpc.METHOD_NOT_FOUND, "message": f"{msg['method']} is only answered for a request in flight"})
+                    await self.respond(
+                        msg["id"],
+                        error={
+                            "code": jsonrpc.METHOD_NOT_FOUND,
+                            "message": f"{msg['method']} is only answered for a request in flight",
+                        },
+                    )
         elif isinstance(msg, dict) and jsonrpc.is_notification(msg) and self.on_notification is not None:
             self.on_notification(msg)
 
-    async def _post(self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+    async def _post(
+        self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None
+    ) -> aiohttp.ClientResponse:
         try:
             resp = await self.http.post(
                 self.url,
@@ -170,8 +217,10 @@ class UpstreamSession:
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             )
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamError(f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}") from exc
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(
+                f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}"
+            ) from exc
         if 300 <= resp.status < 400:
             resp.release()
             raise UpstreamError(
@@ -186,22 +235,37 @@ class UpstreamSession:
         """Send a notification; the upstream answers 202. Raises UpstreamError."""
         await self._send_no_reply(jsonrpc.notification(method, params))
 
-    async def respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
+    async def respond(
+        self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None
+    ) -> None:
         """Answer a server→client request under the upstream's own id, once: a second answer for the
         same id (a race between an answer, a cancel, a timeout) or one for an id the upstream never
         asked is dropped and logged. Raises UpstreamError."""
         if not self.questions.claim(request_id):
-            log.warning("upstream_answer_dropped", server=self.server, reason="already answered or never asked")
+            log.warning(
+                "upstream_answer_dropped", server=self.server, reason="already answered or never asked"
+            )
             return
-        msg = jsonrpc.error_response(request_id, error) if error is not None else jsonrpc.response(request_id, result or {})
+        msg = (
+            jsonrpc.error_response(request_id, error)
+            if error is not None
+            else jsonrpc.response(request_id, result or {})
+        )
         await self._send_no_reply(msg)
 
     async def _send_no_reply(self, message: JsonObject) -> None:
-        resp = await self._post(message, timeout=aiohttp.ClientTimeout(total=self.bounds.request_timeout, sock_connect=self.connect_timeout))
+        resp = await self._post(
+            message,
+            timeout=aiohttp.ClientTimeout(
+                total=self.bounds.request_timeout, sock_connect=self.connect_timeout
+            ),
+        )
         async with resp:
             if resp.status >= 400:
                 body = await resp.text(errors="replace")
-                raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status} to {message.get('method') or 'a response'}: {body[:200]}")
+                raise UpstreamError(
+                    f"upstream {self.server} answered HTTP {resp.status} to {message.get('method') or 'a response'}: {body[:200]}"
+                )
 
     async def request(
         self,
@@ -232,7 +296,9 @@ class UpstreamSession:
                 message = jsonrpc.request(rid, method, params)
                 # Sent again on a new session when the stream ends with no event at all: on a session
                 # already broken (never delivered), or for a method harmless to run twice (see _read_stream).
-                retry_safe = self.broken is not None or (method not in CALL_METHODS and method != "initialize")
+                retry_safe = self.broken is not None or (
+                    method not in CALL_METHODS and method != "initialize"
+                )
                 resp = await self._post(message)
                 handed_off = False
                 try:
@@ -251,23 +317,35 @@ class UpstreamSession:
                         body = jsonrpc.loads(raw)
                     except (ValueError, UnicodeDecodeError, RecursionError):
                         if resp.status >= 400:
-                            raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}") from None
-                        raise UpstreamError(f"upstream {self.server} sent invalid JSON: {raw[:200]!r}") from None
+                            raise UpstreamError(
+                                f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}"
+                            ) from None
+                        raise UpstreamError(
+                            f"upstream {self.server} sent invalid JSON: {raw[:200]!r}"
+                        ) from None
                     if isinstance(body, dict) and "error" in body and isinstance(body["error"], dict):
                         return {"jsonrpc": "2.0", "id": rid, "error": body["error"]}
                     if resp.status >= 400:
                         raise UpstreamError(f"upstream {self.server} answered HTTP {resp.status}")
-                    if not jsonrpc.is_response(body) or ("result" in body and not isinstance(body["result"], dict)):
-                        raise UpstreamError(f"upstream {self.server} sent something that is not a JSON-RPC response")
+                    if not jsonrpc.is_response(body) or (
+                        "result" in body and not isinstance(body["result"], dict)
+                    ):
+                        raise UpstreamError(
+                            f"upstream {self.server} sent something that is not a JSON-RPC response"
+                        )
                     if body.get("id") != rid:
-                        raise UpstreamError(f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}")
+                        raise UpstreamError(
+                            f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}"
+                        )
                     return body
                 finally:
                     if not handed_off:  # what `async with resp` does
                         resp.release()
                         await resp.wait_for_close()
         except TimeoutError:
-            raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
+            raise UpstreamError(
+                f"upstream {self.server} did not answer {method} within {bound:g} s ({key})"
+            ) from None
         finally:
             self.in_flight -= 1
             if self.closed and self.broken is not None and self.in_flight == 0:
@@ -282,7 +360,9 @@ class UpstreamSession:
         if self.broken is not None and self.in_flight == 0:
             asyncio.get_running_loop().create_task(self._delete())
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, retry_safe: bool) -> JsonObject:
+    async def _read_stream(
+        self, resp: aiohttp.ClientResponse, rid: RequestId, handler: MessageHandler | None, retry_safe: bool
+    ) -> JsonObject:
         """The response to `rid` from an SSE reply. When the upstream ends the stream on purpose
         (SSE polling, SEP-1699: an event id and `retry`, then a close) the stream is resumed with GET
         and `Last-Event-ID`. A stream that dies or closes before answering marks the session broken
@@ -304,7 +384,9 @@ class UpstreamSession:
         while current is not None:
             before = events
             try:
-                async for event in ReaderEvents(current.content, max_event_bytes=self.bounds.max_response_bytes):
+                async for event in ReaderEvents(
+                    current.content, max_event_bytes=self.bounds.max_response_bytes
+                ):
                     events += 1
                     last_id = event.id if event.id is not None else last_id
                     retry = event.retry if event.retry is not None else retry
@@ -323,7 +405,9 @@ class UpstreamSession:
                     if handler is not None and "method" in msg:
                         await handler(msg)
             except EventTooLargeError:
-                raise UpstreamError(f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)") from None
+                raise UpstreamError(
+                    f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
+                ) from None
             except (aiohttp.ClientError, OSError) as exc:
                 reason = f"broke the stream mid-call: {exc.__class__.__name__}: {exc}"
                 retry = None
@@ -340,7 +424,9 @@ class UpstreamSession:
                 reason = "closed the stream before answering and refused to resume it"
         self.broken = self.broken or reason
         if retry_safe and events == 0:
-            raise SessionBrokenError(f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer")
+            raise SessionBrokenError(
+                f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer"
+            )
         raise UpstreamError(f"upstream {self.server} {reason}")
 
     def _event_message(self, event: SseEvent) -> JsonObject | None:
@@ -360,8 +446,13 @@ class UpstreamSession:
         headers["Accept"] = "text/event-stream"
         headers["Last-Event-ID"] = last_event_id
         try:
-            resp = await self.http.get(self.url, headers=headers, allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            resp = await self.http.get(
+                self.url,
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return None
         if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             resp.release()
@@ -388,9 +479,14 @@ class UpstreamSession:
             return
         self._deleted = True
         try:
-            async with self.http.delete(self.url, headers=self._headers(), allow_redirects=False, timeout=aiohttp.ClientTimeout(total=self.bounds.connect_timeout)):
+            async with self.http.delete(
+                self.url,
+                headers=self._headers(),
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=self.bounds.connect_timeout),
+            ):
                 pass
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             pass
 
 

@@ -22,7 +22,15 @@ class UpstreamPool:
     so each capability set gets its own session, opened on first use.
     """
 
-    def __init__(self, http: aiohttp.ClientSession, server: str, url: str, headers: dict[str, str], *, bounds: Bounds | None = None) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        server: str,
+        url: str,
+        headers: dict[str, str],
+        *,
+        bounds: Bounds | None = None,
+    ) -> None:
         self.http = http
         self.server = server
         self.url = url
@@ -44,10 +52,19 @@ class UpstreamPool:
             existing = self._sessions.get(key)
             if existing is not None and not existing.closed and existing.broken is None:
                 return existing
-            if existing is not None and existing.broken is not None:  # out of the pool before another call is put on it
+            if (
+                existing is not None and existing.broken is not None
+            ):  # out of the pool before another call is put on it
                 log.warning("upstream_session_broken", server=self.server, reason=existing.broken)
                 self.discard(existing)
-            session = UpstreamSession(self.http, self.url, server=self.server, headers=self.headers, capabilities=capabilities, bounds=self.bounds)
+            session = UpstreamSession(
+                self.http,
+                self.url,
+                server=self.server,
+                headers=self.headers,
+                capabilities=capabilities,
+                bounds=self.bounds,
+            )
             session.on_notification = self.on_notification
             await session.open()
             self._sessions[key] = session

@@ -15,7 +15,9 @@ import gc
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
-STREAM_DRAIN_S = 1.0  # how long (s) a reply stream may take to end after its response before its connection is closed
+STREAM_DRAIN_S = (
+    1.0  # how long (s) a reply stream may take to end after its response before its connection is closed
+)
 _DRAINS: set[asyncio.Task[None]] = set()
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 
@@ -29,7 +31,9 @@ def shed_headers(resp: aiohttp.ClientResponse) -> None:
     does nothing when they are not there. The C response parser keeps its own lists of the
     message's header pairs (decoded and raw) until the next message on the connection begins
     (it then makes new lists): they are emptied in place (`_shed_parser_headers`)."""
-    if not hasattr(resp, "_raw_headers") or not isinstance(getattr(resp, "_request_info", None), aiohttp.RequestInfo):
+    if not hasattr(resp, "_raw_headers") or not isinstance(
+        getattr(resp, "_request_info", None), aiohttp.RequestInfo
+    ):
         return
     info = resp._request_info
     resp._headers = _NO_HEADERS

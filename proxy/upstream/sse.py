@@ -60,7 +60,9 @@ class SseParser:
             self._size += len(raw) + 1
             if not line:
                 if self._data or self._event:
-                    out.append(SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry))
+                    out.append(
+                        SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)
+                    )
                 self._data, self._event, self._size = [], "", 0
                 continue
             if line.startswith(":"):
@@ -81,10 +83,16 @@ class SseParser:
 
     def end(self) -> list[SseEvent]:
         """The event left unterminated when the stream ended (if it has data)."""
-        return [SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)] if self._data else []
+        return (
+            [SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)]
+            if self._data
+            else []
+        )
 
 
-async def iter_events(chunks: AsyncIterator[bytes], *, max_event_bytes: int | None = None) -> AsyncIterator[SseEvent]:
+async def iter_events(
+    chunks: AsyncIterator[bytes], *, max_event_bytes: int | None = None
+) -> AsyncIterator[SseEvent]:
     """Turn a byte stream into SSE events. Lines may be of any length (a 5 MB `data:` line is fine).
 
     With `max_event_bytes`, an event (its lines, buffered) larger than that many bytes raises

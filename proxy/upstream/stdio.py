@@ -17,8 +17,8 @@ import itertools
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -33,7 +33,9 @@ from .http import MessageHandler
 log = structlog.get_logger("proxy.upstream.stdio")
 
 _PR_SET_PDEATHSIG = 1
-_ASKING_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})  # requests a server may ask questions for
+_ASKING_METHODS = frozenset(
+    {"tools/call", "prompts/get", "resources/read"}
+)  # requests a server may ask questions for
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
@@ -122,7 +124,9 @@ class StdioSession:
                 preexec_fn=_die_with_parent,
             )
         except OSError as exc:
-            raise UpstreamError(f"upstream {self.server}: cannot start {self.command.command!r}: {exc.strerror or exc}") from exc
+            raise UpstreamError(
+                f"upstream {self.server}: cannot start {self.command.command!r}: {exc.strerror or exc}"
+            ) from exc
         self.started_at = time.monotonic()
         loop = asyncio.get_running_loop()
         self._readers = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
@@ -139,7 +143,9 @@ class StdioSession:
             raise
         except TimeoutError:
             await self.close()
-            raise UpstreamError(f"upstream {self.server} did not answer initialize within {self.init_timeout:g} s") from None
+            raise UpstreamError(
+                f"upstream {self.server} did not answer initialize within {self.init_timeout:g} s"
+            ) from None
         except UpstreamError:
             await self.close()
             raise
@@ -149,7 +155,9 @@ class StdioSession:
         result = reply.get("result") or {}
         if result.get("protocolVersion") not in LEGACY_VERSIONS:
             await self.close()
-            raise UpstreamError(f"upstream {self.server} negotiated unsupported protocol version {result.get('protocolVersion')!r}")
+            raise UpstreamError(
+                f"upstream {self.server} negotiated unsupported protocol version {result.get('protocolVersion')!r}"
+            )
         self.protocol_version = result["protocolVersion"]
         self.initialize_result = result
         await self.notify("notifications/initialized")
@@ -210,23 +218,40 @@ class StdioSession:
 
     def _gone_message(self) -> str:
         status = self.proc.returncode if self.proc is not None else None
-        return f"upstream {self.server} exited with status {status}" if status is not None else f"upstream {self.server} is not running"
+        return (
+            f"upstream {self.server} exited with status {status}"
+            if status is not None
+            else f"upstream {self.server} is not running"
+        )
 
     async def notify(self, method: str, params: JsonObject | None = None) -> None:
         """Send a notification. Raises UpstreamError."""
         await self._write(jsonrpc.notification(method, params))
 
-    async def respond(self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None) -> None:
+    async def respond(
+        self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None
+    ) -> None:
         """Answer a server→client request under the child's own id, once (a second answer for the
         same id, or one for an id never asked, is dropped and logged). Raises UpstreamError."""
         if not self.questions.claim(request_id):
-            log.warning("upstream_answer_dropped", server=self.server, reason="already answered or never asked")
+            log.warning(
+                "upstream_answer_dropped", server=self.server, reason="already answered or never asked"
+            )
             return
-        msg = jsonrpc.error_response(request_id, error) if error is not None else jsonrpc.response(request_id, result or {})
+        msg = (
+            jsonrpc.error_response(request_id, error)
+            if error is not None
+            else jsonrpc.response(request_id, result or {})
+        )
         await self._write(msg)
 
     async def request(
-        self, method: str, params: JsonObject | None, *, handler: MessageHandler | None, request_id: RequestId | None = None,
+        self,
+        method: str,
+        params: JsonObject | None,
+        *,
+        handler: MessageHandler | None,
+        request_id: RequestId | None = None,
         on_sent: Callable[[], None] | None = None,
     ) -> JsonObject:
         """Send one request and return its response message (`result` or `error`).
@@ -245,10 +270,17 @@ class StdioSession:
                         return await self._request(method, params, handler, request_id, on_sent)
                 return await self._request(method, params, handler, request_id, on_sent)
         except TimeoutError:
-            raise UpstreamError(f"upstream {self.server} did not answer {method} within {bound:g} s ({key})") from None
+            raise UpstreamError(
+                f"upstream {self.server} did not answer {method} within {bound:g} s ({key})"
+            ) from None
 
     async def _request(
-        self, method: str, params: JsonObject | None, handler: MessageHandler | None, request_id: RequestId | None, on_sent: Callable[[], None] | None,
+        self,
+        method: str,
+        params: JsonObject | None,
+        handler: MessageHandler | None,
+        request_id: RequestId | None,
+        on_sent: Callable[[], None] | None,
     ) -> JsonObject:
         rid = self.next_id() if request_id is None else request_id
         if on_sent is not None:
@@ -310,7 +342,11 @@ class StdioSession:
                 except ValueError:
                     msg = None
                 if not isinstance(msg, dict) or msg.get("jsonrpc") != "2.0":
-                    log.warning("upstream_stdout_not_jsonrpc", server=self.server, sample=line[:200].decode(errors="replace"))
+                    log.warning(
+                        "upstream_stdout_not_jsonrpc",
+                        server=self.server,
+                        sample=line[:200].decode(errors="replace"),
+                    )
                     continue
                 await self._dispatch(msg)
         except (OSError, ValueError) as exc:
@@ -324,7 +360,9 @@ class StdioSession:
         self.exited.set()
         if not self.closed:
             log.warning("upstream_exited", server=self.server, status=status, in_flight=len(self._pending))
-        self._fail_all(self.broken or f"upstream {self.server} exited with status {status} while the request was running")
+        self._fail_all(
+            self.broken or f"upstream {self.server} exited with status {status} while the request was running"
+        )
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -341,7 +379,9 @@ class StdioSession:
             pending = self._pending.get(msg["id"])
             if pending is not None and not pending.future.done():
                 if "result" in msg and not isinstance(msg["result"], dict):
-                    pending.future.set_exception(UpstreamError(f"upstream {self.server} sent a non-object result"))
+                    pending.future.set_exception(
+                        UpstreamError(f"upstream {self.server} sent a non-object result")
+                    )
                 else:
                     pending.future.set_result(msg)
             return
@@ -371,14 +411,26 @@ class StdioSession:
         raw = msg.get("params")
         params: JsonObject = raw if isinstance(raw, dict) else {}
         if msg["method"] == "notifications/progress":
-            return [p for p in self._pending.values() if p.progress_token is not None and p.progress_token == params.get("progressToken")]
+            return [
+                p
+                for p in self._pending.values()
+                if p.progress_token is not None and p.progress_token == params.get("progressToken")
+            ]
         candidates = [p for p in self._pending.values() if p.handler is not None]
         if jsonrpc.is_request(msg):
             candidates = [p for p in candidates if p.method in _ASKING_METHODS]
             if len(candidates) == 1 or (candidates and self.single_owner):
                 return [max(candidates, key=lambda p: p.started)]
-            reason = "no request in flight can take this" if not candidates else "several requests are in flight on this shared stdio child"
-            asyncio.get_running_loop().create_task(self._quiet(self.respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": reason})))
+            reason = (
+                "no request in flight can take this"
+                if not candidates
+                else "several requests are in flight on this shared stdio child"
+            )
+            asyncio.get_running_loop().create_task(
+                self._quiet(
+                    self.respond(msg["id"], error={"code": jsonrpc.INVALID_REQUEST, "message": reason})
+                )
+            )
             log.warning("upstream_question_refused", server=self.server, method=msg["method"], reason=reason)
             return []
         return candidates

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -103,8 +103,13 @@ class StdioPool:
         obs.UPSTREAM_PROCESSES.labels(self.server, "exited").inc()
         if slot.quick_exits >= self.max_restarts:
             obs.UPSTREAM_PROCESSES.labels(self.server, "crash_loop").inc()
-            log.error("upstream_crash_loop", server=self.server, quick_exits=slot.quick_exits, last_status=session.exit_status,
-                      cooloff_s=self.crash_cooloff)
+            log.error(
+                "upstream_crash_loop",
+                server=self.server,
+                quick_exits=slot.quick_exits,
+                last_status=session.exit_status,
+                cooloff_s=self.crash_cooloff,
+            )
         if slot.quick_exits < self.max_restarts and not self._closing:
             # Restart it now (after the backoff `session()` applies), so the next request finds it running.
             task = asyncio.get_running_loop().create_task(self._restart(slot))
@@ -120,7 +125,10 @@ class StdioPool:
     def crash_loop(self) -> str | None:
         """Why the server is refused right now (a crash loop), or None."""
         for slot in self._slots.values():
-            if slot.quick_exits >= self.max_restarts and time.monotonic() - slot.last_exit < self.crash_cooloff:
+            if (
+                slot.quick_exits >= self.max_restarts
+                and time.monotonic() - slot.last_exit < self.crash_cooloff
+            ):
                 return (
                     f"upstream {self.server} is in a crash loop: it exited {slot.quick_exits} times in a row soon after starting "
                     f"(last exit status {slot.last_status}); next try in {self.crash_cooloff - (time.monotonic() - slot.last_exit):.0f} s"
@@ -131,7 +139,9 @@ class StdioPool:
         """A running child for this key: the least loaded, or a new one (after a backoff when the last
         one died quickly). Raises UpstreamError when it cannot start or while in a crash loop."""
         self._ensure_reaper()
-        slot = self._slots.setdefault(self._key(capabilities, principal), _Slot(capabilities=dict(capabilities), principal=principal))
+        slot = self._slots.setdefault(
+            self._key(capabilities, principal), _Slot(capabilities=dict(capabilities), principal=principal)
+        )
         live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
         if len(live) >= self.instances:
             return _touch(min(live, key=lambda s: s.in_flight))
@@ -160,14 +170,21 @@ class StdioPool:
         await, so concurrent starts never overshoot the cap."""
         if self.max_children is None:
             return 0
-        running = [(s, slot) for slot in self._slots.values() for s in slot.sessions if not s.closed and not s.exited.is_set()]
+        running = [
+            (s, slot)
+            for slot in self._slots.values()
+            for s in slot.sessions
+            if not s.closed and not s.exited.is_set()
+        ]
         if len(running) + self._reserved < self.max_children:
             self._reserved += 1
             return 1
         idle = [(s, slot) for s, slot in running if s.in_flight == 0]
         if not idle:
             obs.LIMIT_REJECTIONS.labels("max_children").inc()
-            raise UpstreamError(f"upstream {self.server} already runs max_children ({self.max_children}) children, all busy; try again later")
+            raise UpstreamError(
+                f"upstream {self.server} already runs max_children ({self.max_children}) children, all busy; try again later"
+            )
         victim, owner = min(idle, key=lambda pair: pair[0].last_used)
         owner.sessions.remove(victim)
         self._reserved += 1
@@ -178,11 +195,19 @@ class StdioPool:
     async def _start(self, slot: _Slot, capabilities: JsonObject) -> StdioSession:
         session: StdioSession | None = None
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(3), wait=wait_exponential(multiplier=0.1, max=2), retry=retry_if_exception_type(UpstreamError), reraise=True
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(multiplier=0.1, max=2),
+            retry=retry_if_exception_type(UpstreamError),
+            reraise=True,
         ):
             with attempt:
                 session = StdioSession(
-                    self.server, self.command, capabilities=capabilities, limit=self.limit, init_timeout=self.init_timeout, bounds=self.bounds
+                    self.server,
+                    self.command,
+                    capabilities=capabilities,
+                    limit=self.limit,
+                    init_timeout=self.init_timeout,
+                    bounds=self.bounds,
                 )
                 session.on_notification = self.on_notification
                 session.single_owner = self.per_principal
@@ -194,20 +219,37 @@ class StdioPool:
                     slot.last_exit = time.monotonic()
                     slot.last_status = session.proc.returncode if session.proc else None
                     obs.UPSTREAM_PROCESSES.labels(self.server, "start_failed").inc()
-                    log.warning("upstream_start_failed", server=self.server, command=self.command.command, reason=str(exc),
-                                attempt=attempt.retry_state.attempt_number, quick_exits=slot.quick_exits)
+                    log.warning(
+                        "upstream_start_failed",
+                        server=self.server,
+                        command=self.command.command,
+                        reason=str(exc),
+                        attempt=attempt.retry_state.attempt_number,
+                        quick_exits=slot.quick_exits,
+                    )
                     if slot.quick_exits == self.max_restarts:
                         obs.UPSTREAM_PROCESSES.labels(self.server, "crash_loop").inc()
-                        log.error("upstream_crash_loop", server=self.server, quick_exits=slot.quick_exits, last_status=slot.last_status,
-                                  cooloff_s=self.crash_cooloff)
+                        log.error(
+                            "upstream_crash_loop",
+                            server=self.server,
+                            quick_exits=slot.quick_exits,
+                            last_status=slot.last_status,
+                            cooloff_s=self.crash_cooloff,
+                        )
                     raise
                 finally:
                     self._starting.discard(session)
         assert session is not None
         obs.UPSTREAM_PROCESSES.labels(self.server, "started").inc()
-        log.info("upstream_started", server=self.server, pid=session.proc.pid if session.proc else None, per_principal=self.per_principal)
+        log.info(
+            "upstream_started",
+            server=self.server,
+            pid=session.proc.pid if session.proc else None,
+            per_principal=self.per_principal,
+        )
         slot.sessions.append(session)
         watcher = asyncio.get_running_loop().create_task(session.exited.wait())
+
         def exited(_task: asyncio.Task[Any], child: StdioSession = session) -> None:
             self._note_exit(slot, child)
 
@@ -239,7 +281,12 @@ class StdioPool:
 
     def children(self) -> list[int]:
         """PIDs of the running children (for tests and diagnostics)."""
-        return [s.proc.pid for slot in self._slots.values() for s in slot.sessions if s.proc is not None and s.proc.returncode is None]
+        return [
+            s.proc.pid
+            for slot in self._slots.values()
+            for s in slot.sessions
+            if s.proc is not None and s.proc.returncode is None
+        ]
 
     async def close(self) -> None:
         """Stop every child."""
