@@ -3,37 +3,44 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from collections.abc import AsyncIterator
 
 import aiohttp
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from .auth import Authenticator, auth_middleware
-from .call import Call
-from .config import Config, ServerEntry
-from .console import build_console
-from .dispatcher import ServerDispatcher
-from .drain import Drain
-from .legacy_bridge import LegacyBridge
-from .mrtr import ParkedCalls, load_or_create_key, shared_key
-from .observability import access_log, json_errors, metrics_handler
-from .protocol.jsonrpc import object_of
-from .replicas import REPLICAS_KEY, Replicas, advertised_url, make_router, on_response_prepare
-from .replicas.forward import SECRET_HEADER as REPLICA_SECRET_HEADER
-from .replicas.internal import PREFIX as REPLICA_PREFIX
-from .replicas.internal import add_routes as add_replica_routes
-from .tasks.model import TaskRecord
-from .tasks.open_store import open_store, rate_storage
-from .tasks.rates import close_rate_storage
-from .tasks.recovery import RESTART_MESSAGE
-from .tasks.redis_store import RedisTaskStore
-from .tasks.service import TaskService
-from .tasks.store import StoreUnavailableError
-from .transport import ServerEndpoint, default_allowed_hosts, host_guard
-from .upstream.http import Bounds, UpstreamPool
-from .upstream.stdio import StdioCommand, StdioPool
-from .upstream_tasks import UpstreamTaskCall
+from proxy.calls.call import Call
+from proxy.calls.mrtr import ParkedCalls, load_or_create_key, shared_key
+from proxy.calls.upstream_tasks import UpstreamTaskCall
+from proxy.config import Config, ServerEntry
+from proxy.console import CONSOLE_KEY, ConsoleData, build_console
+from proxy.front.auth import Authenticator, auth_middleware
+from proxy.front.endpoint import ServerEndpoint
+from proxy.front.guards import default_allowed_hosts, host_guard
+from proxy.front.middleware import access_log, json_errors
+from proxy.legacy.bridge import LegacyBridge
+from proxy.modern.dispatcher import ServerDispatcher
+from proxy.protocol.jsonrpc import object_of
+from proxy.replicas import REPLICAS_KEY, Replicas, advertised_url, make_router, on_response_prepare
+from proxy.replicas.forward import SECRET_HEADER as REPLICA_SECRET_HEADER
+from proxy.replicas.internal import PREFIX as REPLICA_PREFIX
+from proxy.replicas.internal import add_routes as add_replica_routes
+from proxy.runtime import metrics
+from proxy.runtime.drain import Drain
+from proxy.tasks.model import TaskRecord
+from proxy.tasks.open_store import open_store, rate_storage
+from proxy.tasks.rates import close_rate_storage
+from proxy.tasks.recovery import RESTART_MESSAGE
+from proxy.tasks.redis_store import RedisTaskStore
+from proxy.tasks.service import TaskService
+from proxy.tasks.store import StoreUnavailableError
+from proxy.upstream.http_pool import UpstreamPool
+from proxy.upstream.stdio import StdioCommand
+from proxy.upstream.stdio_pool import StdioPool
+from proxy.upstream.types import Bounds
 
 log = structlog.get_logger("proxy.app")
 
@@ -164,7 +171,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if replicas is not None:
             endpoint.router = make_router(replicas, endpoint, parked).route
         app[ENDPOINTS_KEY][name] = endpoint
-    app[POOLS_KEY] = {pool.server: pool for pool in pools}
+    by_name = {pool.server: pool for pool in pools}
+    app[POOLS_KEY] = by_name
+    if config.console is not None:
+        app[CONSOLE_KEY] = ConsoleData(tasks, by_name)
     try:
         await tasks.start(
             lambda record: _rerun(config, app[POOLS_KEY], tasks, record),
@@ -264,3 +274,40 @@ async def _readyz(request: web.Request) -> web.Response:
     if replicas is not None and replicas.peer_problem:  # non-fatal: reported, the replica stays ready
         checks["replicas"] = replicas.peer_problem
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """`/metrics` in the Prometheus text format; with `metrics.token` configured only for
+    `Authorization: Bearer <token>` (401 with a JSON-RPC error otherwise)."""
+    expected = request.app[CONFIG_KEY].metrics.token
+    if expected is not None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            digest, expected.removeprefix("sha256:").lower()
+        ):
+            log.warning(
+                "security_auth_failed",
+                reason="metrics token missing or wrong",
+                remote=request.remote,
+                path=request.path,
+            )
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {
+                    "code": -32600,
+                    "message": "authentication required: /metrics needs its bearer token",
+                },
+            }
+            return web.json_response(
+                body, status=401, headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy metrics"'}
+            )
+    tasks = request.app[TASKS_KEY]
+    try:
+        metrics.STORE_TASKS.set(await tasks.store.count())
+        metrics.STORE_BYTES.set(await tasks.store.volume())
+    except Exception:  # a store fault must not hide the other metrics
+        log.warning("store_metrics_unavailable")
+    metrics.LIVE_TASKS.set(len(tasks.live))
+    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -20,18 +20,18 @@ import pytest
 from aiohttp import web
 from redis_server import RedisServer
 
-from proxy import listener
 from proxy.app import POOLS_KEY, TASKS_KEY, build_app
 from proxy.config import Config, config_from_data
+from proxy.front import listener
 from proxy.protocol.era import (
     META_CLIENT_CAPABILITIES,
     META_PROTOCOL_VERSION,
     MODERN_VERSION,
     TASKS_EXTENSION,
 )
+from proxy.protocol.sse import iter_events
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskRecord, now_ms
-from proxy.upstream.sse import iter_events
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_CAPS = {"extensions": {TASKS_EXTENSION: {}}}

@@ -349,7 +349,7 @@ def test_shipped_json_schema_is_generated_from_the_models():
     from proxy.config import SCHEMA_FILE, config_json_schema
 
     assert json.loads(SCHEMA_FILE.read_text()) == config_json_schema(), (
-        "run: mcp-tasks-proxy schema > proxy/config.schema.json"
+        "run: mcp-tasks-proxy schema > proxy/config/config.schema.json"
     )
 
 

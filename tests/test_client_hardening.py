@@ -20,7 +20,7 @@ from conftest import ModernClient, make_config, running_proxy
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from proxy.config import Config, config_from_data
-from proxy.logs import configure_logging
+from proxy.runtime.logs import configure_logging
 
 LEGACY = {
     "Content-Type": "application/json",

@@ -16,9 +16,9 @@ import pytest
 from conftest import ModernClient, RunningProxy, make_config, make_record, running_proxy
 
 from proxy.app import TASKS_KEY
-from proxy.auth import hash_token
 from proxy.config import Config, ConfigError, config_from_data, load_config
 from proxy.console.events import MAX_STREAMS, QUEUE_MAX, RESYNC, ConsoleHub, TooManyStreamsError
+from proxy.front.auth import hash_token
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskRecord, TaskStatus, now_ms, principal_hash
 

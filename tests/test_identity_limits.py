@@ -13,8 +13,8 @@ import pytest
 from conftest import ModernClient, make_config, running_proxy, served_app
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from proxy.auth import hash_token
 from proxy.config import config_from_data
+from proxy.front.auth import hash_token
 
 
 def with_auth(url: str, tmp_path: Path, auth: dict, **extra) -> object:

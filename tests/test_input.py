@@ -437,8 +437,8 @@ async def test_two_legacy_clients_each_answer_their_own_question(proxy: RunningP
 async def test_request_state_is_bound_to_principal_and_server(legacy_url: str, tmp_path) -> None:
     from test_identity_limits import AuthClient
 
-    from proxy.auth import hash_token
     from proxy.config import config_from_data
+    from proxy.front.auth import hash_token
 
     config = config_from_data(
         {

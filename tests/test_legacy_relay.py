@@ -20,8 +20,9 @@ from conftest import ModernClient, ServerProcess, running_proxy
 from test_stdio import stdio_config
 
 from proxy.config import config_from_data
-from proxy.upstream.http import SessionBrokenError, UpstreamError, UpstreamSession
-from proxy.upstream.sse import iter_events
+from proxy.protocol.sse import iter_events
+from proxy.upstream.http import UpstreamSession
+from proxy.upstream.types import SessionBrokenError, UpstreamError
 
 LEGACY = "2025-11-25"
 ELICIT_TASKS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
@@ -292,7 +293,7 @@ async def test_an_ended_stream_stays_resumable_for_the_linger_time_then_is_forgo
     """An ended reply stream is resumable for LINGER_S (scaled down here), then forgotten by the
     relay's sweep: also in a session that opens no further stream, and behind a stream that is
     still open (a long call)."""
-    monkeypatch.setattr("proxy.legacy_streams.LINGER_S", 0.3)
+    monkeypatch.setattr("proxy.legacy.streams.LINGER_S", 0.3)
     async with running_proxy(relay_config(upstream, tmp_path)) as proxy, aiohttp.ClientSession() as http:
         client = await Legacy(proxy.url(), http).open()
         long_call = await client.call(1, "slow", ms=4000).__aenter__()  # opened first, open throughout

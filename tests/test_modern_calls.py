@@ -17,8 +17,8 @@ from conftest import ModernClient, RunningProxy, ServerProcess, envelope, make_c
 
 from proxy.app import TASKS_KEY
 from proxy.config import config_from_data
+from proxy.protocol.sse import iter_events
 from proxy.tasks.model import Change, TaskStatus
-from proxy.upstream.sse import iter_events
 
 ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
 

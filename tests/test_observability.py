@@ -9,7 +9,7 @@ import aiohttp
 from conftest import ModernClient, make_config, running_proxy
 
 from proxy.config import config_from_data
-from proxy.logs import configure_logging
+from proxy.runtime.logs import configure_logging
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -22,10 +22,10 @@ from conftest import ROOT, ModernClient, make_config, running_proxy
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from proxy.auth import hash_token
+from proxy.calls.mrtr import KEY_FILE, load_or_create_key
 from proxy.config import ConfigError
-from proxy.logs import configure_logging
-from proxy.mrtr import KEY_FILE, load_or_create_key
+from proxy.front.auth import hash_token
+from proxy.runtime.logs import configure_logging
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -234,7 +234,7 @@ async def test_an_accept_retry_firing_after_shutdown_is_not_a_traceback(
     """asyncio answers each EMFILE on accept with a retry 1 s later; when shutdown closed the listening
     socket in between, the retry fails on fd -1. The full-process test above hits this only when its
     stop lands inside that second, so the retry is scheduled here directly (asyncio's own method)."""
-    from proxy import listener
+    from proxy.front import listener
 
     loop = asyncio.get_running_loop()
     seen: list[dict] = []

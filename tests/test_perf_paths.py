@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.protocol import jsonrpc
-from proxy.upstream.sse import EventTooLargeError, ReaderEvents, iter_events
+from proxy.protocol.sse import EventTooLargeError, ReaderEvents, iter_events
 
 JSON_VALUES = st.recursive(
     st.none()

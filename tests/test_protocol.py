@@ -38,9 +38,9 @@ from proxy.protocol.jsonrpc import (
     is_response,
     validate_request,
 )
-from proxy.protocol.tasks_v2 import create_task_result, detailed_task, wire_task
 from proxy.protocol.translate import CACHEABLE_METHODS, modern_error, modern_result
 from proxy.tasks.model import TaskRecord, TaskStatus, TerminalTaskError, check_transition, iso
+from proxy.tasks.wire_v2 import create_task_result, detailed_task, wire_task
 
 META = {META_PROTOCOL_VERSION: MODERN_VERSION, META_CLIENT_CAPABILITIES: {}}
 

@@ -20,10 +20,10 @@ from v1_client import V1Client
 
 from proxy.cli import describe
 from proxy.config import Config, ConfigError, config_from_data
+from proxy.protocol.sse import iter_events
 from proxy.tasks.model import Change, TaskStatus
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.store import StoreUnavailableError
-from proxy.upstream.sse import iter_events
 
 ACCEPT = {"action": "accept", "content": {"confirm": True}}
 

@@ -389,7 +389,7 @@ async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_s
 async def test_per_principal_isolation_gives_each_principal_its_own_child(tmp_path: Path) -> None:
     from test_identity_limits import AuthClient
 
-    from proxy.auth import hash_token
+    from proxy.front.auth import hash_token
 
     config = stdio_config(tmp_path, server={"isolation": "per_principal"})
     config.auth = type(config.auth).model_validate(

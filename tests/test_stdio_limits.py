@@ -16,9 +16,9 @@ from test_identity_limits import AuthClient
 from test_stdio import stdio_config
 
 from proxy.app import POOLS_KEY
-from proxy.auth import hash_token
 from proxy.config import config_from_data
-from proxy.logs import configure_logging
+from proxy.front.auth import hash_token
+from proxy.runtime.logs import configure_logging
 
 
 def test_per_principal_children_stop_when_idle_by_default(tmp_path: Path) -> None:

@@ -205,7 +205,7 @@ async def test_legacy_task_param_is_stripped(client: ModernClient) -> None:
 
 
 def test_accept_preference_for_sse() -> None:
-    from proxy.transport import prefers_sse
+    from proxy.front.endpoint import prefers_sse
 
     assert prefers_sse("text/event-stream, application/json")
     assert not prefers_sse("application/json, text/event-stream")

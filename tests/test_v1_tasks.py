@@ -15,8 +15,8 @@ from conftest import ModernClient, RunningProxy, envelope, make_config, running_
 from test_identity_limits import AuthClient, with_auth
 from v1_client import V1Client
 
-from proxy.auth import hash_token
-from proxy.upstream.sse import iter_events
+from proxy.front.auth import hash_token
+from proxy.protocol.sse import iter_events
 
 RELATED = "io.modelcontextprotocol/related-task"
 
@@ -361,14 +361,9 @@ async def test_listen_pushes_own_task_transitions_and_nothing_for_another_princi
 def test_one_record_renders_per_dialect() -> None:
     from conftest import make_record
 
-    from proxy.protocol.tasks_v1 import (
-        create_task_result_v1,
-        task_outcome_v1,
-        tool_with_task_support,
-        v1_task,
-    )
-    from proxy.protocol.tasks_v2 import detailed_task
     from proxy.tasks.model import TaskStatus
+    from proxy.tasks.wire_v1 import create_task_result_v1, task_outcome_v1, tool_with_task_support, v1_task
+    from proxy.tasks.wire_v2 import detailed_task
 
     failed_tool = make_record(
         status=TaskStatus.COMPLETED, outcome={"result": {"content": [], "isError": True, "extra": 1}}

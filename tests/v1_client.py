@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.upstream.sse import iter_events
+from proxy.protocol.sse import iter_events
 
 V1_CAPS = {
     "tasks": {"list": {}, "cancel": {}, "requests": {"elicitation": {"create": {}}}},

@@ -1,5 +1,5 @@
 """The operator console at `/console/`: a page and a JSON API to see and cancel tasks (README "Console")."""
 
-from .api import build_console
+from proxy.console.api import CONSOLE_KEY, ConsoleData, build_console
 
-__all__ = ["build_console"]
+__all__ = ["CONSOLE_KEY", "ConsoleData", "build_console"]

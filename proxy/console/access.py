@@ -29,7 +29,7 @@ from aiohttp.web_exceptions import NotAppKeyWarning
 from aiohttp_session import Session, get_session, new_session, session_middleware
 from aiohttp_session.cookie_storage import EncryptedCookieStorage
 
-from ..config import ConsoleConfig
+from proxy.config import ConsoleConfig
 
 log = structlog.get_logger("proxy.console")
 # aiohttp-session keeps its state under plain string keys of the request; aiohttp warns about each.

@@ -19,25 +19,38 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from ..config import Config
-from ..tasks.model import TaskRecord, TaskStatus
-from ..tasks.service import TaskService
-from ..tasks.store import ListFilter, StoreUnavailableError
-from .access import OPERATOR_KEY, ConsoleAccess, error
-from .events import ConsoleHub, TooManyStreamsError
-from .views import detail, metrics_snapshot, row
+from proxy.config import Config
+from proxy.console.access import OPERATOR_KEY, ConsoleAccess, error
+from proxy.console.events import ConsoleHub, TooManyStreamsError
+from proxy.console.views import detail, metrics_snapshot, row
+from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.service import TaskService
+from proxy.tasks.store import ListFilter, StoreUnavailableError
 
 log = structlog.get_logger("proxy.console")
 
 STATIC_DIR = Path(__file__).with_name("static")
 HUB_KEY = web.AppKey("console_hub", ConsoleHub)
 ACCESS_KEY = web.AppKey("console_access", ConsoleAccess)
+
+
+class ConsoleData:
+    """What the console reads and acts on, opened with the root application (its cleanup context
+    puts it under `CONSOLE_KEY`): the task service and the upstream pools by server name."""
+
+    def __init__(self, tasks: TaskService, pools: Mapping[str, Any]) -> None:
+        self.tasks = tasks
+        self.pools = pools
+
+
+CONSOLE_KEY = web.AppKey("console_data", ConsoleData)
 READY_CACHE_S = 5.0  # upstream readiness is probed at most this often (s) for the overview
 MAX_LIMIT = 200
 _HASH = re.compile(r"^[0-9a-f]{16}$")
@@ -53,8 +66,7 @@ _SECURITY_HEADERS = {
 def build_console(config: Config) -> web.Application:
     """The console as an aiohttp sub-application (mount it at `/console/`); `config.console` must be set.
 
-    The root application must provide the task service and the upstream pools (`app.TASKS_KEY`,
-    `app.POOLS_KEY`) by the time requests arrive.
+    The root application must provide its `ConsoleData` under `CONSOLE_KEY` by the time requests arrive.
     """
     assert config.console is not None
     access = ConsoleAccess(config.console)
@@ -88,11 +100,9 @@ def build_console(config: Config) -> web.Application:
             return error(503, str(exc))
 
     async def overview(request: web.Request) -> web.Response:
-        from ..app import POOLS_KEY  # the app module imports this one
-
         tasks = _tasks(request)
         if time.monotonic() - ready["at"] > READY_CACHE_S:
-            pools = request.config_dict[POOLS_KEY]
+            pools = request.config_dict[CONSOLE_KEY].pools
             problems = await asyncio.gather(*(pool.check(timeout_s=2.0) for pool in pools.values()))
             ready["checks"] = {name: problem or "ok" for name, problem in zip(pools, problems, strict=True)}
             ready["at"] = time.monotonic()
@@ -125,9 +135,7 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 
 
 def _tasks(request: web.Request) -> TaskService:
-    from ..app import TASKS_KEY  # the app module imports this one
-
-    return request.config_dict[TASKS_KEY]
+    return request.config_dict[CONSOLE_KEY].tasks
 
 
 async def list_tasks(request: web.Request) -> web.Response:

@@ -18,9 +18,9 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ..tasks.model import TaskRecord, TaskStatus
-from ..tasks.store import TaskStore
-from .views import row
+from proxy.console.views import row
+from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.store import TaskStore
 
 log = structlog.get_logger("proxy.console")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import observability as obs
-from ..tasks.model import TaskRecord, principal_hash
+from proxy.runtime import metrics
+from proxy.tasks.model import TaskRecord, principal_hash
 
 PREVIEW_CHARS = 4000  # characters of a result or error shown in the detail view
 
@@ -71,13 +71,13 @@ def metrics_snapshot() -> dict[str, Any]:
     """From this process's metrics: `tasksByStatus` (tasks that reached each status, a counter)
     and `detachDelay` (`buckets: [{le (s), count}]` non-cumulative, `count`, `sumS`)."""
     by_status: dict[str, float] = {}
-    for family in obs.TASKS.collect():
+    for family in metrics.TASKS.collect():
         for sample in family.samples:
             if sample.name.endswith("_total"):
                 by_status[sample.labels["status"]] = sample.value
     buckets: list[dict[str, Any]] = []
     count = total = previous = 0.0
-    for family in obs.DETACH_LATENCY.collect():
+    for family in metrics.DETACH_LATENCY.collect():
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
                 buckets.append({"le": sample.labels["le"], "count": sample.value - previous})

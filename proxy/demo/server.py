@@ -28,7 +28,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp
 
-from .serving import build_asgi_app, run_cli, tool_table
+from proxy.demo.serving import build_asgi_app, run_cli, tool_table
 
 MCP_PATH = "/mcp"
 SERVER_NAME = "demo-legacy-server"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .jsonrpc import (
+from proxy.protocol.jsonrpc import (
     HEADER_MISMATCH,
     INVALID_PARAMS,
     METHOD_NOT_FOUND,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .jsonrpc import JsonObject, RequestId
+from proxy.protocol.jsonrpc import JsonObject, RequestId
 
 INPUT_CAPABILITY = {
     "elicitation/create": "elicitation",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .era import META_RELATED_TASK
-from .jsonrpc import (
+from proxy.protocol.era import META_RELATED_TASK
+from proxy.protocol.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     RESOURCE_NOT_FOUND_LEGACY,

@@ -17,14 +17,16 @@ import structlog
 from aiohttp import web
 from prometheus_client import Histogram
 
-from ..auth import PRINCIPAL_KEY, RELAYED_PRINCIPAL_HEADER
-from ..protocol.jsonrpc import JsonObject
-from .registry import Peer
+from proxy.protocol.jsonrpc import JsonObject
+from proxy.replicas.registry import Peer
 
 log = structlog.get_logger("proxy.replicas")
 
 SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared in constant time)
 FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
+RELAYED_PRINCIPAL_HEADER = (
+    "X-Mcp-Replica-Principal"  # on a relayed request: whom the relaying replica authenticated
+)
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -136,8 +138,11 @@ class Forwarder:
             raise HopError(f"replica {peer.node} at {peer.url} answered something other than a JSON object")
         return answer
 
-    async def relay(self, request: web.Request, peer: Peer, raw: bytes | None) -> web.StreamResponse | None:
-        """Send the client's request (method, path, headers, `raw` body) to `peer` and stream its
+    async def relay(
+        self, request: web.Request, peer: Peer, raw: bytes | None, principal: str
+    ) -> web.StreamResponse | None:
+        """Send the client's request (method, path, headers, `raw` body) to `peer`, with the
+        `principal` this replica authenticated (the peer takes it as is), and stream its
         response back. None when the peer cannot be reached (nothing was sent to the client then).
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
@@ -152,10 +157,9 @@ class Forwarder:
         }
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
-        if (
-            PRINCIPAL_KEY in request
-        ):  # authenticated here: the owner takes it as is (auth.Authenticator.principal)
-            headers[RELAYED_PRINCIPAL_HEADER] = request[PRINCIPAL_KEY]
+        headers[RELAYED_PRINCIPAL_HEADER] = (
+            principal  # authenticated here (front.auth.Authenticator.principal)
+        )
         try:
             upstream = await self._session().request(
                 request.method,

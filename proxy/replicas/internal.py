@@ -8,9 +8,9 @@ import json
 import structlog
 from aiohttp import web
 
-from ..protocol.jsonrpc import JsonObject
-from ..tasks.model import principal_hash
-from .node import REPLICAS_KEY, Replicas
+from proxy.protocol.jsonrpc import JsonObject
+from proxy.replicas.node import REPLICAS_KEY, Replicas
+from proxy.tasks.model import principal_hash
 
 log = structlog.get_logger("proxy.replicas")
 

@@ -12,13 +12,13 @@ from urllib.parse import urlsplit
 import structlog
 from aiohttp import web
 
-from ..config import Config
-from ..protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError
-from ..tasks.model import TaskRecord
-from ..tasks.service import TaskService
-from ..tasks.store import StoreUnavailableError
-from .forward import FORWARDED_HEADER, SECRET_HEADER, Forwarder, HopError
-from .registry import Peer, Registry, SharedMap
+from proxy.config import Config
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError
+from proxy.replicas.forward import FORWARDED_HEADER, SECRET_HEADER, Forwarder, HopError
+from proxy.replicas.registry import Peer, Registry, SharedMap
+from proxy.tasks.model import TaskRecord
+from proxy.tasks.service import TaskService
+from proxy.tasks.store import StoreUnavailableError
 
 log = structlog.get_logger("proxy.replicas")
 

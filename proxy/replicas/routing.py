@@ -17,15 +17,14 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ..auth import ANONYMOUS, PRINCIPAL_KEY
-from ..mrtr import ParkedCalls
-from ..protocol import jsonrpc
-from ..protocol.era import is_modern_request
-from ..protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
-from ..tasks.model import principal_hash
-from ..tasks.store import StoreUnavailableError
-from .forward import FORWARDED_HEADER
-from .node import Replicas
+from proxy.calls.mrtr import ParkedCalls
+from proxy.protocol import jsonrpc
+from proxy.protocol.era import is_modern_request
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
+from proxy.replicas.forward import FORWARDED_HEADER
+from proxy.replicas.node import Replicas
+from proxy.tasks.model import principal_hash
+from proxy.tasks.store import StoreUnavailableError
 
 log = structlog.get_logger("proxy.replicas")
 
@@ -90,7 +89,9 @@ class EndpointRouter:
     def _key(self, sid: str) -> str:
         return f"session:{self.server}:{sid}"
 
-    async def route(self, request: web.Request, body: Any, raw: bytes | None) -> web.StreamResponse | None:
+    async def route(
+        self, request: web.Request, body: Any, raw: bytes | None, principal: str
+    ) -> web.StreamResponse | None:
         """A response when the request is served elsewhere or refused; None to serve it here."""
         request[ROUTER_KEY] = self
         if request.method == "GET" or (isinstance(body, dict) and body.get("method") in STREAM_METHODS):
@@ -107,19 +108,18 @@ class EndpointRouter:
                 and previous != request.headers.get(FORWARDED_HEADER)
                 and await self._holds(sid)
             ):
-                return await self._relay_to(
-                    request, previous, raw
-                )  # only the map's owner does this: no cycle
+                # Only the map's owner does this: no cycle.
+                return await self._relay_to(request, previous, raw, principal)
             return None
         if sid:
-            return await self._session(request, sid, body, raw)
+            return await self._session(request, sid, body, raw, principal)
         if body is None or not isinstance(body, dict):
             return None
         method = body.get("method")
         if is_modern_request(request.headers, body):
             params = body.get("params")
             if method in MRTR_METHODS and isinstance(params, dict) and "requestState" in params:
-                return await self._mrtr(request, body, params["requestState"], raw)
+                return await self._mrtr(request, body, params["requestState"], raw, principal)
             if self.replicas.draining and method in MRTR_METHODS:
                 return drain_refusal(_request_id(body), "new calls")
             return None
@@ -133,14 +133,14 @@ class EndpointRouter:
         return None
 
     async def _mrtr(
-        self, request: web.Request, body: Any, state: Any, raw: bytes | None
+        self, request: web.Request, body: Any, state: Any, raw: bytes | None, principal: str
     ) -> web.StreamResponse | None:
         owner = self.parked.owner_of(state)
         if owner is None or owner == self.replicas.node:
             return None  # parked here (or not a valid state: refused here as usual)
         peer = await self.replicas.peer(owner)
         if peer is not None:
-            relayed = await self.replicas.forwarder.relay(request, peer, raw)
+            relayed = await self.replicas.forwarder.relay(request, peer, raw, principal)
             if relayed is not None:
                 return relayed
         err = JsonRpcError(
@@ -160,26 +160,26 @@ class EndpointRouter:
         return isinstance(entry, dict) and entry.get("owner") == self.replicas.node
 
     async def _relay_to(
-        self, request: web.Request, node: Any, raw: bytes | None
+        self, request: web.Request, node: Any, raw: bytes | None, principal: str
     ) -> web.StreamResponse | None:
         peer = await self.replicas.peer(node)
-        return None if peer is None else await self.replicas.forwarder.relay(request, peer, raw)
+        return None if peer is None else await self.replicas.forwarder.relay(request, peer, raw, principal)
 
     async def _session(
-        self, request: web.Request, sid: str, body: Any, raw: bytes | None
+        self, request: web.Request, sid: str, body: Any, raw: bytes | None, principal: str
     ) -> web.StreamResponse | None:
         new_call = request.method == "POST" and isinstance(body, dict) and body.get("method") == "tools/call"
         # The client's answer to a question goes to the replica that relayed the question (its id
         # names it: `mtp-<node>.<random>`), which may be a draining previous owner of the session.
         asker = _question_node(body) if request.method == "POST" else None
         if asker is not None and asker != self.replicas.node:
-            relayed = await self._relay_to(request, asker, raw)
+            relayed = await self._relay_to(request, asker, raw, principal)
             if relayed is not None:
                 return relayed
         # A cancel of a request this replica did not send goes to the replica the session came from.
         previous = self.sessions.cancel_elsewhere(sid, body) if request.method == "POST" else None
         if previous is not None:
-            relayed = await self._relay_to(request, previous, raw)
+            relayed = await self._relay_to(request, previous, raw, principal)
             if relayed is not None:
                 return relayed
         if self.sessions.knows(sid):
@@ -199,10 +199,9 @@ class EndpointRouter:
         # notifications, streams); new requests of an HTTP upstream's session move here.
         is_request = request.method == "POST" and isinstance(body, dict) and "method" in body and "id" in body
         if peer is not None and not (peer.draining and self.kind == "http" and is_request):
-            relayed = await self.replicas.forwarder.relay(request, peer, raw)
+            relayed = await self.replicas.forwarder.relay(request, peer, raw, principal)
             if relayed is not None:
                 return relayed
-        principal = request.get(PRINCIPAL_KEY, ANONYMOUS)
         if (
             self.kind == "http"
             and entry.get("principal") == principal_hash(principal)

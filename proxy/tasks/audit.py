@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import structlog
 
-from .. import observability as obs
-from .model import TaskRecord, TaskStatus, principal_hash
+from proxy.runtime import metrics
+from proxy.tasks.model import TaskRecord, TaskStatus, principal_hash
 
 log = structlog.get_logger("proxy.tasks")
 
@@ -16,9 +16,9 @@ def observe_transition(before: TaskStatus | None, record: TaskRecord) -> None:
     if before is record.status:
         return
     age_s = (record.last_updated_ms - record.created_ms) / 1000
-    obs.TASKS.labels(record.status.value).inc()
+    metrics.TASKS.labels(record.status.value).inc()
     if record.status.terminal:
-        obs.TASK_AGE.labels(record.status.value).observe(age_s)
+        metrics.TASK_AGE.labels(record.status.value).observe(age_s)
     log.info(
         "task_transition",
         task_id=record.task_id,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from .store import StoreLockedError
+from proxy.tasks.store import StoreLockedError
 
 _HELD: dict[str, list[int]] = {}  # directory → [lock fd, holders in this process]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import diskcache
 
-from .model import TaskRecord, TaskStatus
-from .store import StoreUnavailableError
+from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.store import StoreUnavailableError
 
 _STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import diskcache
 
-from .dirlock import lock_directory, unlock_directory
-from .diskcache_shared import DiskcacheSharedState
-from .model import (
+from proxy.tasks.dirlock import lock_directory, unlock_directory
+from proxy.tasks.diskcache_shared import DiskcacheSharedState
+from proxy.tasks.model import (
     Change,
     ConflictError,
     TaskRecord,
@@ -38,7 +38,7 @@ from .model import (
     now_ms,
     principal_key,
 )
-from .store import ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.tasks.store import ListFilter, StoreUnavailableError, TaskNotFoundError
 
 Listener = Callable[[TaskStatus | None, TaskRecord], None]
 _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)

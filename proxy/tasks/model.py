@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 INTERNAL_ERROR = -32603  # JSON-RPC "Internal error" (the proxy's own failures)
+ANONYMOUS = "anonymous"  # the one principal when clients are not authenticated (auth mode none)
 
 
 class TaskStatus(StrEnum):

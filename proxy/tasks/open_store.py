@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from limits.aio.storage import Storage
 
-from ..config_sections import StoreConfig
-from .diskcache_store import DiskcacheStore
-from .rates import redis_rate_storage
-from .redis_store import RedisTaskStore
-from .store import TaskStore
+from proxy.config.sections import StoreConfig
+from proxy.tasks.diskcache_store import DiskcacheStore
+from proxy.tasks.rates import redis_rate_storage
+from proxy.tasks.redis_store import RedisTaskStore
+from proxy.tasks.store import TaskStore
 
 
 def open_store(store: StoreConfig, *, max_result_bytes: int, exclusive: bool) -> TaskStore:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .model import TaskRecord, TaskStatus
+from proxy.tasks.model import TaskRecord, TaskStatus
 
 QUEUE_MAX = (
     1000  # items a slow stream may fall behind before new ones are dropped (it re-reads the record anyway)

@@ -15,9 +15,9 @@ from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 from limits.errors import StorageError
 
-from .. import observability as obs
-from ..protocol.jsonrpc import INTERNAL_ERROR, JsonRpcError, limit_error
-from .model import principal_hash, principal_key
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonRpcError, limit_error
+from proxy.runtime import metrics
+from proxy.tasks.model import principal_hash, principal_key
 
 log = structlog.get_logger("proxy.tasks")
 
@@ -66,5 +66,5 @@ class TaskRate:
             raise JsonRpcError(INTERNAL_ERROR, message, {"store": self.where}, status=503) from None
         if not allowed:
             log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
-            obs.LIMIT_REJECTIONS.labels("tasks_rate").inc()
+            metrics.LIMIT_REJECTIONS.labels("tasks_rate").inc()
             raise limit_error("tasks_rate", f"more than {self.text} tasks/* calls", rate=self.text)

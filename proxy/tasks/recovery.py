@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from .. import observability as obs
-from .model import (
+from proxy.runtime import metrics
+from proxy.tasks.model import (
     Change,
     ConflictError,
     TaskRecord,
@@ -25,10 +25,10 @@ from .model import (
     principal_hash,
     proxy_error,
 )
-from .store import StoreUnavailableError, TaskNotFoundError, TaskStore
+from proxy.tasks.store import StoreUnavailableError, TaskNotFoundError, TaskStore
 
 if TYPE_CHECKING:
-    from .service import TaskService
+    from proxy.tasks.service import TaskService
 
 log = structlog.get_logger("proxy.tasks")
 
@@ -127,10 +127,10 @@ async def take_over(service: TaskService, record: TaskRecord, message: str) -> T
             call = service.rerun(owned)  # only once this node owns it: never sent twice
             if call is not None:
                 service.adopt(owned, call)
-                obs.ORPHANED.labels("rerun").inc()
+                metrics.ORPHANED.labels("rerun").inc()
                 return owned
             record = owned
-        obs.ORPHANED.labels("failed").inc()
+        metrics.ORPHANED.labels("failed").inc()
         return await store.update(
             record.task_id,
             Change(

@@ -28,7 +28,7 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from .model import TaskRecord, TaskStatus
+from proxy.tasks.model import TaskRecord, TaskStatus
 
 log = structlog.get_logger("proxy.tasks")
 

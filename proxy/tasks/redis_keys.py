@@ -26,9 +26,8 @@ still the stored one (two writers never both win a transition).
 from __future__ import annotations
 
 import json
-from urllib.parse import unquote, urlsplit
 
-from .model import TaskRecord, principal_key
+from proxy.tasks.model import TaskRecord, principal_key
 
 DEFAULT_PREFIX = "mcp-tasks-proxy:"
 SEP = "\x1f"
@@ -105,28 +104,6 @@ def change_message(origin: str, before: str | None, record: TaskRecord, data: st
     )
     inline = data if len(data) <= INLINE_RECORD_MAX else "null"
     return f'{head[:-1]},"r":{inline}}}'
-
-
-def redact_url(url: str) -> str:
-    """`url` without user name and password (for messages, logs, /readyz and the console)."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        return "redis://<unparseable url>"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{parts.scheme}://{host}{port}{parts.path}"
-
-
-def url_password(url: str) -> str | None:
-    """The password inside `url`, if any (to scrub it from error texts)."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return None
-    return unquote(password) if password else None
 
 
 CREATE = """

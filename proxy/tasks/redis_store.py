@@ -32,27 +32,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from .model import (
-    Change,
-    TaskRecord,
-    TaskStatus,
-    apply,
-    now_ms,
-    principal_key,
-)
-from .redis_events import POLL_S, ChangeFeed, Listener
-from .redis_keys import (
-    CREATE,
-    DEFAULT_PREFIX,
-    PURGE,
-    SEP,
-    UPDATE,
-    RedisKeys,
-    change_message,
-    redact_url,
-    url_password,
-)
-from .store import ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.config.base import redact_url, url_password
+from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, principal_key
+from proxy.tasks.redis_events import POLL_S, ChangeFeed, Listener
+from proxy.tasks.redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message
+from proxy.tasks.store import ListFilter, StoreUnavailableError, TaskNotFoundError
 
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
 CAS_ATTEMPTS = 100  # compare-and-set rounds one change may take under contention before giving up

@@ -18,11 +18,11 @@ import structlog
 from limits.aio.storage import Storage
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from .. import observability as obs
-from ..protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
-from . import recovery
-from .audit import observe_transition
-from .model import (
+from proxy.protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
+from proxy.runtime import metrics
+from proxy.tasks import recovery
+from proxy.tasks.audit import observe_transition
+from proxy.tasks.model import (
     Change,
     ConflictError,
     TaskRecord,
@@ -37,10 +37,10 @@ from .model import (
     proxy_error,
     valid_task_id,
 )
-from .push import TaskPush
-from .rates import TaskRate
-from .recovery import LOST_MESSAGE, RESTART_MESSAGE
-from .store import RemoteOwner, StoreUnavailableError, TaskNotFoundError, TaskStore
+from proxy.tasks.push import TaskPush
+from proxy.tasks.rates import TaskRate
+from proxy.tasks.recovery import LOST_MESSAGE, RESTART_MESSAGE
+from proxy.tasks.store import RemoteOwner, StoreUnavailableError, TaskNotFoundError, TaskStore
 
 log = structlog.get_logger("proxy.tasks")
 
@@ -192,7 +192,7 @@ class TaskService:
         cap = self.max_tasks_per_principal
         if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
             log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
-            obs.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
+            metrics.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
             raise limit_error(
                 "max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap
             )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .model import Change, TaskRecord, TaskStatus
+from proxy.tasks.model import Change, TaskRecord, TaskStatus
 
 
 class TaskNotFoundError(KeyError):

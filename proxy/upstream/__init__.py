@@ -1,1 +1,2 @@
-"""Connectors to legacy MCP servers (Streamable HTTP now), one JSON-RPC multiplexer per upstream session."""
+"""Connectors to legacy MCP servers: one `Pool` / `Session` protocol (`types`) with a Streamable HTTP
+implementation (`http`, `http_pool`) and a stdio one (`stdio`, `stdio_pool`)."""

@@ -10,29 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import aiohttp
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from .. import __version__
-from ..protocol import jsonrpc
-from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
-from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import (
-    CALL_METHODS,
-    Bounds,
-    OpenQuestions,
-    SessionBrokenError,
-    SessionExpiredError,
-    UpstreamError,
-    caps_key,
-    probe,
-    read_body,
-)
-from .pooling import drain_later, shed_headers
-from .sse import (
+from proxy import __version__
+from proxy.protocol import jsonrpc
+from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
+from proxy.protocol.jsonrpc import JsonObject, RequestId
+from proxy.protocol.sse import (
     MAX_RESUME_ATTEMPTS,
     MAX_RETRY_WAIT_S,
     EventTooLargeError,
@@ -40,24 +28,19 @@ from .sse import (
     SseEvent,
     iter_events,
 )
+from proxy.upstream.pooling import drain_later, shed_headers
+from proxy.upstream.types import (
+    CALL_METHODS,
+    Bounds,
+    MessageHandler,
+    OpenQuestions,
+    SessionBrokenError,
+    SessionExpiredError,
+    UpstreamError,
+    read_body,
+)
 
 log = structlog.get_logger("proxy.upstream")
-
-__all__ = [
-    "CALL_METHODS",
-    "Bounds",
-    "SessionBrokenError",
-    "SessionExpiredError",
-    "UpstreamError",
-    "UpstreamPool",
-    "UpstreamSession",
-    "caps_key",
-    "probe",
-]
-
-# Called with every message that arrives on a request's stream before its response:
-# notifications and server→client requests. Returns nothing; answers go through `respond`.
-MessageHandler = Callable[[JsonObject], Awaitable[None]]
 
 
 class UpstreamSession:
@@ -488,6 +471,3 @@ class UpstreamSession:
                 pass
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass
-
-
-from .http_pool import UpstreamPool  # noqa: E402  (re-exported; the pool module imports this one)

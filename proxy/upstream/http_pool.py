@@ -8,9 +8,9 @@ from collections.abc import Callable
 import aiohttp
 import structlog
 
-from ..protocol.jsonrpc import JsonObject
-from .common import Bounds, caps_key, probe
-from .http import UpstreamSession
+from proxy.protocol.jsonrpc import JsonObject
+from proxy.upstream.http import UpstreamSession
+from proxy.upstream.types import Bounds, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream")
 

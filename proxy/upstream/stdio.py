@@ -23,12 +23,11 @@ from typing import Any
 
 import structlog
 
-from .. import __version__
-from ..protocol import jsonrpc
-from ..protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
-from ..protocol.jsonrpc import JsonObject, RequestId
-from .common import Bounds, OpenQuestions, UpstreamError
-from .http import MessageHandler
+from proxy import __version__
+from proxy.protocol import jsonrpc
+from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
+from proxy.protocol.jsonrpc import JsonObject, RequestId
+from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, UpstreamError
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -438,8 +437,3 @@ class StdioSession:
     async def _quiet(self, coro: Any) -> None:
         with contextlib.suppress(UpstreamError):
             await coro
-
-
-from .stdio_pool import StdioPool  # noqa: E402  (re-exported; the pool module imports this one)
-
-__all__ = ["StdioCommand", "StdioPool", "StdioSession"]

@@ -11,10 +11,10 @@ from typing import Any
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from .. import observability as obs
-from ..protocol.jsonrpc import JsonObject
-from .common import Bounds, UpstreamError, caps_key, probe
-from .stdio import StdioCommand, StdioSession
+from proxy.protocol.jsonrpc import JsonObject
+from proxy.runtime import metrics
+from proxy.upstream.stdio import StdioCommand, StdioSession
+from proxy.upstream.types import Bounds, UpstreamError, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -100,9 +100,9 @@ class StdioPool:
         slot.quick_exits = slot.quick_exits + 1 if ran < self.stable_after else 1
         slot.last_exit = time.monotonic()
         slot.last_status = session.exit_status
-        obs.UPSTREAM_PROCESSES.labels(self.server, "exited").inc()
+        metrics.UPSTREAM_PROCESSES.labels(self.server, "exited").inc()
         if slot.quick_exits >= self.max_restarts:
-            obs.UPSTREAM_PROCESSES.labels(self.server, "crash_loop").inc()
+            metrics.UPSTREAM_PROCESSES.labels(self.server, "crash_loop").inc()
             log.error(
                 "upstream_crash_loop",
                 server=self.server,
@@ -181,7 +181,7 @@ class StdioPool:
             return 1
         idle = [(s, slot) for s, slot in running if s.in_flight == 0]
         if not idle:
-            obs.LIMIT_REJECTIONS.labels("max_children").inc()
+            metrics.LIMIT_REJECTIONS.labels("max_children").inc()
             raise UpstreamError(
                 f"upstream {self.server} already runs max_children ({self.max_children}) children, all busy; try again later"
             )
@@ -218,7 +218,7 @@ class StdioPool:
                     slot.quick_exits += 1
                     slot.last_exit = time.monotonic()
                     slot.last_status = session.proc.returncode if session.proc else None
-                    obs.UPSTREAM_PROCESSES.labels(self.server, "start_failed").inc()
+                    metrics.UPSTREAM_PROCESSES.labels(self.server, "start_failed").inc()
                     log.warning(
                         "upstream_start_failed",
                         server=self.server,
@@ -228,7 +228,7 @@ class StdioPool:
                         quick_exits=slot.quick_exits,
                     )
                     if slot.quick_exits == self.max_restarts:
-                        obs.UPSTREAM_PROCESSES.labels(self.server, "crash_loop").inc()
+                        metrics.UPSTREAM_PROCESSES.labels(self.server, "crash_loop").inc()
                         log.error(
                             "upstream_crash_loop",
                             server=self.server,
@@ -240,7 +240,7 @@ class StdioPool:
                 finally:
                     self._starting.discard(session)
         assert session is not None
-        obs.UPSTREAM_PROCESSES.labels(self.server, "started").inc()
+        metrics.UPSTREAM_PROCESSES.labels(self.server, "started").inc()
         log.info(
             "upstream_started",
             server=self.server,

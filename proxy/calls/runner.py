@@ -1,0 +1,289 @@
+"""The attach / detach / MRTR loop of one server's calls (design.md "Where the code goes next" 4).
+
+A call starts attached to its client's request. What comes first decides the answer: the
+upstream's outcome (a synchronous result), a question from the upstream (an MRTR round, SEP-2322),
+or the detach deadline (a task handle, ext-tasks). The detach clock starts when the request
+arrived at the proxy, not when the upstream was reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from proxy.calls.call import Call
+from proxy.calls.mrtr import ParkedCalls, request_digest
+from proxy.calls.types import Reply
+from proxy.config import ResolvedPolicy, ToolMode
+from proxy.protocol.era import TASKS_EXTENSION, Envelope, strip_envelope, upstream_capabilities
+from proxy.protocol.jsonrpc import (
+    INTERNAL_ERROR,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonObject,
+    JsonRpcError,
+    object_of,
+)
+from proxy.protocol.translate import modern_error, modern_result
+from proxy.runtime import metrics
+from proxy.runtime.drain import Drain
+from proxy.tasks.service import TaskService
+from proxy.tasks.wire_v2 import create_task_result, validate_input_responses
+from proxy.upstream.http_pool import UpstreamPool
+from proxy.upstream.stdio_pool import StdioPool
+
+log = structlog.get_logger("proxy.calls")
+
+INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
+
+
+class CallRunner:
+    """Runs the MRTR-capable requests (`tools/call`, `prompts/get`, `resources/read`) of server `name`.
+
+    `keepalive_s` (s) is the SSE comment interval while a client waits; `on_server_notification`
+    receives upstream list changes seen on a call's stream.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        pool: UpstreamPool | StdioPool,
+        tasks: TaskService,
+        parked: ParkedCalls,
+        drain: Drain,
+        keepalive_s: float,
+        on_server_notification: Callable[[JsonObject], None],
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.tasks = tasks
+        self.parked = parked
+        self.drain = drain
+        self.keepalive_s = keepalive_s
+        self.on_server_notification = on_server_notification
+
+    def _start(
+        self,
+        method: str,
+        name: str,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        policy: ResolvedPolicy,
+    ) -> Call:
+        meta = object_of(params.get("_meta"))
+        call = Call(
+            pool=self.pool,
+            server=self.name,
+            tool=name,
+            method=method,
+            params=strip_envelope(params),
+            capabilities=upstream_capabilities(envelope.capabilities),
+            timeout=policy.timeout,
+            client_progress_token=meta.get("progressToken"),
+            relay_logs=envelope.log_level is not None,
+            input_timeout=policy.input_timeout,
+            prefilled=params.get("inputResponses"),
+            principal=principal,
+        )
+        call.server_notifications = self.on_server_notification
+        call.start()
+        return call
+
+    async def run(
+        self,
+        method: str,
+        name: str,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        reply: Reply,
+        policy: ResolvedPolicy,
+        arrived: float,
+    ) -> JsonObject:
+        """Start (or, on an MRTR retry, resume) a proxy-owned upstream call and answer with what comes
+        first: its result, an InputRequiredResult, or a flat CreateTaskResult once `policy.detach_after`
+        (s) has passed since `arrived` (event-loop time, s). A `mode: required` tool composes the same
+        way (SEP-2663 "resolve MRTR exchanges before the task"): questions before the deadline are
+        MRTR rounds, and the round that reaches the deadline or the outcome mints the task (an
+        outcome that came first is recorded in it), so it never answers synchronously.
+
+        Raises JsonRpcError: -32602 for a bad `requestState` or `inputResponses`, -32021 when the
+        upstream needs a capability the client did not declare, a limit error (HTTP 429), the
+        upstream's own error (translated), -32603 naming the layer that gave up (store, shutdown).
+        """
+        may_detach = (
+            method == "tools/call" and envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN
+        )
+        meta = object_of(params.get("_meta"))
+        digest = request_digest(method, name, params.get("arguments") if method != "resources/read" else None)
+        responses = params.get("inputResponses")
+        if responses is not None:
+            validate_input_responses(responses)
+        if "requestState" in params:
+            call = await self.parked.resume(
+                params["requestState"], principal=principal, server=self.name, digest=digest
+            )
+            call.resume(meta.get("progressToken"))
+            call.answer(responses or {})
+        else:
+            call = self._start(method, name, params, envelope, principal=principal, policy=policy)
+
+        # `mode: required` never answers synchronously: its outcome, had it come first, goes into a task.
+        required = method == "tools/call" and policy.mode is ToolMode.REQUIRED
+        loop = asyncio.get_running_loop()
+        deadline = arrived + policy.detach_after if may_detach else None
+        try:
+            while True:
+                if call.done:
+                    if not required:
+                        return self._result(call)
+                    return await self._detach(call, policy, f"finished upstream on {self.name}") or {}
+                if call.pending:
+                    answer = await self._ask_client(
+                        call, principal=principal, digest=digest, timeout_s=policy.input_timeout, reply=reply
+                    )
+                    if answer is None:  # the call ended while the round was being gathered
+                        continue
+                    return answer
+                wait = self.keepalive_s
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - loop.time()))
+                remaining = self.drain.remaining()
+                if remaining is not None:
+                    wait = min(wait, remaining)
+                try:
+                    kind, item = await self.drain.wait_for(call.events.get(), timeout=wait)
+                except TimeoutError:
+                    if call.done or call.pending:
+                        continue
+                    if self.drain.remaining() == 0.0:
+                        call.cancel("the proxy is shutting down")
+                        raise JsonRpcError(
+                            INTERNAL_ERROR,
+                            f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned",
+                        ) from None
+                    if deadline is not None and loop.time() >= deadline:
+                        handle = await self._detach(
+                            call,
+                            policy,
+                            f"still running upstream after {policy.detach_after:g} s; continuing in the background",
+                            stay=True,
+                        )
+                        if (
+                            handle is None
+                        ):  # the store cannot take the task: the call stays attached (its own timeout bounds it)
+                            deadline = None
+                            continue
+                        metrics.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))
+                        return handle
+                    await reply.keepalive()
+                    continue
+                if kind == "notification":
+                    await reply.notify(item)
+                elif kind == "unsupported" and not call.done:
+                    call.cancel(f"the upstream needs the {item} capability")
+                    raise JsonRpcError(
+                        MISSING_REQUIRED_CLIENT_CAPABILITY,
+                        f"upstream {self.name} needs the {item} client capability for this request",
+                        {"requiredCapabilities": {item: {}}},
+                    )
+        except asyncio.CancelledError:
+            if call.task_id is None:
+                self.parked.release(call)
+                call.cancel("the client closed the request stream")
+            raise
+
+    async def _detach(
+        self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False
+    ) -> JsonObject | None:
+        """Turn the call into a task (committed before the handle is returned); a refusal (limit,
+        store) cancels the call, so it never goes on unseen. With `stay`, a store refusal (503) keeps
+        the call attached instead (None is returned): the upstream call has started, so the answer
+        must not be a 503 a load balancer would send again. A `mode: required` call the store
+        refuses ends with HTTP 500 (-32603) for the same reason."""
+        self.parked.release(call)
+        rerun = (
+            {"method": call.method, "params": call.params, "capabilities": call.capabilities}
+            if policy.on_restart == "rerun"
+            else None
+        )
+        try:
+            record = await self.tasks.detach(
+                call,
+                server=self.name,
+                tool=call.tool,
+                method=call.method,
+                ttl_s=policy.ttl,
+                poll_interval_s=policy.poll_interval,
+                status_message=why,
+                rerun=rerun,
+            )
+        except JsonRpcError as exc:
+            if exc.http_status != 503:
+                call.cancel("refused: the call could not become a task")
+                raise
+            if stay:
+                log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
+                return None
+            call.cancel("refused: the call could not become a task")
+            raise JsonRpcError(
+                exc.code, exc.message, exc.data, status=507
+            ) from None  # 507: the task could not be stored; not 503, which balancers retry
+        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
+        if call.method == "tools/call":
+            metrics.CALLS.labels(self.name, call.tool, "detached").inc()
+        structlog.contextvars.bind_contextvars(task_id=record.task_id)
+        return create_task_result(record)
+
+    async def _ask_client(
+        self, call: Call, *, principal: str, digest: str, timeout_s: float, reply: Reply
+    ) -> JsonObject | None:
+        """Answer with an InputRequiredResult for every outstanding question (SEP-2322), parking the
+        call; None when the call ended meanwhile (the caller then answers with its outcome).
+
+        Questions that arrive within INPUT_GATHER_S of each other go out in the same round.
+        """
+        loop = asyncio.get_running_loop()
+        quiet_until = loop.time() + INPUT_GATHER_S
+        while not call.done:
+            remaining = quiet_until - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                kind, item = await asyncio.wait_for(call.events.get(), timeout=remaining)
+            except TimeoutError:
+                break
+            if kind == "notification":
+                await reply.notify(item)
+            elif kind == "input":
+                quiet_until = loop.time() + INPUT_GATHER_S
+        if call.done:
+            return None
+        state = self.parked.park(
+            call, principal=principal, server=self.name, digest=digest, timeout_s=timeout_s
+        )
+        return {"resultType": "input_required", "inputRequests": call.input_requests(), "requestState": state}
+
+    def _result(self, call: Call) -> JsonObject:
+        self.parked.release(call)
+        outcome = call.outcome.result()
+        if call.method == "tools/call":
+            metrics.CALLS.labels(self.name, call.tool, "sync" if "result" in outcome else "error").inc()
+        if "result" in outcome:
+            return modern_result(call.method, outcome["result"])
+        error = modern_error(outcome.get("error"))
+        raise JsonRpcError(error["code"], error["message"], error.get("data"))
+
+
+def require_tasks_for(tool: str) -> JsonRpcError:
+    """The -32021 refusal for a `mode: required` tool called without the tasks extension."""
+    return JsonRpcError(
+        MISSING_REQUIRED_CLIENT_CAPABILITY,
+        f"tool {tool!r} always runs as a task; declare the {TASKS_EXTENSION} extension",
+        {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+    )

@@ -1,0 +1,201 @@
+"""Upstreams that speak v1 tasks themselves (2025-11-25: `capabilities.tasks.requests.tools.call`
+and a tool's `execution.taskSupport`), in front of 2026-07-28 clients.
+
+- A client with the tasks extension calling such a tool gets a v2 task backed by the upstream's
+  own task: the proxy calls with `params.task`, commits its record, then follows the upstream's
+  `tasks/result` (questions asked on that stream become `input_required`), and `tasks/cancel`
+  reaches the upstream as `tasks/cancel`. The record's `rerun` is `tasks/result` for the upstream
+  task id, so after a proxy restart the orphan sweep resumes following it (as long as the
+  upstream keeps its task) instead of failing it.
+- A client without the extension calling a `taskSupport: required` tool gets the synchronous
+  result: the proxy waits on the upstream's `tasks/result` (SSE keep-alives meanwhile), never the
+  upstream's "requires task augmentation".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from proxy.calls.call import Call
+from proxy.calls.types import Reply
+from proxy.config import ResolvedPolicy
+from proxy.protocol.era import Envelope, strip_envelope, upstream_capabilities
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError, object_of
+from proxy.protocol.translate import modern_error, modern_result
+from proxy.tasks.service import TaskService
+from proxy.tasks.wire_v2 import create_task_result
+from proxy.upstream.http_pool import UpstreamPool
+from proxy.upstream.stdio_pool import StdioPool
+from proxy.upstream.types import UpstreamError
+
+log = structlog.get_logger("proxy.calls")
+
+
+MAX_TOOL_PAGES = 100  # tools/list pages read at most to learn the upstream's taskSupport
+
+
+class UpstreamTaskCall(Call):
+    """A `Call` that follows an upstream task (`tasks/result` for `upstream_task_id`); cancelling it
+    also sends the upstream `tasks/cancel`."""
+
+    upstream_task_id: str = ""
+
+    def cancel(self, reason: str) -> None:
+        """Abandon the wait and cancel the upstream task (`tasks/cancel`, best effort)."""
+        super().cancel(reason)
+        if self.session is not None and self.upstream_task_id:
+            self._spawn(self._cancel_upstream(self.session))
+
+    async def _cancel_upstream(self, session: Any) -> None:
+        try:
+            await session.request("tasks/cancel", {"taskId": self.upstream_task_id}, handler=None)
+        except UpstreamError as exc:
+            log.info("upstream_task_cancel_not_delivered", server=self.server, reason=str(exc))
+
+
+class UpstreamTasks:
+    """What one server's upstream offers as v1 tasks, and calls that use them."""
+
+    def __init__(
+        self, *, name: str, pool: UpstreamPool | StdioPool, tasks: TaskService, keepalive_s: float
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.tasks = tasks
+        self.keepalive_s = keepalive_s
+        self._support: dict[str, str] | None = None
+
+    def clear(self) -> None:
+        """Forget the tools' task support (the upstream's tool list changed)."""
+        self._support = None
+
+    async def support(self, tool: str, capabilities: JsonObject, principal: str) -> str | None:
+        """The upstream's `execution.taskSupport` for `tool` (`required`, `optional`), or None when the
+        upstream has no task-augmented tools/call or the tool does not take tasks."""
+        if self._support is None:
+            try:
+                session = await self.pool.session(capabilities, principal)
+                caps = object_of(session.initialize_result.get("capabilities"))
+                call_tasks = object_of(
+                    object_of(object_of(caps.get("tasks")).get("requests")).get("tools")
+                ).get("call")
+                support: dict[str, str] = {}
+                if isinstance(call_tasks, dict):
+                    params: JsonObject | None = None
+                    for _ in range(MAX_TOOL_PAGES):
+                        page = object_of(
+                            (await session.request("tools/list", params, handler=None)).get("result")
+                        )
+                        tools = page.get("tools")
+                        for item in tools if isinstance(tools, list) else []:
+                            value = object_of(object_of(item).get("execution")).get("taskSupport")
+                            if (
+                                isinstance(item, dict)
+                                and isinstance(item.get("name"), str)
+                                and value in ("required", "optional")
+                            ):
+                                support[item["name"]] = value
+                        if not isinstance(page.get("nextCursor"), str) or not page["nextCursor"]:
+                            break
+                        params = {"cursor": page["nextCursor"]}
+            except UpstreamError:
+                return None
+            self._support = support
+        return self._support.get(tool)
+
+    async def call(
+        self,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        reply: Reply,
+        policy: ResolvedPolicy,
+        as_task: bool,
+    ) -> JsonObject:
+        """Run `tools/call` as an upstream task: a flat v2 CreateTaskResult when `as_task`, else the
+        synchronous result once the upstream's `tasks/result` answers.
+
+        Raises JsonRpcError: the upstream's own error (translated), -32603 when it is unreachable,
+        a limit error (HTTP 429) or -32603 (HTTP 503) when the task cannot be committed.
+        """
+        caps = upstream_capabilities(envelope.capabilities)
+        tool = params["name"]
+        upstream_params = strip_envelope(params)
+        upstream_params["task"] = {"ttl": int(policy.ttl * 1000)} if policy.ttl is not None else {}
+        if as_task:
+            self.tasks.check_capacity(principal)
+        try:
+            session = await self.pool.session(caps, principal)
+            created = await session.request("tools/call", upstream_params, handler=None)
+        except UpstreamError as exc:
+            raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
+        if "error" in created:
+            error = modern_error(created["error"])
+            raise JsonRpcError(error["code"], error["message"], error.get("data"))
+        result = object_of(created.get("result"))
+        task_id = object_of(result.get("task")).get("taskId")
+        if not isinstance(task_id, str):
+            return modern_result("tools/call", result)  # the upstream answered at once
+        call = UpstreamTaskCall(
+            pool=self.pool,
+            server=self.name,
+            tool=tool,
+            method="tasks/result",
+            params={"taskId": task_id},
+            capabilities=caps,
+            timeout=policy.timeout,
+            input_timeout=policy.input_timeout,
+            principal=principal,
+        )
+        call.upstream_task_id = task_id
+        if not as_task:
+            call.start()
+            return await self._wait(call, reply)
+        record = await self.tasks.detach(
+            call,
+            server=self.name,
+            tool=tool,
+            method="tools/call",
+            ttl_s=policy.ttl,
+            poll_interval_s=policy.poll_interval,
+            status_message=f"running upstream on {self.name} as its own task",
+            rerun={"method": "tasks/result", "params": {"taskId": task_id}, "capabilities": caps},
+        )
+        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
+        call.start()
+        return create_task_result(record)
+
+    async def _wait(self, call: Call, reply: Reply) -> JsonObject:
+        """The outcome of a followed upstream task, with SSE keep-alives every keepalive_s (s).
+
+        A question the upstream's task asks cannot reach a client without the tasks extension: the
+        upstream task is cancelled and the client gets -32603 saying so (not a wait for
+        `input_timeout`)."""
+        try:
+            while not call.done:
+                if call.pending:
+                    kinds = sorted({pending.request["method"] for pending in call.pending.values()})
+                    call.cancel("the upstream task asked for input a synchronous call cannot carry")
+                    raise JsonRpcError(
+                        INTERNAL_ERROR,
+                        f"upstream {self.name}'s task asked for input ({', '.join(kinds)}), which a call without the "
+                        "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to answer it through the task",
+                    )
+                try:
+                    await asyncio.wait_for(
+                        call.events.get(), timeout=self.keepalive_s
+                    )  # input, done, notifications
+                except TimeoutError:
+                    await reply.keepalive()
+        except asyncio.CancelledError:
+            call.cancel("the client closed the request stream")
+            raise
+        outcome = call.outcome.result()
+        if "result" in outcome:
+            return modern_result("tools/call", outcome["result"])
+        error = modern_error(outcome.get("error"))
+        raise JsonRpcError(error["code"], error["message"], error.get("data"))

@@ -1,0 +1,49 @@
+"""The config file (design.md "Config contract"): one YAML or JSON file, read by `load_config`.
+
+`base` holds the building blocks (the error type, durations, redaction), `sections` the
+proxy-wide sections, `model` the servers and the whole file, `load` reading and the JSON Schema.
+This package's face names what the rest of the proxy uses.
+"""
+
+from proxy.config.base import ConfigError, Duration, parse_duration, redact_url
+from proxy.config.load import SCHEMA_FILE, config_from_data, config_json_schema, load_config
+from proxy.config.model import Config, ResolvedPolicy, ServerEntry, ToolMode
+from proxy.config.sections import (
+    AuthConfig,
+    ConsoleConfig,
+    JwtConfig,
+    LimitsConfig,
+    ListenConfig,
+    LoggingConfig,
+    MetricsConfig,
+    ReplicasConfig,
+    RequestStateConfig,
+    StoreConfig,
+    TrustedHeaderConfig,
+)
+
+__all__ = [
+    "SCHEMA_FILE",
+    "AuthConfig",
+    "Config",
+    "ConfigError",
+    "ConsoleConfig",
+    "Duration",
+    "JwtConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "ReplicasConfig",
+    "RequestStateConfig",
+    "ResolvedPolicy",
+    "ServerEntry",
+    "StoreConfig",
+    "ToolMode",
+    "TrustedHeaderConfig",
+    "config_from_data",
+    "config_json_schema",
+    "load_config",
+    "parse_duration",
+    "redact_url",
+]

@@ -1,0 +1,108 @@
+"""Reading a config file: YAML or JSON, `${VAR}` interpolation, validation with errors that name
+each key's path, paths relative to the file; and the JSON Schema the models give."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import expandvars
+import yaml
+from pydantic import ValidationError
+
+from proxy.config.base import ConfigError
+from proxy.config.model import Config
+
+
+def _interpolation_message(exc: Exception) -> str:
+    """A readable sentence for an expandvars failure (its KeyError-based messages print quoted)."""
+    text = str(exc.args[0]) if exc.args else str(exc)
+    name, _, detail = text.partition(": ")
+    if isinstance(exc, expandvars.UnboundVariable):
+        return f"environment variable {name} is not set (use ${{{name}:-default}} for a fallback, or \\$ for a literal $)"
+    if isinstance(exc, expandvars.ParameterNullOrNotSet):
+        return f"environment variable {name} is not set or empty" + (
+            "" if detail == "parameter null or not set" else f": {detail}"
+        )
+    return f"cannot interpolate environment variables: {text}"
+
+
+def _interpolate(node: Any, path: str) -> Any:
+    if isinstance(node, str):
+        try:
+            # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
+            return expandvars.expand(node, nounset=True, environ=dict(os.environ))
+        except expandvars.ExpandvarsException as exc:
+            raise ConfigError(f"{path or '<root>'}: {_interpolation_message(exc)}") from None
+    if isinstance(node, dict):
+        return {k: _interpolate(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    return node
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc or '<root>'}: {msg}")
+    return "\n".join(lines)
+
+
+def config_from_data(data: Any, *, source: str = "<config>") -> Config:
+    """Validate an already-parsed config tree (after `${VAR}` interpolation). Raises ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    data = _interpolate(data, "")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid config\n{_format_errors(exc)}") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read a YAML or JSON config file (by content: JSON is valid YAML) and validate it.
+
+    Relative `store.path` and `auth.jwt.jwks_file` values are taken relative to the config file's folder.
+    Raises ConfigError naming the file and, for invalid values, each key's path.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"{file}: not valid {'JSON' if file.suffix == '.json' else 'YAML'}: {exc}"
+        ) from None
+    config = config_from_data(data, source=str(file))
+    if not os.path.isabs(config.store.path):
+        config.store.path = str((file.parent / config.store.path).resolve())
+    jwt_cfg = config.auth.jwt
+    if jwt_cfg is not None and jwt_cfg.jwks_file and not os.path.isabs(jwt_cfg.jwks_file):
+        jwt_cfg.jwks_file = str((file.parent / jwt_cfg.jwks_file).resolve())
+    return config
+
+
+SCHEMA_FILE = Path(__file__).with_name("config.schema.json")
+
+
+def config_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the config file, generated from the pydantic models.
+
+    The package ships it as `proxy/config/config.schema.json` so editors can validate config files
+    (`# yaml-language-server: $schema=…`); a test keeps the file equal to this function's output.
+    """
+    schema = Config.model_json_schema(mode="validation")
+    return {
+        **schema,
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "mcp-tasks-proxy config",
+    }

@@ -1,0 +1,283 @@
+"""The config file as pydantic models: the servers (`mcpServers`, Claude Desktop / `.mcp.json`
+entries), their task policies, and the whole file (`Config`).
+
+Contract (design.md "Config contract"): `mcpServers` accepts Claude Desktop / `.mcp.json` entries;
+proxy concerns (`listen`, `store`, `tasks`, ...) sit beside it (`config.sections`); durations are
+strings with units (`500ms`, `30s`, `10m`, `1h`); unknown keys are errors that name the key's path.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from proxy.config.base import Duration
+from proxy.config.base import Strict as _Strict
+from proxy.config.sections import (
+    AuthConfig,
+    ConsoleConfig,
+    LimitsConfig,
+    ListenConfig,
+    LoggingConfig,
+    MetricsConfig,
+    ReplicasConfig,
+    RequestStateConfig,
+    StoreConfig,
+)
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class ToolMode(StrEnum):
+    """How a tool may become a task."""
+
+    OPTIONAL = (
+        "optional"  # a task when still running after detach_after and the request declared the extension
+    )
+    REQUIRED = "required"  # always a task; requests without the extension get -32021
+    FORBIDDEN = "forbidden"  # never a task
+
+
+def _positive(value: float | None, field: str) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{field} must be longer than 0s")
+
+
+class TaskPolicy(_Strict):
+    """Task settings; every field may be left out to inherit from the level above.
+
+    `detach_after` (s): how long a call runs synchronously before it becomes a task.
+    `ttl` (s): retention of a task after it ends (a running task never expires). `poll_interval` (s): the poll
+    interval suggested to clients. `input_timeout` (s): how long a question from the upstream
+    (elicitation, sampling, roots) may stay unanswered before the call fails.
+    """
+
+    detach_after: Duration | None = None
+    ttl: Duration | None = None
+    poll_interval: Duration | None = None
+    input_timeout: Duration | None = None
+
+    @field_validator("ttl", "poll_interval", "input_timeout")
+    @classmethod
+    def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
+        _positive(value, info.field_name or "duration")
+        return value
+
+
+class ToolTasks(TaskPolicy):
+    """Per-tool task settings. `on_restart`: what happens to a detached call of this tool that was
+    running when the proxy died: `fail` (the task fails, naming the restart) or `rerun` (the call
+    is sent again after the restart; for idempotent tools only, since the first run may have had
+    effects; its arguments are then kept in the store)."""
+
+    mode: ToolMode = ToolMode.OPTIONAL
+    on_restart: Literal["fail", "rerun"] = "fail"
+
+
+class ServerTasks(TaskPolicy):
+    """Per-server task settings and per-tool overrides."""
+
+    tools: dict[str, ToolTasks] = Field(default_factory=dict)
+
+
+class DefaultTasks(_Strict):
+    """Defaults for every server."""
+
+    detach_after: Duration = Field("10s", validate_default=True)
+    ttl: Duration = Field("1h", validate_default=True)
+    poll_interval: Duration = Field("2s", validate_default=True)
+    input_timeout: Duration = Field("10m", validate_default=True)
+
+    @field_validator("ttl", "poll_interval", "input_timeout")
+    @classmethod
+    def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
+        _positive(value, info.field_name or "duration")
+        return value
+
+
+_TRANSPORT_KINDS = ("stdio", "http", "streamable-http", "streamablehttp", "sse")
+_CLIENT_ONLY_KEYS = (
+    "disabled",
+    "enabled",
+    "alwaysAllow",
+    "autoApprove",
+    "trust",
+    "description",
+    "disabledTools",
+    "timeout_ms",
+)
+
+
+class ServerEntry(_Strict):
+    """One upstream MCP server, in the Claude Desktop / `.mcp.json` shape plus proxy keys.
+
+    Remote: `url` (Streamable HTTP; Gemini's `httpUrl` too), `headers`. Stdio: `command`, `args`,
+    `env` (added to the proxy's environment), `cwd`. `timeout` (s) is the hard limit of one upstream
+    call (tools/call, prompts/get, resources/read); `request_timeout` (s) bounds every other upstream
+    request (tools/list, …); `init_timeout` (s) the `initialize` handshake; `connect_timeout` (s) a
+    TCP connect (HTTP); `max_response_bytes` the largest upstream reply (larger: a JSON-RPC error).
+    Stdio only: `instances` children per capability set, `max_concurrency` requests in flight,
+    `isolation: per_principal` for a child per principal (at most `max_children` at once, each
+    stopped after `idle_timeout`, 10m by default then), `idle_timeout` (s) to stop an unused child,
+    `max_restarts` quick exits in a row before the server counts as crash-looping.
+    """
+
+    url: str | None = None
+    httpUrl: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    command: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    type: str | None = None
+    transport: str | None = None
+    transportType: str | None = None
+    timeout: Duration = Field("30m", validate_default=True)
+    tasks: ServerTasks = Field(default_factory=ServerTasks)
+    instances: int = Field(1, ge=1, le=64)
+    max_concurrency: int | None = Field(None, ge=1)
+    isolation: Literal["shared", "per_principal"] = "shared"
+    idle_timeout: Duration | None = None
+    init_timeout: Duration = Field("30s", validate_default=True)
+    request_timeout: Duration = Field("30s", validate_default=True)
+    connect_timeout: Duration = Field("10s", validate_default=True)
+    max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_children: int = Field(
+        32, ge=1, description="isolation per_principal: children running at once, across principals"
+    )
+    max_restarts: int = Field(5, ge=1)
+    disabled: bool = False
+    enabled: bool = True
+    alwaysAllow: list[str] | None = None
+    autoApprove: list[str] | None = None
+    trust: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_client_only(cls, data: Any) -> Any:
+        """Accept (and ignore) client-only keys that have no field here, like `disabledTools`."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k in cls.model_fields or k not in _CLIENT_ONLY_KEYS}
+        return data
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> ServerEntry:
+        if self.httpUrl and not self.url:
+            self.url = self.httpUrl
+        if self.url:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
+        if bool(self.url) == bool(self.command):
+            raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
+        kind = (self.type or self.transport or self.transportType or "").lower().replace("_", "-")
+        if kind and kind not in _TRANSPORT_KINDS:
+            raise ValueError(f"unknown transport {kind!r}; use stdio or http (streamable-http)")
+        if kind == "sse":
+            raise ValueError("the legacy HTTP+SSE transport is not supported; use a Streamable HTTP url")
+        if kind == "stdio" and not self.command:
+            raise ValueError("transport stdio needs `command`")
+        if kind and kind != "stdio" and not self.url:
+            raise ValueError(f"transport {kind} needs `url`")
+        for name in ("timeout", "init_timeout", "request_timeout", "connect_timeout"):
+            _positive(getattr(self, name), name)
+        if self.isolation == "per_principal" and self.idle_timeout is None:
+            self.idle_timeout = 600.0  # a child per principal must not outlive its principal's use of it
+        return self
+
+    @property
+    def active(self) -> bool:
+        """False when the entry is switched off with `disabled: true` or `enabled: false`."""
+        return self.enabled and not self.disabled
+
+
+class ResolvedPolicy(BaseModel):
+    """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s)."""
+
+    mode: ToolMode
+    on_restart: Literal["fail", "rerun"] = "fail"
+    detach_after: float
+    ttl: float
+    poll_interval: float
+    input_timeout: float
+    timeout: float
+
+
+class Config(_Strict):
+    """The whole config file."""
+
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    request_state: RequestStateConfig = Field(default_factory=RequestStateConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    tasks: DefaultTasks = Field(default_factory=DefaultTasks)
+    mcpServers: dict[str, ServerEntry] = Field(default_factory=dict)
+    console: ConsoleConfig | None = Field(
+        None, description="the operator console at /console/; off when absent"
+    )
+    replicas: ReplicasConfig | None = Field(
+        None, description="several proxies on one shared store; off when absent"
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> Config:
+        for name in self.mcpServers:
+            if not _NAME.match(name):
+                raise ValueError(f"server name {name!r} must match {_NAME.pattern} (it becomes a URL path)")
+        if not self.servers:
+            raise ValueError("mcpServers must configure at least one enabled server")
+        if self.replicas is not None and not self.store.redis:
+            raise ValueError("replicas need a shared store: set store.url (redis://host:port/db)")
+        if self.console is not None:
+            clients = {digest.removeprefix("sha256:").lower() for digest in self.auth.tokens.values()}
+            for name, digest in self.console.tokens.items():
+                if digest.removeprefix("sha256:").lower() in clients:
+                    raise ValueError(
+                        f"console.tokens.{name} is also a client token in auth.tokens; give the console a token of its own"
+                    )
+        return self
+
+    @property
+    def servers(self) -> dict[str, ServerEntry]:
+        """The enabled servers by name."""
+        return {name: entry for name, entry in self.mcpServers.items() if entry.active}
+
+    def tool_mode(self, server: str, tool: str) -> ToolMode:
+        """The configured task mode of one tool of one server (what `policy(...).mode` gives,
+        without resolving the rest: checked on every legacy `tools/call`)."""
+        tool_cfg = self.mcpServers[server].tasks.tools.get(tool)
+        return tool_cfg.mode if tool_cfg is not None else ToolMode.OPTIONAL
+
+    def policy(self, server: str, tool: str) -> ResolvedPolicy:
+        """Resolve tool → server → defaults for one tool of one server."""
+        entry = self.mcpServers[server]
+        tool_cfg = entry.tasks.tools.get(tool, ToolTasks())
+        layers: list[TaskPolicy] = [tool_cfg, entry.tasks]
+
+        def pick(field: str) -> float:
+            for layer in layers:
+                value = getattr(layer, field)
+                if value is not None:
+                    return value
+            return getattr(self.tasks, field)
+
+        ttl = pick("ttl")
+        if self.limits.max_ttl is not None:
+            ttl = min(ttl, self.limits.max_ttl)
+        return ResolvedPolicy(
+            mode=tool_cfg.mode,
+            on_restart=tool_cfg.on_restart,
+            detach_after=pick("detach_after"),
+            ttl=ttl,
+            poll_interval=pick("poll_interval"),
+            input_timeout=pick("input_timeout"),
+            timeout=entry.timeout,
+        )

@@ -1,0 +1,355 @@
+"""The proxy-wide config sections: where it listens, who may call it, limits, logs and metrics.
+
+Split from `config.py` (which re-exports every name) to keep each module short. Every wait a
+section configures is a duration with a unit; every default is the safe one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Literal
+from urllib.parse import urlsplit
+
+import limits
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from proxy.config.base import Duration, redact_url
+from proxy.config.base import Strict as _Strict
+
+
+class ListenConfig(_Strict):
+    """Where the proxy listens. `port` 0 picks a free port.
+
+    `header_timeout` (s) bounds reading a request head and idle keep-alive connections,
+    `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections;
+    `event_loop` picks the process's loop (`proxy.event_loop`).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any",
+    )
+    max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
+    sse_keepalive: Duration = Field(
+        "15s",
+        validate_default=True,
+        description="SSE comment interval on long synchronous calls and every relayed legacy SSE stream",
+    )
+    replay_events: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="events kept per relayed legacy SSE stream for Last-Event-ID resumption",
+    )
+    replay_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="bytes kept per relayed legacy SSE stream for Last-Event-ID resumption",
+    )
+    drain_timeout: Duration = Field(
+        "30s", validate_default=True, description="on SIGTERM, how long synchronous calls may finish"
+    )
+    drain_detached: Duration = Field(
+        "10m",
+        validate_default=True,
+        description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on (other replicas serve their polls)",
+    )
+    header_timeout: Duration = Field(
+        "10s",
+        validate_default=True,
+        description="how long a connection may take to send a complete request head, and stay idle between requests",
+    )
+    body_timeout: Duration = Field(
+        "30s", validate_default=True, description="how long a client may take to send a request body"
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=8,
+        description="open client connections at most (more are answered 503 and closed); default: half the open-file limit",
+    )
+    event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
+        "asyncio",
+        description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it stops listening for good if it cannot accept for want of descriptors); auto = uvloop when installed",
+    )
+
+    @property
+    def max_body_bytes(self) -> int:
+        """`max_body` in bytes."""
+        return self.max_body
+
+
+class ReplicasConfig(_Strict):
+    """Several proxy processes (replicas) on one shared store, started from one config file.
+
+    `secret` (at least 32 characters, usually `${MCP_REPLICA_SECRET}`) authenticates the replicas
+    to each other on their internal endpoints (`/_replica/...`, which do not exist without it).
+    `advertise` is the base URL the other replicas reach this one at; `{port}` (and `{host}`) are
+    replaced by the address this process listens on, so one file serves every replica. Without it
+    the address is derived from the listen host and port (the host must then be a concrete address,
+    not `0.0.0.0`). `hop_timeout` (s) bounds one replica-to-replica request (connect and answer).
+    """
+
+    secret: str = Field(
+        min_length=32, description="shared by all replicas; authenticates their internal requests"
+    )
+    advertise: str | None = Field(
+        None,
+        description="base URL the other replicas use, like http://10.0.0.5:{port}; default from listen host/port",
+    )
+    hop_timeout: Duration = Field(
+        "2s", validate_default=True, description="bound on one replica-to-replica request"
+    )
+
+    @model_validator(mode="after")
+    def _advertise(self) -> ReplicasConfig:
+        if self.advertise is not None and not re.match(r"^https?://[^/?#]+/?$", self.advertise):
+            raise ValueError(
+                "advertise must be a base URL like http://10.0.0.5:{port} (scheme and host[:port], no path)"
+            )
+        if self.hop_timeout <= 0:
+            raise ValueError("hop_timeout must be longer than 0s")
+        return self
+
+
+class StoreConfig(_Strict):
+    """The task store: a diskcache directory (`path`, served by one proxy process at a time: an OS
+    lock), or a Redis server (`url`, shared by any number of replicas). Give one of the two;
+    without either, `path` defaults to `./var/tasks`.
+
+    `url`: `redis://[:password@]host[:port][/db]` or `rediss://` (TLS); write the password as
+    `${VAR}` (it never appears in logs, errors, /readyz or the console). `prefix`: the start of
+    every Redis key. `timeout` (s): bound on each Redis call (connect, reply, pooled connection).
+    `durable` (diskcache only) fsyncs every batch of writes (group commit); with Redis, durability
+    is Redis's own persistence setting (README "Redis store"). `lease` (s): how long this
+    process's claim on the calls it runs lasts without renewal (renewed every third of it); a task
+    whose owner's lease lapsed is ended (or re-run) by the sweep, which runs every half lease.
+    `write_retry` (s): how long an outcome write the store refuses is retried before the task is
+    shown `failed`, naming the store.
+    """
+
+    path: str = "./var/tasks"
+    url: str | None = Field(
+        None, description="redis:// or rediss:// URL of a shared Redis store (instead of `path`)"
+    )
+    prefix: str = Field(
+        "mcp-tasks-proxy:",
+        min_length=1,
+        max_length=100,
+        description="start of every Redis key (Redis store only)",
+    )
+    timeout: Duration = Field(
+        "5s", validate_default=True, description="bound on each Redis call (Redis store only)"
+    )
+    durable: bool = True
+    lease: Duration = Field("15s", validate_default=True)
+    write_retry: Duration = Field("5s", validate_default=True)
+
+    @field_validator("lease", "write_retry", "timeout")
+    @classmethod
+    def _positive_store_durations(cls, value: float, info: ValidationInfo) -> float:
+        if value <= 0:
+            raise ValueError(f"store.{info.field_name} must be longer than 0s")
+        if info.field_name == "lease" and value < 0.1:
+            raise ValueError("store.lease must be at least 100ms (it is renewed every third of it)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> StoreConfig:
+        if self.url is None:
+            return self
+        if "path" in self.model_fields_set:
+            raise ValueError("give either store.path (a diskcache directory) or store.url (Redis), not both")
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018 (raises ValueError for a bad port)
+        except ValueError:
+            raise ValueError("store.url is not a valid URL (redis://host:port/db)") from None
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ValueError("store.url must be redis://host[:port][/db] or rediss://host[:port][/db]")
+        if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ValueError("store.url: the path must be a database number (redis://host:port/0)")
+        return self
+
+    @property
+    def redis(self) -> bool:
+        """True when the store is Redis (`url` given)."""
+        return self.url is not None
+
+    @property
+    def where(self) -> str:
+        """The store for messages: the directory, or the Redis URL without its password."""
+        return self.path if self.url is None else redact_url(self.url)
+
+
+class RequestStateConfig(_Strict):
+    """Signing of MRTR `requestState` (HMAC-SHA256). Without `secret`, a key is generated once and
+    kept beside the store (`<store.path>/request_state.key`), or in Redis with a Redis store (one
+    key for every replica)."""
+
+    secret: str | None = Field(None, min_length=32)
+
+
+class JwtConfig(_Strict):
+    """JWT verification: keys from `jwks_file` (relative to the config file) or `jwks_url`;
+    `issuer`/`audience` checked when given; the principal is the `principal_claim` claim."""
+
+    jwks_file: str | None = None
+    jwks_url: str | None = None
+    issuer: str | None = None
+    audience: str | None = None
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
+    principal_claim: str = "sub"
+    leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
+    jwks_timeout: Duration = Field(
+        "10s", validate_default=True, description="how long fetching `jwks_url` may take"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JwtConfig:
+        if bool(self.jwks_file) == bool(self.jwks_url):
+            raise ValueError("give exactly one of `jwks_file` and `jwks_url`")
+        return self
+
+
+class TrustedHeaderConfig(_Strict):
+    """A header set by a fronting auth proxy. `trusted_peers` lists the peer addresses or networks
+    (CIDR) allowed to set it; it is required, and `any` (trust the header from every peer, only
+    safe when nothing but the auth proxy can reach this port) must be written out explicitly."""
+
+    name: str = "X-Forwarded-User"
+    trusted_peers: list[str] | Literal["any"] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _peers(self) -> TrustedHeaderConfig:
+        if self.trusted_peers == "any":
+            return self
+        if not self.trusted_peers:
+            raise ValueError(
+                "trusted_peers is required: list the addresses (or CIDR networks) of the auth proxy that sets "
+                f"{self.name}, or write `trusted_peers: any` to trust the header from every peer"
+            )
+        for peer in self.trusted_peers:
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_peers entry {peer!r} is not an IP address or CIDR network"
+                ) from None
+        return self
+
+    def trusts(self, remote: str | None) -> bool:
+        """True when a request from peer address `remote` may set the header."""
+        if self.trusted_peers == "any":
+            return True
+        try:
+            address = ipaddress.ip_address((remote or "").split("%")[0])
+        except ValueError:
+            return False
+        return any(address in ipaddress.ip_network(peer, strict=False) for peer in self.trusted_peers)
+
+
+class AuthConfig(_Strict):
+    """Inbound authentication. `tokens` maps principal names to `sha256:<hex>` token hashes
+    (`mcp-tasks-proxy hash-token` prints one); plain tokens are never written in the config."""
+
+    mode: Literal["none", "bearer", "jwt", "header"] = "none"
+    tokens: dict[str, str] = Field(default_factory=dict)
+    jwt: JwtConfig | None = None
+    header: TrustedHeaderConfig | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> AuthConfig:
+        if self.mode == "bearer":
+            if not self.tokens:
+                raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")
+            for name, digest in self.tokens.items():
+                if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
+                    raise ValueError(
+                        f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
+                    )
+        if self.mode == "jwt" and self.jwt is None:
+            raise ValueError("mode jwt needs a `jwt` section")
+        if self.mode == "header" and self.header is None:
+            raise ValueError(
+                "mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or `any`)"
+            )
+        return self
+
+
+class LimitsConfig(_Strict):
+    """Limits; each refusal is a JSON-RPC error naming the limit (HTTP 429 for rates and counts).
+
+    `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
+    bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
+    largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
+    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window).
+    """
+
+    max_tasks_per_principal: int | None = Field(None, ge=1)
+    max_ttl: Duration | None = None
+    max_result_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    tasks_rate: str | None = Field(
+        None, description="tasks/* calls per principal, like `20/second` or `600/minute`"
+    )
+
+    @model_validator(mode="after")
+    def _rate(self) -> LimitsConfig:
+        if self.tasks_rate is not None:
+            try:
+                limits.parse(self.tasks_rate)
+            except ValueError:
+                raise ValueError(
+                    f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`"
+                ) from None
+        return self
+
+
+class LoggingConfig(_Strict):
+    """Logs: JSON lines on stderr (a readable renderer on a terminal). `log_payloads: true` also logs
+    request bodies (they may contain personal data and secrets; off by default)."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_payloads: bool = False
+
+
+class MetricsConfig(_Strict):
+    """`/metrics`: open by default (bind to loopback or keep it behind a firewall); with `token`
+    (a `sha256:<hex>` hash, as `mcp-tasks-proxy hash-token` prints) it needs `Authorization: Bearer <token>`."""
+
+    token: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")
+
+
+_TOKEN_HASH = r"^sha256:[0-9a-fA-F]{64}$"
+
+
+class ConsoleConfig(_Strict):
+    """The operator console at `/console/` (off unless this section is present).
+
+    `tokens` maps operator names to `sha256:<hex>` token hashes (`mcp-tasks-proxy hash-token`);
+    a console token is accepted as `Authorization: Bearer <token>` or through the sign-in form,
+    which sets a session cookie lasting `session_ttl` (s). Console tokens are never client
+    principals, and client tokens (`auth.tokens`) never open the console.
+    """
+
+    tokens: dict[str, str] = Field(
+        min_length=1, description="operator name: sha256:<hex> hash of its console token"
+    )
+    session_ttl: Duration = Field("8h", validate_default=True, description="how long a console sign-in lasts")
+
+    @model_validator(mode="after")
+    def _hashes(self) -> ConsoleConfig:
+        for name, digest in self.tokens.items():
+            if not re.fullmatch(_TOKEN_HASH, digest):
+                raise ValueError(
+                    f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
+                )
+        if self.session_ttl <= 0:
+            raise ValueError("session_ttl must be longer than 0s")
+        return self
+
+    def hashes(self) -> dict[str, str]:
+        """Lower-case hex digests (without `sha256:`) to operator names."""
+        return {digest.removeprefix("sha256:").lower(): name for name, digest in self.tokens.items()}

@@ -1,0 +1,99 @@
+"""The front's own middlewares: JSON-RPC errors for whatever fails outside a handler, and the
+access log (structlog with contextvars: one line per request with its request id, JSON-RPC method,
+server, tool, principal hash, status and duration in ms; payloads and secrets never, unless
+`logging.log_payloads: true`)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import structlog
+from aiohttp import web
+
+from proxy.runtime import metrics
+
+log = structlog.get_logger("proxy.access")
+ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the request reached the proxy
+
+CLIENT_CLOSED = 499  # the status recorded (never sent) when the client went away before the answer
+
+
+def json_errors():
+    """Middleware: whatever goes wrong outside a JSON-RPC handler (unknown path, wrong HTTP method,
+    an unexpected exception) still answers with a JSON-RPC error body, never a plain-text page."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away: nothing to answer, and not a fault of the proxy
+        except web.HTTPException as exc:
+            if exc.status < 400 or exc.content_type == "application/json":
+                raise
+            code = -32601 if exc.status == 404 else -32600
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {
+                    "code": code,
+                    "message": f"{exc.status} {exc.reason}: {request.method} {request.path}",
+                },
+            }
+            headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
+            return web.json_response(body, status=exc.status, headers=headers)
+        except Exception:
+            log.exception("unhandled_error", path=request.path)
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {"code": -32603, "message": "internal proxy error; see the proxy log"},
+            }
+            return web.json_response(body, status=500)
+
+    return middleware
+
+
+def access_log(*, payloads: bool):
+    """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool and task
+    id) to the log context and write one line per request with its status and duration in ms.
+
+    A client that goes away before its answer is logged as `client_disconnected` and counted with
+    status 499 (never 500)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path in ("/healthz", "/readyz", "/metrics"):
+            return await handler(request)
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=secrets.token_hex(8))
+        started = time.perf_counter()
+        request[ARRIVED_KEY] = asyncio.get_running_loop().time()  # a call's detach clock starts here
+        status = 500
+        event = "request"
+        try:
+            if payloads and request.can_read_body:
+                log.info("request_payload", body=(await request.text())[:65536])
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status, event = CLIENT_CLOSED, "client_disconnected"
+            raise
+        finally:
+            metrics.request_counter("console" if request.path.startswith("/console") else "mcp", status).inc()
+            log.info(
+                event,
+                http_method=request.method,
+                path=request.path,
+                status=status,
+                duration_ms=round((time.perf_counter() - started) * 1000, 2),
+            )
+            structlog.contextvars.clear_contextvars()
+
+    return middleware

@@ -1,0 +1,174 @@
+"""The proxy's own SSE streams toward legacy clients: event ids, a bounded replay buffer, keepalives.
+
+Every SSE stream the HTTP relay opens toward a legacy client (a POST's reply stream, the session's
+standalone GET stream) is a `RelayStream`. Events get ids of the proxy's own, `<token>:<seq>`
+(opaque to the client; `token` is random and names one stream of one client session), whatever
+ids the upstream used. The last events are kept (bounded by count and bytes) so a client that lost
+its connection resumes with `GET` + `Last-Event-ID` (2025-11-25 basic/transports "Resumability and
+Redelivery"): the proxy replays that stream's later events and then continues live, whether or not
+the upstream keeps events itself. The upstream side of a stream is read by a pump task that does
+not depend on the client's connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import deque
+from collections.abc import AsyncIterator
+
+from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_event
+
+DEFAULT_REPLAY_EVENTS = 256
+DEFAULT_REPLAY_BYTES = 1 << 20
+
+
+class RelayStream:
+    """One SSE stream toward a legacy client: numbered events, the last ones kept for replay.
+
+    `max_events` and `max_bytes` bound what is kept (older events are dropped first). `closed`
+    turns True once the stream has said everything (its response, or its error); `cuts` counts the
+    times the proxy dropped the client's connection on purpose (SSE polling, SEP-1699) so the
+    client reconnects with `Last-Event-ID`.
+    """
+
+    def __init__(
+        self, *, kind: str, max_events: int = DEFAULT_REPLAY_EVENTS, max_bytes: int = DEFAULT_REPLAY_BYTES
+    ) -> None:
+        self.kind = kind  # "post" or "get"
+        self.token = secrets.token_urlsafe(12)
+        self.max_events = max(1, max_events)
+        self.max_bytes = max(1024, max_bytes)
+        self._seq = 0
+        self._events: deque[tuple[int, bytes]] = deque()
+        self._bytes = 0
+        self.closed = False
+        self.cuts = 0
+        self.owner = 0  # the ticket of the client connection that has the stream (the newest one)
+        self.attached = 0  # client connections writing this stream now
+        self.idle_since = asyncio.get_running_loop().time()
+        self.pump: asyncio.Task[None] | None = None
+        self.upstream_rid: int | None = None  # the proxy's upstream id of the request a POST stream answers
+        self._wake = asyncio.Event()
+        self.last_data: str | None = (
+            None  # the data of the newest event (a POST stream's answer once it closed)
+        )
+        self.json_only = (
+            False  # its client takes no SSE: it gets the answer only, and no server→client request
+        )
+        self.ended_by: str | None = (
+            None  # why the proxy ended the stream before its answer (the session ended)
+        )
+
+    def event_id(self, seq: int) -> str:
+        """The opaque id of event `seq` of this stream."""
+        return f"{self.token}:{seq}"
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the newest event (0 before the first)."""
+        return self._seq
+
+    def append(self, event: SseEvent) -> None:
+        """Number `event` (its upstream id is replaced), keep it, wake the writers. Ignored once closed."""
+        if self.closed:
+            return
+        self._seq += 1
+        frame = encode_event(SseEvent(event.event, event.data, self.event_id(self._seq), event.retry))
+        self._events.append((self._seq, frame))
+        self.last_data = event.data
+        self._bytes += len(frame)
+        while len(self._events) > 1 and (len(self._events) > self.max_events or self._bytes > self.max_bytes):
+            _, dropped = self._events.popleft()
+            self._bytes -= len(dropped)
+        self._signal()
+
+    def append_frame(self, frame: bytes) -> None:
+        """Append one already encoded SSE message frame (`event:`/`data:` lines), e.g. from a pump
+        that writes bytes; its `id:` (if any) is replaced."""
+        name, data, retry = "message", [], None
+        for line in frame.decode("utf-8", errors="replace").splitlines():
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+            elif field == "retry" and value.isdigit():
+                retry = int(value)
+        if data:
+            self.append(SseEvent(name, "\n".join(data), None, retry))
+
+    async def write(self, frame: bytes) -> None:
+        """`append_frame` for writers that expect a response-like `write(bytes)`."""
+        self.append_frame(frame)
+
+    def close(self) -> None:
+        """Nothing more will be appended; writers end once they sent everything. A stream no
+        client reads is idle from now on (its LINGER_S for resumption starts)."""
+        self.closed = True
+        if not self.attached:
+            self.idle_since = asyncio.get_running_loop().time()
+        self._signal()
+
+    def reopen(self) -> None:
+        """A closed standalone GET stream goes on (a new upstream GET feeds it); numbering continues."""
+        self.closed = False
+
+    def cut(self) -> None:
+        """Drop the attached client connections (the stream goes on; clients resume with Last-Event-ID)."""
+        self.cuts += 1
+        self._signal()
+
+    def take_over(self) -> int:
+        """A new client connection takes the stream: the one writing it so far ends (a message is
+        never sent on two connections, 2025-11-25 transports). Returns the new connection's ticket."""
+        self.owner += 1
+        self._signal()
+        return self.owner
+
+    def _signal(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def replay_from(self, seq: int) -> tuple[int, bool]:
+        """Where a resumption after event `seq` starts: (first kept seq to send, whether events
+        between were already dropped from the buffer)."""
+        first = self._events[0][0] if self._events else self._seq + 1
+        return max(seq + 1, first), seq + 1 < first
+
+    async def frames(self, after: int, keepalive_s: float, ticket: int | None = None) -> AsyncIterator[bytes]:
+        """The frames after event `after`, then live ones as they come, with `KEEPALIVE` after
+        each `keepalive_s` (s) of silence; ends once the stream is closed and everything was
+        yielded, when the stream is cut, or (with a `ticket` from `take_over`) as soon as another
+        connection took the stream over."""
+        cuts = self.cuts
+        sent = after
+        while True:
+            wake = self._wake
+            pending = [(seq, frame) for seq, frame in self._events if seq > sent]
+            if pending:
+                for seq, frame in pending:
+                    if ticket is not None and ticket != self.owner:
+                        return
+                    yield frame
+                    sent = seq
+                continue
+            sent = max(sent, self._seq)  # events dropped meanwhile are not waited for
+            if self.closed or self.cuts != cuts or (ticket is not None and ticket != self.owner):
+                return
+            try:
+                async with asyncio.timeout(keepalive_s):
+                    await wake.wait()
+            except TimeoutError:
+                yield KEEPALIVE
+
+
+def parse_event_id(value: str | None) -> tuple[str, int] | None:
+    """(stream token, seq) from a `Last-Event-ID` the proxy minted; None when it is not one."""
+    if not value:
+        return None
+    token, _, seq = value.strip().rpartition(":")
+    if not token or not seq.isdigit() or len(seq) > 18:
+        return None
+    return token, int(seq)

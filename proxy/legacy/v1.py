@@ -1,0 +1,408 @@
+"""v1 tasks (2025-11-25 experimental tasks) for handshake-era clients, in front of upstreams that
+have no tasks of their own, over the HTTP relay and the stdio bridge alike.
+
+What a v1 client sees (README "What the proxy does, by client dialect"):
+
+- `initialize` declares `capabilities.tasks` (`list`, `cancel`, `requests.tools.call`); the
+  client's own `capabilities.tasks` never reaches the upstream (protocol.md §3.4);
+- `tools/list` carries `execution.taskSupport` per tool from its configured `mode`;
+- `tools/call` with `params.task` answers a v1 `CreateTaskResult` at once (the requestor decides in
+  v1); the call runs upstream as a proxy-owned call without `params.task`;
+- `tasks/get`, `tasks/result`, `tasks/list`, `tasks/cancel` are served by `task_methods_v1`.
+
+When the upstream itself declares `capabilities.tasks`, none of this applies: v1 clients keep the
+plain pass-through to the upstream's own tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.calls.call import Call
+from proxy.config import Config, ToolMode
+from proxy.legacy.v1_methods import V1_TASK_METHODS, V1TaskMethods
+from proxy.protocol import jsonrpc
+from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
+from proxy.protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
+from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_message
+from proxy.tasks.service import TaskService
+from proxy.tasks.wire_v1 import (
+    SERVER_TASKS_CAPABILITY,
+    create_task_result_v1,
+    status_notification,
+    tool_with_task_support,
+    with_related_task,
+)
+from proxy.upstream.http_pool import UpstreamPool
+from proxy.upstream.stdio_pool import StdioPool
+from proxy.upstream.types import UpstreamError
+
+V1_TASKS_VERSION = (
+    "2025-11-25"  # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
+)
+REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
+
+
+def _dumps(obj: Any) -> str:
+    return jsonrpc.dumps_str(obj)
+
+
+class V1Front:
+    """The v1 tasks front of one server (`server`): decides what to intercept, runs task calls,
+    and rewrites the `initialize` and `tools/list` replies the relay passes back."""
+
+    def __init__(
+        self,
+        *,
+        server: str,
+        config: Config,
+        pool: UpstreamPool | StdioPool,
+        tasks: TaskService,
+        keepalive_s: float = 15.0,
+    ) -> None:
+        self.server = server
+        self.config = config
+        self.pool = pool
+        self.tasks = tasks
+        self.methods = V1TaskMethods(tasks, server, keepalive_s=keepalive_s)
+        self._upstream_tasks: bool | None = None
+        # Without client authentication every client is the one principal `anonymous`: then tasks/list
+        # and a session's stream only show the tasks that client session created (their ids are the
+        # secret; 2025-11-25 asks receivers that cannot tell requestors apart not to list others' tasks).
+        self.shared_principal = config.auth.mode == "none"
+        self._origin: dict[str, str] = {}  # task id → client session id that created it (bounded)
+
+    async def upstream_has_tasks(self) -> bool:
+        """True when the upstream's own `initialize` result declares `capabilities.tasks` (then the
+        proxy stays out of v1 task traffic). An unreachable upstream counts as having none."""
+        if self._upstream_tasks is None:
+            try:
+                session = await self.pool.session({}, None)
+            except UpstreamError:
+                return False
+            caps = object_of(session.initialize_result.get("capabilities"))
+            self._upstream_tasks = isinstance(caps.get("tasks"), dict)
+        return self._upstream_tasks
+
+    # -- what passes through, rewritten --------------------------------------------------------
+
+    async def strip_initialize(self, body: Any) -> Any:
+        """The client's `initialize` request without `capabilities.tasks` (unless the upstream has tasks)."""
+        if (
+            not (isinstance(body, dict) and body.get("method") == "initialize")
+            or await self.upstream_has_tasks()
+        ):
+            return body
+        params = object_of(body.get("params"))
+        caps = object_of(params.get("capabilities"))
+        if "tasks" not in caps:
+            return body
+        return {**body, "params": {**params, "capabilities": {k: v for k, v in caps.items() if k != "tasks"}}}
+
+    async def rewrite_reply(self, method: str | None, message: JsonObject) -> JsonObject:
+        """The upstream's reply to `initialize` (adds `capabilities.tasks`) or `tools/list` (adds
+        `execution.taskSupport` per tool); anything else, an error, or an upstream with tasks of
+        its own passes unchanged."""
+        if (
+            method not in REWRITTEN_REPLIES
+            or not isinstance(message.get("result"), dict)
+            or await self.upstream_has_tasks()
+        ):
+            return message
+        result = dict(message["result"])
+        if method == "initialize":
+            if str(result.get("protocolVersion", "")) < V1_TASKS_VERSION:  # v1 tasks are 2025-11-25's
+                return message
+            caps = dict(object_of(result.get("capabilities")))
+            caps["tasks"] = SERVER_TASKS_CAPABILITY
+            result["capabilities"] = caps
+        elif isinstance(result.get("tools"), list):
+            result["tools"] = [
+                tool_with_task_support(tool, self.config.policy(self.server, tool["name"]).mode.value)
+                if isinstance(tool, dict) and isinstance(tool.get("name"), str)
+                else tool
+                for tool in result["tools"]
+            ]
+        return {**message, "result": result}
+
+    async def rewrite_plain(self, method: Any, data: bytes) -> bytes:
+        """A plain JSON reply (bytes) to `initialize` / `tools/list`, rewritten as `rewrite_reply` says."""
+        if method not in REWRITTEN_REPLIES or not data:
+            return data
+        try:
+            message = jsonrpc.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return data
+        if not isinstance(message, dict):
+            return data
+        rewritten = await self.rewrite_reply(method, message)
+        return data if rewritten is message else _dumps(rewritten).encode()
+
+    def event_rewriter(
+        self, method: str | None, request_id: Any
+    ) -> Callable[[SseEvent], Awaitable[SseEvent]] | None:
+        """For the relay's SSE replies: rewrites the event that answers `request_id` (None when
+        `method` needs no rewrite)."""
+        if method not in REWRITTEN_REPLIES:
+            return None
+
+        async def rewrite(event: SseEvent) -> SseEvent:
+            try:
+                msg = jsonrpc.loads(event.data) if event.data.strip() else None
+            except ValueError:
+                return event
+            if isinstance(msg, dict) and jsonrpc.is_response(msg) and msg.get("id") == request_id:
+                return SseEvent(
+                    event.event, _dumps(await self.rewrite_reply(method, msg)), event.id, event.retry
+                )
+            return event
+
+        return rewrite
+
+    def status_pump(
+        self, stream: web.StreamResponse, principal: str, session: str = ""
+    ) -> asyncio.Task[None] | None:
+        """Write `notifications/tasks/status` for each status change of `principal`'s tasks on this
+        server to a session's open GET stream (an SSE response), until the returned task is
+        cancelled; None when the upstream has tasks of its own (its stream is left alone). Without
+        client authentication only the tasks client session `session` created are carried."""
+        if self._upstream_tasks:
+            return None
+
+        async def pump() -> None:
+            with self.tasks.push.subscribe(principal=principal, server=self.server) as sub:
+                while True:
+                    kind, item = await sub.queue.get()
+                    task_id = item[1].task_id if kind == "change" else related_task_id(item)
+                    if self.shared_principal and self._origin.get(task_id) != session:
+                        continue
+                    if kind == "change" and item[0] is not item[1].status:
+                        message = status_notification(item[1])
+                    elif kind == "message" and not self.tasks.push.watched(related_task_id(item)):
+                        message = item  # progress (the v1 token lives as long as the task) unless a tasks/result stream carries it
+                    else:
+                        continue
+                    try:
+                        await stream.write(encode_message(message))
+                    except (ConnectionResetError, aiohttp.ClientConnectionError):
+                        return
+
+        return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
+
+    async def serve_get_stream(
+        self, request: web.Request, alive: Callable[[], bool], principal: str
+    ) -> web.StreamResponse:
+        """The session's standalone GET stream where the proxy itself is the legacy server (stdio
+        upstreams): v1 `notifications/tasks/status` and progress for `principal`'s tasks, an SSE
+        comment every keepalive_s (s), until the client leaves or `alive()` turns False (the
+        session ended)."""
+        stream = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await stream.prepare(request)
+        pump = self.status_pump(stream, principal, request.headers.get("Mcp-Session-Id", "").strip())
+        try:
+            while alive() and pump is not None and not pump.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(pump), timeout=self.methods.keepalive_s)
+                except TimeoutError:
+                    await stream.write(KEEPALIVE)
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass
+        finally:
+            if pump is not None:
+                pump.cancel()
+        return stream
+
+    # -- what the proxy answers itself -------------------------------------------------------
+
+    def for_version(self, body: Any, version: str | None) -> Any:
+        """`body` as the v1 front handles it for a session of `version`: before 2025-11-25 a
+        `params.task` is not a task request (a `mode: required` tool is then refused, not run as a task)."""
+        if (
+            version is None
+            or version >= V1_TASKS_VERSION
+            or not isinstance(body, dict)
+            or not isinstance(body.get("params"), dict)
+            or "task" not in body["params"]
+        ):
+            return body
+        return {**body, "params": {k: v for k, v in body["params"].items() if k != "task"}}
+
+    async def intercepts(self, body: Any, principal: str, version: str | None = None) -> bool:
+        """True when this legacy message is the proxy's to answer: a `tools/call` with `params.task`
+        (from a 2025-11-25 session: `version` is the request's MCP-Protocol-Version, when sent; an
+        older session's `params.task` is not a task request and passes through), a v1 `tasks/*`
+        request, or a response to a question relayed on a `tasks/result` stream."""
+        if not isinstance(body, dict):
+            return False
+        if jsonrpc.is_response(body):
+            target = self.methods.questions.get(body.get("id"))  # type: ignore[arg-type]
+            return target is not None and target[2] == principal
+        method = body.get("method")
+        params = object_of(body.get("params"))
+        wants_task = "task" in params and (version is None or version >= V1_TASKS_VERSION)
+        if method not in V1_TASK_METHODS and not (
+            method == "tools/call" and (wants_task or self._required(params.get("name")))
+        ):
+            return False
+        return "id" in body and not await self.upstream_has_tasks()
+
+    async def handle(
+        self, request: web.Request, body: JsonObject, *, principal: str, capabilities: JsonObject
+    ) -> web.StreamResponse:
+        """Answer an intercepted message. JSON-RPC errors go out in an HTTP 200, as on the 2025-11-25
+        wire (the SDKs read codes only from a 2xx), except limits (429) and the store (503)."""
+        if jsonrpc.is_response(body):
+            await self.methods.answer(body, principal)
+            return web.Response(status=202)
+        request_id = body["id"]
+        params = object_of(body.get("params"))
+        try:
+            method = body["method"]
+            if method == "tasks/result":
+                return await self.methods.result(request, request_id, params, principal)
+            if method == "tasks/get":
+                result = await self.methods.get(params, principal)
+            elif method == "tasks/list":
+                result = await self.methods.list_tasks(params, principal)
+                if self.shared_principal:
+                    session = request.headers.get("Mcp-Session-Id", "").strip()
+                    result["tasks"] = [
+                        t for t in result["tasks"] if self._origin.get(t.get("taskId")) == session
+                    ]
+            elif method == "tasks/cancel":
+                result = await self.methods.cancel(params, principal)
+            elif "task" not in params:
+                raise JsonRpcError(
+                    METHOD_NOT_FOUND,
+                    f"tool {params.get('name')!r} runs only as a task (execution.taskSupport: required): send params.task",
+                )
+            else:
+                result = await self.call_as_task(params, principal=principal, capabilities=capabilities)
+                self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
+                if len(self._origin) > 100_000:
+                    del self._origin[next(iter(self._origin))]
+        except JsonRpcError as exc:
+            return web.json_response(
+                jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc)
+            )
+        return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
+
+    def _required(self, tool: Any) -> bool:
+        """True for a tool configured `mode: required` (then a call without `params.task` is -32601)."""
+        return isinstance(tool, str) and self.config.tool_mode(self.server, tool) is ToolMode.REQUIRED
+
+    async def call_as_task(
+        self, params: JsonObject, *, principal: str, capabilities: JsonObject
+    ) -> JsonObject:
+        """`tools/call` with `params.task` → v1 `CreateTaskResult`, committed before it is returned.
+
+        The upstream gets the call without `params.task` (and with a progress token of the proxy's);
+        `params.task.ttl` (ms) sets the retention, capped by the tool's configured `ttl`. The
+        client's `progressToken` keeps receiving `notifications/progress` on its `tasks/result`
+        streams. Raises JsonRpcError: -32602 for bad params, -32601 for a `mode: forbidden` tool
+        (2025-11-25 tool-level rule), a limit error (HTTP 429), -32603 (HTTP 503) for the store.
+        """
+        tool = params.get("name")
+        if not isinstance(tool, str) or not tool:
+            raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
+        if "arguments" in params and not isinstance(params["arguments"], dict):
+            raise JsonRpcError(INVALID_PARAMS, "tools/call params.arguments must be an object")
+        task = params.get("task")
+        if not isinstance(task, dict):
+            raise JsonRpcError(INVALID_PARAMS, "params.task must be an object ({ttl?: integer ms})")
+        requested = task.get("ttl")
+        if requested is not None and (
+            isinstance(requested, bool) or not isinstance(requested, int) or requested < 0
+        ):
+            raise JsonRpcError(
+                INVALID_PARAMS, "params.task.ttl must be a non-negative integer (ms) or absent"
+            )
+        policy = self.config.policy(self.server, tool)
+        if policy.mode is ToolMode.FORBIDDEN:
+            raise JsonRpcError(
+                METHOD_NOT_FOUND, f"tool {tool!r} does not run as a task (execution.taskSupport: forbidden)"
+            )
+        ttl_s: float | None = policy.ttl
+        if requested is not None:
+            ttl_s = requested / 1000 if ttl_s is None else min(ttl_s, requested / 1000)
+        meta = object_of(params.get("_meta"))
+        upstream_params: JsonObject = {k: v for k, v in params.items() if k != "task"}
+        rest = {k: v for k, v in meta.items() if k not in ("progressToken", META_RELATED_TASK)}
+        if rest:
+            upstream_params["_meta"] = rest
+        else:
+            upstream_params.pop("_meta", None)
+        token = meta.get("progressToken")
+        self.tasks.check_capacity(principal)
+        call = Call(
+            pool=self.pool,
+            server=self.server,
+            tool=tool,
+            params=upstream_params,
+            capabilities=capabilities,
+            timeout=policy.timeout,
+            client_progress_token=token
+            if isinstance(token, (str, int)) and not isinstance(token, bool)
+            else None,
+            input_timeout=policy.input_timeout,
+            principal=principal,
+        )
+        rerun = (
+            {"method": "tools/call", "params": upstream_params, "capabilities": capabilities}
+            if policy.on_restart == "rerun"
+            else None
+        )
+        record = await self.tasks.detach(
+            call,
+            server=self.server,
+            tool=tool,
+            method="tools/call",
+            ttl_s=ttl_s,
+            poll_interval_s=policy.poll_interval,
+            status_message=f"running upstream on {self.server} as a task",
+            rerun=rerun,
+        )
+        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
+        push, task_id = self.tasks.push, record.task_id
+        call.task_notify = lambda message: push.publish(
+            principal=principal,
+            server=self.server,
+            task_id=task_id,
+            message=with_related_task(message, task_id),
+        )
+        call.start()
+        return create_task_result_v1(record)
+
+
+def client_capabilities(body: Any) -> JsonObject:
+    """The legacy client capabilities an `initialize` request declared that upstream calls may use
+    (elicitation, sampling, roots: `upstream_capabilities`); `{}` for anything else."""
+    if not isinstance(body, dict) or body.get("method") != "initialize":
+        return {}
+    caps = object_of(body.get("params")).get("capabilities")
+    return upstream_capabilities(caps) if isinstance(caps, dict) else {}
+
+
+def legacy_status(exc: JsonRpcError) -> int:
+    """The HTTP status of a JSON-RPC error on the handshake-era wire: 200, as the 2025-11-25 SDK
+    servers answer a request they understood (clients read the JSON-RPC code only from a 2xx);
+    a refusal by a limit (429) or by the store (503) keeps its status."""
+    return exc.http_status if exc.http_status in (429, 503) else 200
+
+
+def related_task_id(message: JsonObject) -> str:
+    """The task id in a message's `params._meta["io.modelcontextprotocol/related-task"]` ("" when absent)."""
+    related = object_of(object_of(object_of(message.get("params")).get("_meta")).get(META_RELATED_TASK))
+    task_id = related.get("taskId")
+    return task_id if isinstance(task_id, str) else ""

@@ -1,0 +1,259 @@
+"""The proxy's own `tasks/get`, `tasks/result`, `tasks/list` and `tasks/cancel` for v1 clients
+(2025-11-25 `basic/utilities/tasks`, protocol.md §1.4), over HTTP and stdio upstreams alike.
+
+Tasks belong to the principal and server, never to the session: a client that re-initializes
+reaches them. `tasks/result` blocks until the task is terminal (waits on the store's change
+signal, each wait bounded by the keep-alive interval, SSE comments in between); meanwhile it
+carries the upstream's questions (elicitation, sampling, roots) as requests with proxy-minted ids
+and the related-task `_meta`, the client's `notifications/progress` and
+`notifications/tasks/status`. The client's answer to a question (a JSON-RPC response POSTed under
+the proxy id) reaches the upstream under the upstream's own id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.protocol import jsonrpc
+from proxy.protocol.inputs import InputError
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, RequestId
+from proxy.protocol.sse import KEEPALIVE, encode_message
+from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.service import TaskService
+from proxy.tasks.store import ListFilter, StoreUnavailableError
+from proxy.tasks.wire_v1 import status_notification, task_outcome_v1, v1_status, v1_task, with_related_task
+
+LIST_PAGE = 50  # tasks per tasks/list page
+V1_TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
+
+
+def _store_error(exc: StoreUnavailableError, where: str) -> JsonRpcError:
+    return JsonRpcError(INTERNAL_ERROR, str(exc), {"store": where}, status=503)
+
+
+class _Sse:
+    """A lazily started SSE response for one `tasks/result` request."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.stream: web.StreamResponse | None = None
+        self.announced: str | None = None  # the last status sent in notifications/tasks/status
+
+    async def write(self, data: bytes) -> None:
+        if self.stream is None:
+            self.stream = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
+            await self.stream.prepare(self.request)
+        await self.stream.write(data)
+
+
+class V1TaskMethods:
+    """v1 `tasks/*` for one server (`server`) over the shared TaskService.
+
+    `keepalive_s` (s) bounds each wait of a blocking `tasks/result` (an SSE comment follows a
+    quiet one). `questions` maps the proxy ids of relayed upstream questions to `(task id, input
+    key, principal)` until they are answered or their stream ends.
+    """
+
+    def __init__(self, tasks: TaskService, server: str, *, keepalive_s: float = 15.0) -> None:
+        self.tasks = tasks
+        self.server = server
+        self.keepalive_s = keepalive_s
+        self.questions: dict[RequestId, tuple[str, str, str]] = {}
+
+    async def _lookup(self, params: JsonObject, principal: str) -> TaskRecord:
+        await self.tasks.check_rate(principal)
+        return await self.tasks.lookup(params.get("taskId"), principal=principal, server=self.server)
+
+    async def get(self, params: JsonObject, principal: str) -> JsonObject:
+        """`tasks/get` → the v1 Task (flat in the result).
+
+        Raises JsonRpcError: -32602 for a missing, unknown, expired or foreign id; a limit error for
+        `tasks_rate` (HTTP 429); -32603 (HTTP 503) when the store cannot be read.
+        """
+        return v1_task(await self._lookup(params, principal))
+
+    async def list_tasks(self, params: JsonObject, principal: str) -> JsonObject:
+        """`tasks/list` → `{tasks: [Task…], nextCursor?}`: the caller's own tasks on this server,
+        newest first, LIST_PAGE per page. Raises JsonRpcError -32602 for a cursor the proxy did not
+        hand out, -32603 (HTTP 503) when the store cannot be read."""
+        await self.tasks.check_rate(principal)
+        cursor = params.get("cursor")
+        if cursor is not None and not isinstance(cursor, str):
+            raise JsonRpcError(INVALID_PARAMS, "params.cursor must be a string")
+        try:
+            records, next_cursor = await self.tasks.store.list_tasks(
+                ListFilter(principal=principal, server=self.server), cursor=cursor, limit=LIST_PAGE
+            )
+        except ValueError:
+            raise JsonRpcError(INVALID_PARAMS, "invalid cursor") from None
+        except StoreUnavailableError as exc:
+            raise _store_error(exc, self.tasks.store.where) from None
+        out: JsonObject = {"tasks": [v1_task(record) for record in records]}
+        if next_cursor:
+            out["nextCursor"] = next_cursor
+        return out
+
+    async def cancel(self, params: JsonObject, principal: str) -> JsonObject:
+        """`tasks/cancel` → the Task after cancellation (`cancelled` before this returns; sticky);
+        the upstream gets `notifications/cancelled`.
+
+        Raises JsonRpcError: -32602 for an unknown id or a task already terminal (v1 MUST), -32603
+        (HTTP 503) naming the store when it cannot write.
+        """
+        record = await self._lookup(params, principal)
+        if record.status.terminal:
+            raise JsonRpcError(
+                INVALID_PARAMS,
+                f"task {record.task_id} is already {v1_status(record)}; it cannot be cancelled",
+            )
+        try:
+            record = await self.tasks.cancel(record, by="client")
+        except StoreUnavailableError as exc:
+            raise _store_error(exc, self.tasks.store.where) from None
+        if record.status is not TaskStatus.CANCELLED:  # the work won the race
+            raise JsonRpcError(
+                INVALID_PARAMS,
+                f"task {record.task_id} is already {v1_status(record)}; it cannot be cancelled",
+            )
+        return v1_task(record)
+
+    async def answer(self, body: JsonObject, principal: str) -> bool:
+        """Deliver a client's JSON-RPC response to a relayed question (False: not one of ours).
+
+        A result reaches the upstream as the response to its own request id; a JSON-RPC error goes
+        upstream as that error; anything else as -32602 ("malformed input response")."""
+        target = self.questions.get(body.get("id"))  # type: ignore[arg-type]
+        if target is None or target[2] != principal:
+            return False
+        task_id, key, _ = target
+        self.questions.pop(body["id"], None)
+        try:
+            record = await self.tasks.lookup(task_id, principal=principal, server=self.server)
+        except JsonRpcError:
+            return True  # the task is gone: nothing left to answer
+        error = body.get("error")
+        value = (
+            body["result"]
+            if isinstance(body.get("result"), dict)
+            else InputError(error)
+            if isinstance(error, dict)
+            else None
+        )
+        await self.tasks.answer(record, {key: value})
+        return True
+
+    async def result(
+        self, request: web.Request, request_id: RequestId, params: JsonObject, principal: str
+    ) -> web.StreamResponse:
+        """`tasks/result`: block until the task is terminal, then answer exactly the upstream's
+        CallToolResult (with the related-task `_meta`) or its JSON-RPC error.
+
+        Raises JsonRpcError before anything is streamed: -32602 for an unknown id, a limit error,
+        -32603 (HTTP 503) for the store. A client that closes the stream only stops waiting.
+        """
+        record = await self._lookup(params, principal)
+        task_id = record.task_id
+        sse = _Sse(request)
+        minted: list[RequestId] = []
+        asked: set[str] = set()
+        final: JsonObject | None = None
+        waited = False
+        try:
+            with self.tasks.push.subscribe(
+                principal=principal, server=self.server, task_ids=frozenset({task_id})
+            ) as sub:
+                while not record.status.terminal:
+                    for key, question in record.input_requests.items():
+                        if key not in asked:
+                            asked.add(key)
+                            proxy_id = "mtp-" + secrets.token_urlsafe(9)
+                            self.questions[proxy_id] = (task_id, key, principal)
+                            minted.append(proxy_id)
+                            message = jsonrpc.request(proxy_id, question["method"], question.get("params"))
+                            await sse.write(encode_message(with_related_task(message, task_id)))
+                    record = await self._wait(sse, sub, record)
+                    waited = True
+                await self._relay(sse, sub, [], record.task_id)  # what was pushed while the last read ran
+                if waited and sse.announced != record.status.value:
+                    # The read can see the terminal record before the store's listeners ran: announce it here.
+                    await sse.write(encode_message(status_notification(record)))
+        except JsonRpcError as exc:  # the task expired or the store failed while we waited
+            if sse.stream is None:
+                raise
+            final = jsonrpc.error_response(request_id, exc.to_error())
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            return sse.stream or web.Response(status=499)  # the client went away; the task goes on
+        finally:
+            for minted_id in minted:
+                self.questions.pop(minted_id, None)
+        if final is None:
+            result, error = task_outcome_v1(record)
+            final = (
+                jsonrpc.response(request_id, result)
+                if result is not None
+                else jsonrpc.error_response(request_id, error or {})
+            )
+        if sse.stream is None:
+            return web.json_response(final)
+        try:
+            await sse.stream.write(encode_message(final))
+            await sse.stream.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass
+        return sse.stream
+
+    async def _wait(self, sse: _Sse, sub: Any, record: TaskRecord) -> TaskRecord:
+        """One bounded wait (≤ keepalive_s): relay what was pushed, then the record as it is now."""
+        changed = asyncio.ensure_future(
+            self.tasks.store.wait_for_change(record.task_id, record.version, self.keepalive_s)
+        )
+        pushed = asyncio.ensure_future(sub.queue.get())
+        try:
+            done, _ = await asyncio.wait(
+                {changed, pushed}, timeout=self.keepalive_s + 1.0, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for fut in (changed, pushed):
+                if not fut.done():
+                    fut.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await fut
+        items = await self._relay(
+            sse, sub, [pushed.result()] if pushed in done and not pushed.cancelled() else [], record.task_id
+        )
+        now = (
+            changed.result()
+            if changed in done and not changed.cancelled() and changed.exception() is None
+            else record
+        )
+        moved = now is None or now.version != record.version
+        if not items and not moved:
+            await sse.write(KEEPALIVE)
+        return await self.tasks.lookup(record.task_id, principal=record.principal, server=self.server)
+
+    async def _relay(self, sse: _Sse, sub: Any, items: list[Any], task_id: str) -> list[Any]:
+        """Send `items` and whatever else the subscription queued: progress (with the related-task
+        `_meta`) and `notifications/tasks/status` for status changes. Returns what it sent."""
+        while not sub.queue.empty():
+            items.append(sub.queue.get_nowait())
+        for kind, item in items:
+            if kind == "message":
+                await sse.write(encode_message(with_related_task(item, task_id)))
+            elif kind == "change":
+                before, new = item
+                if before is not new.status and sse.announced != new.status.value:
+                    await sse.write(encode_message(status_notification(new)))
+                    sse.announced = new.status.value
+        return items

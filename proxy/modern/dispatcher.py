@@ -1,0 +1,317 @@
+"""Modern-era (2026-07-28) method dispatch for one configured upstream server: a method table that only routes.
+
+The proxy answers `server/discover` and `tasks/*` itself (`task_methods`), runs `tools/call`,
+`prompts/get` and `resources/read` as proxy-owned calls (`calls`), relays list changes on
+`subscriptions/listen` (`listen`), and forwards everything else to the upstream session that
+matches the request's client capabilities, translating results on the way back (protocol.md §1.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from proxy import __version__
+from proxy.calls.mrtr import ParkedCalls
+from proxy.calls.runner import CallRunner, require_tasks_for
+from proxy.calls.types import Reply
+from proxy.calls.upstream_tasks import UpstreamTasks
+from proxy.config import Config, ToolMode
+from proxy.modern.listen import ListenHub
+from proxy.modern.param_headers import ParamHeaderIndex
+from proxy.modern.task_methods import TaskMethods
+from proxy.protocol.era import (
+    LEGACY_VERSIONS,
+    META_SERVER_INFO,
+    MODERN_VERSIONS,
+    TASKS_EXTENSION,
+    Envelope,
+    check_param_headers,
+    modern_method_refusal,
+    strip_envelope,
+    upstream_capabilities,
+)
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError
+from proxy.protocol.translate import modern_error, modern_result
+from proxy.runtime.drain import Drain
+from proxy.tasks.service import TaskService
+from proxy.upstream.http import UpstreamSession
+from proxy.upstream.http_pool import UpstreamPool
+from proxy.upstream.stdio import StdioSession
+from proxy.upstream.stdio_pool import StdioPool
+from proxy.upstream.types import SessionExpiredError, UpstreamError
+
+log = structlog.get_logger("proxy.dispatch")
+
+Handler = Callable[[JsonObject, JsonObject, Envelope, str, Reply], Awaitable[JsonObject]]
+
+
+class ServerDispatcher:
+    """Routes modern requests for one upstream server (`name`); shares the TaskService across servers."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        config: Config,
+        pool: UpstreamPool | StdioPool,
+        tasks: TaskService,
+        parked: ParkedCalls,
+        keepalive_s: float = 15.0,
+        drain: Drain | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.pool = pool
+        self.tasks = tasks
+        self.keepalive_s = keepalive_s
+        self.drain = drain or Drain()
+        self.listeners = ListenHub()
+        self.param_headers = ParamHeaderIndex(name)
+        self.task_methods = TaskMethods(tasks, name)
+        self.upstream_tasks = UpstreamTasks(name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s)
+        self.calls = CallRunner(
+            name=name,
+            pool=pool,
+            tasks=tasks,
+            parked=parked,
+            drain=self.drain,
+            keepalive_s=keepalive_s,
+            on_server_notification=self.server_notification,
+        )
+        self.routes: dict[str, Handler] = {
+            "server/discover": lambda body, params, envelope, principal, reply: self.discover(
+                envelope, principal
+            ),
+            "tasks/get": lambda body, params, envelope, principal, reply: self.task_methods.get(
+                params, envelope, principal
+            ),
+            "tasks/update": lambda body, params, envelope, principal, reply: self.task_methods.update(
+                params, envelope, principal
+            ),
+            "tasks/cancel": lambda body, params, envelope, principal, reply: self.task_methods.cancel(
+                params, envelope, principal
+            ),
+            "tools/call": lambda body, params, envelope, principal, reply: self.call_tool(
+                params, envelope, principal=principal, reply=reply
+            ),
+            "prompts/get": lambda body, params, envelope, principal, reply: self.read(
+                "prompts/get", "name", params, envelope, principal, reply
+            ),
+            "resources/read": lambda body, params, envelope, principal, reply: self.read(
+                "resources/read", "uri", params, envelope, principal, reply
+            ),
+            "subscriptions/listen": self._listen,
+        }
+
+    async def dispatch(
+        self, body: JsonObject, envelope: Envelope, *, principal: str, reply: Reply
+    ) -> JsonObject:
+        """Answer one request; return the `result` object. Raises JsonRpcError for error replies
+        (-32601, HTTP 404, for any method outside the 2026-07-28 surface: it never reaches the upstream)."""
+        method = body["method"]
+        params = body.get("params") or {}
+        structlog.contextvars.bind_contextvars(rpc_method=method, server=self.name)
+        refusal = modern_method_refusal(method)
+        if refusal is not None:
+            raise refusal
+        handler = self.routes.get(method)
+        if handler is not None:
+            return await handler(body, params, envelope, principal, reply)
+        return await self.forward(method, params, envelope, principal)
+
+    # -- server/discover ---------------------------------------------------------------------
+
+    async def discover(self, envelope: Envelope, principal: str | None = None) -> JsonObject:
+        """`server/discover`, built from the upstream's `initialize` result plus the tasks extension."""
+        session = await self._session(envelope, principal)
+        init = session.initialize_result
+        caps = {
+            k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")
+        }
+        for key in ("tools", "prompts", "resources"):
+            if isinstance(caps.get(key), dict):
+                # listChanged stays: the proxy relays the upstream's list changes on subscriptions/listen.
+                caps[key] = {k: v for k, v in caps[key].items() if k != "subscribe"}
+        extensions = dict(caps.get("extensions") or {})
+        extensions[TASKS_EXTENSION] = {}
+        caps["extensions"] = extensions
+        result: JsonObject = {
+            "resultType": "complete",
+            "supportedVersions": [*MODERN_VERSIONS, *LEGACY_VERSIONS],
+            "capabilities": caps,
+            "ttlMs": 0,
+            "cacheScope": "private",
+            "_meta": {
+                META_SERVER_INFO: {
+                    "name": "mcp-tasks-proxy",
+                    "version": __version__,
+                    "upstream": init.get("serverInfo"),
+                }
+            },
+        }
+        if init.get("instructions"):
+            result["instructions"] = init["instructions"]
+        return result
+
+    async def _listen(
+        self, body: JsonObject, params: JsonObject, envelope: Envelope, principal: str, reply: Reply
+    ) -> JsonObject:
+        session = await self._session(envelope, principal)
+        caps = session.initialize_result.get("capabilities") or {}
+        return await self.listeners.listen(
+            body["id"],
+            params,
+            envelope,
+            upstream_capabilities=caps,
+            reply=reply,
+            keepalive_s=self.keepalive_s,
+            tasks=self.tasks,
+            principal=principal,
+            server=self.name,
+        )
+
+    # -- tools/call, prompts/get, resources/read ---------------------------------------------
+
+    async def call_tool(
+        self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply
+    ) -> JsonObject:
+        """Run `tools/call` upstream; return its result, an InputRequiredResult (SEP-2322), or a flat
+        CreateTaskResult (ext-tasks, once the call outlives `detach_after` s since it arrived).
+
+        Raises JsonRpcError: -32602 for bad params or a bad `requestState`, -32020 for a missing
+        `Mcp-Param` header, -32021 for a `required` tool without the tasks extension, a limit error
+        (HTTP 429), the upstream's own error (translated), or -32603 naming the layer that gave up.
+        """
+        arrived = getattr(reply, "arrived", None) or asyncio.get_running_loop().time()
+        tool = params.get("name")
+        if not isinstance(tool, str) or not tool:
+            raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
+        if "arguments" in params and not isinstance(params["arguments"], dict):
+            raise JsonRpcError(INVALID_PARAMS, "tools/call params.arguments must be an object")
+        structlog.contextvars.bind_contextvars(tool=tool)
+        policy = self.config.policy(self.name, tool)
+        if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
+            raise require_tasks_for(tool)
+        names = await self.param_headers.names(
+            tool, principal, lambda page: self.forward("tools/list", page, envelope, principal)
+        )
+        if names:
+            check_param_headers(getattr(reply, "headers", {}), params.get("arguments"), names)
+        if "requestState" not in params and policy.mode is not ToolMode.FORBIDDEN:
+            # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
+            support = await self.upstream_tasks.support(
+                tool, upstream_capabilities(envelope.capabilities), principal
+            )
+            if support == "required" or (support == "optional" and envelope.declares_tasks):
+                return await self.upstream_tasks.call(
+                    params,
+                    envelope,
+                    principal=principal,
+                    reply=reply,
+                    policy=policy,
+                    as_task=envelope.declares_tasks,
+                )
+        if policy.mode is ToolMode.REQUIRED:
+            self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
+        return await self.calls.run(
+            "tools/call",
+            tool,
+            params,
+            envelope,
+            principal=principal,
+            reply=reply,
+            policy=policy,
+            arrived=arrived,
+        )
+
+    async def read(
+        self, method: str, key: str, params: JsonObject, envelope: Envelope, principal: str, reply: Reply
+    ) -> JsonObject:
+        """`prompts/get` / `resources/read` as MRTR-capable calls that never become tasks.
+
+        Raises JsonRpcError -32602 when `params.<key>` is not a non-empty string, else as `call_tool`.
+        """
+        arrived = getattr(reply, "arrived", None) or asyncio.get_running_loop().time()
+        name = params.get(key)
+        if not isinstance(name, str) or not name:
+            raise JsonRpcError(INVALID_PARAMS, f"{method} needs params.{key} (a string)")
+        policy = self.config.policy(self.name, name).model_copy(update={"mode": ToolMode.FORBIDDEN})
+        return await self.calls.run(
+            method, name, params, envelope, principal=principal, reply=reply, policy=policy, arrived=arrived
+        )
+
+    # -- everything else ---------------------------------------------------------------------
+
+    async def _session(
+        self, envelope: Envelope, principal: str | None = None
+    ) -> UpstreamSession | StdioSession:
+        try:
+            return await self.pool.session(upstream_capabilities(envelope.capabilities), principal)
+        except UpstreamError as exc:
+            raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
+
+    async def forward(
+        self, method: str, params: JsonObject, envelope: Envelope, principal: str | None = None
+    ) -> JsonObject:
+        """Forward a request upstream on the session for the request's capabilities; return its result
+        in the 2026-07-28 shape (protocol.md §4.4).
+
+        Raises JsonRpcError: the upstream's error (translated), or -32603 when the upstream is
+        unreachable or keeps expiring its session.
+        """
+        upstream_params = strip_envelope(params)
+        for attempt in (1, 2):
+            session = await self._session(envelope, principal)
+            try:
+                reply = await session.request(
+                    method,
+                    upstream_params or None,
+                    handler=_ignore_messages(session, self.server_notification),
+                )
+                break
+            except SessionExpiredError:
+                if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
+                    self.pool.discard(session)
+                if attempt == 2:
+                    raise JsonRpcError(
+                        INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session"
+                    ) from None
+            except UpstreamError as exc:
+                raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
+        if "error" in reply:
+            error = modern_error(reply["error"])
+            raise JsonRpcError(error["code"], error["message"], error.get("data"))
+        result = modern_result(method, reply["result"])
+        if method == "tools/list" and not params.get("cursor") and not result.get("nextCursor"):
+            self.param_headers.remember(principal or "", result)
+        return result
+
+    def server_notification(self, message: JsonObject) -> None:
+        """An upstream server-wide notification seen on some request's stream: forget cached tool
+        annotations on a tool list change, and offer it to the listen streams."""
+        if message.get("method") == "notifications/tools/list_changed":
+            self.param_headers.clear()
+            self.upstream_tasks.clear()
+        self.listeners.publish(message)
+
+
+def _ignore_messages(
+    session: Any, on_notification: Callable[[JsonObject], None]
+) -> Callable[[JsonObject], Awaitable[None]]:
+    """Message handler for a forwarded request: list changes go to the listen streams, upstream
+    questions are refused (only tools/call, prompts/get and resources/read run MRTR rounds)."""
+
+    async def handler(msg: JsonObject) -> None:
+        if "id" not in msg:
+            on_notification(msg)
+        elif "method" in msg:
+            await session.respond(
+                msg["id"],
+                error={"code": METHOD_NOT_FOUND, "message": f"the proxy does not relay {msg['method']} here"},
+            )
+
+    return handler

@@ -1,0 +1,167 @@
+"""Reading and writing Server-Sent Events frames (WHATWG HTML "Server-sent events" §9.2).
+
+Only what MCP's Streamable HTTP uses: `event`, `data` (multi-line), `id`, `retry`, comments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.protocol import jsonrpc
+
+
+@dataclass
+class SseEvent:
+    """One dispatched event: `event` name ("message" by default), joined `data`, last `id`, `retry` (ms)."""
+
+    event: str
+    data: str
+    id: str | None
+    retry: int | None
+
+
+class EventTooLargeError(ValueError):
+    """An SSE event grew past the size limit given to `iter_events` (bytes)."""
+
+
+class SseParser:
+    """Incremental SSE parser: `feed(chunk)` returns the events that chunk completed, `end()` the
+    last one when the stream ends without a blank line. Lines may be of any length.
+
+    With `max_event_bytes`, an event (its lines, buffered) larger than that many bytes raises
+    EventTooLargeError from `feed`, after the events the same chunk completed were handed out
+    (`pending_error`, raised by the caller once it has used them)."""
+
+    __slots__ = ("_buffer", "_data", "_size", "_event", "_last_id", "_retry", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        self._buffer = bytearray()
+        self._data: list[str] = []
+        self._size = 0
+        self._event = ""
+        self._last_id: str | None = None
+        self._retry: int | None = None
+        self.max_event_bytes = max_event_bytes
+
+    def feed(self, chunk: bytes) -> tuple[list[SseEvent], EventTooLargeError | None]:
+        """The events `chunk` completes, and the error to raise after them (an event grew too large)."""
+        out: list[SseEvent] = []
+        buffer = self._buffer
+        start = len(buffer)
+        buffer += chunk
+        cut = buffer.find(b"\n", start)
+        while cut >= 0:
+            raw = bytes(buffer[:cut])
+            del buffer[: cut + 1]
+            cut = buffer.find(b"\n")
+            line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
+            self._size += len(raw) + 1
+            if not line:
+                if self._data or self._event:
+                    out.append(
+                        SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)
+                    )
+                self._data, self._event, self._size = [], "", 0
+                continue
+            if line.startswith(":"):
+                continue
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "data":
+                self._data.append(value)
+            elif field == "event":
+                self._event = value
+            elif field == "id":
+                self._last_id = value
+            elif field == "retry" and value.isdigit():
+                self._retry = int(value)
+        if self.max_event_bytes is not None and self._size + len(buffer) > self.max_event_bytes:
+            return out, EventTooLargeError(f"an SSE event is larger than {self.max_event_bytes} bytes")
+        return out, None
+
+    def end(self) -> list[SseEvent]:
+        """The event left unterminated when the stream ended (if it has data)."""
+        return (
+            [SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)]
+            if self._data
+            else []
+        )
+
+
+async def iter_events(
+    chunks: AsyncIterator[bytes], *, max_event_bytes: int | None = None
+) -> AsyncIterator[SseEvent]:
+    """Turn a byte stream into SSE events. Lines may be of any length (a 5 MB `data:` line is fine).
+
+    With `max_event_bytes`, an event (its lines, buffered) larger than that many bytes raises
+    EventTooLargeError before it is held in memory in full.
+    """
+    parser = SseParser(max_event_bytes)
+    async for chunk in chunks:
+        events, error = parser.feed(chunk)
+        for event in events:
+            yield event
+        if error is not None:
+            raise error
+    for event in parser.end():
+        yield event
+
+
+class ReaderEvents:
+    """`iter_events` over `reader.readany()` (an aiohttp StreamReader) as a plain async iterator:
+    no async generator and no chunk iterator stay alive per open stream (issue "Performance": a
+    detached call holds its reply stream for as long as the upstream works)."""
+
+    __slots__ = ("_reader", "_parser", "_ready", "_error", "_ended")
+
+    def __init__(self, reader: Any, *, max_event_bytes: int | None = None) -> None:
+        self._reader = reader
+        self._parser = SseParser(max_event_bytes)
+        self._ready: list[SseEvent] = []
+        self._error: EventTooLargeError | None = None
+        self._ended = False
+
+    def __aiter__(self) -> ReaderEvents:
+        return self
+
+    async def __anext__(self) -> SseEvent:
+        while not self._ready:
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            chunk = await self._reader.readany()
+            if chunk:
+                events, self._error = self._parser.feed(chunk)
+            else:
+                events, self._ended = self._parser.end(), True
+            self._ready = events[::-1]
+        return self._ready.pop()
+
+
+def encode_event(event: SseEvent) -> bytes:
+    """Serialize an event again (name, id and retry kept; multi-line data split into lines)."""
+    out = []
+    if event.event != "message":
+        out.append(f"event: {event.event}")
+    else:
+        out.append("event: message")
+    if event.id is not None:
+        out.append(f"id: {event.id}")
+    if event.retry is not None:
+        out.append(f"retry: {event.retry}")
+    out.extend(f"data: {line}" for line in event.data.split("\n"))
+    return ("\n".join(out) + "\n\n").encode()
+
+
+def encode_message(message: dict) -> bytes:
+    """One SSE `message` event carrying a JSON-RPC message."""
+    return b"event: message\ndata: " + jsonrpc.dumps(message) + b"\n\n"
+
+
+KEEPALIVE = b": keepalive\n\n"
+# SSE polling (SEP-1699): an upstream that closes a stream with an event id and `retry` is resumed.
+MAX_RESUME_ATTEMPTS = 2  # resumptions in a row that bring no event before the request fails
+MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming

@@ -1,0 +1,141 @@
+"""What the HTTP and stdio connectors share: their error types, the bounds of one server's waits,
+the capability-set key, and the readiness probe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from proxy.protocol.jsonrpc import JsonObject
+
+# Called with every message that arrives on a request's stream before its response:
+# notifications and server→client requests. Returns nothing; answers go through `respond`.
+MessageHandler = Callable[[JsonObject], Awaitable[None]]
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or broke the transport; the message names the cause."""
+
+
+class SessionExpiredError(UpstreamError):
+    """The upstream answered 404 for our session id: it must be initialized again."""
+
+
+class SessionBrokenError(SessionExpiredError):
+    """A request went onto a session that had already broken and got nothing back: it was never
+    delivered, so it may be sent again on a new session (retried like an expired session)."""
+
+
+class OpenQuestions:
+    """The server→client request ids an upstream session asked that the proxy has not answered.
+
+    `claim(id)` is True exactly once per asked id, so whatever races (an answer, a cancel, an input
+    timeout, a shutdown) the upstream gets one response per id. At most `limit` ids are kept (the
+    oldest unanswered are forgotten first).
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._ids: dict[tuple[str, Any], None] = {}
+
+    @staticmethod
+    def _key(request_id: Any) -> tuple[str, Any]:
+        return type(request_id).__name__, request_id
+
+    def asked(self, request_id: Any) -> None:
+        """The upstream sent a request with this id."""
+        self._ids[self._key(request_id)] = None
+        while len(self._ids) > self.limit:
+            del self._ids[next(iter(self._ids))]
+
+    def claim(self, request_id: Any) -> bool:
+        """True when `request_id` was asked and not answered yet (it is answered from now on)."""
+        key = self._key(request_id)
+        if key not in self._ids:
+            return False
+        del self._ids[key]
+        return True
+
+
+# Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
+# request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
+CALL_METHODS = frozenset(
+    {"tools/call", "prompts/get", "resources/read", "tasks/result"}
+)  # bounded by the hard `timeout`
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The waits and sizes of one upstream server, from its config entry (seconds, bytes).
+
+    `call_timeout` bounds a call method, `request_timeout` any other request, `init_timeout` the
+    `initialize` handshake, `connect_timeout` a TCP connect; `max_response_bytes` one reply.
+    """
+
+    call_timeout: float = 1800.0
+    request_timeout: float = 30.0
+    init_timeout: float = 30.0
+    connect_timeout: float = 10.0
+    max_response_bytes: int = 16 * 1024 * 1024
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> Bounds:
+        """The bounds configured on a `ServerEntry`."""
+        return cls(
+            entry.timeout,
+            entry.request_timeout,
+            entry.init_timeout,
+            entry.connect_timeout,
+            entry.max_response_bytes,
+        )
+
+    def for_method(self, method: str) -> tuple[float, str]:
+        """The bound (s) of one request and the config key that sets it."""
+        if method == "initialize":
+            return self.init_timeout, "init_timeout"
+        if method in CALL_METHODS:
+            return self.call_timeout, "timeout"
+        return self.request_timeout, "request_timeout"
+
+
+async def probe(pool: Any, timeout_s: float) -> str | None:
+    """Get `pool`'s session for no optional capabilities (opening it if needed) and, when the
+    upstream offers tools, list them, all within `timeout_s` seconds; None when that works, else a
+    sentence saying why not (for /readyz: an upstream that hangs on either is not ready)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            session = await pool.session({})
+            if "tools" in (session.initialize_result.get("capabilities") or {}):
+                await session.request("tools/list", None, handler=None)
+    except TimeoutError:
+        return f"upstream {pool.server} did not get ready (initialize and tools/list) within {timeout_s:g} s"
+    except UpstreamError as exc:
+        return str(exc)
+    return None
+
+
+def caps_key(capabilities: JsonObject) -> str:
+    """A stable key for a capability set (sorted JSON)."""
+    return json.dumps(capabilities, sort_keys=True, separators=(",", ":"))
+
+
+async def read_body(resp: aiohttp.ClientResponse, limit: int, server: str) -> bytes:
+    """The whole body of an upstream reply, refused (UpstreamError)
+    once larger than `limit` bytes or when the connection breaks mid-body."""
+    too_large = f"upstream {server} sent a reply larger than max_response_bytes ({limit} bytes)"
+    if (resp.content_length or 0) > limit:
+        raise UpstreamError(too_large)
+    body = bytearray()
+    try:
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > limit:
+                raise UpstreamError(too_large)
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamError(f"upstream {server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
+    return bytes(body)
