@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 from collections.abc import AsyncIterator
@@ -12,9 +13,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from proxy.calls.call import Call
 from proxy.calls.mrtr import ParkedCalls, load_or_create_key, shared_key
-from proxy.calls.upstream_tasks import UpstreamTaskCall
+from proxy.calls.rerun import Rerunner
 from proxy.config import Config, ServerEntry
 from proxy.console import CONSOLE_KEY, ConsoleData, build_console
 from proxy.front.auth import Authenticator, auth_middleware
@@ -23,33 +23,34 @@ from proxy.front.guards import default_allowed_hosts, host_guard
 from proxy.front.middleware import access_log, json_errors
 from proxy.legacy.bridge import LegacyBridge
 from proxy.modern.dispatcher import ServerDispatcher
-from proxy.protocol.jsonrpc import object_of
-from proxy.replicas import REPLICAS_KEY, Replicas, advertised_url, make_router, on_response_prepare
-from proxy.replicas.forward import SECRET_HEADER as REPLICA_SECRET_HEADER
+from proxy.protocol.jsonrpc import JsonObject
+from proxy.replicas import Replicas, advertised_url, make_router, on_response_prepare
+from proxy.replicas.internal import INTERNAL_KEY, InternalEndpoints
 from proxy.replicas.internal import PREFIX as REPLICA_PREFIX
 from proxy.replicas.internal import add_routes as add_replica_routes
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
-from proxy.tasks.model import TaskRecord
+from proxy.runtime.fanout import Fanout
+from proxy.tasks.model import new_node_id
 from proxy.tasks.open_store import open_store, rate_storage
 from proxy.tasks.rates import close_rate_storage
-from proxy.tasks.recovery import RESTART_MESSAGE
 from proxy.tasks.redis_store import RedisTaskStore
-from proxy.tasks.service import TaskService
-from proxy.tasks.store import StoreUnavailableError
+from proxy.tasks.service import RESTART_MESSAGE, TaskService
+from proxy.tasks.store import StoreUnavailableError, TaskStore
 from proxy.upstream.http_pool import UpstreamPool
 from proxy.upstream.stdio import StdioCommand
 from proxy.upstream.stdio_pool import StdioPool
-from proxy.upstream.types import Bounds
+from proxy.upstream.types import Bounds, Pool
 
 log = structlog.get_logger("proxy.app")
 
 CONFIG_KEY = web.AppKey("config", Config)
 TASKS_KEY = web.AppKey("tasks", TaskService)
-ENDPOINTS_KEY = web.AppKey("endpoints", dict)
-POOLS_KEY = web.AppKey("pools", dict)
+ENDPOINTS_KEY = web.AppKey("endpoints", dict[str, ServerEndpoint])
+POOLS_KEY = web.AppKey("pools", dict[str, Pool])
 DRAIN_KEY = web.AppKey("drain", Drain)
 PARKED_KEY = web.AppKey("parked", ParkedCalls)
+REPLICAS_KEY = web.AppKey("replicas", Replicas)
 
 
 def build_app(config: Config) -> web.Application:
@@ -65,11 +66,10 @@ def build_app(config: Config) -> web.Application:
         if config.listen.allowed_hosts is not None
         else default_allowed_hosts(config.listen.host)
     )
-    authenticator = Authenticator(config.auth)
-    if (
-        config.replicas is not None
-    ):  # a relayed request keeps the principal the relaying replica authenticated
-        authenticator.replica_secret = (REPLICA_SECRET_HEADER, config.replicas.secret)
+    # A relayed request keeps the principal the relaying replica authenticated.
+    authenticator = Authenticator(
+        config.auth, replica_secret=config.replicas.secret if config.replicas is not None else None
+    )
     middlewares = [
         access_log(payloads=config.logging.log_payloads),
         json_errors(),
@@ -114,129 +114,117 @@ async def _to_console(request: web.Request) -> web.Response:
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Open what the app serves with, in the order each part needs the others, and close it all in
+    reverse when the app stops: the store and its counters, this node (and, with `replicas`, its
+    place among them), the upstream pools, the task service, parked MRTR calls, then the endpoint
+    of each server."""
     config = app[CONFIG_KEY]
-    store = open_store(config.store, max_result_bytes=config.limits.max_result_bytes, exclusive=True)
-    counters = rate_storage(config.store)
-    tasks = TaskService(
-        store,
-        lease_s=config.store.lease,
-        outcome_retry_s=config.store.write_retry,
-        max_tasks_per_principal=config.limits.max_tasks_per_principal,
-        tasks_rate=config.limits.tasks_rate,
-        rate_storage=counters,
-    )
-    app[TASKS_KEY] = tasks
-    try:
-        if isinstance(store, RedisTaskStore):
-            level, message = await store.persistence_report()
-            (log.warning if level == "warning" else log.info)(
-                "store_persistence", store=store.where, detail=message
+    async with contextlib.AsyncExitStack() as stack:
+        store = open_store(config.store, max_result_bytes=config.limits.max_result_bytes, exclusive=True)
+        stack.push_async_callback(store.close)
+        counters = rate_storage(config.store)
+        stack.push_async_callback(close_rate_storage, counters)
+        node = new_node_id()
+        replicas = (
+            Replicas(config, node=node, lease_s=config.store.lease, shared=store, url=advertised_url(config))
+            if config.replicas is not None and isinstance(store, RedisTaskStore)  # the config requires it
+            else None
+        )
+        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
+        stack.push_async_callback(http.close)
+        notifications = {
+            name: Fanout[JsonObject](f"upstream notifications {name}") for name in config.servers
+        }
+        pools = {
+            name: make_pool(name, entry, http, notifications[name]) for name, entry in config.servers.items()
+        }
+        for pool in pools.values():
+            stack.push_async_callback(pool.close)
+        tasks = TaskService(
+            store,
+            node=node,
+            lease_s=config.store.lease,
+            outcome_retry_s=config.store.write_retry,
+            max_tasks_per_principal=config.limits.max_tasks_per_principal,
+            tasks_rate=config.limits.tasks_rate,
+            rate_storage=counters,
+            rerun=Rerunner(config, pools),
+            remote=replicas,
+        )
+        parked = await _parked_calls(config, store, node)
+        drain = app[DRAIN_KEY]
+        for name, entry in config.servers.items():
+            dispatcher = ServerDispatcher(
+                name=name,
+                config=config,
+                pool=pools[name],
+                tasks=tasks,
+                parked=parked,
+                notifications=notifications[name],
+                keepalive_s=config.listen.sse_keepalive,
+                drain=drain,
             )
-            parked = ParkedCalls(await shared_key(store, config.request_state.secret), store)
-        else:
-            parked = ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret))
-    except BaseException:
-        await store.close()
-        await close_rate_storage(counters)
-        raise
-    parked.node = tasks.node
-    app[PARKED_KEY] = parked
-    replicas: Replicas | None = None
-    if config.replicas is not None and isinstance(
-        store, RedisTaskStore
-    ):  # the config requires store.url with replicas
-        replicas = Replicas(config, tasks=tasks, shared=store, url=advertised_url(config))
-        tasks.remote = replicas
-        app[REPLICAS_KEY] = replicas
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
-    pools = []
-    for name, entry in config.servers.items():
-        pool = make_pool(name, entry, http)
-        pools.append(pool)
-        dispatcher = ServerDispatcher(
-            name=name,
-            config=config,
-            pool=pool,
-            tasks=tasks,
-            parked=parked,
-            keepalive_s=config.listen.sse_keepalive,
-            drain=app[DRAIN_KEY],
-        )
-        pool.on_notification = dispatcher.server_notification
-        bridge = LegacyBridge(name, pool, drain=app[DRAIN_KEY]) if isinstance(pool, StdioPool) else None
-        endpoint = ServerEndpoint(
-            name=name, url=entry.url, headers=entry.headers, http=http, dispatcher=dispatcher, bridge=bridge
-        )
-        app[DRAIN_KEY].at_deadline(endpoint.legacy.drained)
+            pool = pools[name]
+            bridge = LegacyBridge(name, pool, drain=drain) if isinstance(pool, StdioPool) else None
+            endpoint = ServerEndpoint(
+                name=name,
+                url=entry.url,
+                headers=entry.headers,
+                http=http,
+                dispatcher=dispatcher,
+                bridge=bridge,
+            )
+            drain.at_deadline(endpoint.legacy.drained)
+            stack.callback(endpoint.legacy.close)  # the legacy relay's stream pumps
+            if replicas is not None:
+                endpoint.router = make_router(replicas, endpoint, parked).route
+            app[ENDPOINTS_KEY][name] = endpoint
+        app[TASKS_KEY], app[POOLS_KEY], app[PARKED_KEY] = tasks, pools, parked
+        if config.console is not None:
+            app[CONSOLE_KEY] = ConsoleData(tasks, pools)
+        await tasks.start(restart_message=None if replicas else RESTART_MESSAGE)
+        stack.push_async_callback(tasks.stop)
         if replicas is not None:
-            endpoint.router = make_router(replicas, endpoint, parked).route
-        app[ENDPOINTS_KEY][name] = endpoint
-    by_name = {pool.server: pool for pool in pools}
-    app[POOLS_KEY] = by_name
-    if config.console is not None:
-        app[CONSOLE_KEY] = ConsoleData(tasks, by_name)
-    try:
-        await tasks.start(
-            lambda record: _rerun(config, app[POOLS_KEY], tasks, record),
-            restart_message=None if replicas else RESTART_MESSAGE,
-        )
-        if replicas is not None:
+            app[REPLICAS_KEY] = replicas
+            app[INTERNAL_KEY] = InternalEndpoints(replicas, tasks)
             await replicas.start()
-    except BaseException:
-        await store.close()
-        await close_rate_storage(counters)
-        raise
-    # Open each upstream session early (in the background) so the first call does not pay for initialize.
-    warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools]
-    log.info("proxy_started", servers=list(config.servers), store=store.where, node=tasks.node)
-    try:
-        yield
-    finally:
+            stack.push_async_callback(replicas.stop)
+        # Open each upstream session early (in the background) so the first call does not pay for initialize.
+        warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools.values()]
         for warmup in warmups:
-            warmup.cancel()
-        await tasks.stop()
-        if replicas is not None:
-            await replicas.stop()
-        for endpoint in app[ENDPOINTS_KEY].values():
-            endpoint.legacy.close()  # the legacy relay's stream pumps
-        for pool in pools:
-            await pool.close()
-        await http.close()
-        await store.close()
-        await close_rate_storage(counters)
-        log.info("proxy_stopped", node=tasks.node)
+            stack.callback(warmup.cancel)
+        log.info("proxy_started", servers=list(config.servers), store=store.where, node=node)
+        yield
+    log.info("proxy_stopped", node=node)
 
 
-def _rerun(config: Config, pools: dict, tasks: TaskService, record: TaskRecord) -> Call | None:
-    """Start again, after its owner died, the upstream call of a task configured `on_restart: rerun`."""
-    pool = pools.get(record.server)
-    if pool is None or record.rerun is None:
-        return None
-    policy = config.policy(record.server, record.tool)
-    # A task backed by the upstream's own task follows it again (and a cancel still reaches it).
-    kind = UpstreamTaskCall if record.rerun["method"] == "tasks/result" else Call
-    call = kind(
-        pool=pool,
-        server=record.server,
-        tool=record.tool,
-        method=record.rerun["method"],
-        params=record.rerun["params"],
-        capabilities=record.rerun["capabilities"],
-        timeout=policy.timeout,
-        input_timeout=policy.input_timeout,
-        principal=record.principal,
-    )
-    if isinstance(call, UpstreamTaskCall):
-        call.upstream_task_id = str(object_of(record.rerun["params"]).get("taskId", ""))
-    call.detach(record.task_id, tasks)
-    call.start()
-    return call
+async def _parked_calls(config: Config, store: TaskStore, node: str) -> ParkedCalls:
+    """The MRTR calls of this node, signed with the `request_state` key: kept beside a diskcache
+    store, shared through a Redis store (whose claims then make every state single-use across
+    replicas). Raises ConfigError for an unusable key, StoreUnavailableError."""
+    if isinstance(store, RedisTaskStore):
+        level, message = await store.persistence_report()
+        (log.warning if level == "warning" else log.info)(
+            "store_persistence", store=store.where, detail=message
+        )
+        return ParkedCalls(await shared_key(store, config.request_state.secret), store, node=node)
+    return ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret), node=node)
 
 
-def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> UpstreamPool | StdioPool:
-    """The upstream connector of one server: Streamable HTTP sessions or stdio children."""
+def make_pool(
+    name: str, entry: ServerEntry, http: aiohttp.ClientSession, notifications: Fanout[JsonObject]
+) -> Pool:
+    """The upstream pool of one server: Streamable HTTP sessions (`url`) or stdio children
+    (`command`), publishing the upstream's server-wide notifications on `notifications`."""
     if entry.url:
-        return UpstreamPool(http, name, entry.url, entry.headers, bounds=Bounds.from_entry(entry))
+        return UpstreamPool(
+            http,
+            name,
+            entry.url,
+            entry.headers,
+            bounds=Bounds.from_entry(entry),
+            on_notification=notifications.publish,
+        )
     assert entry.command is not None
     return StdioPool(
         name,
@@ -249,6 +237,7 @@ def make_pool(name: str, entry: ServerEntry, http: aiohttp.ClientSession) -> Ups
         max_restarts=entry.max_restarts,
         bounds=Bounds.from_entry(entry),
         max_children=entry.max_children,
+        on_notification=notifications.publish,
     )
 
 
@@ -311,3 +300,32 @@ async def metrics_handler(request: web.Request) -> web.Response:
         log.warning("store_metrics_unavailable")
     metrics.LIVE_TASKS.set(len(tasks.live))
     return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
+    """Begin the SIGTERM drain: synchronous calls have `listen.drain_timeout` (s) from now (the
+    runner's shutdown waits for them). A replica also keeps serving while it drains: /readyz says
+    503 at once, new calls and sessions are refused (503, so a load balancer retries them
+    elsewhere), and the detached calls it runs (and MRTR calls parked here) go on for up to
+    `listen.drain_detached` (s) while other replicas serve their polls, or until `interrupted` is
+    set (a second SIGTERM or SIGINT); then its streams are cut, their clients reconnect elsewhere."""
+    config = app[CONFIG_KEY]
+    app[DRAIN_KEY].start(config.listen.drain_timeout)
+    replicas = app.get(REPLICAS_KEY)
+    if replicas is None:
+        return
+    tasks, parked = app[TASKS_KEY], app[PARKED_KEY]
+    await replicas.begin_drain()
+    idle = asyncio.ensure_future(
+        replicas.wait_idle(config.listen.drain_detached, busy=lambda: bool(tasks.live) or len(parked) > 0)
+    )
+    stopped = asyncio.ensure_future(interrupted.wait())
+    try:
+        await asyncio.wait({idle, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        idle.cancel()
+        stopped.cancel()
+    # Synchronous calls keep their drain_timeout (the shutdown waits for them); streams that last as
+    # long as their client would hold it that long: they are cut now, and their clients reconnect.
+    streams = replicas.close_streams()
+    log.info("replica_drained", node=replicas.node, still_running=len(tasks.live), streams_cut=streams)

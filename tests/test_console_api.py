@@ -17,10 +17,12 @@ from conftest import ModernClient, RunningProxy, make_config, make_record, runni
 
 from proxy.app import TASKS_KEY
 from proxy.config import Config, ConfigError, config_from_data, load_config
-from proxy.console.events import MAX_STREAMS, QUEUE_MAX, RESYNC, ConsoleHub, TooManyStreamsError
+from proxy.console.events import MAX_STREAMS, ConsoleHub, TooManyStreamsError
 from proxy.front.auth import hash_token
+from proxy.runtime.fanout import DEFAULT_LIMIT, OVERFLOW, Fanout
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.model import TaskRecord, TaskStatus, now_ms, principal_hash
+from proxy.tasks.types import TaskChange, TaskEvent
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_TOKEN = "console-token-for-tests"
@@ -560,17 +562,20 @@ async def test_a_task_waiting_for_input_shows_its_questions_and_an_operator_can_
     assert status == 200 and cancelled["status"] == "cancelled" and cancelled["inputRequests"] == {}
 
 
-def test_a_slow_reader_gets_resync_instead_of_an_unbounded_queue() -> None:
-    hub = ConsoleHub()
-    with hub.subscribe() as queue:
-        for i in range(QUEUE_MAX + 5):
-            hub.publish(TaskStatus.WORKING, make_record(task_id=f"r{i}"))
-        assert queue.qsize() <= QUEUE_MAX and RESYNC in list(queue._queue)  # type: ignore[attr-defined]
-    streams = [hub.subscribe() for _ in range(MAX_STREAMS)]
+async def test_a_slow_reader_gets_resync_instead_of_an_unbounded_queue() -> None:
+    hub, changes = ConsoleHub(), Fanout[TaskEvent]("task changes")
+    with hub.subscribe(changes) as subscription:
+        for i in range(DEFAULT_LIMIT + 5):
+            changes.publish(TaskChange(TaskStatus.WORKING, make_record(task_id=f"r{i}")))
+        drained = []
+        while not subscription.empty():
+            drained.append(subscription.get_nowait())
+        assert OVERFLOW in drained and len(drained) <= DEFAULT_LIMIT  # the stream sends `resync` for it
+    streams = [hub.subscribe(changes) for _ in range(MAX_STREAMS)]
     for stream in streams:
         stream.__enter__()
     try:
-        with pytest.raises(TooManyStreamsError), hub.subscribe():
+        with pytest.raises(TooManyStreamsError), hub.subscribe(changes):
             pass
     finally:
         for stream in streams:

@@ -15,7 +15,6 @@ from typing import Any
 
 import structlog
 
-from proxy.calls.types import TaskSink
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LIST_CHANGED_NOTIFICATIONS
 from proxy.protocol.inputs import (
@@ -28,11 +27,8 @@ from proxy.protocol.inputs import (
 )
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, object_of
 from proxy.runtime import metrics
-from proxy.upstream.http import UpstreamSession
-from proxy.upstream.http_pool import UpstreamPool
-from proxy.upstream.stdio import StdioSession
-from proxy.upstream.stdio_pool import StdioPool
-from proxy.upstream.types import SessionExpiredError, UpstreamError
+from proxy.tasks.types import TaskSink
+from proxy.upstream.types import Pool, Session, UpstreamError, with_session
 
 log = structlog.get_logger("proxy.calls")
 
@@ -64,6 +60,9 @@ class Call:
     legacy client capabilities for the upstream session, `timeout` the hard limit in seconds,
     `input_timeout` how long (s) one upstream question may stay unanswered, `prefilled` input
     responses supplied before the question was asked (answered at once when their key comes up).
+    `on_server_notification` receives the server-wide notifications (list changes) that arrive on the
+    call's stream; `on_task_message(task_id, notification)` a detached call's progress under the
+    client's own token (v1 tasks keep the token valid for the task's life).
     `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
     `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)` and
     `("done", None)` items for the attached client.
@@ -103,15 +102,15 @@ class Call:
         "pending",
         "_runner",
         "_on_done",
-        "server_notifications",
-        "task_notify",
+        "on_server_notification",
+        "on_task_message",
         "__weakref__",
     )
 
     def __init__(
         self,
         *,
-        pool: UpstreamPool | StdioPool,
+        pool: Pool,
         server: str,
         tool: str,
         params: JsonObject,
@@ -124,6 +123,8 @@ class Call:
         input_timeout: float = 600.0,
         prefilled: JsonObject | None = None,
         principal: str = "",
+        on_server_notification: Callable[[JsonObject], None] | None = None,
+        on_task_message: Callable[[str, JsonObject], None] | None = None,
     ) -> None:
         self.call_id = secrets.token_urlsafe(16)
         self._progress_text: str | None = None
@@ -151,16 +152,14 @@ class Call:
         self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.task_id: str | None = None
-        self.session: UpstreamSession | StdioSession | None = None
+        self.session: Session | None = None
         self.upstream_request_id: RequestId | None = None
         self.sent = False
         self.pending: dict[str, PendingInput] = {}
         self._runner: asyncio.Task[None] | None = None
         self._on_done: list[Callable[[Call], None]] = []
-        # Server-wide notifications (list changes) that arrive on this call's stream go here.
-        self.server_notifications: Callable[[JsonObject], None] | None = None
-        # A v1 task's `notifications/progress` (with the client's token) after it detached (v1 keeps the token valid).
-        self.task_notify: Callable[[JsonObject], None] | None = None
+        self.on_server_notification = on_server_notification
+        self.on_task_message = on_task_message
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -180,37 +179,9 @@ class Call:
         return self.outcome.done()
 
     async def _run(self) -> None:
-        params = dict(self.params)
-        meta = dict(params.get("_meta") or {})
-        meta["progressToken"] = self.progress_token
-        params["_meta"] = meta
         try:
             async with asyncio.timeout(self.timeout):
-                # (In this frame, not a helper's: a detached call holds every frame of its chain.)
-                for attempt in (
-                    1,
-                    2,
-                ):  # a session the upstream forgot (404: it ran nothing) is left, the request sent once more
-                    session = await self.pool.session(self.capabilities, self.principal or None)
-                    self.session = session
-                    self.upstream_request_id = session.next_id()
-                    self.sent = (
-                        False  # True once the request left the max_concurrency queue (stdio) / was POSTed
-                    )
-                    try:
-                        reply = await session.request(
-                            self.method,
-                            params,
-                            handler=self._on_message,
-                            request_id=self.upstream_request_id,
-                            on_sent=self._mark_sent,
-                        )
-                        break
-                    except SessionExpiredError:
-                        if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
-                            self.pool.discard(session)
-                        if attempt == 2:
-                            raise
+                reply = await with_session(self.pool, self.capabilities, self.principal or None, self._send)
         except TimeoutError:
             self.ended_by = "timeout"
             self._spawn(self._send_cancelled("hard timeout"))
@@ -235,6 +206,22 @@ class Call:
                 }
             }
         self._finish(reply)
+
+    async def _send(self, session: Session) -> JsonObject:
+        """One attempt at the upstream request on `session` (`with_session` makes a second on a new
+        session when the upstream forgot this one), with the call's own progress token."""
+        params = dict(self.params)
+        params["_meta"] = {**object_of(params.get("_meta")), "progressToken": self.progress_token}
+        self.session = session
+        self.upstream_request_id = session.next_id()
+        self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
+        return await session.request(
+            self.method,
+            params,
+            handler=self._on_message,
+            request_id=self.upstream_request_id,
+            on_sent=self._mark_sent,
+        )
 
     def _finish(self, reply: JsonObject) -> None:
         if self.outcome.done():
@@ -294,8 +281,8 @@ class Call:
                 self.events.put_nowait(("notification", msg))
         elif method == "notifications/cancelled":
             self._on_upstream_cancelled(params.get("requestId"))
-        elif method in LIST_CHANGED_NOTIFICATIONS and self.server_notifications is not None:
-            self.server_notifications(msg)
+        elif method in LIST_CHANGED_NOTIFICATIONS and self.on_server_notification is not None:
+            self.on_server_notification(msg)
 
     def _on_progress(self, params: JsonObject) -> None:
         if self.task_id is not None:
@@ -315,12 +302,9 @@ class Call:
                 self._write_progress()
             elif self._progress_timer is None:
                 self._progress_timer = asyncio.get_running_loop().call_later(wait, self._write_progress)
-            if self.task_notify is not None and self.client_progress_token is not None:
-                self.task_notify(
-                    jsonrpc.notification(
-                        "notifications/progress", dict(params, progressToken=self.client_progress_token)
-                    )
-                )
+            if self.on_task_message is not None and self.client_progress_token is not None:
+                relayed = dict(params, progressToken=self.client_progress_token)
+                self.on_task_message(self.task_id, jsonrpc.notification("notifications/progress", relayed))
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
             self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))

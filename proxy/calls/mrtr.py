@@ -157,14 +157,14 @@ class ParkedCalls:
     `key` signs the states; `timeout_s` is how long a parked call waits for its retry before it is
     cancelled upstream (the `input_timeout` of its tool). `once` (the task store, on Redis) marks
     each state's nonce used store-wide (`claim_once`), so that a replica the call is not parked on
-    refuses a replay as used too (`claimed`); without it only this process remembers.
+    refuses a replay as used too (`claimed`); without it only this process remembers. `node` is
+    this process's node id, named in each state when given (replicas route a retry to its call by it).
     """
 
-    node = ""  # this process's node id, named in each state when set (replicas route retries by it)
-
-    def __init__(self, key: bytes, once: OnceClaims | None = None) -> None:
+    def __init__(self, key: bytes, once: OnceClaims | None = None, *, node: str = "") -> None:
         self._key = key
         self._once = once
+        self.node = node
         self._parked: dict[str, Parked] = {}
 
     def __len__(self) -> int:

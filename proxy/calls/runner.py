@@ -30,8 +30,7 @@ from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result, validate_input_responses
-from proxy.upstream.http_pool import UpstreamPool
-from proxy.upstream.stdio_pool import StdioPool
+from proxy.upstream.types import Pool
 
 log = structlog.get_logger("proxy.calls")
 
@@ -49,7 +48,7 @@ class CallRunner:
         self,
         *,
         name: str,
-        pool: UpstreamPool | StdioPool,
+        pool: Pool,
         tasks: TaskService,
         parked: ParkedCalls,
         drain: Drain,
@@ -88,8 +87,8 @@ class CallRunner:
             input_timeout=policy.input_timeout,
             prefilled=params.get("inputResponses"),
             principal=principal,
+            on_server_notification=self.on_server_notification,
         )
-        call.server_notifications = self.on_server_notification
         call.start()
         return call
 

@@ -1,5 +1,5 @@
-"""What the calls layer shares with the layers around it: how a running handler talks back to its
-client (`Reply`), and where a detached call reports (`TaskSink`)."""
+"""What the calls layer shares with the layers above it: how a running handler talks back to its
+client (`Reply`). (Where a detached call reports is the task service's `tasks.types.TaskSink`.)"""
 
 from __future__ import annotations
 
@@ -24,16 +24,3 @@ class Reply(Protocol):
 
     async def keepalive(self) -> None:
         """Send an SSE comment so idle-timeout intermediaries keep the connection."""
-
-
-class TaskSink(Protocol):
-    """Where a detached call reports (the task service implements it). Each returns once written;
-    `set_inputs` and `progress` return False when the task already ended elsewhere."""
-
-    async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool: ...
-
-    async def progress(self, task_id: str, text: str) -> bool: ...
-
-    async def finish(
-        self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream"
-    ) -> None: ...

@@ -15,7 +15,6 @@ and a tool's `execution.taskSupport`), in front of 2026-07-28 clients.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import structlog
 
@@ -27,9 +26,7 @@ from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError, obj
 from proxy.protocol.translate import modern_error, modern_result
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result
-from proxy.upstream.http_pool import UpstreamPool
-from proxy.upstream.stdio_pool import StdioPool
-from proxy.upstream.types import UpstreamError
+from proxy.upstream.types import Pool, Session, UpstreamError
 
 log = structlog.get_logger("proxy.calls")
 
@@ -38,20 +35,21 @@ MAX_TOOL_PAGES = 100  # tools/list pages read at most to learn the upstream's ta
 
 
 class UpstreamTaskCall(Call):
-    """A `Call` that follows an upstream task (`tasks/result` for `upstream_task_id`); cancelling it
-    also sends the upstream `tasks/cancel`."""
+    """A `Call` that follows an upstream task: its method is `tasks/result` and its params name the
+    upstream's `taskId`; cancelling it also sends the upstream `tasks/cancel`."""
 
-    upstream_task_id: str = ""
+    __slots__ = ()
 
     def cancel(self, reason: str) -> None:
         """Abandon the wait and cancel the upstream task (`tasks/cancel`, best effort)."""
         super().cancel(reason)
-        if self.session is not None and self.upstream_task_id:
-            self._spawn(self._cancel_upstream(self.session))
+        task_id = self.params.get("taskId")
+        if self.session is not None and isinstance(task_id, str) and task_id:
+            self._spawn(self._cancel_upstream(self.session, task_id))
 
-    async def _cancel_upstream(self, session: Any) -> None:
+    async def _cancel_upstream(self, session: Session, task_id: str) -> None:
         try:
-            await session.request("tasks/cancel", {"taskId": self.upstream_task_id}, handler=None)
+            await session.request("tasks/cancel", {"taskId": task_id}, handler=None)
         except UpstreamError as exc:
             log.info("upstream_task_cancel_not_delivered", server=self.server, reason=str(exc))
 
@@ -59,9 +57,7 @@ class UpstreamTaskCall(Call):
 class UpstreamTasks:
     """What one server's upstream offers as v1 tasks, and calls that use them."""
 
-    def __init__(
-        self, *, name: str, pool: UpstreamPool | StdioPool, tasks: TaskService, keepalive_s: float
-    ) -> None:
+    def __init__(self, *, name: str, pool: Pool, tasks: TaskService, keepalive_s: float) -> None:
         self.name = name
         self.pool = pool
         self.tasks = tasks
@@ -151,7 +147,6 @@ class UpstreamTasks:
             input_timeout=policy.input_timeout,
             principal=principal,
         )
-        call.upstream_task_id = task_id
         if not as_task:
             call.start()
             return await self._wait(call, reply)

@@ -19,14 +19,13 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import structlog
-from aiohttp import web
 
 from proxy import __version__
-from proxy.app import DRAIN_KEY, PARKED_KEY, build_app
+from proxy.app import build_app, drain
 from proxy.config import Config, ConfigError, StoreConfig, config_from_data, config_json_schema, load_config
 from proxy.front import listener
 from proxy.front.auth import hash_token
-from proxy.replicas import REPLICAS_KEY, advertised_url
+from proxy.replicas import advertised_url
 from proxy.runtime import event_loop
 from proxy.runtime.logs import configure_logging
 from proxy.tasks.dirlock import lock_directory, unlock_directory
@@ -145,42 +144,11 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
     try:
         await stop.wait()
     finally:
-        app[DRAIN_KEY].start(config.listen.drain_timeout)
-        await _drain_replica(app, config)
+        again = asyncio.Event()  # a second SIGTERM or SIGINT ends a replica's wait for its detached calls
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, again.set)
+        await drain(app, again)
         await runner.cleanup()
-
-
-async def _drain_replica(app: web.Application, config: Config) -> None:
-    """A replica keeps serving while it drains: /readyz says 503 at once, new calls and sessions are
-    refused (503, so a load balancer retries them elsewhere), and the detached calls it runs (and
-    MRTR calls parked here) go on for up to `listen.drain_detached` (s) while other replicas serve
-    their polls; a second SIGTERM or SIGINT ends the wait. Nothing happens without `replicas`."""
-    replicas = app.get(REPLICAS_KEY)
-    if replicas is None:
-        return
-    await replicas.begin_drain()
-    parked = app.get(PARKED_KEY)
-    waiting = asyncio.ensure_future(
-        replicas.wait_idle(
-            config.listen.drain_detached, busy=(lambda: len(parked) > 0) if parked is not None else None
-        )
-    )
-    again = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, again.set)
-    interrupted = asyncio.ensure_future(again.wait())
-    try:
-        await asyncio.wait({waiting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiting.cancel()
-        interrupted.cancel()
-    # Synchronous calls keep their drain_timeout (the shutdown waits for them); streams that last as
-    # long as their client would hold it that long: they are cut now, and their clients reconnect.
-    streams = replicas.close_streams()
-    structlog.get_logger("proxy.cli").info(
-        "replica_drained", node=replicas.node, still_running=len(replicas.tasks.live), streams_cut=streams
-    )
 
 
 def _demo_hint(base: str) -> str:

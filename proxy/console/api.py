@@ -93,9 +93,8 @@ def build_console(config: Config) -> web.Application:
         )
 
     async def events(request: web.Request) -> web.StreamResponse:
-        hub.attach(_tasks(request).store)
         try:
-            return await hub.stream(request, keepalive_s=keepalive_s)
+            return await hub.stream(request, _tasks(request).changes, keepalive_s=keepalive_s)
         except TooManyStreamsError as exc:
             return error(503, str(exc))
 

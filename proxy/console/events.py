@@ -1,10 +1,9 @@
-"""The console's change stream: store commits of this process, fanned out as server-sent events.
+"""The console's change stream: the task service's fan-out of committed changes, as server-sent events.
 
-The hub subscribes once to `TaskStore.add_remote_listener` (changes this proxy process commits,
-and on a Redis store those of every replica; the operator CLI's writes to a diskcache directory
-from another process are not seen) and offers each change to every open
-stream through a bounded queue. A stream that falls `QUEUE_MAX` changes behind gets one
-`resync` event instead of the changes it missed (the page then reloads its list).
+Each open stream subscribes to `TaskService.changes` (changes this proxy process commits, and on a
+Redis store those of every replica; the operator CLI's writes to a diskcache directory from
+another process are not seen). A stream that falls behind by the fan-out's limit gets one `resync`
+event instead of the changes it missed (the page then reloads its list).
 """
 
 from __future__ import annotations
@@ -19,12 +18,11 @@ import structlog
 from aiohttp import web
 
 from proxy.console.views import row
-from proxy.tasks.model import TaskRecord, TaskStatus
-from proxy.tasks.store import TaskStore
+from proxy.runtime.fanout import Fanout, Subscription
+from proxy.tasks.types import TaskChange, TaskEvent
 
 log = structlog.get_logger("proxy.console")
 
-QUEUE_MAX = 1000  # changes one stream may lag behind before it gets `resync`
 MAX_STREAMS = 64  # open console streams at most (more: 503)
 WRITE_TIMEOUT_S = 30.0  # a reader that takes longer than this (s) to accept one write loses its stream
 RESYNC: dict[str, Any] = {"event": "resync"}
@@ -36,63 +34,40 @@ class TooManyStreamsError(Exception):
 
 
 class ConsoleHub:
-    """Open console event streams and the store listener feeding them."""
+    """The open console event streams: at most MAX_STREAMS, all ended at once on shutdown."""
 
     def __init__(self) -> None:
-        self._queues: set[asyncio.Queue[dict[str, Any]]] = set()
-        self._attached: set[int] = set()
+        self._streams: set[Subscription[Any]] = set()
         self.closed = False
 
-    def attach(self, store: TaskStore) -> None:
-        """Listen to `store`'s commits (once per store object)."""
-        if id(store) not in self._attached:
-            self._attached.add(id(store))
-            store.add_remote_listener(self.publish)  # with Redis: every replica's changes
-
-    def publish(self, before: TaskStatus | None, record: TaskRecord) -> None:
-        """Offer one committed change to every open stream (never blocks)."""
-        if not self._queues:
-            return
-        try:
-            message = {
-                "event": "task",
-                "data": {**row(record), "previousStatus": before.value if before else None},
-            }
-            for queue in list(self._queues):
-                try:
-                    queue.put_nowait(message)
-                except asyncio.QueueFull:
-                    while not queue.empty():
-                        queue.get_nowait()
-                    queue.put_nowait(RESYNC)
-        except Exception:  # called inside the store's commit path: never let the console break a write
-            log.exception("console_publish_failed", task_id=record.task_id)
-
     @contextlib.contextmanager
-    def subscribe(self) -> Iterator[asyncio.Queue[dict[str, Any]]]:
-        """A bounded queue of changes while the block runs. Raises TooManyStreamsError."""
-        if len(self._queues) >= MAX_STREAMS:
+    def subscribe(self, changes: Fanout[TaskEvent]) -> Iterator[Subscription[Any]]:
+        """A subscription to the committed changes of `changes` while the block runs.
+
+        Raises TooManyStreamsError past MAX_STREAMS."""
+        if len(self._streams) >= MAX_STREAMS:
             raise TooManyStreamsError(f"{MAX_STREAMS} console event streams are already open")
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=QUEUE_MAX)
-        self._queues.add(queue)
-        try:
-            yield queue
-        finally:
-            self._queues.discard(queue)
+        with changes.subscribe(lambda event: isinstance(event, TaskChange)) as subscription:
+            self._streams.add(subscription)
+            try:
+                yield subscription
+            finally:
+                self._streams.discard(subscription)
 
     async def close(self, _app: web.Application | None = None) -> None:
         """End every open stream (on shutdown, before aiohttp waits for handlers)."""
         self.closed = True
-        for queue in list(self._queues):
-            while not queue.empty():
-                queue.get_nowait()
-            queue.put_nowait(CLOSE)
+        for subscription in list(self._streams):
+            subscription.offer(CLOSE)
 
-    async def stream(self, request: web.Request, *, keepalive_s: float) -> web.StreamResponse:
+    async def stream(
+        self, request: web.Request, changes: Fanout[TaskEvent], *, keepalive_s: float
+    ) -> web.StreamResponse:
         """Serve `text/event-stream`: `ready` once, then `task` (a list row plus `previousStatus`)
-        per change and `resync` after an overflow; a `: keepalive` comment every `keepalive_s` (s).
-        Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream."""
-        with self.subscribe() as queue:
+        per change and `resync` after an overflow (the fan-out's `OVERFLOW`); a `: keepalive` comment every `keepalive_s` (s).
+        Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream.
+        Raises TooManyStreamsError past MAX_STREAMS."""
+        with self.subscribe(changes) as subscription:
             response = web.StreamResponse(
                 headers={
                     "Content-Type": "text/event-stream",
@@ -105,19 +80,22 @@ class ConsoleHub:
                 await _send(response, b"retry: 2000\n\n" + _event({"event": "ready", "data": {}}))
                 while not self.closed:
                     try:
-                        message = await asyncio.wait_for(queue.get(), timeout=keepalive_s)
+                        item = await asyncio.wait_for(subscription.get(), timeout=keepalive_s)
                     except TimeoutError:
                         await _send(response, b": keepalive\n\n")
                         continue
-                    if message is CLOSE:
+                    if item is CLOSE:
                         break
-                    await _send(response, _event(message))
+                    await _send(response, _event(_message(item) if isinstance(item, TaskChange) else RESYNC))
             except TimeoutError:
-                log.info(
-                    "console_stream_dropped",
-                    reason=f"the reader took more than {WRITE_TIMEOUT_S:g} s to accept a write",
-                )
+                reason = f"the reader took more than {WRITE_TIMEOUT_S:g} s to accept a write"
+                log.info("console_stream_dropped", reason=reason)
             return response
+
+
+def _message(change: TaskChange) -> dict[str, Any]:
+    before = change.before.value if change.before else None
+    return {"event": "task", "data": {**row(change.record), "previousStatus": before}}
 
 
 async def _send(response: web.StreamResponse, data: bytes) -> None:

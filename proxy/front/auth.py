@@ -21,7 +21,7 @@ from aiohttp import web
 from proxy.config import AuthConfig
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INVALID_REQUEST
-from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER
+from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER, SECRET_HEADER
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
 log = structlog.get_logger("proxy.auth")
@@ -40,9 +40,16 @@ def hash_token(token: str) -> str:
 
 
 class Authenticator:
-    """Turns a request into a principal name, or raises AuthError. Build with `from_config`."""
+    """Turns a request into a principal name, or raises AuthError.
 
-    def __init__(self, config: AuthConfig, *, base_dir: Path | None = None) -> None:
+    `config` is the `auth` section (a relative `jwks_file` is taken relative to `base_dir`);
+    `replica_secret` is the replicas' shared secret, with which a request another replica relayed
+    carries the principal that replica authenticated (None without replicas: such a request is refused).
+    """
+
+    def __init__(
+        self, config: AuthConfig, *, base_dir: Path | None = None, replica_secret: str | None = None
+    ) -> None:
         self.config = config
         self.mode = config.mode
         self._tokens = {
@@ -50,9 +57,7 @@ class Authenticator:
         }
         self._jwks: jwt.PyJWKSet | None = None
         self._jwks_client: jwt.PyJWKClient | None = None
-        self.replica_secret: tuple[str, str] | None = (
-            None  # (header, shared secret): relayed requests carry their principal
-        )
+        self.replica_secret = replica_secret
         if self.mode == "jwt":
             assert config.jwt is not None
             if config.jwt.jwks_file:
@@ -79,11 +84,11 @@ class Authenticator:
         if relayed:
             if self.replica_secret is None:
                 raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
-            header, secret = self.replica_secret
+            given = request.headers.get(SECRET_HEADER, "").encode()
             if (
                 len(relayed) != 1
                 or not relayed[0]
-                or not hmac.compare_digest(request.headers.get(header, "").encode(), secret.encode())
+                or not hmac.compare_digest(given, self.replica_secret.encode())
             ):
                 raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
             return relayed[0]

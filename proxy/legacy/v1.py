@@ -30,7 +30,9 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
 from proxy.protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
 from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_message
+from proxy.runtime.fanout import Overflow
 from proxy.tasks.service import TaskService
+from proxy.tasks.types import TaskChange, TaskMessage, about
 from proxy.tasks.wire_v1 import (
     SERVER_TASKS_CAPABILITY,
     create_task_result_v1,
@@ -38,9 +40,7 @@ from proxy.tasks.wire_v1 import (
     tool_with_task_support,
     with_related_task,
 )
-from proxy.upstream.http_pool import UpstreamPool
-from proxy.upstream.stdio_pool import StdioPool
-from proxy.upstream.types import UpstreamError
+from proxy.upstream.types import Pool, UpstreamError
 
 V1_TASKS_VERSION = (
     "2025-11-25"  # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
@@ -61,7 +61,7 @@ class V1Front:
         *,
         server: str,
         config: Config,
-        pool: UpstreamPool | StdioPool,
+        pool: Pool,
         tasks: TaskService,
         keepalive_s: float = 15.0,
     ) -> None:
@@ -175,16 +175,18 @@ class V1Front:
             return None
 
         async def pump() -> None:
-            with self.tasks.push.subscribe(principal=principal, server=self.server) as sub:
+            with self.tasks.changes.subscribe(about(principal, self.server)) as sub:
                 while True:
-                    kind, item = await sub.queue.get()
-                    task_id = item[1].task_id if kind == "change" else related_task_id(item)
-                    if self.shared_principal and self._origin.get(task_id) != session:
+                    item = await sub.get()
+                    if isinstance(item, Overflow):
+                        continue  # status pushes are advice: the client polls tasks/get for the rest
+                    if self.shared_principal and self._origin.get(item.task_id) != session:
                         continue
-                    if kind == "change" and item[0] is not item[1].status:
-                        message = status_notification(item[1])
-                    elif kind == "message" and not self.tasks.push.watched(related_task_id(item)):
-                        message = item  # progress (the v1 token lives as long as the task) unless a tasks/result stream carries it
+                    if isinstance(item, TaskChange) and item.before is not item.record.status:
+                        message = status_notification(item.record)
+                    elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
+                        # Progress (the v1 token lives as long as the task) unless a tasks/result stream carries it.
+                        message = item.message
                     else:
                         continue
                     try:
@@ -298,6 +300,17 @@ class V1Front:
             )
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
 
+    def _progress_of(self, principal: str) -> Callable[[str, JsonObject], None]:
+        """Where a v1 task's progress goes: to the streams of `principal`'s task, with the related-task key."""
+
+        def publish(task_id: str, message: JsonObject) -> None:
+            related = with_related_task(message, task_id)
+            self.tasks.publish_message(
+                principal=principal, server=self.server, task_id=task_id, message=related
+            )
+
+        return publish
+
     def _required(self, tool: Any) -> bool:
         """True for a tool configured `mode: required` (then a call without `params.task` is -32601)."""
         return isinstance(tool, str) and self.config.tool_mode(self.server, tool) is ToolMode.REQUIRED
@@ -357,6 +370,7 @@ class V1Front:
             else None,
             input_timeout=policy.input_timeout,
             principal=principal,
+            on_task_message=self._progress_of(principal),
         )
         rerun = (
             {"method": "tools/call", "params": upstream_params, "capabilities": capabilities}
@@ -374,13 +388,6 @@ class V1Front:
             rerun=rerun,
         )
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
-        push, task_id = self.tasks.push, record.task_id
-        call.task_notify = lambda message: push.publish(
-            principal=principal,
-            server=self.server,
-            task_id=task_id,
-            message=with_related_task(message, task_id),
-        )
         call.start()
         return create_task_result_v1(record)
 
@@ -399,10 +406,3 @@ def legacy_status(exc: JsonRpcError) -> int:
     servers answer a request they understood (clients read the JSON-RPC code only from a 2xx);
     a refusal by a limit (429) or by the store (503) keeps its status."""
     return exc.http_status if exc.http_status in (429, 503) else 200
-
-
-def related_task_id(message: JsonObject) -> str:
-    """The task id in a message's `params._meta["io.modelcontextprotocol/related-task"]` ("" when absent)."""
-    related = object_of(object_of(object_of(message.get("params")).get("_meta")).get(META_RELATED_TASK))
-    task_id = related.get("taskId")
-    return task_id if isinstance(task_id, str) else ""

@@ -13,8 +13,10 @@ the proxy id) reaches the upstream under the upstream's own id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -24,9 +26,11 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.inputs import InputError
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, RequestId
 from proxy.protocol.sse import KEEPALIVE, encode_message
+from proxy.runtime.fanout import Subscription
 from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
+from proxy.tasks.types import TaskChange, TaskEvent, TaskMessage, about
 from proxy.tasks.wire_v1 import status_notification, task_outcome_v1, v1_status, v1_task, with_related_task
 
 LIST_PAGE = 50  # tasks per tasks/list page
@@ -71,6 +75,23 @@ class V1TaskMethods:
         self.server = server
         self.keepalive_s = keepalive_s
         self.questions: dict[RequestId, tuple[str, str, str]] = {}
+        self._watched: collections.Counter[str] = collections.Counter()  # task id → open tasks/result streams
+
+    @contextlib.contextmanager
+    def watching(self, task_id: str) -> Iterator[None]:
+        """Count a `tasks/result` stream that carries `task_id`'s messages while the block runs."""
+        self._watched[task_id] += 1
+        try:
+            yield
+        finally:
+            self._watched[task_id] -= 1
+            if self._watched[task_id] <= 0:
+                del self._watched[task_id]
+
+    def watched(self, task_id: str) -> bool:
+        """True while a `tasks/result` stream carries `task_id`'s progress (the session's GET stream
+        then leaves it out)."""
+        return task_id in self._watched
 
     async def _lookup(self, params: JsonObject, principal: str) -> TaskRecord:
         await self.tasks.check_rate(principal)
@@ -171,9 +192,10 @@ class V1TaskMethods:
         final: JsonObject | None = None
         waited = False
         try:
-            with self.tasks.push.subscribe(
-                principal=principal, server=self.server, task_ids=frozenset({task_id})
-            ) as sub:
+            with (
+                self.tasks.changes.subscribe(about(principal, self.server, {task_id})) as sub,
+                self.watching(task_id),
+            ):
                 while not record.status.terminal:
                     for key, question in record.input_requests.items():
                         if key not in asked:
@@ -214,12 +236,12 @@ class V1TaskMethods:
             pass
         return sse.stream
 
-    async def _wait(self, sse: _Sse, sub: Any, record: TaskRecord) -> TaskRecord:
+    async def _wait(self, sse: _Sse, sub: Subscription[TaskEvent], record: TaskRecord) -> TaskRecord:
         """One bounded wait (≤ keepalive_s): relay what was pushed, then the record as it is now."""
         changed = asyncio.ensure_future(
             self.tasks.store.wait_for_change(record.task_id, record.version, self.keepalive_s)
         )
-        pushed = asyncio.ensure_future(sub.queue.get())
+        pushed = asyncio.ensure_future(sub.get())
         try:
             done, _ = await asyncio.wait(
                 {changed, pushed}, timeout=self.keepalive_s + 1.0, return_when=asyncio.FIRST_COMPLETED
@@ -243,17 +265,20 @@ class V1TaskMethods:
             await sse.write(KEEPALIVE)
         return await self.tasks.lookup(record.task_id, principal=record.principal, server=self.server)
 
-    async def _relay(self, sse: _Sse, sub: Any, items: list[Any], task_id: str) -> list[Any]:
+    async def _relay(
+        self, sse: _Sse, sub: Subscription[TaskEvent], items: list[Any], task_id: str
+    ) -> list[Any]:
         """Send `items` and whatever else the subscription queued: progress (with the related-task
-        `_meta`) and `notifications/tasks/status` for status changes. Returns what it sent."""
-        while not sub.queue.empty():
-            items.append(sub.queue.get_nowait())
-        for kind, item in items:
-            if kind == "message":
-                await sse.write(encode_message(with_related_task(item, task_id)))
-            elif kind == "change":
-                before, new = item
-                if before is not new.status and sse.announced != new.status.value:
+        `_meta`) and `notifications/tasks/status` for status changes (after an overflow, the status
+        comes from the record the caller reads next). Returns what it took from the queue."""
+        while not sub.empty():
+            items.append(sub.get_nowait())
+        for item in items:
+            if isinstance(item, TaskMessage):
+                await sse.write(encode_message(with_related_task(item.message, task_id)))
+            elif isinstance(item, TaskChange):
+                new = item.record
+                if item.before is not new.status and sse.announced != new.status.value:
                     await sse.write(encode_message(status_notification(new)))
                     sse.announced = new.status.value
         return items

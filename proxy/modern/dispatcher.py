@@ -20,9 +20,10 @@ from proxy.calls.runner import CallRunner, require_tasks_for
 from proxy.calls.types import Reply
 from proxy.calls.upstream_tasks import UpstreamTasks
 from proxy.config import Config, ToolMode
-from proxy.modern.listen import ListenHub
+from proxy.modern.listen import listen
 from proxy.modern.param_headers import ParamHeaderIndex
 from proxy.modern.task_methods import TaskMethods
+from proxy.modern.types import ModernRequest
 from proxy.protocol.era import (
     LEGACY_VERSIONS,
     META_SERVER_INFO,
@@ -37,39 +38,42 @@ from proxy.protocol.era import (
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError
 from proxy.protocol.translate import modern_error, modern_result
 from proxy.runtime.drain import Drain
+from proxy.runtime.fanout import Fanout
 from proxy.tasks.service import TaskService
-from proxy.upstream.http import UpstreamSession
-from proxy.upstream.http_pool import UpstreamPool
-from proxy.upstream.stdio import StdioSession
-from proxy.upstream.stdio_pool import StdioPool
-from proxy.upstream.types import SessionExpiredError, UpstreamError
+from proxy.upstream.types import Pool, Session, SessionExpiredError, UpstreamError, with_session
 
 log = structlog.get_logger("proxy.dispatch")
 
-Handler = Callable[[JsonObject, JsonObject, Envelope, str, Reply], Awaitable[JsonObject]]
+Handler = Callable[[ModernRequest], Awaitable[JsonObject]]
 
 
 class ServerDispatcher:
-    """Routes modern requests for one upstream server (`name`); shares the TaskService across servers."""
+    """Routes modern requests for one upstream server (`name`); shares the TaskService across servers.
+
+    `notifications` is the server's fan-out of upstream server-wide notifications (list changes),
+    which its pool and its calls publish; the dispatcher forgets its cached tool facts on a tool
+    list change and relays them on `subscriptions/listen`. `keepalive_s` (s) is the SSE comment
+    interval while a client waits; `drain` the process's SIGTERM drain.
+    """
 
     def __init__(
         self,
         *,
         name: str,
         config: Config,
-        pool: UpstreamPool | StdioPool,
+        pool: Pool,
         tasks: TaskService,
         parked: ParkedCalls,
+        notifications: Fanout[JsonObject],
+        drain: Drain,
         keepalive_s: float = 15.0,
-        drain: Drain | None = None,
     ) -> None:
         self.name = name
         self.config = config
         self.pool = pool
         self.tasks = tasks
+        self.notifications = notifications
         self.keepalive_s = keepalive_s
-        self.drain = drain or Drain()
-        self.listeners = ListenHub()
         self.param_headers = ParamHeaderIndex(name)
         self.task_methods = TaskMethods(tasks, name)
         self.upstream_tasks = UpstreamTasks(name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s)
@@ -78,32 +82,19 @@ class ServerDispatcher:
             pool=pool,
             tasks=tasks,
             parked=parked,
-            drain=self.drain,
+            drain=drain,
             keepalive_s=keepalive_s,
-            on_server_notification=self.server_notification,
+            on_server_notification=notifications.publish,
         )
+        notifications.listen(self._forget_tool_facts)
         self.routes: dict[str, Handler] = {
-            "server/discover": lambda body, params, envelope, principal, reply: self.discover(
-                envelope, principal
-            ),
-            "tasks/get": lambda body, params, envelope, principal, reply: self.task_methods.get(
-                params, envelope, principal
-            ),
-            "tasks/update": lambda body, params, envelope, principal, reply: self.task_methods.update(
-                params, envelope, principal
-            ),
-            "tasks/cancel": lambda body, params, envelope, principal, reply: self.task_methods.cancel(
-                params, envelope, principal
-            ),
-            "tools/call": lambda body, params, envelope, principal, reply: self.call_tool(
-                params, envelope, principal=principal, reply=reply
-            ),
-            "prompts/get": lambda body, params, envelope, principal, reply: self.read(
-                "prompts/get", "name", params, envelope, principal, reply
-            ),
-            "resources/read": lambda body, params, envelope, principal, reply: self.read(
-                "resources/read", "uri", params, envelope, principal, reply
-            ),
+            "server/discover": self._discover,
+            "tasks/get": self.task_methods.get,
+            "tasks/update": self.task_methods.update,
+            "tasks/cancel": self.task_methods.cancel,
+            "tools/call": self.call_tool,
+            "prompts/get": self._prompt,
+            "resources/read": self._resource,
             "subscriptions/listen": self._listen,
         }
 
@@ -120,14 +111,14 @@ class ServerDispatcher:
             raise refusal
         handler = self.routes.get(method)
         if handler is not None:
-            return await handler(body, params, envelope, principal, reply)
+            return await handler(ModernRequest(body, params, envelope, principal, reply))
         return await self.forward(method, params, envelope, principal)
 
     # -- server/discover ---------------------------------------------------------------------
 
-    async def discover(self, envelope: Envelope, principal: str | None = None) -> JsonObject:
+    async def _discover(self, request: ModernRequest) -> JsonObject:
         """`server/discover`, built from the upstream's `initialize` result plus the tasks extension."""
-        session = await self._session(envelope, principal)
+        session = await self._session(request.envelope, request.principal)
         init = session.initialize_result
         caps = {
             k: v for k, v in (init.get("capabilities") or {}).items() if k not in ("tasks", "experimental")
@@ -157,28 +148,24 @@ class ServerDispatcher:
             result["instructions"] = init["instructions"]
         return result
 
-    async def _listen(
-        self, body: JsonObject, params: JsonObject, envelope: Envelope, principal: str, reply: Reply
-    ) -> JsonObject:
-        session = await self._session(envelope, principal)
-        caps = session.initialize_result.get("capabilities") or {}
-        return await self.listeners.listen(
-            body["id"],
-            params,
-            envelope,
-            upstream_capabilities=caps,
-            reply=reply,
-            keepalive_s=self.keepalive_s,
+    async def _listen(self, request: ModernRequest) -> JsonObject:
+        session = await self._session(request.envelope, request.principal)
+        return await listen(
+            request.body["id"],
+            request.params,
+            request.envelope,
+            upstream_capabilities=session.initialize_result.get("capabilities") or {},
+            notifications=self.notifications,
             tasks=self.tasks,
-            principal=principal,
+            principal=request.principal,
             server=self.name,
+            reply=request.reply,
+            keepalive_s=self.keepalive_s,
         )
 
     # -- tools/call, prompts/get, resources/read ---------------------------------------------
 
-    async def call_tool(
-        self, params: JsonObject, envelope: Envelope, *, principal: str, reply: Reply
-    ) -> JsonObject:
+    async def call_tool(self, request: ModernRequest) -> JsonObject:
         """Run `tools/call` upstream; return its result, an InputRequiredResult (SEP-2322), or a flat
         CreateTaskResult (ext-tasks, once the call outlives `detach_after` s since it arrived).
 
@@ -186,7 +173,13 @@ class ServerDispatcher:
         `Mcp-Param` header, -32021 for a `required` tool without the tasks extension, a limit error
         (HTTP 429), the upstream's own error (translated), or -32603 naming the layer that gave up.
         """
-        arrived = getattr(reply, "arrived", None) or asyncio.get_running_loop().time()
+        params, envelope, principal, reply = (
+            request.params,
+            request.envelope,
+            request.principal,
+            request.reply,
+        )
+        arrived = reply.arrived or asyncio.get_running_loop().time()
         tool = params.get("name")
         if not isinstance(tool, str) or not tool:
             raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
@@ -200,7 +193,7 @@ class ServerDispatcher:
             tool, principal, lambda page: self.forward("tools/list", page, envelope, principal)
         )
         if names:
-            check_param_headers(getattr(reply, "headers", {}), params.get("arguments"), names)
+            check_param_headers(reply.headers, params.get("arguments"), names)
         if "requestState" not in params and policy.mode is not ToolMode.FORBIDDEN:
             # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
             support = await self.upstream_tasks.support(
@@ -228,27 +221,37 @@ class ServerDispatcher:
             arrived=arrived,
         )
 
-    async def read(
-        self, method: str, key: str, params: JsonObject, envelope: Envelope, principal: str, reply: Reply
-    ) -> JsonObject:
+    async def _prompt(self, request: ModernRequest) -> JsonObject:
+        return await self._read(request, "name")
+
+    async def _resource(self, request: ModernRequest) -> JsonObject:
+        return await self._read(request, "uri")
+
+    async def _read(self, request: ModernRequest, key: str) -> JsonObject:
         """`prompts/get` / `resources/read` as MRTR-capable calls that never become tasks.
 
         Raises JsonRpcError -32602 when `params.<key>` is not a non-empty string, else as `call_tool`.
         """
-        arrived = getattr(reply, "arrived", None) or asyncio.get_running_loop().time()
+        method, params, reply = request.method, request.params, request.reply
+        arrived = reply.arrived or asyncio.get_running_loop().time()
         name = params.get(key)
         if not isinstance(name, str) or not name:
             raise JsonRpcError(INVALID_PARAMS, f"{method} needs params.{key} (a string)")
         policy = self.config.policy(self.name, name).model_copy(update={"mode": ToolMode.FORBIDDEN})
         return await self.calls.run(
-            method, name, params, envelope, principal=principal, reply=reply, policy=policy, arrived=arrived
+            method,
+            name,
+            params,
+            request.envelope,
+            principal=request.principal,
+            reply=reply,
+            policy=policy,
+            arrived=arrived,
         )
 
     # -- everything else ---------------------------------------------------------------------
 
-    async def _session(
-        self, envelope: Envelope, principal: str | None = None
-    ) -> UpstreamSession | StdioSession:
+    async def _session(self, envelope: Envelope, principal: str | None = None) -> Session:
         try:
             return await self.pool.session(upstream_capabilities(envelope.capabilities), principal)
         except UpstreamError as exc:
@@ -263,25 +266,20 @@ class ServerDispatcher:
         Raises JsonRpcError: the upstream's error (translated), or -32603 when the upstream is
         unreachable or keeps expiring its session.
         """
-        upstream_params = strip_envelope(params)
-        for attempt in (1, 2):
-            session = await self._session(envelope, principal)
-            try:
-                reply = await session.request(
-                    method,
-                    upstream_params or None,
-                    handler=_ignore_messages(session, self.server_notification),
-                )
-                break
-            except SessionExpiredError:
-                if isinstance(self.pool, UpstreamPool) and isinstance(session, UpstreamSession):
-                    self.pool.discard(session)
-                if attempt == 2:
-                    raise JsonRpcError(
-                        INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session"
-                    ) from None
-            except UpstreamError as exc:
-                raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
+        upstream_params = strip_envelope(params) or None
+
+        async def exchange(session: Session) -> JsonObject:
+            handler = _ignore_messages(session, self.notifications.publish)
+            return await session.request(method, upstream_params, handler=handler)
+
+        try:
+            reply = await with_session(
+                self.pool, upstream_capabilities(envelope.capabilities), principal, exchange
+            )
+        except SessionExpiredError:
+            raise JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} keeps expiring its session") from None
+        except UpstreamError as exc:
+            raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
         if "error" in reply:
             error = modern_error(reply["error"])
             raise JsonRpcError(error["code"], error["message"], error.get("data"))
@@ -290,13 +288,12 @@ class ServerDispatcher:
             self.param_headers.remember(principal or "", result)
         return result
 
-    def server_notification(self, message: JsonObject) -> None:
-        """An upstream server-wide notification seen on some request's stream: forget cached tool
-        annotations on a tool list change, and offer it to the listen streams."""
+    def _forget_tool_facts(self, message: JsonObject) -> None:
+        """A fan-out listener: on the upstream's tool list change, forget the cached `Mcp-Param`
+        header index and the upstream's task support per tool."""
         if message.get("method") == "notifications/tools/list_changed":
             self.param_headers.clear()
             self.upstream_tasks.clear()
-        self.listeners.publish(message)
 
 
 def _ignore_messages(

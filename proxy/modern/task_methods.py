@@ -1,6 +1,6 @@
 """The proxy's own `tasks/get`, `tasks/update` and `tasks/cancel` for v2 clients (ext-tasks SEP-2663,
 protocol.md §1.5.3-1.5.5): capability gating, params, rate limit, then the task service, rendered
-by `protocol.tasks_v2`.
+by `tasks.wire_v2`.
 
 Capability gating comes before any lookup (-32021); unknown, expired, foreign-principal and
 other-server ids all get the same -32602, so a task's existence never leaks.
@@ -8,10 +8,15 @@ other-server ids all get the same -32602, so a task's existence never leaks.
 
 from __future__ import annotations
 
-from typing import Any
-
+from proxy.modern.types import ModernRequest
 from proxy.protocol.era import TASKS_EXTENSION, Envelope
-from proxy.protocol.jsonrpc import MISSING_REQUIRED_CLIENT_CAPABILITY, JsonObject, JsonRpcError
+from proxy.protocol.jsonrpc import (
+    INTERNAL_ERROR,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonObject,
+    JsonRpcError,
+)
+from proxy.tasks.model import TaskRecord
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError
 from proxy.tasks.wire_v2 import detailed_task, validate_input_responses
@@ -36,41 +41,43 @@ class TaskMethods:
         self.tasks = tasks
         self.server = server
 
-    async def _record(self, method: str, params: Any, envelope: Envelope, principal: str):
-        require_tasks_extension(envelope, method)
-        await self.tasks.check_rate(principal)
-        task_id = params.get("taskId") if isinstance(params, dict) else None
-        return await self.tasks.lookup(task_id, principal=principal, server=self.server)
+    async def _record(self, request: ModernRequest) -> TaskRecord:
+        require_tasks_extension(request.envelope, request.method)
+        await self.tasks.check_rate(request.principal)
+        task_id = request.params.get("taskId")
+        return await self.tasks.lookup(task_id, principal=request.principal, server=self.server)
 
-    async def get(self, params: Any, envelope: Envelope, principal: str) -> JsonObject:
+    async def get(self, request: ModernRequest) -> JsonObject:
         """`tasks/get` → DetailedTask with `resultType: "complete"` (ext-tasks "Task Polling").
 
         Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
         an unknown, expired or foreign id, -32603 (HTTP 503) when the store cannot be read.
         """
-        return detailed_task(await self._record("tasks/get", params, envelope, principal))
+        return detailed_task(await self._record(request))
 
-    async def update(self, params: Any, envelope: Envelope, principal: str) -> JsonObject:
+    async def update(self, request: ModernRequest) -> JsonObject:
         """`tasks/update` → empty ack; answered keys leave `inputRequests` before the ack
         (ext-tasks "Task Update Requests"); unknown or already-answered keys are ignored.
 
         Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
         an unknown id or malformed `inputResponses`.
         """
-        record = await self._record("tasks/update", params, envelope, principal)
-        await self.tasks.answer(record, validate_input_responses(params.get("inputResponses")))
+        record = await self._record(request)
+        await self.tasks.answer(record, validate_input_responses(request.params.get("inputResponses")))
         return dict(ACK)
 
-    async def cancel(self, params: Any, envelope: Envelope, principal: str) -> JsonObject:
+    async def cancel(self, request: ModernRequest) -> JsonObject:
         """`tasks/cancel` → empty ack (ext-tasks "Task Cancellation"). Sticky: a cancelled task stays
         cancelled; terminal tasks are untouched; the upstream gets `notifications/cancelled`.
 
         Raises JsonRpcError: -32021 without the extension, a limit error for `tasks_rate`, -32602 for
         an unknown id, -32603 (HTTP 503) naming the store when it cannot write.
         """
-        record = await self._record("tasks/cancel", params, envelope, principal)
+        record = await self._record(request)
         try:
             await self.tasks.cancel(record, by="client")
         except StoreUnavailableError as exc:
-            raise JsonRpcError(-32603, str(exc), {"store": self.tasks.store.where}, status=503) from None
+            raise JsonRpcError(
+                INTERNAL_ERROR, str(exc), {"store": self.tasks.store.where}, status=503
+            ) from None
         return dict(ACK)

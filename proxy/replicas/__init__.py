@@ -6,12 +6,11 @@ parked MRTR call, a legacy session) is the authenticated replica-to-replica HTTP
 `forward`; everything else is read from the shared store.
 """
 
-from proxy.replicas.node import REPLICAS_KEY, Replicas, advertised_url
+from proxy.replicas.node import Replicas, advertised_url
 from proxy.replicas.registry import Peer, Registry, SharedMap
 from proxy.replicas.routing import EndpointRouter, make_router, on_response_prepare
 
 __all__ = [
-    "REPLICAS_KEY",
     "EndpointRouter",
     "Peer",
     "Registry",

@@ -1,5 +1,5 @@
 """The internal endpoints replicas call on each other (`/_replica/...`), only with the shared
-secret: the live half of `tasks/update` and `tasks/cancel` for calls running here."""
+secret: the live half of `tasks/update` and `tasks/cancel` for calls running here, and a ping."""
 
 from __future__ import annotations
 
@@ -9,84 +9,99 @@ import structlog
 from aiohttp import web
 
 from proxy.protocol.jsonrpc import JsonObject
-from proxy.replicas.node import REPLICAS_KEY, Replicas
+from proxy.replicas.node import Replicas
 from proxy.tasks.model import principal_hash
+from proxy.tasks.service import TaskService
 
 log = structlog.get_logger("proxy.replicas")
 
 PREFIX = "/_replica"
 
 
+class InternalEndpoints:
+    """What the internal endpoints act on, opened with the app (its cleanup context puts it under
+    `INTERNAL_KEY`): this replica and its task service."""
+
+    def __init__(self, replicas: Replicas, tasks: TaskService) -> None:
+        self.replicas = replicas
+        self.tasks = tasks
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """`{"taskId", "reason"}` → `{"stopped": bool}`: stop the live call of a task another replica
+        marked cancelled in the store (the upstream gets notifications/cancelled for its request id)."""
+        payload = await self._payload(request)
+        if isinstance(payload, web.Response):
+            return payload
+        task_id = payload["taskId"]
+        call = self.tasks.live.get(task_id)
+        if call is not None:
+            self.tasks.release(task_id)
+            reason = payload.get("reason")
+            call.cancel(reason if isinstance(reason, str) else "task cancelled")
+            principal = principal_hash(call.principal)
+            log.info("task_cancelled", task_id=task_id, by="client", via="replica", principal=principal)
+        return web.json_response({"stopped": call is not None})
+
+    async def answer(self, request: web.Request) -> web.Response:
+        """`{"taskId", "inputResponses"}` → `{"keys": [...]}`: deliver answers to the live call; the
+        answered keys have left the stored `inputRequests` when this returns."""
+        payload = await self._payload(request)
+        if isinstance(payload, web.Response):
+            return payload
+        responses = payload.get("inputResponses")
+        if not isinstance(responses, dict):
+            return _refuse(400, "inputResponses must be an object")
+        task_id = payload["taskId"]
+        if task_id not in self.tasks.live:
+            return web.json_response({"keys": []})
+        record = await self.tasks.store.get(task_id)
+        keys = await self.tasks.answer(record, responses) if record is not None else []
+        return web.json_response({"keys": keys})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """`{}` → `{"node": id}` with the right secret (403 without): a replica checks its peers at start."""
+        if not self._authentic(request):
+            return _refuse(403, "replica secret missing or wrong")
+        return web.json_response({"node": self.replicas.node})
+
+    def _authentic(self, request: web.Request) -> bool:
+        if self.replicas.authentic(request):
+            return True
+        log.warning("security_replica_auth_failed", remote=request.remote, path=request.path)
+        return False
+
+    async def _payload(self, request: web.Request) -> JsonObject | web.Response:
+        if not self._authentic(request):
+            return _refuse(403, "replica secret missing or wrong")
+        try:
+            payload = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            return _refuse(400, "body must be a JSON object")
+        if not isinstance(payload, dict) or not isinstance(payload.get("taskId"), str):
+            return _refuse(400, "body must be a JSON object with a string taskId")
+        return payload
+
+
+INTERNAL_KEY = web.AppKey("replica_internal", InternalEndpoints)
+
+
 def add_routes(app: web.Application) -> None:
-    """Mount the internal endpoints (call only when `replicas` is configured)."""
-    app.router.add_post(f"{PREFIX}/tasks/cancel", _cancel)
-    app.router.add_post(f"{PREFIX}/tasks/answer", _answer)
-    app.router.add_post(f"{PREFIX}/ping", _ping)
+    """Mount the internal endpoints (only when `replicas` is configured); each request is served by
+    the `InternalEndpoints` under `INTERNAL_KEY`."""
+
+    async def cancel(request: web.Request) -> web.Response:
+        return await request.app[INTERNAL_KEY].cancel(request)
+
+    async def answer(request: web.Request) -> web.Response:
+        return await request.app[INTERNAL_KEY].answer(request)
+
+    async def ping(request: web.Request) -> web.Response:
+        return await request.app[INTERNAL_KEY].ping(request)
+
+    app.router.add_post(f"{PREFIX}/tasks/cancel", cancel)
+    app.router.add_post(f"{PREFIX}/tasks/answer", answer)
+    app.router.add_post(f"{PREFIX}/ping", ping)
 
 
 def _refuse(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
-
-
-async def _payload(request: web.Request) -> tuple[Replicas, JsonObject] | web.Response:
-    replicas: Replicas = request.app[REPLICAS_KEY]
-    if not replicas.authentic(request):
-        log.warning("security_replica_auth_failed", remote=request.remote, path=request.path)
-        return _refuse(403, "replica secret missing or wrong")
-    try:
-        payload = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError):
-        return _refuse(400, "body must be a JSON object")
-    if not isinstance(payload, dict) or not isinstance(payload.get("taskId"), str):
-        return _refuse(400, "body must be a JSON object with a string taskId")
-    return replicas, payload
-
-
-async def _cancel(request: web.Request) -> web.Response:
-    """`{"taskId", "reason"}` → `{"stopped": bool}`: stop the live call of a task another replica
-    marked cancelled in the store (the upstream gets notifications/cancelled for its request id)."""
-    got = await _payload(request)
-    if isinstance(got, web.Response):
-        return got
-    replicas, payload = got
-    task_id = payload["taskId"]
-    call = replicas.tasks.live.get(task_id)
-    if call is not None:
-        replicas.tasks.release(task_id)
-        reason = payload.get("reason")
-        call.cancel(reason if isinstance(reason, str) else "task cancelled")
-        log.info(
-            "task_cancelled",
-            task_id=task_id,
-            by="client",
-            via="replica",
-            principal=principal_hash(call.principal),
-        )
-    return web.json_response({"stopped": call is not None})
-
-
-async def _answer(request: web.Request) -> web.Response:
-    """`{"taskId", "inputResponses"}` → `{"keys": [...]}`: deliver answers to the live call; the
-    answered keys have left the stored `inputRequests` when this returns."""
-    got = await _payload(request)
-    if isinstance(got, web.Response):
-        return got
-    replicas, payload = got
-    responses = payload.get("inputResponses")
-    if not isinstance(responses, dict):
-        return _refuse(400, "inputResponses must be an object")
-    task_id = payload["taskId"]
-    if task_id not in replicas.tasks.live:
-        return web.json_response({"keys": []})
-    record = await replicas.tasks.store.get(task_id)
-    keys = await replicas.tasks.answer(record, responses) if record is not None else []
-    return web.json_response({"keys": keys})
-
-
-async def _ping(request: web.Request) -> web.Response:
-    """`{}` → `{"node": id}` with the right secret (403 without): a replica checks its peers at start."""
-    replicas: Replicas = request.app[REPLICAS_KEY]
-    if not replicas.authentic(request):
-        log.warning("security_replica_auth_failed", remote=request.remote, path=request.path)
-        return _refuse(403, "replica secret missing or wrong")
-    return web.json_response({"node": replicas.node})

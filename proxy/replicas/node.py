@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,7 +18,6 @@ from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError
 from proxy.replicas.forward import FORWARDED_HEADER, SECRET_HEADER, Forwarder, HopError
 from proxy.replicas.registry import Peer, Registry, SharedMap
 from proxy.tasks.model import TaskRecord
-from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError
 
 log = structlog.get_logger("proxy.replicas")
@@ -47,22 +47,23 @@ def advertised_url(config: Config) -> str:
 
 
 class Replicas:
-    """The replica side of one proxy process over a shared store (`shared`).
+    """The replica side of one proxy process (node `node`) over a shared store (`shared`); it is
+    the task service's `RemoteOwner` (the live calls other replicas run).
 
     `url` is this replica's advertised base URL; the registry record is renewed every third of
     the lease `lease_s` (s). `draining` turns true on SIGTERM (`begin_drain`).
     """
 
-    def __init__(self, config: Config, *, tasks: TaskService, shared: SharedMap, url: str) -> None:
+    def __init__(self, config: Config, *, node: str, lease_s: float, shared: SharedMap, url: str) -> None:
         assert config.replicas is not None
         self.secret = config.replicas.secret
-        self.tasks = tasks
-        self.node = tasks.node
-        self.registry = Registry(shared, node=tasks.node, url=url, lease_ms=int(tasks.lease_s * 1000))
+        self.node = node
+        self.lease_s = lease_s
+        self.registry = Registry(shared, node=node, url=url, lease_ms=int(lease_s * 1000))
         hop = config.replicas.hop_timeout
         longest_call = max((entry.timeout for entry in config.servers.values()), default=1800.0)
         self.forwarder = Forwarder(
-            node=tasks.node,
+            node=node,
             secret=self.secret,
             timeout_s=hop,
             read_timeout_s=longest_call + hop,
@@ -115,7 +116,7 @@ class Replicas:
 
     async def _renew(self) -> None:
         while not self._stopping:  # a flag too: redis-py can swallow a cancel (redis/redis-py#2028)
-            await asyncio.sleep(self.tasks.lease_s / 3)
+            await asyncio.sleep(self.lease_s / 3)
             try:
                 await self.registry.announce()
             except StoreUnavailableError as exc:
@@ -129,17 +130,17 @@ class Replicas:
         self.registry.draining = True
         with contextlib.suppress(StoreUnavailableError):
             await self.registry.announce()
-        log.info("replica_draining", node=self.node, detached=len(self.tasks.live))
+        log.info("replica_draining", node=self.node)
 
-    async def wait_idle(self, timeout_s: float, busy: Any = None) -> bool:
-        """Wait (at most `timeout_s` s) until this replica runs no detached call, no request in flight
-        (a call still attached may yet detach), and `busy()` (other live work, e.g. parked MRTR calls)
-        is false. True when idle, False on timeout."""
+    async def wait_idle(self, timeout_s: float, busy: Callable[[], bool]) -> bool:
+        """Wait (at most `timeout_s` s) until this replica has no request in flight (a call still
+        attached may yet detach) and `busy()` (its detached calls, parked MRTR calls) is false.
+        True when idle, False on timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.tasks.live or any(not t.done() for t in self._requests) or (busy is not None and busy()):
+        while any(not t.done() for t in self._requests) or busy():
             if loop.time() >= deadline:
-                log.warning("replica_drain_timeout", node=self.node, still_running=len(self.tasks.live))
+                log.warning("replica_drain_timeout", node=self.node)
                 return False
             await asyncio.sleep(0.05)
         return True
@@ -228,6 +229,3 @@ class Replicas:
         peer = await self.peer(record.owner)
         if peer is not None:
             await self.forwarder.call(peer, "tasks/cancel", {"taskId": record.task_id, "reason": reason})
-
-
-REPLICAS_KEY = web.AppKey("replicas", Replicas)

@@ -1,10 +1,21 @@
 """The task lifecycle of one proxy process (node): detach, outcomes, leases, orphans, retention.
 
-It owns the live detached calls of this node and writes what they report (the narrow sink
-interface `call.TaskSink`: `set_inputs`, `progress`, `finish`). Readers go through `lookup`,
-which also ends orphans it meets. A background loop renews this node's lease, sweeps for
-orphans (tasks whose owner's lease lapsed) and purges expired records. Dialect rendering is not
-here: callers render records with `protocol/`.
+It owns the live detached calls of this node and writes what they report (`types.TaskSink`:
+`set_inputs`, `progress`, `finish`). Readers go through `lookup`, which also ends orphans it meets.
+A background loop renews this node's lease, sweeps for orphans and purges expired records. Every
+change the store commits is published on `changes` (a fan-out) for the streams that wait on tasks.
+Dialect rendering is not here: callers render records with `wire_v1` / `wire_v2`.
+
+Orphans (design.md "Invariants"): a task that is not terminal and whose owner's lease has lapsed
+lost its upstream call with that process. A node that notices (the sweep, or any read) takes it
+over: it ends `failed` with an error saying what happened or, for tools configured `on_restart:
+rerun`, its ownership moves to this node first (a conditional write, so two nodes never both take
+it) and only then is the call sent upstream again. The sweep also stops live calls whose task an
+operator ended from outside (the CLI's cancel).
+
+One piece (about 600 lines) because the lease, the live calls, the orphan take-over and the
+outcome writes share the same state: which calls run here, which writes the store has not taken,
+and whether this node may judge other nodes' leases.
 """
 
 from __future__ import annotations
@@ -12,16 +23,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from limits.aio.storage import Storage
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from proxy.protocol.jsonrpc import INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
 from proxy.runtime import metrics
-from proxy.tasks import recovery
+from proxy.runtime.fanout import Fanout
 from proxy.tasks.audit import observe_transition
+from proxy.tasks.leases import LeaseJudge, store_instance
 from proxy.tasks.model import (
     Change,
     ConflictError,
@@ -37,45 +49,33 @@ from proxy.tasks.model import (
     proxy_error,
     valid_task_id,
 )
-from proxy.tasks.push import TaskPush
 from proxy.tasks.rates import TaskRate
-from proxy.tasks.recovery import LOST_MESSAGE, RESTART_MESSAGE
-from proxy.tasks.store import RemoteOwner, StoreUnavailableError, TaskNotFoundError, TaskStore
+from proxy.tasks.store import StoreUnavailableError, TaskNotFoundError, TaskStore
+from proxy.tasks.types import LiveCall, RemoteOwner, Rerun, TaskChange, TaskEvent, TaskMessage
 
 log = structlog.get_logger("proxy.tasks")
 
 SHUTDOWN_MESSAGE = "the proxy shut down while this call was running; the upstream call was abandoned"
+RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
+LOST_MESSAGE = (
+    "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; "
+    "the upstream call was lost"
+)
 _RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for the audit line)
 
 
-class LiveCall(Protocol):
-    """What the service needs of a running call: who started it, how to answer and stop it."""
-
-    principal: str
-
-    def answer(self, responses: JsonObject) -> list[str]:
-        """Deliver input responses by key; returns the keys used."""
-
-    def cancel(self, reason: str) -> None:
-        """Abandon the call (the upstream gets notifications/cancelled)."""
-
-    def input_requests(self) -> JsonObject:
-        """The questions still unanswered, as an `inputRequests` map."""
-
-
-Rerun = Callable[[TaskRecord], LiveCall | None]
-
-
 class TaskService:
-    """Tasks of one node over a `TaskStore`.
+    """Tasks of one node (`node`, a fresh id by default) over a `TaskStore`.
 
     `lease_s` (s) is how long this node's lease lasts without renewal; it is renewed every third
     of it, and the orphan sweep (which also stops calls whose task an operator ended, and purges
-    expired records) runs every half of it. `outcome_retry_s` (s) bounds the retries of
-    an outcome write the store refused; after that the task is shown `failed`, naming the store,
-    while the write goes on being retried in the background. Limits: `max_tasks_per_principal`
-    (live tasks) and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods), counted in
-    `rate_storage` (a `limits.aio` storage; default in memory, Redis for replicas).
+    expired records) runs every half of it. `outcome_retry_s` (s) bounds the retries of an outcome
+    write the store refused; after that the task is shown `failed`, naming the store, while the
+    write goes on being retried in the background. Limits: `max_tasks_per_principal` (live tasks)
+    and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods), counted in
+    `rate_storage` (a `limits.aio` storage; default in memory, Redis for replicas). `rerun` starts
+    the call of a task configured `on_restart: rerun` again after its owner died (None: such tasks
+    fail instead); `remote` reaches the calls other replicas run (None without replicas).
     """
 
     def __init__(
@@ -88,48 +88,42 @@ class TaskService:
         max_tasks_per_principal: int | None = None,
         tasks_rate: str | None = None,
         rate_storage: Storage | None = None,
+        rerun: Rerun | None = None,
+        remote: RemoteOwner | None = None,
     ) -> None:
         self.store = store
         self.node = node or new_node_id()
         self.lease_s = lease_s
         self.outcome_retry_s = outcome_retry_s
-        self.live: dict[str, LiveCall] = {}
-        self.creating: set[str] = set()  # task ids whose create is being committed
         self.max_tasks_per_principal = max_tasks_per_principal
-        self.tasks_rate = tasks_rate
         self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
-        self._snapshots: dict[
-            str, TaskRecord
-        ] = {}  # live task → record at detach (for the store-failure view)
-        self._unwritten: dict[
-            str, TaskRecord
-        ] = {}  # outcomes the store has not taken yet, as shown to readers
+        self.rerun = rerun
+        self.remote = remote
+        self.live: dict[str, LiveCall] = {}
+        self.store_problem: str | None = None  # the last store failure, while it lasts
+        # Every change a store commits, this process's and (Redis) every replica's: status push.
+        self.changes: Fanout[TaskEvent] = Fanout("task changes")
+        self._leases = LeaseJudge(lease_s)  # when this node may judge other nodes' leases
+        self._creating: set[str] = set()  # task ids whose create is being committed
+        self._cancelling: set[str] = set()  # tasks this node is cancelling right now
+        # Live task → its record at detach (what readers see if its outcome cannot be written).
+        self._snapshots: dict[str, TaskRecord] = {}
+        self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown
         self._retrieved: dict[str, None] = {}
-        self.cancelling: set[str] = set()  # tasks this node is cancelling right now
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.rerun: Rerun | None = None  # starts the call of a re-run task (set by `start`)
-        self.remote: RemoteOwner | None = None  # the live calls of other replicas (set by proxy.replicas)
-        self.store_problem: str | None = None  # the last store failure, while it lasts
-        self.leases = recovery.LeaseJudge(lease_s)  # when this node may judge other nodes' leases
         store.add_listener(observe_transition)
-        self.push = (
-            TaskPush()
-        )  # status changes for the streams that wait on tasks (v1 tasks/result, v2 listen)
-        store.add_remote_listener(self.push.on_change)  # every replica's changes (Redis)
+        store.add_remote_listener(lambda before, record: self.changes.publish(TaskChange(before, record)))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(
-        self, rerun: Rerun | None = None, *, restart_message: str | None = RESTART_MESSAGE
-    ) -> tuple[int, int]:
+    async def start(self, *, restart_message: str | None = RESTART_MESSAGE) -> tuple[int, int]:
         """Take this node's lease, end (or re-run) the tasks earlier processes left running (saying
         `restart_message`, or naming the lost node when None), and start the lease/sweep loop.
         Returns (re-run, failed) counts of the first sweep."""
-        self.rerun = rerun
         await self.store.renew_lease(self.node, int(self.lease_s * 1000))
-        self.leases.started(await recovery.store_instance(self.store))
+        self._leases.started(await store_instance(self.store))
         counts = await self.sweep(message=restart_message)
         self._loop_task = asyncio.get_running_loop().create_task(
             self._maintain(), name="task-lease-and-sweep"
@@ -146,7 +140,7 @@ class TaskService:
             try:
                 if tick % 2 == 0:
                     await self.store.renew_lease(self.node, int(self.lease_s * 1000))
-                    self.leases.renewed(await recovery.store_instance(self.store))
+                    self._leases.renewed(await store_instance(self.store))
                 if tick % 3 == 0:
                     await self.sweep()
                     purged = await self.store.purge_expired()
@@ -162,7 +156,7 @@ class TaskService:
     def store_failed(self, exc: BaseException) -> None:
         """Note a store failure (shown on /readyz; other nodes' leases are not judged for a lease period)."""
         self.store_problem = str(exc)
-        self.leases.failed()
+        self._leases.failed()
 
     async def stop(self) -> None:
         """On shutdown: record `failed` for every detached call still running, cancel it, give the lease up."""
@@ -171,11 +165,9 @@ class TaskService:
             self._loop_task.cancel()
             await asyncio.wait({self._loop_task}, timeout=2.0)
         calls = list(self.live.items())
+        shutdown = proxy_error(SHUTDOWN_MESSAGE)
         await asyncio.gather(
-            *(
-                self._end(task_id, proxy_error(SHUTDOWN_MESSAGE), SHUTDOWN_MESSAGE, by="shutdown")
-                for task_id, _ in calls
-            )
+            *(self._end(task_id, shutdown, SHUTDOWN_MESSAGE, by="shutdown") for task_id, _ in calls)
         )
         for _, call in calls:
             call.cancel("proxy shutdown")
@@ -232,17 +224,20 @@ class TaskService:
         )
         self.live[record.task_id] = call  # before the commit: the sweep must never see it ownerless
         self._snapshots[record.task_id] = record
-        self.creating.add(record.task_id)  # no record yet: not "ended elsewhere" (recovery)
+        self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
         try:
             await self.store.create(record)
         except StoreUnavailableError as exc:
-            self._forget(record.task_id)
+            self.release(record.task_id)
             self.store_failed(exc)
             raise JsonRpcError(
-                -32603, f"the call could not become a task: {exc}", {"store": self.store.where}, status=503
+                INTERNAL_ERROR,
+                f"the call could not become a task: {exc}",
+                {"store": self.store.where},
+                status=503,
             ) from None
         finally:
-            self.creating.discard(record.task_id)
+            self._creating.discard(record.task_id)
         log.info(
             "task_created",
             task_id=record.task_id,
@@ -252,20 +247,14 @@ class TaskService:
         )
         return record
 
-    def _forget(self, task_id: str) -> None:
+    def release(self, task_id: str) -> None:
+        """The call of `task_id` is no longer this node's (it ended, or another replica stopped it)."""
         self.live.pop(task_id, None)
         self._snapshots.pop(task_id, None)
 
-    release = _forget  # for recovery: the call is no longer this node's
-
-    def adopt(self, record: TaskRecord, call: LiveCall) -> None:
-        """Take a re-run call over as this node's live call of `record`."""
-        self.live[record.task_id] = call
-        self._snapshots[record.task_id] = record
-
-    def unwritten(self, task_id: str) -> bool:
-        """True while an outcome the store refused is only held in memory."""
-        return task_id in self._unwritten
+    def publish_message(self, *, principal: str, server: str, task_id: str, message: JsonObject) -> None:
+        """Offer a JSON-RPC notification that belongs to a task (a v1 client's progress) to its streams."""
+        self.changes.publish(TaskMessage(principal, server, task_id, message))
 
     # -- the sink a running call writes through ------------------------------------------------
 
@@ -306,11 +295,8 @@ class TaskService:
 
     async def progress(self, task_id: str, text: str) -> bool:
         """Record progress text as the status message. Returns False when the task already ended elsewhere."""
-        return await self._write(task_id, Change(status_message=text, expect_owner=self.node))
-
-    async def _write(self, task_id: str, change: Change) -> bool:
         try:
-            await self.store.update(task_id, change)
+            await self.store.update(task_id, Change(status_message=text, expect_owner=self.node))
         except (TerminalTaskError, TaskNotFoundError, ConflictError):
             return False
         except StoreUnavailableError as exc:
@@ -330,9 +316,8 @@ class TaskService:
         await self._end(task_id, outcome, status_message, by=by)
 
     async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:
-        keep_message = (
-            {} if status_message is None else {"status_message": status_message}
-        )  # None: the last progress text stays
+        # A status message of None leaves the last progress text in place.
+        keep_message = {} if status_message is None else {"status_message": status_message}
         change = Change(
             status=outcome_status(outcome),
             outcome=outcome,
@@ -342,13 +327,8 @@ class TaskService:
         )
         try:
             record = await self._retrying(lambda: self.store.update(task_id, change))
-            log.info(
-                "task_ended",
-                task_id=task_id,
-                status=record.status.value,
-                by=by,
-                principal=principal_hash(record.principal),
-            )
+            principal = principal_hash(record.principal)
+            log.info("task_ended", task_id=task_id, status=record.status.value, by=by, principal=principal)
         except (TerminalTaskError, TaskNotFoundError, ConflictError) as exc:
             log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
         except StoreUnavailableError as exc:
@@ -364,9 +344,25 @@ class TaskService:
             if snapshot is not None:
                 self._unwritten[task_id] = apply(snapshot, failed, at_ms=now_ms(), max_result_bytes=1 << 62)
             log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
-            self._spawn(recovery.write_later(self.store, self._unwritten, task_id, failed))
+            self._spawn(self._write_later(task_id, failed))
         finally:
-            self._forget(task_id)
+            self.release(task_id)
+
+    async def _write_later(self, task_id: str, change: Change) -> None:
+        """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart); then
+        forget the in-memory copy."""
+        try:
+            async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=0.1, max=5.0),
+                retry=retry_if_exception_type(StoreUnavailableError),
+            ):
+                with attempt:
+                    await self.store.update(task_id, change)
+            log.info("outcome_recorded_late", task_id=task_id)
+        except (TerminalTaskError, TaskNotFoundError, ConflictError):
+            pass
+        finally:
+            self._unwritten.pop(task_id, None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -388,16 +384,16 @@ class TaskService:
         """
         if not isinstance(task_id, str) or not task_id:
             raise JsonRpcError(INVALID_PARAMS, "params.taskId must be a non-empty string")
-        if not valid_task_id(task_id):
-            raise JsonRpcError(
-                INVALID_PARAMS, f"unknown or expired task: {task_id[:64]!r}"
-            )  # no id of ours looks like that
+        if not valid_task_id(task_id):  # no id of ours looks like that
+            raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id[:64]!r}")
         record = self._unwritten.get(task_id)
         if record is None:
             try:
                 record = await self.store.get(task_id)
             except StoreUnavailableError as exc:
-                raise JsonRpcError(-32603, str(exc), {"store": self.store.where}, status=503) from None
+                raise JsonRpcError(
+                    INTERNAL_ERROR, str(exc), {"store": self.store.where}, status=503
+                ) from None
         if record is None or record.principal != principal or record.server != server:
             if record is not None:
                 log.warning(
@@ -407,50 +403,41 @@ class TaskService:
                     principal=principal_hash(principal),
                 )
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
-        if (
-            not record.status.terminal
-            and task_id not in self.live
-            and (record.owner == self.node or self.leases.may_judge())
-        ):
+        mine = record.owner == self.node
+        if not record.status.terminal and task_id not in self.live and (mine or self._leases.may_judge()):
             try:
                 if not await self.store.lease_alive(record.owner):
-                    record = await recovery.take_over(self, record, LOST_MESSAGE.format(node=record.owner))
+                    record = await self._take_over(record, LOST_MESSAGE.format(node=record.owner))
             except StoreUnavailableError as exc:
-                raise JsonRpcError(-32603, str(exc), {"store": self.store.where}, status=503) from None
+                raise JsonRpcError(
+                    INTERNAL_ERROR, str(exc), {"store": self.store.where}, status=503
+                ) from None
         if record.status.terminal and task_id not in self._retrieved:
             self._retrieved[task_id] = None
             if len(self._retrieved) > _RETRIEVED_MAX:
                 del self._retrieved[next(iter(self._retrieved))]
+            principal_key = principal_hash(principal)
             log.info(
-                "task_result_retrieved",
-                task_id=task_id,
-                status=record.status.value,
-                principal=principal_hash(principal),
+                "task_result_retrieved", task_id=task_id, status=record.status.value, principal=principal_key
             )
         return record
 
     async def answer(self, record: TaskRecord, responses: JsonObject) -> list[str]:
-        """Deliver input responses to the task's live call (if it runs here); the answered keys have
-        left the stored `inputRequests` when this returns. Returns the keys used."""
+        """Deliver input responses to the task's live call (if it runs here; through `remote` when
+        another replica runs it); the answered keys have left the stored `inputRequests` when this
+        returns. Returns the keys used."""
         call = self.live.get(record.task_id)
-        if (
-            call is None
-            and self.remote is not None
-            and record.owner != self.node
-            and not record.status.terminal
-        ):
-            return await self.remote.answer(record, responses)  # the call runs on another replica
+        elsewhere = self.remote is not None and record.owner != self.node and not record.status.terminal
+        if call is None and elsewhere:
+            assert self.remote is not None
+            return await self.remote.answer(record, responses)
         if call is None or record.status.terminal:
             return []
         keys = call.answer(responses)
         if keys:
             await self.set_inputs(record.task_id, call.input_requests())
-            log.info(
-                "task_input_answered",
-                task_id=record.task_id,
-                keys=len(keys),
-                principal=principal_hash(record.principal),
-            )
+            principal = principal_hash(record.principal)
+            log.info("task_input_answered", task_id=record.task_id, keys=len(keys), principal=principal)
         return keys
 
     async def cancel(self, record: TaskRecord, *, by: str) -> TaskRecord:
@@ -461,7 +448,7 @@ class TaskService:
         if record.status.terminal:
             return record
         message = f"cancelled by {'client request' if by == 'client' else by}"
-        self.cancelling.add(record.task_id)
+        self._cancelling.add(record.task_id)
         try:
             record = await self.store.update(
                 record.task_id, Change(status=TaskStatus.CANCELLED, status_message=message, input_requests={})
@@ -469,9 +456,9 @@ class TaskService:
         except (TerminalTaskError, TaskNotFoundError):
             return await self.store.get(record.task_id) or record
         finally:
-            self.cancelling.discard(record.task_id)
+            self._cancelling.discard(record.task_id)
         call = self.live.get(record.task_id)
-        self._forget(record.task_id)
+        self.release(record.task_id)
         if call is not None:
             call.cancel(f"task {message}")
         elif self.remote is not None and record.owner != self.node:
@@ -479,11 +466,89 @@ class TaskService:
         log.info("task_cancelled", task_id=record.task_id, by=by, principal=principal_hash(record.principal))
         return record
 
-    # -- orphans and tasks ended elsewhere (tasks/recovery.py) ----------------------------------
+    # -- orphans and tasks ended elsewhere ---------------------------------------------------
 
     async def sweep(self, message: str | None = None) -> tuple[int, int]:
-        """End (or re-run) every non-terminal task whose owner's lease lapsed, and stop live calls whose
-        task was ended from outside (an operator's CLI cancel). Returns (re-run, failed) counts.
-        Raises StoreUnavailableError."""
-        await recovery.stop_calls_ended_elsewhere(self)
-        return await recovery.sweep(self, message)
+        """Stop live calls whose task was ended from outside (an operator's CLI cancel), then take
+        over every orphan in the store; `message` overrides the default lease-lapse message (the
+        start-up sweep names a restart). Returns (re-run, failed) counts. Raises StoreUnavailableError."""
+        await self._stop_calls_ended_elsewhere()
+        rerun = failed = 0
+        lapsed: dict[str, bool] = {}
+        judge = self._leases.may_judge()  # not right after a store outage: live replicas renew first
+        for record in await self.store.live_tasks():
+            if record.task_id in self.live or record.task_id in self._unwritten:
+                continue
+            if record.owner != self.node:
+                if not judge:
+                    continue
+                if record.owner not in lapsed:
+                    lapsed[record.owner] = not await self.store.lease_alive(record.owner)
+                if not lapsed[record.owner]:
+                    continue
+            ended = await self._take_over(record, message or LOST_MESSAGE.format(node=record.owner))
+            if ended.status is TaskStatus.FAILED:
+                failed += 1
+            elif not ended.status.terminal:
+                rerun += 1
+        if rerun or failed:
+            log.info("tasks_recovered", rerun=rerun, failed=failed)
+        return rerun, failed
+
+    async def _take_over(self, record: TaskRecord, message: str) -> TaskRecord:
+        """Re-run (tools configured `on_restart: rerun`) or fail an orphan; the record as it is now.
+
+        Raises StoreUnavailableError (nothing was started then).
+        """
+        try:
+            if record.rerun is not None and self.rerun is not None:
+                owned = await self.store.update(
+                    record.task_id,
+                    Change(
+                        status=TaskStatus.WORKING,
+                        status_message=f"re-running: {message}",
+                        input_requests={},
+                        owner=self.node,
+                        expect_owner=record.owner,
+                    ),
+                )
+                call = self.rerun(owned, self)  # only once this node owns it: never sent twice
+                if call is not None:
+                    self.live[owned.task_id] = call
+                    self._snapshots[owned.task_id] = owned
+                    metrics.ORPHANED.labels("rerun").inc()
+                    return owned
+                record = owned
+            metrics.ORPHANED.labels("failed").inc()
+            return await self.store.update(
+                record.task_id,
+                Change(
+                    status=TaskStatus.FAILED,
+                    status_message=message,
+                    outcome=proxy_error(message),
+                    input_requests={},
+                    expect_owner=record.owner,
+                ),
+            )
+        except (TerminalTaskError, TaskNotFoundError, ConflictError):
+            return await self.store.get(record.task_id) or record
+
+    async def _stop_calls_ended_elsewhere(self) -> None:
+        """Cancel the live calls of this node whose task another writer ended (the operator CLI's cancel)."""
+        for task_id, call in list(self.live.items()):
+            if task_id in self._cancelling or task_id in self._creating:
+                continue  # being cancelled here, or its record is not committed yet
+            record = await self.store.get(task_id)
+            if record is not None and not record.status.terminal:
+                continue
+            if self.live.get(task_id) is not call:
+                continue  # ended here meanwhile
+            self.release(task_id)
+            call.cancel("the task ended outside this proxy")
+            if record is not None and record.status is TaskStatus.CANCELLED:
+                principal = principal_hash(record.principal)
+                log.info("task_cancelled", task_id=task_id, by="operator", principal=principal)
+            else:
+                log.info(
+                    "task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone"
+                )

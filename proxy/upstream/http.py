@@ -47,7 +47,8 @@ class UpstreamSession:
     """One initialized legacy session with an upstream server, multiplexing concurrent requests.
 
     `url` is the upstream MCP endpoint, `headers` extra headers from the config (credentials: never
-    logged or stored), `capabilities` the client capabilities declared in `initialize`.
+    logged or stored), `capabilities` the client capabilities declared in `initialize`;
+    `on_notification` receives the server-wide notifications of its standalone GET stream.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class UpstreamSession:
         headers: dict[str, str] | None = None,
         capabilities: JsonObject | None = None,
         bounds: Bounds | None = None,
+        on_notification: Callable[[JsonObject], None] | None = None,
     ) -> None:
         self.http = http
         self.url = url
@@ -74,11 +76,9 @@ class UpstreamSession:
         self.closed = False
         self.in_flight = 0
         self._deleted = False
-        self.broken: str | None = (
-            None  # why the session is no longer trusted (a stream died before answering)
-        )
+        self.broken: str | None = None  # why the session is no longer trusted (a stream died unanswered)
         self.questions = OpenQuestions()  # server→client request ids not answered yet: one response each
-        self.on_notification: Callable[[JsonObject], None] | None = None
+        self.on_notification = on_notification
         self._listener: asyncio.Task[None] | None = None
 
     def next_id(self) -> int:

@@ -10,7 +10,7 @@ import structlog
 
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.upstream.http import UpstreamSession
-from proxy.upstream.types import Bounds, caps_key, probe
+from proxy.upstream.types import Bounds, Session, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -19,7 +19,8 @@ class UpstreamPool:
     """The upstream sessions of one server, one per distinct client-capability set.
 
     Legacy servers decide what they offer from the `initialize` capabilities (protocol.md §3.4),
-    so each capability set gets its own session, opened on first use.
+    so each capability set gets its own session, opened on first use. `on_notification` receives
+    the server-wide notifications (list changes) of every session's standalone GET stream.
     """
 
     def __init__(
@@ -30,6 +31,7 @@ class UpstreamPool:
         headers: dict[str, str],
         *,
         bounds: Bounds | None = None,
+        on_notification: Callable[[JsonObject], None] | None = None,
     ) -> None:
         self.http = http
         self.server = server
@@ -38,7 +40,7 @@ class UpstreamPool:
         self.bounds = bounds or Bounds()
         self._sessions: dict[str, UpstreamSession] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
+        self.on_notification = on_notification
 
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
         """The open session for `capabilities`, initializing it if needed (`principal` is not used:
@@ -64,8 +66,8 @@ class UpstreamPool:
                 headers=self.headers,
                 capabilities=capabilities,
                 bounds=self.bounds,
+                on_notification=self.on_notification,
             )
-            session.on_notification = self.on_notification
             await session.open()
             self._sessions[key] = session
             return session
@@ -74,13 +76,14 @@ class UpstreamPool:
         """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
         return await probe(self, timeout_s)
 
-    def discard(self, session: UpstreamSession) -> None:
+    def discard(self, session: Session) -> None:
         """Forget a session the upstream expired (or that broke), so the next use initializes a new
         one; a broken session is ended (DELETE) once its requests in flight are over."""
-        session.retire()
         key = caps_key(session.capabilities)
-        if self._sessions.get(key) is session:
+        mine = self._sessions.get(key)
+        if mine is session:
             del self._sessions[key]
+            mine.retire()
 
     async def close(self) -> None:
         """Close every session."""

@@ -65,8 +65,11 @@ class StdioSession:
     """One child process speaking MCP over stdio, initialized with `capabilities`.
 
     Same surface as `UpstreamSession` (open, request, notify, respond, close). `limit` bounds
-    concurrent requests (None: unbounded). Raises UpstreamError when the child cannot start, dies,
-    or writes to a closed pipe; the message names the exit status.
+    concurrent requests (None: unbounded). `on_notification` receives the server-wide notifications
+    that arrive while no request is in flight; `single_owner` says every request on this child comes
+    from one principal (`isolation: per_principal`: its questions go to the newest request). Raises
+    UpstreamError when the child cannot start, dies, or writes to a closed pipe; the message names
+    the exit status.
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class StdioSession:
         limit: asyncio.Semaphore | None,
         init_timeout: float,
         bounds: Bounds | None = None,
+        on_notification: Callable[[JsonObject], None] | None = None,
+        single_owner: bool = False,
     ) -> None:
         self.server = server
         self.command = command
@@ -99,8 +104,8 @@ class StdioSession:
         self._write_lock = asyncio.Lock()
         self._readers: list[asyncio.Task[None]] = []
         self.exited = asyncio.Event()
-        self.on_notification: Callable[[JsonObject], None] | None = None
-        self.single_owner = False  # all requests on this child come from one principal
+        self.on_notification = on_notification
+        self.single_owner = single_owner
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -42,11 +42,13 @@ class StdioPool:
     """The child processes of one configured stdio server.
 
     `instances` children per key (least-loaded wins), restarted as soon as one exits (after a
-    backoff when it exits quickly again), `max_concurrency` requests in flight across the server, `per_principal` gives each principal its own children, `idle_timeout` (s) stops a
-    child nobody used for that long, `max_restarts` quick exits in a row make a crash loop that is
-    refused for `crash_cooloff` (s). A child that ran less than `stable_after` (s) exited "quickly".
+    backoff when it exits quickly again), `max_concurrency` requests in flight across the server,
+    `per_principal` gives each principal its own children, `idle_timeout` (s) stops a child nobody
+    used for that long, `max_restarts` quick exits in a row make a crash loop that is refused for
+    `crash_cooloff` (s). A child that ran less than `stable_after` (s) exited "quickly".
     `max_children` caps the children running at once across keys (an idle one is stopped to make
-    room; when all are busy the request is refused); `bounds` are the waits and sizes of each child.
+    room; when all are busy the request is refused); `bounds` are the waits and sizes of each child;
+    `on_notification` receives the server-wide notifications (list changes) of every child.
     Every start, failed start, exit and crash loop is logged and counted
     (`mcp_tasks_proxy_upstream_processes_total`).
     """
@@ -66,6 +68,7 @@ class StdioPool:
         stable_after: float = 10.0,
         bounds: Bounds | None = None,
         max_children: int | None = None,
+        on_notification: Callable[[JsonObject], None] | None = None,
     ) -> None:
         self.bounds = bounds or Bounds(init_timeout=init_timeout)
         self.max_children = max_children
@@ -82,7 +85,7 @@ class StdioPool:
         self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         self._slots: dict[str, _Slot] = {}
         self._starting: set[StdioSession] = set()
-        self.on_notification: Callable[[JsonObject], None] | None = None  # server-wide notifications
+        self.on_notification = on_notification  # server-wide notifications (list changes)
         self._reaper: asyncio.Task[None] | None = None
         self._restarts: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -208,9 +211,9 @@ class StdioPool:
                     limit=self.limit,
                     init_timeout=self.init_timeout,
                     bounds=self.bounds,
+                    on_notification=self.on_notification,
+                    single_owner=self.per_principal,
                 )
-                session.on_notification = self.on_notification
-                session.single_owner = self.per_principal
                 try:
                     self._starting.add(session)
                     await session.open()

@@ -1,5 +1,11 @@
-"""What the HTTP and stdio connectors share: their error types, the bounds of one server's waits,
-the capability-set key, and the readiness probe."""
+"""What the HTTP and stdio connectors share, and all the rest of the proxy knows of them: the
+`Pool` and `Session` protocols, their error types, the one rule for a session the upstream forgot
+(`with_session`), the bounds of one server's waits, the capability-set key, and the readiness probe.
+
+A pool holds the sessions of one configured server, one per client-capability set (legacy servers
+decide what they offer from the `initialize` capabilities, protocol.md §3.4): Streamable HTTP
+sessions (`http_pool.UpstreamPool`) or child processes (`stdio_pool.StdioPool`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,11 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from proxy.protocol.jsonrpc import JsonObject
+from proxy.protocol.jsonrpc import JsonObject, RequestId
 
 # Called with every message that arrives on a request's stream before its response:
 # notifications and server→client requests. Returns nothing; answers go through `respond`.
@@ -29,6 +35,79 @@ class SessionExpiredError(UpstreamError):
 class SessionBrokenError(SessionExpiredError):
     """A request went onto a session that had already broken and got nothing back: it was never
     delivered, so it may be sent again on a new session (retried like an expired session)."""
+
+
+class Session(Protocol):
+    """One initialized upstream session (Streamable HTTP: an `Mcp-Session-Id`; stdio: one child),
+    multiplexing concurrent requests. `capabilities` are the client capabilities its `initialize`
+    declared, `initialize_result` what the upstream answered, `protocol_version` the revision agreed."""
+
+    server: str
+    capabilities: JsonObject
+    initialize_result: JsonObject
+    protocol_version: str
+
+    def next_id(self) -> int:
+        """A fresh JSON-RPC request id toward the upstream on this session."""
+
+    async def request(
+        self,
+        method: str,
+        params: JsonObject | None,
+        *,
+        handler: MessageHandler | None,
+        request_id: RequestId | None = None,
+        on_sent: Callable[[], None] | None = None,
+    ) -> JsonObject:
+        """Send one request; its JSON-RPC response message (`result` or `error`). Messages that
+        belong to it arrive at `handler` first; `on_sent()` runs as it leaves. Bounded by
+        `Bounds.for_method` (s). Raises UpstreamError (SessionExpiredError: the upstream forgot the session)."""
+
+    async def notify(self, method: str, params: JsonObject | None = None) -> None:
+        """Send a notification. Raises UpstreamError."""
+
+    async def respond(
+        self, request_id: RequestId, *, result: JsonObject | None = None, error: JsonObject | None = None
+    ) -> None:
+        """Answer a server→client request under the upstream's own id, at most once. Raises UpstreamError."""
+
+
+class Pool(Protocol):
+    """The sessions of one configured server (`server`), one per client-capability set (and per
+    principal where the server isolates principals)."""
+
+    server: str
+
+    async def session(self, capabilities: JsonObject, principal: str | None = None) -> Session:
+        """The open session for `capabilities`, opening it if needed. Raises UpstreamError."""
+
+    def discard(self, session: Session) -> None:
+        """Forget a session the upstream expired or that broke: the next use opens a new one."""
+
+    async def check(self, timeout_s: float = 5.0) -> str | None:
+        """None when a session without optional capabilities is ready within `timeout_s` (s),
+        else a sentence saying why not (for /readyz)."""
+
+    async def close(self) -> None:
+        """End every session."""
+
+
+T = TypeVar("T")
+
+
+async def with_session(
+    pool: Pool, capabilities: JsonObject, principal: str | None, exchange: Callable[[Session], Awaitable[T]]
+) -> T:
+    """`exchange(session)` on `pool`'s session for (`capabilities`, `principal`). When the upstream
+    forgot that session (SessionExpiredError: a 404, so it ran nothing) the session leaves the
+    pool and the exchange runs once more on a new one; the second SessionExpiredError is raised.
+    The one retry rule for every request the proxy sends (2025-11-25 transports, "Session Management")."""
+    session = await pool.session(capabilities, principal)
+    try:
+        return await exchange(session)
+    except SessionExpiredError:
+        pool.discard(session)
+    return await exchange(await pool.session(capabilities, principal))
 
 
 class OpenQuestions:
@@ -103,7 +182,7 @@ class Bounds:
         return self.request_timeout, "request_timeout"
 
 
-async def probe(pool: Any, timeout_s: float) -> str | None:
+async def probe(pool: Pool, timeout_s: float) -> str | None:
     """Get `pool`'s session for no optional capabilities (opening it if needed) and, when the
     upstream offers tools, list them, all within `timeout_s` seconds; None when that works, else a
     sentence saying why not (for /readyz: an upstream that hangs on either is not ready)."""
