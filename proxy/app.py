@@ -21,10 +21,16 @@ from proxy.front.auth import Authenticator, auth_middleware
 from proxy.front.endpoint import ServerEndpoint
 from proxy.front.guards import default_allowed_hosts, host_guard
 from proxy.front.middleware import access_log, json_errors
-from proxy.legacy.bridge import LegacyBridge
+from proxy.legacy.child import StdioChild
+from proxy.legacy.endpoint import LegacyEndpoint
+from proxy.legacy.relay import HttpRelay
+from proxy.legacy.session import LegacySessions
+from proxy.legacy.streams import StreamServer
+from proxy.legacy.types import LegacyUpstream
+from proxy.legacy.v1 import V1Front
 from proxy.modern.dispatcher import ServerDispatcher
 from proxy.protocol.jsonrpc import JsonObject
-from proxy.replicas import Replicas, advertised_url, make_router, on_response_prepare
+from proxy.replicas import EndpointRouter, Replicas, advertised_url, on_response_prepare
 from proxy.replicas.internal import INTERNAL_KEY, InternalEndpoints
 from proxy.replicas.internal import PREFIX as REPLICA_PREFIX
 from proxy.replicas.internal import add_routes as add_replica_routes
@@ -135,8 +141,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         notifications = {
             name: Fanout[JsonObject](f"upstream notifications {name}") for name in config.servers
         }
-        pools = {
-            name: make_pool(name, entry, http, notifications[name]) for name, entry in config.servers.items()
+        children = {
+            name: stdio_pool(name, entry, notifications[name])
+            for name, entry in config.servers.items()
+            if entry.command
+        }
+        pools: dict[str, Pool] = {
+            name: children.get(name) or http_pool(name, entry, http, notifications[name])
+            for name, entry in config.servers.items()
         }
         for pool in pools.values():
             stack.push_async_callback(pool.close)
@@ -164,21 +176,51 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 keepalive_s=config.listen.sse_keepalive,
                 drain=drain,
             )
-            pool = pools[name]
-            bridge = LegacyBridge(name, pool, drain=drain) if isinstance(pool, StdioPool) else None
-            endpoint = ServerEndpoint(
-                name=name,
-                url=entry.url,
-                headers=entry.headers,
-                http=http,
-                dispatcher=dispatcher,
-                bridge=bridge,
+            sessions = LegacySessions(name, node=node if replicas is not None else "")
+            drain.at_deadline(sessions.drained)
+            stack.callback(sessions.close)  # every reply stream's pump
+            streams = StreamServer(
+                sessions=sessions,
+                keepalive_s=config.listen.sse_keepalive,
+                replay_events=config.listen.replay_events,
+                replay_bytes=config.listen.replay_bytes,
             )
-            drain.at_deadline(endpoint.legacy.drained)
-            stack.callback(endpoint.legacy.close)  # the legacy relay's stream pumps
-            if replicas is not None:
-                endpoint.router = make_router(replicas, endpoint, parked).route
-            app[ENDPOINTS_KEY][name] = endpoint
+            v1 = V1Front(
+                server=name,
+                config=config,
+                pool=pools[name],
+                tasks=tasks,
+                keepalive_s=config.listen.sse_keepalive,
+            )
+            child = children.get(name)
+            upstream: LegacyUpstream = (
+                StdioChild(name=name, pool=child, sessions=sessions, streams=streams, v1=v1)
+                if child is not None
+                else HttpRelay(
+                    name=name,
+                    url=entry.url or "",
+                    headers=entry.headers,
+                    http=http,
+                    bounds=Bounds.from_entry(entry),
+                    sessions=sessions,
+                    streams=streams,
+                    v1=v1,
+                )
+            )
+            router = (
+                EndpointRouter(replicas, server=name, kind=upstream.kind, sessions=sessions, parked=parked)
+                if replicas is not None
+                else None
+            )
+            app[ENDPOINTS_KEY][name] = ServerEndpoint(
+                name=name,
+                dispatcher=dispatcher,
+                legacy=LegacyEndpoint(
+                    name=name, sessions=sessions, streams=streams, upstream=upstream, v1=v1
+                ),
+                body_timeout=config.listen.body_timeout,
+                router=router.route if router is not None else None,
+            )
         app[TASKS_KEY], app[POOLS_KEY], app[PARKED_KEY] = tasks, pools, parked
         if config.console is not None:
             app[CONSOLE_KEY] = ConsoleData(tasks, pools)
@@ -211,20 +253,24 @@ async def _parked_calls(config: Config, store: TaskStore, node: str) -> ParkedCa
     return ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret), node=node)
 
 
-def make_pool(
+def http_pool(
     name: str, entry: ServerEntry, http: aiohttp.ClientSession, notifications: Fanout[JsonObject]
-) -> Pool:
-    """The upstream pool of one server: Streamable HTTP sessions (`url`) or stdio children
-    (`command`), publishing the upstream's server-wide notifications on `notifications`."""
-    if entry.url:
-        return UpstreamPool(
-            http,
-            name,
-            entry.url,
-            entry.headers,
-            bounds=Bounds.from_entry(entry),
-            on_notification=notifications.publish,
-        )
+) -> UpstreamPool:
+    """The Streamable HTTP sessions of one server (`entry.url`), publishing the upstream's
+    server-wide notifications on `notifications`."""
+    return UpstreamPool(
+        http,
+        name,
+        entry.url or "",
+        entry.headers,
+        bounds=Bounds.from_entry(entry),
+        on_notification=notifications.publish,
+    )
+
+
+def stdio_pool(name: str, entry: ServerEntry, notifications: Fanout[JsonObject]) -> StdioPool:
+    """The child processes of one stdio server (`entry.command`), publishing the upstream's
+    server-wide notifications on `notifications`."""
     assert entry.command is not None
     return StdioPool(
         name,

@@ -54,7 +54,9 @@ async def test_one_reader_can_wait_on_several_fanouts() -> None:
         assert [await shared.get(), await shared.get()] == ["a", 1]
 
 
-async def test_listeners_run_at_publish_and_a_failing_filter_or_listener_never_reaches_the_publisher() -> None:
+async def test_listeners_run_at_publish_and_a_failing_filter_or_listener_never_reaches_the_publisher() -> (
+    None
+):
     fanout: Fanout[int] = Fanout("numbers")
     seen: list[int] = []
     fanout.listen(seen.append)

@@ -82,7 +82,7 @@ class Legacy:
         async with self.http.post(self.url, json=body, headers=self.headers()) as resp:
             assert resp.status == 200, await resp.text()
             self.sid = resp.headers["Mcp-Session-Id"]
-            assert (await resp.json())["id"] == "init"
+            assert (await reply_of(resp))["id"] == "init"
         await self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
         return self
 
@@ -1072,3 +1072,41 @@ async def test_a_json_only_client_does_not_leave_the_upstreams_question_waiting(
             reply = await asyncio.wait_for(resp.json(), 3)  # the fixture waits 5 s for an answer
     text = json.loads(reply["result"]["content"][0]["text"])
     assert reply["id"] == 13 and text["code"] == -32601 and "text/event-stream" in text["message"]
+
+
+# -- one session machine, two upstream kinds -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["http", "stdio"])
+async def test_a_cancelled_request_ends_the_same_way_on_both_upstream_kinds(
+    legacy_url: str, tmp_path: Path, kind: str
+) -> None:
+    """A legacy client's `notifications/cancelled` reaches the upstream under the proxy's id, and
+    the request's reply ends within the cancel grace with -32800, whatever the upstream kind (a stdio
+    child that answers a cancelled request with nothing used to hold its client until the call's
+    timeout)."""
+    from conftest import FIXTURE_STDIO, make_config
+
+    config = make_config(legacy_url, tmp_path / "store")
+    if kind == "stdio":
+        config = stdio_config(tmp_path)
+        config.mcpServers = {"legacy": config.mcpServers["fx"].model_copy(update=FIXTURE_STDIO)}
+    label = f"cancel-{kind}"
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+
+        async def call() -> dict:
+            async with client.call("c1", "slow_compute", seconds=10, label=label) as resp:
+                return await reply_of(resp)
+
+        started = time.monotonic()
+        replied = asyncio.ensure_future(call())
+        await asyncio.sleep(0.5)  # running upstream by now
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "c1"}}
+        assert await client.post(cancel) == 202
+        reply = await asyncio.wait_for(replied, 5)
+        assert reply["id"] == "c1" and reply["error"]["code"] == -32800, reply
+        assert time.monotonic() - started < 4
+        async with client.call("log", "cancelled_log") as log_resp:
+            entries = json.loads((await reply_of(log_resp))["result"]["content"][0]["text"])
+    assert [e["reason"] for e in entries if e["label"] == label] == ["notifications/cancelled"]

@@ -25,7 +25,7 @@ from proxy.protocol.inputs import (
     PendingInput,
     input_request_value,
 )
-from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, object_of
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, RequestId, object_of
 from proxy.runtime import metrics
 from proxy.tasks.types import TaskSink
 from proxy.upstream.types import Pool, Session, UpstreamError, with_session
@@ -46,7 +46,6 @@ PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of on
 CANCEL_GRACE_S = (
     0.5  # how long (s) a call whose questions were just refused may take to end before it is cancelled
 )
-REQUEST_CANCELLED = -32800  # LSP's RequestCancelled; what the MCP SDKs send for an abandoned request
 
 
 _NO_KEYS: frozenset[str] = frozenset()

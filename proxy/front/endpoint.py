@@ -1,9 +1,10 @@
-"""Client-facing Streamable HTTP: body parsing, era detection, modern validation, legacy pass-through.
+"""The MCP endpoint of one server as the client sees it: the body (bounded in size and time), the
+era of each request, and its reply.
 
 Modern era (2026-07-28, transports §"Streamable HTTP"): POST only, per-request envelope and routing
-headers, JSON reply or an SSE stream scoped to the request. Legacy era (2025-06-18 / 2025-11-25):
-the relay to the upstream (legacy_relay.py: the upstream session mapped to a proxy session id, own
-JSON-RPC ids and SSE event ids), or the proxy as the legacy server itself for stdio (legacy_bridge.py).
+headers checked here, then the method table (`modern.dispatcher`); JSON reply or an SSE stream
+scoped to the request. Legacy era (2025-06-18 / 2025-11-25): the legacy endpoint (`legacy.endpoint`:
+one session machine, an I/O adapter per upstream kind).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -20,18 +20,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.calls.types import Reply
 from proxy.front.auth import PRINCIPAL_KEY
 from proxy.front.middleware import ARRIVED_KEY
-from proxy.legacy.bridge import LegacyBridge
-from proxy.legacy.relay import LegacyRelay
-from proxy.legacy.sessions import LegacySessions, observe_legacy
-from proxy.legacy.v1 import V1Front
+from proxy.legacy.endpoint import LegacyEndpoint
 from proxy.modern.dispatcher import ServerDispatcher
 from proxy.protocol import jsonrpc
-from proxy.protocol.era import check_headers, is_modern_request, legacy_method_refusal, parse_envelope
+from proxy.protocol.era import check_headers, is_modern_request, parse_envelope
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from proxy.protocol.sse import KEEPALIVE, encode_message
 from proxy.runtime import metrics
 from proxy.tasks.model import ANONYMOUS
-from proxy.upstream.types import Bounds
 
 log = structlog.get_logger("proxy.transport")
 
@@ -121,65 +117,31 @@ def _dumps(obj: Any) -> str:
     return jsonrpc.dumps_str(obj)
 
 
-class ServerEndpoint:
-    """The MCP endpoint of one upstream server: modern dispatch plus legacy relay.
+# Replicas: decides first whether a request is served by another replica (or refused while draining):
+# a response when it is, None to serve it here. Called with the request, its parsed body (None for
+# GET and DELETE), its raw bytes and the caller's principal.
+Router = Callable[[web.Request, Any, bytes | None, str], Awaitable[web.StreamResponse | None]]
 
-    `url` and `headers` address the upstream; `http` is the proxy's shared client session.
-    """
+
+class ServerEndpoint:
+    """The MCP endpoint of one upstream server (`name`): the 2026-07-28 era through `dispatcher`,
+    the handshake era through `legacy`, each request first offered to `router` (replicas).
+    `body_timeout` (s) bounds reading a request body."""
 
     def __init__(
         self,
         *,
         name: str,
-        url: str | None,
-        headers: dict[str, str],
-        http: aiohttp.ClientSession,
         dispatcher: ServerDispatcher,
-        bridge: LegacyBridge | None = None,
+        legacy: LegacyEndpoint,
+        body_timeout: float,
+        router: Router | None = None,
     ) -> None:
-        self.bridge = bridge
-        # Replicas: decides first whether a request is served by another replica (or refused while draining).
-        self.router: (
-            Callable[[web.Request, Any, bytes | None, str], Awaitable[web.StreamResponse | None]] | None
-        ) = None
         self.name = name
-        self.url = url
-        self.headers = headers
-        self.http = http
         self.dispatcher = dispatcher
-        self.legacy = LegacySessions()
-        entry = dispatcher.config.mcpServers.get(name)
-        self.bounds = Bounds.from_entry(entry) if entry is not None else Bounds()
-        self.body_timeout = dispatcher.config.listen.body_timeout
-        # v1 tasks (2025-11-25) for legacy clients, served by the proxy when the upstream has none.
-        self.v1 = V1Front(
-            server=name,
-            config=dispatcher.config,
-            pool=dispatcher.pool,
-            tasks=dispatcher.tasks,
-            keepalive_s=dispatcher.keepalive_s,
-        )
-        if bridge is not None:
-            bridge.reply_hook = self.v1.rewrite_reply
-            bridge.keepalive_s = dispatcher.config.listen.sse_keepalive
-        listen = dispatcher.config.listen
-        # An HTTP upstream: the legacy relay (own ids toward the upstream, own SSE event ids toward the client).
-        self.relay = (
-            LegacyRelay(
-                name=name,
-                url=url,
-                headers=headers,
-                http=http,
-                bounds=self.bounds,
-                v1=self.v1,
-                sessions=self.legacy,
-                keepalive_s=listen.sse_keepalive,
-                replay_events=listen.replay_events,
-                replay_bytes=listen.replay_bytes,
-            )
-            if url is not None
-            else None
-        )
+        self.legacy = legacy
+        self.body_timeout = body_timeout
+        self.router = router
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -192,7 +154,7 @@ class ServerEndpoint:
                 if self.router is not None
                 else None
             )
-            return routed if routed is not None else await self._relay_legacy(request, body=None, raw=b"")
+            return routed if routed is not None else await self._legacy(request, None)
         # GET/DELETE without a session: modern clients have no GET stream (2026-07-28 §4.2).
         err = JsonRpcError(
             INVALID_REQUEST,
@@ -245,8 +207,7 @@ class ServerEndpoint:
             return routed
         if is_modern_request(request.headers, body):
             return await self._modern(request, body)
-        structlog.contextvars.bind_contextvars(era="legacy")
-        return await self._relay_legacy(request, body=body, raw=raw)
+        return await self._legacy(request, body)
 
     # -- modern ------------------------------------------------------------------------------
 
@@ -279,86 +240,11 @@ class ServerEndpoint:
             return await reply.finish(jsonrpc.error_response(request_id, err.to_error()), status=500)
         return await reply.finish(jsonrpc.response(request_id, result))
 
-    # -- legacy relay ------------------------------------------------------------------------
+    # -- legacy ------------------------------------------------------------------------------
 
-    async def _relay_legacy(self, request: web.Request, *, body: Any, raw: bytes) -> web.StreamResponse:
+    async def _legacy(self, request: web.Request, body: Any) -> web.StreamResponse:
         structlog.contextvars.bind_contextvars(era="legacy", server=self.name)
-        request_id = body.get("id") if isinstance(body, dict) else None
-        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            request_id = None
-        if (refusal := legacy_method_refusal(request.headers, body)) is not None:  # outside the era's surface
-            return _json_error(request_id, refusal)
-        method = (
-            body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
-        )
-        started = asyncio.get_running_loop().time()
-        response: web.StreamResponse | None = None
-        try:
-            response = await self._relay_legacy_inner(request, body=body, raw=raw, request_id=request_id)
-            return response
-        finally:
-            if method is not None and "id" in body:
-                observe_legacy(self.name, method, body, response, asyncio.get_running_loop().time() - started)
-
-    async def _relay_legacy_inner(
-        self, request: web.Request, *, body: Any, raw: bytes, request_id: Any
-    ) -> web.StreamResponse:
-        if self.bridge is not None:  # a stdio upstream: the proxy is the legacy server itself
-            if request.method == "POST":
-                try:
-                    jsonrpc.validate_request(body) if isinstance(
-                        body, dict
-                    ) and "method" in body else _validate_legacy_response(body)
-                except JsonRpcError as exc:
-                    return _json_error(request_id, exc)
-            bridged = self.bridge.session_of(request, principal_of(request))
-            version = request.headers.get("MCP-Protocol-Version") or (
-                bridged.version if bridged is not None else None
-            )
-            if request.method == "POST" and await self.v1.intercepts(body, principal_of(request), version):
-                if bridged is None:  # as the bridge answers: 404 for an unknown session, 400 for none
-                    known = bool(request.headers.get("Mcp-Session-Id"))
-                    message = (
-                        "unknown or expired session; initialize a new one"
-                        if known
-                        else "missing Mcp-Session-Id: initialize first"
-                    )
-                    return _json_error(
-                        request_id, JsonRpcError(INVALID_REQUEST, message), status=404 if known else 400
-                    )
-                return await self.v1.handle(
-                    request,
-                    self.v1.for_version(body, version),
-                    principal=principal_of(request),
-                    capabilities=bridged.capabilities,
-                )
-            if request.method == "GET" and not await self.v1.upstream_has_tasks():
-                bridge, bridge_sid = self.bridge, request.headers.get("Mcp-Session-Id", "").strip()
-                if (
-                    bridge.session_of(request, principal_of(request)) is not None
-                ):  # the v1 status stream (legacy_tasks)
-                    return await self.v1.serve_get_stream(
-                        request, lambda: bridge_sid in bridge.sessions, principal_of(request)
-                    )
-            return await self.bridge.handle(request, body, principal_of(request))
-        if request.method == "POST":
-            try:
-                jsonrpc.validate_request(body) if isinstance(
-                    body, dict
-                ) and "method" in body else _validate_legacy_response(body)
-            except JsonRpcError as exc:
-                return _json_error(request_id, exc)
-        assert self.relay is not None
-        return await self.relay.handle(
-            request, body=body, raw=raw, request_id=request_id, principal=principal_of(request)
-        )
-
-
-def _validate_legacy_response(body: Any) -> None:
-    if not jsonrpc.is_response(body):
-        jsonrpc.validate_request(body)
-    elif isinstance(body["id"], bool) or not isinstance(body["id"], (str, int)):
-        raise JsonRpcError(INVALID_REQUEST, "`id` must be a string or an integer")
+        return await self.legacy.handle(request, body=body, principal=principal_of(request))
 
 
 def _closing(response: web.Response) -> web.Response:

@@ -1,21 +1,19 @@
-"""The HTTP legacy relay: a legacy (2025-06-18 / 2025-11-25) client session relayed onto an upstream
-session of its own, with the proxy owning the protocol state in between (issue 13).
+"""The HTTP adapter of the legacy session machine: a legacy client session relayed onto an upstream
+session of its own (issue 13), with the proxy owning the protocol state in between (`session.py`).
 
-Like the stdio bridge, the relay speaks for itself toward both sides:
-
-- its own JSON-RPC ids toward the upstream (`LegacySession.mint`), mapped back per client session;
-  server→client requests get proxy ids toward the client, answered upstream at most once;
-- its own SSE event ids toward the client (`replay.RelayStream`), with `Last-Event-ID` resumption
-  from its own bounded buffer; the upstream's event ids are used only to resume the upstream
-  stream when the upstream asks for polling (SEP-1699: an event id and `retry`, then a close);
-- an SSE comment every `listen.sse_keepalive` on every relayed stream, POST and GET;
-- a JSON-RPC error for a request whose upstream stream dies, closes before answering, or outlives
-  its bound; a `notifications/cancelled` for a request already answered is not forwarded.
+Toward the upstream it sends each message as its own HTTP exchange (redirects never followed:
+configured credentials stay here), under the proxy's ids; what comes back (a JSON reply, or SSE
+events read by a pump that does not depend on the client's connection) reaches the client through
+the session machine, on reply streams of the proxy's own (`replay.RelayStream`). The upstream's
+event ids are used only to resume the upstream's stream when it asks for polling (SEP-1699: an
+event id and `retry`, then a close). A request whose upstream stream dies, closes before answering,
+or outlives its bound gets a JSON-RPC error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -23,157 +21,174 @@ import structlog
 from aiohttp import web
 
 from proxy.legacy.replay import RelayStream
-from proxy.legacy.sessions import LegacySession, as_jsonrpc_reply, read_limited
-from proxy.legacy.streams import RelayStreams
-from proxy.legacy.streams import decode as _decode
-from proxy.legacy.streams import dumps as _dumps
-from proxy.legacy.streams import json_error as _json_error
-from proxy.legacy.v1 import client_capabilities
+from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question
+from proxy.legacy.streams import StreamServer
+from proxy.legacy.types import Rewrite, error_reply
+from proxy.legacy.v1 import V1Front, client_capabilities
 from proxy.protocol import jsonrpc
-from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
-from proxy.protocol.sse import (
-    MAX_RESUME_ATTEMPTS,
-    MAX_RETRY_WAIT_S,
-    EventTooLargeError,
-    ReaderEvents,
-    SseEvent,
-)
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
+from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
+from proxy.upstream.types import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, Bounds
 
-log = structlog.get_logger("proxy.transport")
+log = structlog.get_logger("proxy.legacy")
 
-FORWARD_REQUEST_HEADERS = ("MCP-Protocol-Version",)
 # What the upstream is asked for, whatever the client sent (README "Transport leniency": a body that
 # parses as JSON is served without `Content-Type: application/json`, and without the full Accept).
 UPSTREAM_ACCEPT = {"POST": "application/json, text/event-stream", "GET": "text/event-stream"}
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
+_UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
 
 
-def _upstream_error(request_id: Any, exc: JsonRpcError, status: int) -> web.Response:
+def _upstream_error(request_id: Any, message: str, status: int) -> web.Response:
     """An upstream failure as the legacy client gets it: for a request, its JSON-RPC error in an
     HTTP 200 (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole
     transport dies); for a notification, response or GET (no id to answer), `status` (502/504)."""
-    return _json_error(request_id, exc, status=200 if request_id is not None else status)
+    return error_reply(request_id, INTERNAL_ERROR, message, status=200 if request_id is not None else status)
 
 
-class LegacyRelay(RelayStreams):
-    """Relays legacy sessions of one HTTP upstream: ids, POST exchanges and their streams (the
-    stream half, GET and resumption, is `RelayStreams`)."""
+def _decode(data: str) -> Any:
+    """A JSON value from SSE data; None when empty or not JSON."""
+    try:
+        return jsonrpc.loads(data) if data.strip() else None
+    except (ValueError, RecursionError):
+        return None
 
-    # -- entry ---------------------------------------------------------------------------------
 
-    async def handle(
-        self, request: web.Request, *, body: Any, raw: bytes, request_id: Any, principal: str
+class HttpRelay:
+    """Relays legacy sessions of server `name` to its HTTP upstream at `url` (config `headers`,
+    the shared `http` client, the server's `bounds`), serving replies through `streams`."""
+
+    kind = "http"
+    sessionless = True  # an upstream may serve requests without a session
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        url: str,
+        headers: dict[str, str],
+        http: aiohttp.ClientSession,
+        bounds: Bounds,
+        sessions: LegacySessions,
+        streams: StreamServer,
+        v1: V1Front,
+    ) -> None:
+        self.name = name
+        self.url = url
+        self.headers = headers
+        self.http = http
+        self.bounds = bounds
+        self.sessions = sessions
+        self.streams = streams
+        self.v1 = v1
+
+    # -- what the endpoint asks of an adapter ---------------------------------------------------
+
+    async def initialize(
+        self, request: web.Request, session: LegacySession, body: JsonObject, rewrite: Rewrite | None
     ) -> web.StreamResponse:
-        """Relay one legacy-era HTTP request (POST, GET or DELETE, already validated) to the upstream."""
-        headers = {**self.headers}
-        for name in FORWARD_REQUEST_HEADERS:
-            if name in request.headers:
-                headers[name] = request.headers[name]
-        if request.method in UPSTREAM_ACCEPT:
-            headers["Accept"] = UPSTREAM_ACCEPT[request.method]
-        if request.method == "POST":
-            headers["Content-Type"] = "application/json"
-        for name, value in request.headers.items():
-            if name.lower().startswith("mcp-") and name.lower() not in (
-                "mcp-session-id",
-                "mcp-protocol-version",
-            ):
-                headers[name] = value
-        sid = (request.headers.get("Mcp-Session-Id") or "").strip()
-        session = self.legacy.sessionless(principal)  # session-less traffic: scoped to its principal
-        if sid:
-            found = self.legacy.get(sid, principal)
-            if found is None:
-                return _json_error(
-                    request_id,
-                    JsonRpcError(INVALID_REQUEST, "unknown or expired session; initialize a new one"),
-                    status=404,
-                )
-            session = found
-            if found.upstream_id:
-                headers["Mcp-Session-Id"] = found.upstream_id
-        version = request.headers.get("MCP-Protocol-Version") or session.version or None
-        if request.method == "POST" and await self.v1.intercepts(body, principal, version):
-            if not sid:
-                return _json_error(
-                    request_id,
-                    JsonRpcError(INVALID_REQUEST, "missing Mcp-Session-Id: initialize first"),
-                    status=400,
-                )
-            return await self.v1.handle(
-                request,
-                self.v1.for_version(body, version),
-                principal=principal,
-                capabilities=session.capabilities,
+        """Relay `initialize`; the upstream's new session becomes a proxy session (its own id)."""
+        return await self.request(request, session, body, rewrite)
+
+    async def request(
+        self, request: web.Request, session: LegacySession, body: JsonObject, rewrite: Rewrite | None
+    ) -> web.StreamResponse:
+        """Relay a request under a fresh id of the session's own."""
+        sent = session.send(body["id"], session.mint())
+        return await self._forward(
+            request, session, {**body, "id": sent.upstream_id}, body["id"], sent, rewrite
+        )
+
+    async def notify(
+        self, request: web.Request, session: LegacySession, body: JsonObject
+    ) -> web.StreamResponse:
+        """Relay a notification (the upstream's status comes back)."""
+        return await self._forward(request, session, body, None, None, None)
+
+    async def cancel(
+        self, request: web.Request, session: LegacySession, sent: Outbound, body: JsonObject
+    ) -> web.StreamResponse:
+        """Relay a cancel under the upstream id of the request it names."""
+        params = {**jsonrpc.object_of(body.get("params")), "requestId": sent.upstream_id}
+        return await self._forward(request, session, {**body, "params": params}, None, None, None)
+
+    async def respond(
+        self, request: web.Request, session: LegacySession, question: Question, body: JsonObject
+    ) -> web.StreamResponse:
+        """Relay the client's answer under the upstream's own question id."""
+        return await self._forward(request, session, {**body, "id": question.upstream_id}, None, None, None)
+
+    async def open_get(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
+        """Relay the session's standalone GET stream (v1 status notifications join it)."""
+        return await self._forward(request, session, None, None, None, None)
+
+    async def reopen_get(
+        self, request: web.Request, session: LegacySession, stream: RelayStream, sid: str
+    ) -> None:
+        """A new upstream GET feeds the standalone `stream` again (nothing when the upstream refuses one)."""
+        upstream = await self._open_get(self._upstream_headers(request, session, "GET"))
+        if upstream is not None:
+            stream.reopen()
+            session.get_stream = stream
+            stream.pump = asyncio.get_running_loop().create_task(
+                self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}"
             )
-        if request.method == "GET" and request.headers.get("Last-Event-ID") is not None:
-            return await self._resume(request, session, sid, headers)
-        live = session.get_stream
-        if request.method == "GET" and live is not None and live.pump is not None and not live.pump.done():
-            # The upstream GET stream is still read (the last client left it lately): go on from now.
-            return await self._serve(request, session, live, live.last_seq)
-        upstream_rid: int | None = None
-        if request.method == "POST" and isinstance(body, dict):
-            if body.get("method") == "initialize":
-                body = await self.v1.strip_initialize(body)
-            if jsonrpc.is_response(body):
-                target = session.request_ids.pop(body["id"], None)
-                if target is None:  # unknown, or already answered: never reaches the upstream
-                    log.info(
-                        "legacy_response_dropped",
-                        server=self.name,
-                        reason="no pending server request has this id",
-                    )
-                    return web.Response(status=202)
-                body = {**body, "id": target}
-            elif "id" not in body and body.get("method") == "notifications/cancelled":
-                params = body.get("params") if isinstance(body.get("params"), dict) else {}
-                cancelled = params.get("requestId")
-                target_rid = session.pending.get(cancelled) if isinstance(cancelled, (str, int)) else None
-                if target_rid is None:  # answered already (or never sent): the upstream must not see it
-                    log.info("legacy_cancel_dropped", server=self.name, reason="the request is not in flight")
-                    return web.Response(status=202)
-                body = {**body, "params": {**params, "requestId": target_rid}}
-            elif "id" in body:
-                upstream_rid = session.mint()
-                session.pending[body["id"]] = upstream_rid
-                body = {**body, "id": upstream_rid}
-            raw = _dumps(body).encode()
-        try:
-            return await self._forward(
-                request,
-                session,
-                sid,
-                headers,
-                body=body,
-                raw=raw,
-                request_id=request_id,
-                upstream_rid=upstream_rid,
-                principal=principal,
-            )
-        finally:
-            if (
-                upstream_rid is not None and session.pending.get(request_id) == upstream_rid
-            ):  # (an answered one left already)
-                if not any(s.upstream_rid == upstream_rid and not s.closed for s in session.streams.values()):
-                    session.pending.pop(request_id, None)
+
+    async def delete(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
+        """Relay DELETE; the proxy session ends when the upstream agrees."""
+        return await self._forward(request, session, None, None, None, None)
 
     # -- one exchange with the upstream ---------------------------------------------------------
+
+    def _upstream_headers(self, request: web.Request, session: LegacySession, method: str) -> dict[str, str]:
+        """The headers toward the upstream: the config's, the client's `MCP-Protocol-Version` and
+        other `Mcp-*` headers, what the upstream is asked to accept, and its own session id."""
+        headers = {**self.headers}
+        for name, value in request.headers.items():
+            lower = name.lower()
+            if lower == "mcp-protocol-version" or (lower.startswith("mcp-") and lower != "mcp-session-id"):
+                headers[name] = value
+        if method in UPSTREAM_ACCEPT:
+            headers["Accept"] = UPSTREAM_ACCEPT[method]
+        if method == "POST":
+            headers["Content-Type"] = "application/json"
+        if session.upstream_id:
+            headers["Mcp-Session-Id"] = session.upstream_id
+        return headers
 
     async def _forward(
         self,
         request: web.Request,
         session: LegacySession,
-        sid: str,
-        headers: dict[str, str],
-        *,
         body: Any,
-        raw: bytes,
-        request_id: Any,
-        upstream_rid: int | None,
-        principal: str,
+        request_id: RequestId | None,
+        sent: Outbound | None,
+        rewrite: Rewrite | None,
     ) -> web.StreamResponse:
-        method = body.get("method") if request.method == "POST" and isinstance(body, dict) else None
+        """One HTTP exchange with the upstream for the client's `request` (its `body` already under
+        the upstream's ids; `request_id` the client's id of a request, `sent` its mapping, which
+        leaves the session once answered: a later cancel for it is dropped)."""
+        owner = [session]  # the session the request belongs to (a new one once an initialize opened it)
+        try:
+            return await self._exchange(request, owner, body, request_id, sent, rewrite)
+        finally:
+            if sent is not None and request_id is not None and (sent.stream is None or sent.stream.closed):
+                owner[0].answered(request_id, sent)
+
+    async def _exchange(
+        self,
+        request: web.Request,
+        owner: list[LegacySession],
+        body: Any,
+        request_id: RequestId | None,
+        sent: Outbound | None,
+        rewrite: Rewrite | None,
+    ) -> web.StreamResponse:
+        session = owner[0]
+        sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        headers = self._upstream_headers(request, session, request.method)
+        raw = jsonrpc.dumps(body) if body is not None else b""
+        method = body.get("method") if isinstance(body, dict) else None
         # A POSTed request is bounded like the proxy's own (its hard timeout for calls), a DELETE by
         # request_timeout; a GET stream lasts as long as the client keeps it open, but the wait for
         # its response headers is bounded (connect_timeout + request_timeout), with keepalives.
@@ -191,108 +206,86 @@ class LegacyRelay(RelayStreams):
         )
         # A request whose answer may come on SSE (not initialize: its reply carries the session id)
         # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
-        may_switch = (
-            request_id is not None
-            and method not in (None, "initialize")
-            and "text/event-stream" in request.headers.get("Accept", "")
-        )
+        accepts_sse = "text/event-stream" in request.headers.get("Accept", "")
+        may_switch = request_id is not None and method != "initialize" and accepts_sse
         if request.method == "GET" or may_switch:
             try:
-                done, _ = await asyncio.wait({opening}, timeout=self.keepalive_s)
+                done, _ = await asyncio.wait({opening}, timeout=self.streams.keepalive_s)
             except asyncio.CancelledError:
                 opening.cancel()
                 raise
-            if (
-                not done and request.method == "GET"
-            ):  # a slow upstream: the client's stream starts now, with keepalives
+            if not done and request.method == "GET":  # a slow upstream: the client's stream starts now
                 return await self._late_get(request, session, sid, opening)
             if not done:
-                return await self._late_post(
-                    request, session, sid, headers, opening, str(method), request_id, upstream_rid, bound, key
-                )
+                assert sent is not None and isinstance(method, str)
+                late = (opening, method, bound, key)
+                return await self._late_post(request, session, sid, headers, late, request_id, sent, rewrite)
         try:
             upstream = await opening
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except _UPSTREAM_ERRORS as exc:
+            timed_out = isinstance(exc, TimeoutError)
             reason = (
-                f"no answer within {bound:g} s ({key})"
-                if isinstance(exc, asyncio.TimeoutError)
-                else f"{exc.__class__.__name__}: {exc}"
+                f"no answer within {bound:g} s ({key})" if timed_out else f"{exc.__class__.__name__}: {exc}"
             )
-            err = JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} unreachable: {reason}")
-            return _upstream_error(request_id, err, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
+            return _upstream_error(
+                request_id, f"upstream {self.name} unreachable: {reason}", 504 if timed_out else 502
+            )
         if 300 <= upstream.status < 400:
             upstream.release()
-            err = JsonRpcError(
-                INTERNAL_ERROR,
-                f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed",
-            )
-            return _upstream_error(request_id, err, 502)
+            message = f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed"
+            return _upstream_error(request_id, message, 502)
         limit = self.bounds.max_response_bytes
         is_sse = (
             upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300
         )
         if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
             upstream.release()
-            err = JsonRpcError(
-                INTERNAL_ERROR,
-                f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)",
-            )
-            return _upstream_error(request_id, err, 502)
+            message = f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)"
+            return _upstream_error(request_id, message, 502)
         out_headers = {n: upstream.headers[n] for n in FORWARD_RESPONSE_HEADERS if n in upstream.headers}
-        upstream_new_sid = upstream.headers.get("Mcp-Session-Id")
+        new_upstream_sid = upstream.headers.get("Mcp-Session-Id")
         if sid:
             if upstream.status == 404 or (request.method == "DELETE" and upstream.status < 300):
-                self.legacy.end(sid)
+                self.sessions.end(sid)
             out_headers["Mcp-Session-Id"] = sid
-        elif upstream_new_sid:
-            out_headers["Mcp-Session-Id"] = self.legacy.open(
-                upstream_new_sid, principal, capabilities=client_capabilities(body)
+        elif new_upstream_sid:
+            asked = jsonrpc.object_of(body.get("params") if isinstance(body, dict) else None)
+            new_sid = self.sessions.open(
+                new_upstream_sid,
+                session.principal,
+                client_capabilities(body),
+                str(asked.get("protocolVersion") or ""),
             )
-            new = self.legacy.get(out_headers["Mcp-Session-Id"], principal)
-            asked: Any = body.get("params") if isinstance(body, dict) else None
-            if new is not None and isinstance(asked, dict):
-                new.version = str(asked.get("protocolVersion") or "")
-            if (
-                new is not None and upstream_rid is not None
-            ):  # the initialize request now belongs to the new session
-                session.pending.pop(request_id, None)
-                new.pending[request_id] = upstream_rid
-                session = new
+            out_headers["Mcp-Session-Id"] = new_sid
+            new = self.sessions.get(new_sid, session.principal)
+            if new is not None and sent is not None and request_id is not None:
+                new.takes_over(
+                    request_id, sent, session
+                )  # the initialize request now belongs to the new session
+                session = owner[0] = new
         if not is_sse:
-            try:
-                async with upstream:
-                    return await self._plain(upstream, out_headers, method, request_id, upstream_rid)
-            finally:
-                if upstream_rid is not None and session.pending.get(request_id) == upstream_rid:
-                    session.pending.pop(request_id, None)  # answered: a later cancel for it is not forwarded
-        stream = RelayStream(
-            kind="get" if request.method == "GET" else "post",
-            max_events=self.replay_events,
-            max_bytes=self.replay_bytes,
-        )
-        stream.upstream_rid = upstream_rid
-        self._remember(session, stream)
-        loop = asyncio.get_running_loop()
+            async with upstream:
+                return await self._plain(upstream, out_headers, request_id, sent, rewrite)
         if request.method == "GET":
-            if session.get_stream is not None and session.get_stream.pump is not None:
-                session.get_stream.pump.cancel()  # a new standalone stream replaces the old one
-            session.get_stream = stream
-            stream.pump = loop.create_task(
+            stream = self.streams.open(session, "get")
+            stream.pump = asyncio.get_running_loop().create_task(
                 self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}"
             )
-        else:
-            stream.json_only = "text/event-stream" not in request.headers.get(
-                "Accept", ""
-            )  # a client that takes no SSE
-            stream.pump = loop.create_task(
-                self._pump_post(
-                    session, stream, upstream, headers, method or "", request_id, upstream_rid, bound, key
-                ),
-                name=f"legacy POST relay {self.name}",
+            return await self.streams.serve(
+                request, session, stream, status=upstream.status, headers=out_headers
             )
+        stream = self.streams.open(session, "post", json_only=not accepts_sse)  # a client that takes no SSE
+        if sent is not None:
+            sent.stream = stream
+        stream.pump = asyncio.get_running_loop().create_task(
+            self._pump_post(
+                session, stream, upstream, headers, method or "", request_id, sent, bound, key, rewrite
+            ),
+            name=f"legacy POST relay {self.name}",
+        )
         if stream.json_only:
-            return await self._serve_json(stream, out_headers)
-        return await self._serve(request, session, stream, 0, status=upstream.status, headers=out_headers)
+            return await self.streams.serve_json(stream, out_headers)
+        return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
 
     async def _late_post(
         self,
@@ -300,135 +293,112 @@ class LegacyRelay(RelayStreams):
         session: LegacySession,
         sid: str,
         headers: dict[str, str],
-        opening: asyncio.Future[aiohttp.ClientResponse],
-        method: str,
-        request_id: Any,
-        upstream_rid: int | None,
-        bound: float,
-        key: str,
+        late: tuple[asyncio.Future[aiohttp.ClientResponse], str, float, str],
+        request_id: RequestId | None,
+        sent: Outbound,
+        rewrite: Rewrite | None,
     ) -> web.StreamResponse:
         """A request the upstream has not answered within `keepalive_s` (a slow JSON-mode upstream,
         or one slow to start its stream): the client's reply becomes an SSE stream at once, with
-        keepalives (as the stdio bridge does); the upstream's JSON reply, its SSE events, or a
-        JSON-RPC error naming the failure follow on it."""
-        stream = RelayStream(kind="post", max_events=self.replay_events, max_bytes=self.replay_bytes)
-        stream.upstream_rid = upstream_rid
-        self._remember(session, stream)
+        keepalives (as in front of a stdio child); the upstream's JSON reply, its SSE events, or a
+        JSON-RPC error naming the failure follow on it. `late` is the exchange still opening, the
+        request's method, and its bound (s) with the config key that sets it."""
+        opening, method, bound, key = late
+        stream = self.streams.open(session, "post")
+        sent.stream = stream
 
         async def pump() -> None:
             try:
                 upstream = await opening
             except asyncio.CancelledError:
-                if stream.ended_by:  # the session ended while the upstream was awaited
-                    stream.append(
-                        SseEvent(
-                            "message",
-                            _dumps(
-                                jsonrpc.error_response(
-                                    request_id, {"code": INTERNAL_ERROR, "message": self._ended(stream)}
-                                )
-                            ),
-                            None,
-                            None,
-                        )
+                if stream.ended is not None:  # the session ended, or the client cancelled, meanwhile
+                    code, message = stream.ended
+                    stream.append_message(
+                        jsonrpc.error_response(request_id, {"code": code, "message": message})
                     )
                 stream.close()
                 raise
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            except _UPSTREAM_ERRORS as exc:
+                timed_out = isinstance(exc, TimeoutError)
                 reason = (
                     f"no answer within {bound:g} s ({key})"
-                    if isinstance(exc, asyncio.TimeoutError)
+                    if timed_out
                     else f"{exc.__class__.__name__}: {exc}"
                 )
-                reply = jsonrpc.error_response(
-                    request_id,
-                    {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"},
-                )
-                stream.append(SseEvent("message", _dumps(reply), None, None))
+                error = {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"}
+                stream.append_message(jsonrpc.error_response(request_id, error))
                 stream.close()
-                if session.pending.get(request_id) == upstream_rid:  # answered (with the error)
-                    session.pending.pop(request_id, None)
+                session.answered(request_id, sent)  # (answered, with the error)
                 return
             finally:
                 opening.cancel()  # this task was cancelled while waiting: so is the exchange
             if upstream.status == 404 and sid:
-                self.legacy.end(sid)
+                self.sessions.end(sid)
             if (
                 upstream.headers.get("Content-Type", "").startswith("text/event-stream")
                 and upstream.status < 300
             ):
                 await self._pump_post(
-                    session, stream, upstream, headers, method, request_id, upstream_rid, bound, key
+                    session, stream, upstream, headers, method, request_id, sent, bound, key, rewrite
                 )
                 return
-            plain: Any = b""
             try:
-                if (
-                    300 <= upstream.status < 400
-                    or (upstream.content_length or 0) > self.bounds.max_response_bytes
-                ):
+                limit = self.bounds.max_response_bytes
+                if 300 <= upstream.status < 400 or (upstream.content_length or 0) > limit:
                     upstream.release()
                     why = (
                         "a redirect, not followed"
                         if upstream.status < 400
-                        else f"a reply larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
+                        else f"a reply larger than max_response_bytes ({limit} bytes)"
                     )
-                    plain = _dumps(
-                        jsonrpc.error_response(
-                            request_id,
-                            {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"},
-                        )
-                    ).encode()
+                    error = {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"}
+                    stream.append_message(jsonrpc.error_response(request_id, error))
                 else:
                     async with upstream:
-                        plain = (await self._plain(upstream, {}, method, request_id, upstream_rid)).body
-                body = plain if isinstance(plain, bytes) else b""
-                if body:
-                    stream.append(SseEvent("message", body.decode("utf-8", errors="replace"), None, None))
+                        plain = await self._plain(upstream, {}, request_id, sent, rewrite)
+                    data = plain.body if isinstance(plain.body, bytes) else b""
+                    if data:
+                        stream.append(SseEvent("message", data.decode("utf-8", errors="replace"), None, None))
             finally:
                 stream.close()
-                if session.pending.get(request_id) == upstream_rid:
-                    session.pending.pop(request_id, None)
+                session.answered(request_id, sent)
 
         stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy POST relay {self.name}")
-        return await self._serve(
-            request, session, stream, 0, headers={"Mcp-Session-Id": sid} if sid else None
+        return await self.streams.serve(
+            request, session, stream, headers={"Mcp-Session-Id": sid} if sid else None
         )
 
     async def _plain(
         self,
         upstream: aiohttp.ClientResponse,
         out_headers: dict[str, str],
-        method: Any,
-        request_id: Any,
-        upstream_rid: int | None,
+        request_id: RequestId | None,
+        sent: Outbound | None,
+        rewrite: Rewrite | None,
     ) -> web.Response:
-        """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC, under the client's id."""
+        """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC,
+        under the client's id."""
         try:
             data = await read_limited(upstream, self.bounds.max_response_bytes)
-        except (TimeoutError, aiohttp.ClientError, OSError, EventTooLargeError) as exc:
+        except (*_UPSTREAM_ERRORS, EventTooLargeError) as exc:
             reason = str(exc) or exc.__class__.__name__
-            return _upstream_error(
-                request_id,
-                JsonRpcError(INTERNAL_ERROR, f"upstream {self.name} broke its reply: {reason}"),
-                502,
-            )
+            return _upstream_error(request_id, f"upstream {self.name} broke its reply: {reason}", 502)
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
-            if upstream_rid is not None and message.get("id") == upstream_rid:
-                data = _dumps({**message, "id": request_id}).encode()
+            if sent is not None and message.get("id") == sent.upstream_id:
+                message = {**message, "id": request_id}
+                if rewrite is not None:
+                    message = await rewrite(message)
+                data = jsonrpc.dumps(message)
             elif message.get("id") is not None and message.get("id") != request_id:
                 log.warning(
                     "legacy_foreign_response_dropped",
                     server=self.name,
                     reason="a reply for another request id",
                 )
-                err = JsonRpcError(
-                    INTERNAL_ERROR, f"upstream {self.name} answered with a response for another request id"
-                )
-                return _upstream_error(request_id, err, 502)
-        data = await self.v1.rewrite_plain(method, data)
+                message_text = f"upstream {self.name} answered with a response for another request id"
+                return _upstream_error(request_id, message_text, 502)
         if (
             data
             and status != upstream.status
@@ -446,14 +416,14 @@ class LegacyRelay(RelayStreams):
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
         method: str,
-        request_id: Any,
-        upstream_rid: int | None,
+        request_id: RequestId | None,
+        sent: Outbound | None,
         bound: float | None,
         key: str,
+        rewrite: Rewrite | None,
     ) -> None:
         """Read a POST's upstream stream into `stream` until the answer; resume the upstream (GET +
         its `Last-Event-ID`) when it asked for polling; else end with a JSON-RPC error."""
-        rewriter = self.v1.event_rewriter(method, request_id)
         answered = request_id is None
         reason = "closed the stream before answering"
         last_upstream_id: str | None = None
@@ -472,20 +442,23 @@ class LegacyRelay(RelayStreams):
                                 got += 1
                                 last_upstream_id = event.id if event.id is not None else last_upstream_id
                                 retry_ms = event.retry if event.retry is not None else retry_ms
-                                out, answers = self._from_upstream(session, event, upstream_rid, request_id)
-                                if out is None or (
+                                out, answers = self._from_upstream(session, event, sent, request_id)
+                                if out is None:
+                                    continue
+                                if (
                                     stream.json_only
                                     and not answers
                                     and await self._refuse_question(session, out, headers)
                                 ):
                                     continue
-                                if answers and rewriter is not None:
-                                    out = await rewriter(out)
+                                if answers and rewrite is not None:
+                                    rewritten = await rewrite(jsonrpc.loads(out.data))
+                                    out = SseEvent(out.event, jsonrpc.dumps_str(rewritten), None, out.retry)
                                 stream.append(out)
                                 if answers:
                                     answered = True
                                     return
-                    except (TimeoutError, aiohttp.ClientError, OSError, EventTooLargeError) as exc:
+                    except (*_UPSTREAM_ERRORS, EventTooLargeError) as exc:
                         reason = f"broke its stream: {str(exc) or exc.__class__.__name__}"
                         retry_ms = None
                     fruitless = 0 if got else fruitless + 1
@@ -508,10 +481,191 @@ class LegacyRelay(RelayStreams):
             reason = f"did not answer {method} within {bound:g} s ({key})" if bound else "timed out"
         finally:
             if not answered:
-                text = self._ended(stream) if stream.ended_by else f"upstream {self.name} {reason}"
-                log.warning("legacy_relay_broken", server=self.name, reason=stream.ended_by or reason)
-                error = jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": text})
-                stream.append(SseEvent("message", _dumps(error), None, None))
-            stream.close()  # nobody reading it: kept LINGER_S for a resumption, then forgotten (`_sweep`)
-            if request_id is not None and session.pending.get(request_id) == upstream_rid:
-                session.pending.pop(request_id, None)
+                code, text = stream.ended or (INTERNAL_ERROR, f"upstream {self.name} {reason}")
+                log.warning("legacy_relay_broken", server=self.name, reason=text)
+                stream.append_message(jsonrpc.error_response(request_id, {"code": code, "message": text}))
+            stream.close()  # nobody reading it: kept LINGER_S for a resumption, then forgotten
+            if sent is not None and request_id is not None:
+                session.answered(request_id, sent)
+
+    def _from_upstream(
+        self, session: LegacySession, event: SseEvent, sent: Outbound | None, request_id: RequestId | None
+    ) -> tuple[SseEvent | None, bool]:
+        """One upstream event as the client gets it (the session machine maps its ids), and
+        whether it answers the client's request. A priming event (no data) passes; garbage does not."""
+        message = _decode(event.data)
+        if not isinstance(message, dict):
+            return (event if not event.data.strip() else None), False
+        out, answers = session.to_client(message, sent, request_id)
+        if out is None:
+            return None, False
+        data = event.data if out is message else jsonrpc.dumps_str(out)  # unchanged: byte for byte
+        return SseEvent(event.event, data, None, event.retry), answers
+
+    async def _refuse_question(
+        self, session: LegacySession, event: SseEvent, headers: dict[str, str]
+    ) -> bool:
+        """A question on the stream of a client that takes no SSE (it could never see it): the
+        upstream gets a -32601 answer at once instead of waiting for one until its call's timeout.
+        Returns whether `event` was such a question. `headers` are the call's upstream headers."""
+        message = _decode(event.data)
+        if not (isinstance(message, dict) and jsonrpc.is_request(message)):
+            return False
+        question = session.take_answer(message["id"])
+        if question is None:
+            return False
+        text = "the client accepts no text/event-stream, so it cannot receive this request"
+        reply = jsonrpc.error_response(question.upstream_id, {"code": METHOD_NOT_FOUND, "message": text})
+        log.info("legacy_question_refused", server=self.name, reason=text)
+        try:
+            resp = await self._send("POST", jsonrpc.dumps(reply), headers, self.bounds.request_timeout)
+            resp.release()
+        except _UPSTREAM_ERRORS as exc:
+            log.info(
+                "legacy_question_refusal_failed", server=self.name, reason=str(exc) or exc.__class__.__name__
+            )
+        return True
+
+    async def _send(
+        self, method: str, raw: bytes, headers: dict[str, str], bound: float, *, headers_only: bool = False
+    ) -> aiohttp.ClientResponse:
+        """One upstream HTTP exchange (redirects never followed: configured credentials stay here).
+        Bounded by `bound` (s): the whole exchange, or with `headers_only` (a GET stream, which
+        lasts as long as the client keeps it) only the wait for the response headers. Raises
+        aiohttp.ClientError, OSError or TimeoutError."""
+        timeout = aiohttp.ClientTimeout(
+            total=None if headers_only else bound,
+            sock_connect=self.bounds.connect_timeout,
+            sock_read=None if headers_only else bound,
+        )
+        async with asyncio.timeout(bound if headers_only else None):
+            return await self.http.request(
+                method,
+                self.url,
+                data=raw if method == "POST" else None,
+                headers=headers,
+                allow_redirects=False,
+                timeout=timeout,
+            )
+
+    # -- the standalone GET stream ------------------------------------------------------------
+
+    async def _late_get(
+        self,
+        request: web.Request,
+        session: LegacySession,
+        sid: str,
+        opening: asyncio.Future[aiohttp.ClientResponse],
+    ) -> web.StreamResponse:
+        """A standalone GET whose upstream has not answered within `keepalive_s`: the client's SSE
+        stream starts at once (keepalives while the upstream's headers are awaited, within their
+        bound); a refusal, an error or the bound ends the stream, an upstream SSE stream feeds it."""
+        stream = self.streams.open(session, "get")
+
+        async def pump() -> None:
+            try:
+                upstream = await opening
+            except _UPSTREAM_ERRORS as exc:
+                log.info(
+                    "legacy_upstream_get_failed", server=self.name, reason=str(exc) or exc.__class__.__name__
+                )
+                stream.close()
+                return
+            finally:
+                opening.cancel()  # this task was cancelled while waiting: so is the exchange
+            if upstream.status == 404 and sid:
+                self.sessions.end(sid)
+            if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
+                "text/event-stream"
+            ):
+                upstream.release()
+                stream.close()
+                return
+            await self._pump_get(session, stream, upstream, sid)
+
+        stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy GET relay {self.name}")
+        return await self.streams.serve(
+            request, session, stream, headers={"Mcp-Session-Id": sid} if sid else None
+        )
+
+    async def _open_get(
+        self, headers: dict[str, str], last_event_id: str | None = None
+    ) -> aiohttp.ClientResponse | None:
+        """An upstream GET stream (resuming after `last_event_id`), or None when the upstream
+        refuses one or sends no headers within connect_timeout + request_timeout."""
+        if last_event_id is not None:
+            headers = {**headers, "Last-Event-ID": last_event_id}
+        bound = self.bounds.connect_timeout + self.bounds.request_timeout
+        try:
+            resp = await self._send("GET", b"", headers, bound, headers_only=True)
+        except _UPSTREAM_ERRORS as exc:
+            log.info(
+                "legacy_upstream_get_failed", server=self.name, reason=str(exc) or exc.__class__.__name__
+            )
+            return None
+        if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            resp.release()
+            return None
+        return resp
+
+    async def _pump_get(
+        self, session: LegacySession, stream: RelayStream, upstream: aiohttp.ClientResponse, sid: str
+    ) -> None:
+        """Read the upstream's standalone GET stream into `stream` (with the v1 status notifications
+        of the session's principal) until the upstream ends it or no client reads it any more."""
+        status = self.v1.status_pump(stream.append_message, session.principal, sid) if sid else None
+        try:
+            async with upstream:
+                async for event in ReaderEvents(
+                    upstream.content, max_event_bytes=self.bounds.max_response_bytes
+                ):
+                    out, _ = self._from_upstream(session, event, None, None)
+                    if out is not None:
+                        stream.append(out)
+        except (*_UPSTREAM_ERRORS, EventTooLargeError) as exc:
+            log.info("legacy_get_stream_ended", server=self.name, reason=str(exc) or exc.__class__.__name__)
+        finally:
+            if status is not None:
+                status.cancel()
+            stream.close()
+            with contextlib.suppress(Exception):
+                upstream.release()
+
+
+async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of an upstream reply; EventTooLargeError once it passes `limit` bytes."""
+    data = bytearray()
+    async for chunk in upstream.content.iter_chunked(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise EventTooLargeError(f"a reply larger than max_response_bytes ({limit} bytes)")
+    return bytes(data)
+
+
+def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
+    """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
+    an empty body passes for a success status (202 to a notification); anything else (an HTML
+    error page, plain text) becomes a JSON-RPC error naming the upstream's status. An upstream 5xx
+    answering a request (`request_id` not None) goes out as HTTP 200, the JSON-RPC error inside
+    (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole transport
+    dies); answering a notification or response, as 502. An upstream 4xx passes (404: session gone)."""
+    failed = 200 if request_id is not None else 502
+    if not data.strip():
+        if status < 400:
+            return status, data
+    else:
+        try:
+            message = jsonrpc.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            message = None
+        if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
+            return (status if status < 500 else failed), data
+    code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
+    text = data[:200].decode("utf-8", errors="replace").strip()
+    error = {
+        "code": code,
+        "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else ""),
+    }
+    return (status if 400 <= status < 500 else failed), jsonrpc.dumps(
+        jsonrpc.error_response(request_id, error)
+    )

@@ -1,22 +1,25 @@
 """The proxy's own SSE streams toward legacy clients: event ids, a bounded replay buffer, keepalives.
 
-Every SSE stream the HTTP relay opens toward a legacy client (a POST's reply stream, the session's
-standalone GET stream) is a `RelayStream`. Events get ids of the proxy's own, `<token>:<seq>`
-(opaque to the client; `token` is random and names one stream of one client session), whatever
-ids the upstream used. The last events are kept (bounded by count and bytes) so a client that lost
-its connection resumes with `GET` + `Last-Event-ID` (2025-11-25 basic/transports "Resumability and
-Redelivery"): the proxy replays that stream's later events and then continues live, whether or not
-the upstream keeps events itself. The upstream side of a stream is read by a pump task that does
-not depend on the client's connection.
+Every SSE stream the proxy serves a legacy client (a POST's reply stream, the session's standalone
+GET stream), whatever the upstream, is a `RelayStream`. Events get ids of the proxy's own,
+`<token>:<seq>` (opaque to the client; `token` is random and names one stream of one client
+session), whatever ids the upstream used. The last events are kept (bounded by count and bytes) so
+a client that lost its connection resumes with `GET` + `Last-Event-ID` (2025-11-25 basic/transports
+"Resumability and Redelivery"): the proxy replays that stream's later events and then continues
+live, whether or not the upstream keeps events itself. A stream is fed by a pump task (the upstream
+side) that does not depend on the client's connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator
 
+from proxy.protocol import jsonrpc
+from proxy.protocol.jsonrpc import JsonObject
 from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_event
 
 DEFAULT_REPLAY_EVENTS = 256
@@ -26,16 +29,18 @@ DEFAULT_REPLAY_BYTES = 1 << 20
 class RelayStream:
     """One SSE stream toward a legacy client: numbered events, the last ones kept for replay.
 
-    `max_events` and `max_bytes` bound what is kept (older events are dropped first). `closed`
-    turns True once the stream has said everything (its response, or its error); `cuts` counts the
-    times the proxy dropped the client's connection on purpose (SSE polling, SEP-1699) so the
-    client reconnects with `Last-Event-ID`.
+    `kind` is "post" (a request's reply) or "get" (the standalone stream). `max_events` and
+    `max_bytes` bound what is kept (older events are dropped first). `closed` turns True once the
+    stream has said everything (its response, or its error); `cuts` counts the times the proxy
+    dropped the client's connection on purpose (SSE polling, SEP-1699) so the client reconnects
+    with `Last-Event-ID`. `json_only` marks a reply whose client takes no SSE (it gets the answer
+    alone). `ended` is why the proxy gave up on the stream before its answer (`abandon`).
     """
 
     def __init__(
         self, *, kind: str, max_events: int = DEFAULT_REPLAY_EVENTS, max_bytes: int = DEFAULT_REPLAY_BYTES
     ) -> None:
-        self.kind = kind  # "post" or "get"
+        self.kind = kind
         self.token = secrets.token_urlsafe(12)
         self.max_events = max(1, max_events)
         self.max_bytes = max(1024, max_bytes)
@@ -48,17 +53,10 @@ class RelayStream:
         self.attached = 0  # client connections writing this stream now
         self.idle_since = asyncio.get_running_loop().time()
         self.pump: asyncio.Task[None] | None = None
-        self.upstream_rid: int | None = None  # the proxy's upstream id of the request a POST stream answers
         self._wake = asyncio.Event()
-        self.last_data: str | None = (
-            None  # the data of the newest event (a POST stream's answer once it closed)
-        )
-        self.json_only = (
-            False  # its client takes no SSE: it gets the answer only, and no server→client request
-        )
-        self.ended_by: str | None = (
-            None  # why the proxy ended the stream before its answer (the session ended)
-        )
+        self.last_data: str | None = None  # the data of the newest event (a reply's answer once closed)
+        self.json_only = False
+        self.ended: tuple[int, str] | None = None  # (JSON-RPC code, message) of `abandon`
 
     def event_id(self, seq: int) -> str:
         """The opaque id of event `seq` of this stream."""
@@ -83,25 +81,9 @@ class RelayStream:
             self._bytes -= len(dropped)
         self._signal()
 
-    def append_frame(self, frame: bytes) -> None:
-        """Append one already encoded SSE message frame (`event:`/`data:` lines), e.g. from a pump
-        that writes bytes; its `id:` (if any) is replaced."""
-        name, data, retry = "message", [], None
-        for line in frame.decode("utf-8", errors="replace").splitlines():
-            field, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            if field == "event":
-                name = value
-            elif field == "data":
-                data.append(value)
-            elif field == "retry" and value.isdigit():
-                retry = int(value)
-        if data:
-            self.append(SseEvent(name, "\n".join(data), None, retry))
-
-    async def write(self, frame: bytes) -> None:
-        """`append_frame` for writers that expect a response-like `write(bytes)`."""
-        self.append_frame(frame)
+    def append_message(self, message: JsonObject) -> None:
+        """Append one JSON-RPC message as a `message` event."""
+        self.append(SseEvent("message", jsonrpc.dumps_str(message), None, None))
 
     def close(self) -> None:
         """Nothing more will be appended; writers end once they sent everything. A stream no
@@ -111,8 +93,19 @@ class RelayStream:
             self.idle_since = asyncio.get_running_loop().time()
         self._signal()
 
+    def abandon(self, code: int, message: str) -> None:
+        """Give the stream up before its answer: its pump stops, and a reply still waiting gets a
+        JSON-RPC error with `code` and `message` (the pump writes it on its way out, it knows the
+        client's id); then the stream closes."""
+        self.ended = (code, message)
+        if self.pump is not None and not self.pump.done():
+            self.pump.add_done_callback(functools.partial(_close_after, self))  # whatever the pump did last
+            self.pump.cancel()
+        else:
+            self.close()
+
     def reopen(self) -> None:
-        """A closed standalone GET stream goes on (a new upstream GET feeds it); numbering continues."""
+        """A closed standalone GET stream goes on (a new pump feeds it); numbering continues."""
         self.closed = False
 
     def cut(self) -> None:
@@ -130,6 +123,17 @@ class RelayStream:
     def _signal(self) -> None:
         self._wake.set()
         self._wake = asyncio.Event()
+
+    async def changed(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`, s) until something is appended, or the stream closes or is cut."""
+        wake = self._wake
+        if self.closed:
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await wake.wait()
+        except TimeoutError:
+            pass
 
     def replay_from(self, seq: int) -> tuple[int, bool]:
         """Where a resumption after event `seq` starts: (first kept seq to send, whether events
@@ -162,6 +166,10 @@ class RelayStream:
                     await wake.wait()
             except TimeoutError:
                 yield KEEPALIVE
+
+
+def _close_after(stream: RelayStream, _task: asyncio.Future[None]) -> None:
+    stream.close()
 
 
 def parse_event_id(value: str | None) -> tuple[str, int] | None:

@@ -20,7 +20,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from proxy.calls.call import Call
@@ -29,7 +28,6 @@ from proxy.legacy.v1_methods import V1_TASK_METHODS, V1TaskMethods
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
 from proxy.protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
-from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_message
 from proxy.runtime.fanout import Overflow
 from proxy.tasks.service import TaskService
 from proxy.tasks.types import TaskChange, TaskMessage, about
@@ -130,47 +128,24 @@ class V1Front:
             ]
         return {**message, "result": result}
 
-    async def rewrite_plain(self, method: Any, data: bytes) -> bytes:
-        """A plain JSON reply (bytes) to `initialize` / `tools/list`, rewritten as `rewrite_reply` says."""
-        if method not in REWRITTEN_REPLIES or not data:
-            return data
-        try:
-            message = jsonrpc.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return data
-        if not isinstance(message, dict):
-            return data
-        rewritten = await self.rewrite_reply(method, message)
-        return data if rewritten is message else _dumps(rewritten).encode()
-
-    def event_rewriter(
-        self, method: str | None, request_id: Any
-    ) -> Callable[[SseEvent], Awaitable[SseEvent]] | None:
-        """For the relay's SSE replies: rewrites the event that answers `request_id` (None when
-        `method` needs no rewrite)."""
+    def reply_rewriter(self, method: str) -> Callable[[JsonObject], Awaitable[JsonObject]] | None:
+        """How the answer to `method` is rewritten (`rewrite_reply`), or None when `method` needs no rewrite."""
         if method not in REWRITTEN_REPLIES:
             return None
 
-        async def rewrite(event: SseEvent) -> SseEvent:
-            try:
-                msg = jsonrpc.loads(event.data) if event.data.strip() else None
-            except ValueError:
-                return event
-            if isinstance(msg, dict) and jsonrpc.is_response(msg) and msg.get("id") == request_id:
-                return SseEvent(
-                    event.event, _dumps(await self.rewrite_reply(method, msg)), event.id, event.retry
-                )
-            return event
+        async def rewrite(message: JsonObject) -> JsonObject:
+            return await self.rewrite_reply(method, message)
 
         return rewrite
 
     def status_pump(
-        self, stream: web.StreamResponse, principal: str, session: str = ""
+        self, emit: Callable[[JsonObject], None], principal: str, session: str = ""
     ) -> asyncio.Task[None] | None:
-        """Write `notifications/tasks/status` for each status change of `principal`'s tasks on this
-        server to a session's open GET stream (an SSE response), until the returned task is
-        cancelled; None when the upstream has tasks of its own (its stream is left alone). Without
-        client authentication only the tasks client session `session` created are carried."""
+        """Emit `notifications/tasks/status` for each status change of `principal`'s tasks on this
+        server (and their progress, unless a `tasks/result` stream carries it) onto a session's
+        standalone GET stream (`emit`), until the returned task is cancelled; None when the
+        upstream has tasks of its own (its stream is left alone). Without client authentication
+        only the tasks client session `session` created are carried."""
         if self._upstream_tasks:
             return None
 
@@ -183,47 +158,11 @@ class V1Front:
                     if self.shared_principal and self._origin.get(item.task_id) != session:
                         continue
                     if isinstance(item, TaskChange) and item.before is not item.record.status:
-                        message = status_notification(item.record)
+                        emit(status_notification(item.record))
                     elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
-                        # Progress (the v1 token lives as long as the task) unless a tasks/result stream carries it.
-                        message = item.message
-                    else:
-                        continue
-                    try:
-                        await stream.write(encode_message(message))
-                    except (ConnectionResetError, aiohttp.ClientConnectionError):
-                        return
+                        emit(item.message)  # progress: the v1 token lives as long as the task
 
         return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
-
-    async def serve_get_stream(
-        self, request: web.Request, alive: Callable[[], bool], principal: str
-    ) -> web.StreamResponse:
-        """The session's standalone GET stream where the proxy itself is the legacy server (stdio
-        upstreams): v1 `notifications/tasks/status` and progress for `principal`'s tasks, an SSE
-        comment every keepalive_s (s), until the client leaves or `alive()` turns False (the
-        session ended)."""
-        stream = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            }
-        )
-        await stream.prepare(request)
-        pump = self.status_pump(stream, principal, request.headers.get("Mcp-Session-Id", "").strip())
-        try:
-            while alive() and pump is not None and not pump.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(pump), timeout=self.methods.keepalive_s)
-                except TimeoutError:
-                    await stream.write(KEEPALIVE)
-        except (ConnectionResetError, aiohttp.ClientConnectionError):
-            pass
-        finally:
-            if pump is not None:
-                pump.cancel()
-        return stream
 
     # -- what the proxy answers itself -------------------------------------------------------
 

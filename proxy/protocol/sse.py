@@ -162,6 +162,3 @@ def encode_message(message: dict) -> bytes:
 
 
 KEEPALIVE = b": keepalive\n\n"
-# SSE polling (SEP-1699): an upstream that closes a stream with an event id and `retry` is resumed.
-MAX_RESUME_ATTEMPTS = 2  # resumptions in a row that bring no event before the request fails
-MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming

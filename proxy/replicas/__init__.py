@@ -8,7 +8,7 @@ parked MRTR call, a legacy session) is the authenticated replica-to-replica HTTP
 
 from proxy.replicas.node import Replicas, advertised_url
 from proxy.replicas.registry import Peer, Registry, SharedMap
-from proxy.replicas.routing import EndpointRouter, make_router, on_response_prepare
+from proxy.replicas.routing import EndpointRouter, on_response_prepare
 
 __all__ = [
     "EndpointRouter",
@@ -17,6 +17,5 @@ __all__ = [
     "Replicas",
     "SharedMap",
     "advertised_url",
-    "make_router",
     "on_response_prepare",
 ]

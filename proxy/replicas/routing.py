@@ -208,12 +208,10 @@ class EndpointRouter:
             and isinstance(entry.get("upstream"), str)
         ):
             capabilities = entry.get("capabilities")
+            owner = entry.get("owner")
+            caps = capabilities if isinstance(capabilities, dict) else {}
             self.sessions.adopt(
-                sid,
-                entry["upstream"],
-                principal,
-                capabilities if isinstance(capabilities, dict) else {},
-                entry.get("owner"),
+                sid, entry["upstream"], principal, caps, owner if isinstance(owner, str) else None
             )
             await self.record(sid, upstream=entry["upstream"], principal=principal, capabilities=capabilities)
             log.info("legacy_session_adopted", server=self.server, previous_owner=entry.get("owner"))
@@ -257,88 +255,3 @@ async def on_response_prepare(request: web.Request, response: web.StreamResponse
     if sid and router.sessions.knows(sid):
         upstream, principal, capabilities = router.sessions.describe(sid)
         await router.record(sid, upstream=upstream, principal=principal, capabilities=capabilities)
-
-
-class HttpSessions:
-    """The relay's legacy sessions (HTTP upstream) as the router sees them."""
-
-    def __init__(self, legacy: Any) -> None:
-        self.legacy = legacy
-
-    def knows(self, sid: str) -> bool:
-        """True when session `sid` is held here."""
-        return self.legacy.peek(sid) is not None
-
-    def describe(self, sid: str) -> tuple[str | None, str, Any]:
-        """(upstream session id, principal, capabilities) of a session held here."""
-        session = self.legacy.peek(sid)
-        return session.upstream_id, session.principal, session.capabilities
-
-    def adopt(
-        self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None
-    ) -> None:
-        """Hold session `sid` here from now on (its upstream session is `upstream`)."""
-        self.legacy.adopt(
-            sid,
-            upstream,
-            principal,
-            capabilities,
-            previous_owner if isinstance(previous_owner, str) else None,
-        )
-
-    def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
-        """The previous owner of adopted session `sid` when `body` is a notifications/cancelled for a
-        request not sent from here (the previous owner sent it), else None."""
-        session = self.legacy.peek(sid)
-        if (
-            session is None
-            or session.previous_owner is None
-            or not isinstance(body, dict)
-            or body.get("method") != "notifications/cancelled"
-        ):
-            return None
-        params = body.get("params")
-        rid = params.get("requestId") if isinstance(params, dict) else None
-        return session.previous_owner if isinstance(rid, (str, int)) and rid not in session.pending else None
-
-
-class BridgeSessions:
-    """The stdio bridge's legacy sessions as the router sees them (never adopted: their state is
-    in the replica that opened them)."""
-
-    def __init__(self, bridge: Any) -> None:
-        self.bridge = bridge
-
-    def knows(self, sid: str) -> bool:
-        """True when session `sid` is held here."""
-        return sid in self.bridge.sessions
-
-    def describe(self, sid: str) -> tuple[str | None, str, Any]:
-        """(None, principal, capabilities) of a session held here."""
-        session = self.bridge.sessions[sid]
-        return None, session.principal, session.capabilities
-
-    def adopt(
-        self, sid: str, upstream: str, principal: str, capabilities: Any, previous_owner: Any = None
-    ) -> None:
-        """Not possible for a stdio upstream (never called)."""
-
-    def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
-        """Never (stdio sessions are not adopted)."""
-        return None
-
-
-def make_router(replicas: Replicas, endpoint: Any, parked: ParkedCalls) -> EndpointRouter:
-    """The router of one `ServerEndpoint` (HTTP relay sessions, or the stdio bridge's)."""
-    if endpoint.bridge is not None:
-        return EndpointRouter(
-            replicas,
-            server=endpoint.name,
-            kind="stdio",
-            sessions=BridgeSessions(endpoint.bridge),
-            parked=parked,
-        )
-    endpoint.legacy.node = replicas.node  # named in the ids of the questions its sessions relay
-    return EndpointRouter(
-        replicas, server=endpoint.name, kind="http", sessions=HttpSessions(endpoint.legacy), parked=parked
-    )

@@ -20,17 +20,12 @@ from proxy import __version__
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from proxy.protocol.jsonrpc import JsonObject, RequestId
-from proxy.protocol.sse import (
-    MAX_RESUME_ATTEMPTS,
-    MAX_RETRY_WAIT_S,
-    EventTooLargeError,
-    ReaderEvents,
-    SseEvent,
-    iter_events,
-)
+from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent, iter_events
 from proxy.upstream.pooling import drain_later, shed_headers
 from proxy.upstream.types import (
     CALL_METHODS,
+    MAX_RESUME_ATTEMPTS,
+    MAX_RETRY_WAIT_S,
     Bounds,
     MessageHandler,
     OpenQuestions,

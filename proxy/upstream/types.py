@@ -141,6 +141,10 @@ class OpenQuestions:
         return True
 
 
+# SSE polling (SEP-1699): an upstream that closes a stream with an event id and `retry` is resumed.
+MAX_RESUME_ATTEMPTS = 2  # resumptions in a row that bring no event before the request fails
+MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the proxy wait before resuming
+
 # Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
 # request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
 CALL_METHODS = frozenset(

@@ -1,0 +1,219 @@
+"""The legacy era (2025-06-18 / 2025-11-25) of one server's MCP endpoint, the same for every upstream
+kind: validation, the method surface, the session and its principal, v1 task interception, id
+mapping through the session machine (`session.py`), cancels, resumption, then the upstream adapter
+(`relay.HttpRelay`, `child.StdioChild`) for the I/O. Each request is counted like a modern one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from proxy.legacy.replay import parse_event_id
+from proxy.legacy.session import LegacySession, LegacySessions, Outbound
+from proxy.legacy.streams import StreamServer
+from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
+from proxy.legacy.v1 import V1Front
+from proxy.protocol import jsonrpc
+from proxy.protocol.era import legacy_method_refusal
+from proxy.protocol.jsonrpc import INVALID_REQUEST, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
+from proxy.runtime import metrics
+
+log = structlog.get_logger("proxy.legacy")
+
+CANCEL_GRACE_S = 1.0  # how long (s) the upstream may take to end a request its client cancelled
+
+
+class LegacyEndpoint:
+    """Answers the legacy-era HTTP requests (POST, GET and DELETE) of server `name` for its
+    `sessions`, through `upstream` (the I/O adapter of its kind), replies served by `streams`, v1
+    tasks by `v1`."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        sessions: LegacySessions,
+        streams: StreamServer,
+        upstream: LegacyUpstream,
+        v1: V1Front,
+    ) -> None:
+        self.name = name
+        self.sessions = sessions
+        self.streams = streams
+        self.upstream = upstream
+        self.v1 = v1
+
+    async def handle(self, request: web.Request, *, body: Any, principal: str) -> web.StreamResponse:
+        """Answer one legacy-era request of `principal` (`body`: the parsed POST body, None for GET
+        and DELETE). A request outside the era's surface gets -32601 (HTTP 200); malformed JSON-RPC
+        400; an unknown (or another principal's) session 404; a request without a session that
+        needs one 400."""
+        request_id = body.get("id") if isinstance(body, dict) else None
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            request_id = None  # never echo an id of the wrong type
+        if (refusal := legacy_method_refusal(request.headers, body)) is not None:
+            return error_reply(request_id, refusal.code, refusal.message, status=refusal.http_status)
+        method = (
+            body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
+        )
+        started = asyncio.get_running_loop().time()
+        response: web.StreamResponse | None = None
+        try:
+            response = await self._handle(request, body, request_id, principal)
+            return response
+        finally:
+            if method is not None and "id" in body:
+                observe(self.name, method, body, response, asyncio.get_running_loop().time() - started)
+
+    async def _handle(
+        self, request: web.Request, body: Any, request_id: Any, principal: str
+    ) -> web.StreamResponse:
+        if request.method not in ("POST", "GET", "DELETE"):
+            message = f"{request.method} is not served on a legacy session; use POST, GET or DELETE"
+            response = error_reply(request_id, INVALID_REQUEST, message, status=405)
+            response.headers["Allow"] = "POST, GET, DELETE"
+            return response
+        if request.method == "POST":
+            try:
+                _validate(body)
+            except JsonRpcError as exc:
+                return error_reply(request_id, exc.code, exc.message, status=exc.http_status)
+        sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        found = self.sessions.get(sid, principal) if sid else None
+        if sid and found is None:
+            return error_reply(
+                request_id, INVALID_REQUEST, "unknown or expired session; initialize a new one", status=404
+            )
+        version = (
+            request.headers.get("MCP-Protocol-Version")
+            or (found.version if found is not None else "")
+            or None
+        )
+        if request.method == "POST" and await self.v1.intercepts(body, principal, version):
+            if found is None:
+                return error_reply(
+                    request_id, INVALID_REQUEST, "missing Mcp-Session-Id: initialize first", status=400
+                )
+            v1_body = self.v1.for_version(body, version)
+            return await self.v1.handle(
+                request, v1_body, principal=principal, capabilities=found.capabilities
+            )
+        if request.method == "POST" and body.get("method") == "initialize":
+            opening = found or self.sessions.sessionless(principal)
+            stripped = await self.v1.strip_initialize(body)
+            return await self.upstream.initialize(request, opening, stripped, self._rewrite("initialize"))
+        if found is None and not self.upstream.sessionless:
+            return error_reply(
+                request_id, INVALID_REQUEST, "missing Mcp-Session-Id: initialize first", status=400
+            )
+        session = found or self.sessions.sessionless(principal)
+        if request.method == "GET":
+            return await self._get(request, session, sid)
+        if request.method == "DELETE":
+            return await self.upstream.delete(request, session, sid)
+        if jsonrpc.is_response(body):
+            question = session.take_answer(body["id"])
+            if question is None:  # unknown, or already answered: never reaches the upstream
+                log.info(
+                    "legacy_response_dropped",
+                    server=self.name,
+                    reason="no pending server request has this id",
+                )
+                return web.Response(status=202)
+            return await self.upstream.respond(request, session, question, body)
+        if "id" not in body:
+            if body["method"] != "notifications/cancelled":
+                return await self.upstream.notify(request, session, body)
+            client_id = object_of(body.get("params")).get("requestId")
+            sent = session.cancel(client_id)
+            if sent is None:  # answered already (or never sent): the upstream must not see it
+                log.info("legacy_cancel_dropped", server=self.name, reason="the request is not in flight")
+                return web.Response(status=202)
+            passed_on = await self.upstream.cancel(request, session, sent, body)
+            asyncio.get_running_loop().call_later(
+                CANCEL_GRACE_S, self._cancel_overdue, session, client_id, sent
+            )
+            return passed_on
+        return await self.upstream.request(request, session, body, self._rewrite(body["method"]))
+
+    def _rewrite(self, method: str) -> Rewrite | None:
+        """How the answer to `method` is rewritten for v1 tasks (`initialize`, `tools/list`), or None."""
+        return self.v1.reply_rewriter(method)
+
+    def _cancel_overdue(self, session: LegacySession, client_id: Any, sent: Outbound) -> None:
+        """CANCEL_GRACE_S after a client's cancel: a reply the upstream has not ended by then ends
+        with the proxy's -32800 (an upstream that ignores cancels must not hold its client). A
+        reply still waiting for the upstream's JSON (no stream yet) keeps its own bound."""
+        stream = sent.stream
+        if session.pending.get(client_id) is not sent or stream is None or stream.closed:
+            return
+        text = f"cancelled by the client; upstream {self.name} did not end the request within {CANCEL_GRACE_S:g} s"
+        stream.abandon(REQUEST_CANCELLED, text)
+
+    async def _get(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
+        """A GET: with `Last-Event-ID`, the rest of that stream from the proxy's buffer, then live;
+        else the session's standalone stream (the one still fed, or a new one from the adapter)."""
+        if request.headers.get("Last-Event-ID") is not None:
+            return await self._resume(request, session, sid)
+        live = session.get_stream
+        if live is not None and live.pump is not None and not live.pump.done():
+            # Still fed (the last client left it lately): go on from now.
+            return await self.streams.serve(request, session, live, live.last_seq)
+        return await self.upstream.open_get(request, session, sid)
+
+    async def _resume(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
+        """GET with `Last-Event-ID`: replay that stream's later events from the proxy's buffer, then
+        go on live (a standalone stream whose pump ended is fed again). 400 for an id that names no
+        stream of this session, or a number not minted yet."""
+        parsed = parse_event_id(request.headers.get("Last-Event-ID"))
+        stream = session.streams.get(parsed[0]) if parsed is not None and sid else None
+        if stream is None or parsed is None or parsed[1] > stream.last_seq:
+            message = (
+                "Last-Event-ID names no stream of this session (unknown, expired, or not minted by this proxy); "
+                "open a new GET stream without it"
+            )
+            return error_reply(None, INVALID_REQUEST, message, status=400)
+        start, gap = stream.replay_from(parsed[1])
+        if gap:
+            log.warning(
+                "legacy_replay_gap",
+                server=self.name,
+                reason="events after Last-Event-ID left the replay buffer",
+            )
+        if stream.kind == "get" and (stream.pump is None or stream.pump.done()):
+            await self.upstream.reopen_get(request, session, stream, sid)
+        return await self.streams.serve(request, session, stream, start - 1)
+
+
+def _validate(body: Any) -> None:
+    """A legacy POST body is one JSON-RPC request, notification or response. Raises JsonRpcError (-32600)."""
+    if isinstance(body, dict) and "method" in body:
+        jsonrpc.validate_request(body)
+    elif not jsonrpc.is_response(body):
+        jsonrpc.validate_request(body)
+    elif isinstance(body["id"], bool) or not isinstance(body["id"], (str, int)):
+        raise JsonRpcError(INVALID_REQUEST, "`id` must be a string or an integer")
+
+
+def observe(
+    server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float
+) -> None:
+    """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`,
+    or `error` for an HTTP error status or a JSON-RPC error in a plain JSON reply; an SSE reply is
+    not read), upstream latency (s)."""
+    metrics.UPSTREAM_LATENCY.labels(server, method).observe(seconds)
+    if method == "tools/call":
+        name = object_of(body.get("params")).get("name")
+        tool = name if isinstance(name, str) else ""
+        ok = response is not None and response.status < 400
+        reply = getattr(response, "body", None)
+        if ok and isinstance(reply, bytes) and reply[:1] == b"{":
+            try:
+                ok = "error" not in jsonrpc.loads(reply)
+            except (ValueError, RecursionError):
+                pass
+        metrics.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()

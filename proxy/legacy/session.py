@@ -1,0 +1,320 @@
+"""The legacy session machine: what the proxy owns between a handshake-era client and its upstream,
+whichever kind the upstream is (uvicorn's h11 protocol is the model: state changed by the events it
+is fed, no I/O here; the I/O adapters in `relay.py` and `child.py` do the sending and reading).
+
+A legacy session (2025-11-25 basic/transports, "Session Management") is bound to the principal that
+opened it (for anyone else it does not exist) and holds the ids the proxy owns toward both sides:
+
+- its own JSON-RPC ids toward the upstream for the client's requests (`send`: minted here for an
+  HTTP upstream session, by the child for a stdio child that several sessions share), mapped back
+  to the client's id on the answer; a `notifications/cancelled` reaches the upstream only for a
+  request still in flight (`cancel`), never for one answered or unknown;
+- its own ids toward the client for the upstream's questions (elicitation, sampling, roots:
+  `mtp-<node>.<random>`, so replicas route the answer back), each answered upstream at most once
+  (`take_answer`), and withdrawn under the id the client knows when the upstream cancels it;
+- its own progress tokens toward a shared stdio child, mapped back to the client's;
+- its own SSE event ids toward the client: every reply stream is a `replay.RelayStream`, kept
+  for `Last-Event-ID` resumption (`streams`, the standalone GET stream in `get_stream`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from proxy.legacy.replay import RelayStream
+from proxy.protocol import jsonrpc
+from proxy.protocol.jsonrpc import JsonObject, RequestId, object_of
+from proxy.tasks.model import ANONYMOUS, principal_hash
+
+log = structlog.get_logger("proxy.legacy")
+
+MAX_SESSIONLESS = 1024  # principals whose session-less id maps are kept while idle
+MAX_STREAMS = 16  # reply streams remembered per session for Last-Event-ID (the oldest ended go first)
+MAX_OPEN_QUESTIONS = 1024  # upstream questions per session awaiting the client's answer, at most
+
+
+@dataclass(slots=True)
+class Outbound:
+    """A client request in flight upstream: the proxy's `upstream_id` for it, the stdio child it
+    went to (`target`; None for the session's HTTP upstream), the reply stream that carries its
+    answer, and the progress token the proxy sent in place of the client's (stdio)."""
+
+    upstream_id: RequestId
+    target: Any = None
+    stream: RelayStream | None = None
+    client_token: Any = None
+    upstream_token: str | None = None
+
+
+@dataclass(slots=True)
+class Question:
+    """An upstream question relayed to the client: the upstream's own id for it, and the stdio
+    child that asked it (`target`; None for the session's HTTP upstream)."""
+
+    upstream_id: RequestId
+    target: Any = None
+
+
+def _same_id(a: Any, b: Any) -> bool:
+    """JSON-RPC ids are equal when their values and types are (1 is not "1", nor True)."""
+    return type(a) is type(b) and a == b
+
+
+@dataclass
+class LegacySession:
+    """One downstream legacy session (see the module docstring). `upstream_id` is the upstream's
+    own `Mcp-Session-Id` (None toward a stdio child or a session-less upstream), `capabilities`
+    what its `initialize` declared (elicitation, sampling, roots), `version` the revision it asked
+    for (when a request carries no `MCP-Protocol-Version`), `node` the replica holding it, and
+    `previous_owner` the replica it was adopted from (which may still serve its requests)."""
+
+    upstream_id: str | None
+    principal: str = ANONYMOUS
+    capabilities: JsonObject = field(default_factory=dict)
+    version: str = ""
+    node: str = ""
+    previous_owner: str | None = None
+    pending: dict[RequestId, Outbound] = field(default_factory=dict)  # client id → its request in flight
+    questions: dict[str, Question] = field(default_factory=dict)  # proxy id → an upstream question
+    streams: dict[str, RelayStream] = field(default_factory=dict)  # token → a reply stream
+    get_stream: RelayStream | None = None
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    # -- the client's requests -----------------------------------------------------------------
+
+    def mint(self) -> int:
+        """A fresh JSON-RPC id toward this session's upstream."""
+        return next(self._ids)
+
+    def send(self, client_id: RequestId, upstream_id: RequestId, **outbound: Any) -> Outbound:
+        """The client's request `client_id` goes upstream as `upstream_id` (`outbound`: the
+        `Outbound` fields target, stream, client_token, upstream_token)."""
+        sent = Outbound(upstream_id, **outbound)
+        self.pending[client_id] = sent
+        return sent
+
+    def answered(self, client_id: RequestId | None, sent: Outbound) -> None:
+        """`sent` needs no cancel any more (answered, or failed): a later cancel for it is dropped."""
+        if client_id is not None and self.pending.get(client_id) is sent:
+            del self.pending[client_id]
+
+    def cancel(self, client_id: Any) -> Outbound | None:
+        """The request a client's `notifications/cancelled` names, when it is still in flight here
+        (None: answered, unknown, or another principal's; such a cancel never reaches the upstream)."""
+        if isinstance(client_id, bool) or not isinstance(client_id, (str, int)):
+            return None
+        return self.pending.get(client_id)
+
+    def takes_over(self, client_id: RequestId, sent: Outbound, previous: LegacySession) -> None:
+        """`sent` (an `initialize` sent without a session) belongs to this new session from now on."""
+        previous.answered(client_id, sent)
+        self.pending[client_id] = sent
+
+    # -- the upstream's questions -------------------------------------------------------------
+
+    def question_id(self) -> str:
+        """A fresh proxy id for an upstream question: `mtp-<node>.<random>` (the node routes the
+        client's answer back to this replica), `mtp-<random>` without replicas."""
+        return (
+            f"mtp-{self.node}.{secrets.token_urlsafe(9)}" if self.node else "mtp-" + secrets.token_urlsafe(9)
+        )
+
+    def ask(self, upstream_id: RequestId, target: Any = None) -> str:
+        """The proxy id the client sees an upstream question under (the oldest unanswered are
+        forgotten past MAX_OPEN_QUESTIONS)."""
+        proxy_id = self.question_id()
+        self.questions[proxy_id] = Question(upstream_id, target)
+        while len(self.questions) > MAX_OPEN_QUESTIONS:
+            del self.questions[next(iter(self.questions))]
+        return proxy_id
+
+    def take_answer(self, proxy_id: Any) -> Question | None:
+        """The question a client's JSON-RPC response answers, at most once (None: unknown, already
+        answered or withdrawn; such a response never reaches the upstream)."""
+        return self.questions.pop(proxy_id, None) if isinstance(proxy_id, str) else None
+
+    def withdraw(self, upstream_id: Any, target: Any = None) -> str | None:
+        """The upstream cancelled its own question: the proxy id the client knows it by (the
+        question is forgotten), or None when the client has no such question open."""
+        for proxy_id, question in reversed(self.questions.items()):
+            if question.target is target and _same_id(question.upstream_id, upstream_id):
+                del self.questions[proxy_id]
+                return proxy_id
+        return None
+
+    # -- what the upstream sends toward the client -----------------------------------------------
+
+    def to_client(
+        self, message: JsonObject, sent: Outbound | None, client_id: Any, target: Any = None
+    ) -> tuple[JsonObject | None, bool]:
+        """One upstream message as the client gets it, and whether it answers the client's request:
+        the answer to `sent` gets `client_id` back, a question a proxy id, a withdrawn question the
+        proxy id the client knows, progress the client's own token; a response for any other id is
+        dropped (None: never shown to the wrong request). `target` is the stdio child it came from.
+        Returns `message` itself when nothing in it changes."""
+        if jsonrpc.is_request(message):
+            return {**message, "id": self.ask(message["id"], target)}, False
+        if jsonrpc.is_response(message):
+            if sent is not None and _same_id(message.get("id"), sent.upstream_id):
+                return {**message, "id": client_id}, True
+            log.warning(
+                "legacy_foreign_response_dropped", reason="a response for an id this stream does not carry"
+            )
+            return None, False
+        params = object_of(message.get("params"))
+        if message.get("method") == "notifications/cancelled":
+            proxy_id = self.withdraw(params.get("requestId"), target)
+            if proxy_id is None:
+                log.info(
+                    "legacy_cancel_dropped", reason="the upstream cancelled no question the client has open"
+                )
+                return None, False
+            return {**message, "params": {**params, "requestId": proxy_id}}, False
+        token = params.get("progressToken")
+        if sent is not None and sent.upstream_token is not None and token == sent.upstream_token:
+            return {**message, "params": {**params, "progressToken": sent.client_token}}, False
+        return message, False
+
+    # -- reply streams --------------------------------------------------------------------------
+
+    def add_stream(self, stream: RelayStream) -> None:
+        """Remember `stream` for resumption; past MAX_STREAMS the oldest ended stream is forgotten."""
+        self.streams[stream.token] = stream
+        while len(self.streams) > MAX_STREAMS:
+            victim = next((s for s in self.streams.values() if s.closed and s is not self.get_stream), None)
+            if victim is None:
+                break
+            del self.streams[victim.token]
+
+    def idle(self) -> bool:
+        """True when nothing of this session is in flight (no request, question or open stream)."""
+        return not self.pending and not self.questions and all(s.closed for s in self.streams.values())
+
+    def end(self, message: str) -> None:
+        """Stop every stream of this session (it ended, or the proxy shuts down); a reply still
+        waiting for its answer gets a -32603 JSON-RPC error with `message`."""
+        for stream in self.streams.values():
+            stream.abandon(jsonrpc.INTERNAL_ERROR, message)
+
+
+class LegacySessions:
+    """Downstream legacy sessions of server `name` by the proxy's session id (in memory; lost on
+    restart, then 404), and each principal's session-less traffic. `node` is this replica's id
+    (named in the ids of the questions sessions relay; "" without replicas)."""
+
+    def __init__(self, name: str, *, node: str = "") -> None:
+        self.name = name
+        self.node = node
+        self._sessions: dict[str, LegacySession] = {}
+        self._sessionless: dict[str, LegacySession] = {}  # principal → its session-less traffic
+        self._sessionless_ids = itertools.count(1)  # shared: one upstream sees every principal's ids
+
+    def open(self, upstream_id: str | None, principal: str, capabilities: JsonObject, version: str) -> str:
+        """Mint a proxy session id (visible ASCII, 192 bits) for a new session of `principal`
+        (toward upstream session `upstream_id`, None for a stdio child) whose client declared
+        `capabilities` and asked for revision `version` in its initialize."""
+        sid = secrets.token_urlsafe(24)
+        self._sessions[sid] = LegacySession(
+            upstream_id=upstream_id,
+            principal=principal,
+            capabilities=dict(capabilities),
+            version=version,
+            node=self.node,
+        )
+        return sid
+
+    def get(self, sid: str, principal: str) -> LegacySession | None:
+        """The session behind `sid`, or None when unknown, ended, or opened by another principal
+        (that attempt is logged as a security event)."""
+        session = self._sessions.get(sid)
+        if session is not None and session.principal != principal:
+            log.warning("security_foreign_session_access", principal=principal_hash(principal))
+            return None
+        return session
+
+    def sessionless(self, principal: str) -> LegacySession:
+        """The id maps of `principal`'s traffic without a session (a session-less HTTP upstream):
+        its requests and questions are its own, so a cancel or an answer from another principal
+        never reaches them; upstream ids come from one counter shared by every principal (the
+        upstream sees them all on one endpoint). Idle entries are forgotten past MAX_SESSIONLESS."""
+        session = self._sessionless.get(principal)
+        if session is None:
+            if len(self._sessionless) >= MAX_SESSIONLESS:
+                for key, old in list(self._sessionless.items()):
+                    if old.idle():
+                        del self._sessionless[key]
+            session = LegacySession(
+                upstream_id=None, principal=principal, _ids=self._sessionless_ids, node=self.node
+            )
+            self._sessionless[principal] = session
+        return session
+
+    def end(self, sid: str) -> None:
+        """Forget `sid` (DELETE, or the upstream expired it) and stop its streams: a reply still
+        waiting gets a JSON-RPC error saying the session ended."""
+        session = self._sessions.pop(sid, None)
+        if session is not None:
+            session.end(self._ended("the session ended (DELETE, or the upstream expired it)"))
+
+    def _ended(self, reason: str) -> str:
+        return f"{reason} before upstream {self.name} answered"
+
+    def all(self) -> list[LegacySession]:
+        """Every open session, and each principal's session-less one."""
+        return [*self._sessions.values(), *self._sessionless.values()]
+
+    def drained(self, drain_timeout_s: float) -> None:
+        """At the drain deadline (SIGTERM + drain_timeout, s): each request still waiting gets its
+        JSON-RPC error naming the shutdown (`Drain.at_deadline`)."""
+        self.close(f"the proxy shut down (drain_timeout, {drain_timeout_s:g} s, passed)")
+
+    def close(self, reason: str = "the proxy shut down") -> None:
+        """Stop every session's streams (proxy shutdown; `reason` goes into each unanswered
+        request's JSON-RPC error: "<reason> before upstream X answered")."""
+        for session in self.all():
+            session.end(self._ended(reason))
+
+    # -- as replica routing sees them -----------------------------------------------------------
+
+    def knows(self, sid: str) -> bool:
+        """True when session `sid` is held here."""
+        return sid in self._sessions
+
+    def describe(self, sid: str) -> tuple[str | None, str, JsonObject]:
+        """(upstream session id, principal, capabilities) of a session held here."""
+        session = self._sessions[sid]
+        return session.upstream_id, session.principal, session.capabilities
+
+    def adopt(
+        self, sid: str, upstream_id: str, principal: str, capabilities: JsonObject, previous_owner: str | None
+    ) -> None:
+        """Hold under its own id a session another replica opened on an HTTP upstream (the
+        upstream session is the same). Its upstream request ids start at a random base (< 2**53),
+        so they never meet the ones `previous_owner` still has in flight on that upstream session."""
+        self._sessions[sid] = LegacySession(
+            upstream_id=upstream_id,
+            principal=principal,
+            capabilities=dict(capabilities),
+            node=self.node,
+            previous_owner=previous_owner,
+            _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
+        )
+
+    def cancel_elsewhere(self, sid: str, body: Any) -> str | None:
+        """The previous owner of adopted session `sid` when `body` is a `notifications/cancelled`
+        for a request not sent from here (the previous owner sent it), else None."""
+        session = self._sessions.get(sid)
+        if session is None or session.previous_owner is None or not isinstance(body, dict):
+            return None
+        if body.get("method") != "notifications/cancelled":
+            return None
+        request_id = object_of(body.get("params")).get("requestId")
+        if isinstance(request_id, (str, int)) and request_id not in session.pending:
+            return session.previous_owner
+        return None

@@ -1,0 +1,74 @@
+"""What the legacy endpoint asks of an upstream adapter (`relay.HttpRelay`, `child.StdioChild`):
+the I/O that differs between an HTTP upstream and a stdio child, after the session machine mapped
+the ids. Every method answers the client's HTTP request; JSON-RPC errors for requests go out in an
+HTTP 200, as on the 2025-11-25 wire (protocol.md §1.4.4)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from proxy.legacy.replay import RelayStream
+from proxy.legacy.session import LegacySession, Outbound, Question
+from proxy.protocol.jsonrpc import JsonObject
+
+# Rewrites the answer to one request before it reaches the client (v1 tasks: `initialize` and
+# `tools/list` replies gain the proxy's task capability and each tool's task support).
+Rewrite = Callable[[JsonObject], Awaitable[JsonObject]]
+
+
+class LegacyUpstream(Protocol):
+    """The I/O toward one kind of upstream for legacy sessions.
+
+    `kind` is "http" or "stdio" (replicas adopt only an HTTP upstream's sessions); `sessionless`
+    says whether requests without `Mcp-Session-Id` are relayed (an HTTP upstream may be
+    session-less; a stdio child needs `initialize` first).
+    """
+
+    kind: str
+    sessionless: bool
+
+    async def initialize(
+        self, request: web.Request, session: LegacySession, body: JsonObject, rewrite: Rewrite | None
+    ) -> web.StreamResponse:
+        """Open a session for an `initialize` request (`session` is the caller's session-less one)."""
+
+    async def request(
+        self, request: web.Request, session: LegacySession, body: JsonObject, rewrite: Rewrite | None
+    ) -> web.StreamResponse:
+        """Send a client request upstream under an id of the proxy's (`session.send`) and relay its
+        reply, questions and notifications (through `session.to_client`)."""
+
+    async def notify(
+        self, request: web.Request, session: LegacySession, body: JsonObject
+    ) -> web.StreamResponse:
+        """Pass a client notification on."""
+
+    async def cancel(
+        self, request: web.Request, session: LegacySession, sent: Outbound, body: JsonObject
+    ) -> web.StreamResponse:
+        """Pass a client's `notifications/cancelled` on for `sent` (still in flight), under its upstream id."""
+
+    async def respond(
+        self, request: web.Request, session: LegacySession, question: Question, body: JsonObject
+    ) -> web.StreamResponse:
+        """Deliver the client's answer to `question` under the upstream's own id."""
+
+    async def open_get(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
+        """The session's standalone GET stream."""
+
+    async def reopen_get(
+        self, request: web.Request, session: LegacySession, stream: RelayStream, sid: str
+    ) -> None:
+        """Feed the standalone GET `stream` again (a resumption found its pump over)."""
+
+    async def delete(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
+        """End session `sid`."""
+
+
+def error_reply(request_id: Any, code: int, message: str, *, status: int = 200) -> web.Response:
+    """A JSON-RPC error response under `request_id` with HTTP `status`."""
+    body = {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+    return web.json_response(body, status=status)
