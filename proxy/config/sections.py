@@ -23,7 +23,7 @@ class ListenConfig(_Strict):
 
     `header_timeout` (s) bounds reading a request head and idle keep-alive connections,
     `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections;
-    `event_loop` picks the process's loop (`proxy.event_loop`).
+    `event_loop` picks the process's loop (`runtime.event_loop`).
     """
 
     host: str = "127.0.0.1"

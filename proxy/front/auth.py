@@ -24,7 +24,7 @@ from proxy.protocol.jsonrpc import INVALID_REQUEST
 from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER, SECRET_HEADER
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
-log = structlog.get_logger("proxy.auth")
+log = structlog.get_logger("proxy.front")
 
 PRINCIPAL_KEY = web.RequestKey("principal", str)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})

@@ -29,7 +29,7 @@ from proxy.protocol.sse import KEEPALIVE, encode_message
 from proxy.runtime import metrics
 from proxy.tasks.model import ANONYMOUS
 
-log = structlog.get_logger("proxy.transport")
+log = structlog.get_logger("proxy.front")
 
 
 def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:

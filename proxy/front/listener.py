@@ -25,7 +25,7 @@ from aiohttp.web_request import BaseRequest
 from proxy.config import Config
 from proxy.runtime import metrics
 
-log = structlog.get_logger("proxy.listener")
+log = structlog.get_logger("proxy.front")
 
 _ACCEPT_ERRORS = ("socket.accept() out of system resource", "Error on reading from the event loop self pipe")
 

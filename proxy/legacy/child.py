@@ -9,7 +9,6 @@ what the child says about it into the request's reply stream, through the sessio
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 from collections.abc import Awaitable
@@ -95,8 +94,9 @@ class StdioChild:
         if client_token is not None:
             upstream_token = meta["progressToken"] = "mtp-" + secrets.token_urlsafe(9)
             params["_meta"] = meta
-        json_only = "text/event-stream" not in request.headers.get("Accept", "")
-        stream = self.streams.open(session, "post", json_only=json_only)
+        stream = self.streams.open(
+            session, "post", json_only="text/event-stream" not in request.headers.get("Accept", "")
+        )
         sent = session.send(
             client_id,
             child.next_id(),
@@ -106,7 +106,7 @@ class StdioChild:
             upstream_token=upstream_token,
         )
         pump = self._pump(session, stream, child, body["method"], params or None, client_id, sent, rewrite)
-        stream.pump = asyncio.get_running_loop().create_task(pump, name=f"legacy stdio request {self.name}")
+        stream.feed(pump, f"legacy stdio request {self.name}")
         return await self.streams.reply(request, session, stream)
 
     async def _pump(
@@ -210,16 +210,21 @@ class StdioChild:
             response.headers["Allow"] = "POST, DELETE"
             return response
         stream = self.streams.open(session, "get")
-        stream.pump = self.v1.status_pump(stream.append_message, session.principal, sid)
+        self._feed_status(session, stream, sid)
         return await self.streams.serve(request, session, stream, headers={"Mcp-Session-Id": sid})
 
     async def reopen_get(
         self, request: web.Request, session: LegacySession, stream: RelayStream, sid: str
     ) -> None:
         """A resumed standalone GET stream gets its status notifications again."""
-        stream.reopen()
-        session.get_stream = stream
-        stream.pump = self.v1.status_pump(stream.append_message, session.principal, sid)
+        self.streams.reopen(session, stream)
+        self._feed_status(session, stream, sid)
+
+    def _feed_status(self, session: LegacySession, stream: RelayStream, sid: str) -> None:
+        """The v1 status notifications of the session's principal feed its standalone `stream`."""
+        feeding = self.v1.status_feed(stream.append_message, session.principal, sid)
+        if feeding is not None:
+            stream.feed(feeding, f"v1 status push {self.name}")
 
     async def delete(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
         """End the session here (its children stay pooled for other sessions)."""

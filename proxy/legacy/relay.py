@@ -128,11 +128,8 @@ class HttpRelay:
         """A new upstream GET feeds the standalone `stream` again (nothing when the upstream refuses one)."""
         upstream = await self._open_get(self._upstream_headers(request, session, "GET"))
         if upstream is not None:
-            stream.reopen()
-            session.get_stream = stream
-            stream.pump = asyncio.get_running_loop().create_task(
-                self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}"
-            )
+            self.streams.reopen(session, stream)
+            stream.feed(self._pump_get(session, stream, upstream, sid), f"legacy GET relay {self.name}")
 
     async def delete(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
         """Relay DELETE; the proxy session ends when the upstream agrees."""
@@ -268,21 +265,17 @@ class HttpRelay:
                 return await self._plain(upstream, out_headers, request_id, sent, rewrite)
         if request.method == "GET":
             stream = self.streams.open(session, "get")
-            stream.pump = asyncio.get_running_loop().create_task(
-                self._pump_get(session, stream, upstream, sid), name=f"legacy GET relay {self.name}"
-            )
+            stream.feed(self._pump_get(session, stream, upstream, sid), f"legacy GET relay {self.name}")
             return await self.streams.serve(
                 request, session, stream, status=upstream.status, headers=out_headers
             )
         stream = self.streams.open(session, "post", json_only=not accepts_sse)  # a client that takes no SSE
         if sent is not None:
             sent.stream = stream
-        stream.pump = asyncio.get_running_loop().create_task(
-            self._pump_post(
-                session, stream, upstream, headers, method or "", request_id, sent, bound, key, rewrite
-            ),
-            name=f"legacy POST relay {self.name}",
+        pump = self._pump_post(
+            session, stream, upstream, headers, method or "", request_id, sent, bound, key, rewrite
         )
+        stream.feed(pump, f"legacy POST relay {self.name}")
         if stream.json_only:
             return await self.streams.serve_json(stream, out_headers)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
@@ -363,7 +356,7 @@ class HttpRelay:
                 stream.close()
                 session.answered(request_id, sent)
 
-        stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy POST relay {self.name}")
+        stream.feed(pump(), f"legacy POST relay {self.name}")
         return await self.streams.serve(
             request, session, stream, headers={"Mcp-Session-Id": sid} if sid else None
         )
@@ -583,7 +576,7 @@ class HttpRelay:
                 return
             await self._pump_get(session, stream, upstream, sid)
 
-        stream.pump = asyncio.get_running_loop().create_task(pump(), name=f"legacy GET relay {self.name}")
+        stream.feed(pump(), f"legacy GET relay {self.name}")
         return await self.streams.serve(
             request, session, stream, headers={"Mcp-Session-Id": sid} if sid else None
         )
@@ -613,7 +606,12 @@ class HttpRelay:
     ) -> None:
         """Read the upstream's standalone GET stream into `stream` (with the v1 status notifications
         of the session's principal) until the upstream ends it or no client reads it any more."""
-        status = self.v1.status_pump(stream.append_message, session.principal, sid) if sid else None
+        feeding = self.v1.status_feed(stream.append_message, session.principal, sid) if sid else None
+        status = (
+            asyncio.get_running_loop().create_task(feeding, name=f"v1 status push {self.name}")
+            if feeding
+            else None
+        )
         try:
             async with upstream:
                 async for event in ReaderEvents(

@@ -16,7 +16,8 @@ import asyncio
 import functools
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
@@ -38,7 +39,12 @@ class RelayStream:
     """
 
     def __init__(
-        self, *, kind: str, max_events: int = DEFAULT_REPLAY_EVENTS, max_bytes: int = DEFAULT_REPLAY_BYTES
+        self,
+        *,
+        kind: str,
+        max_events: int = DEFAULT_REPLAY_EVENTS,
+        max_bytes: int = DEFAULT_REPLAY_BYTES,
+        json_only: bool = False,
     ) -> None:
         self.kind = kind
         self.token = secrets.token_urlsafe(12)
@@ -55,7 +61,7 @@ class RelayStream:
         self.pump: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.last_data: str | None = None  # the data of the newest event (a reply's answer once closed)
-        self.json_only = False
+        self.json_only = json_only
         self.ended: tuple[int, str] | None = None  # (JSON-RPC code, message) of `abandon`
 
     def event_id(self, seq: int) -> str:
@@ -80,6 +86,11 @@ class RelayStream:
             _, dropped = self._events.popleft()
             self._bytes -= len(dropped)
         self._signal()
+
+    def feed(self, pump: Coroutine[Any, Any, None], name: str) -> None:
+        """Start `pump`, the task that feeds this stream from the upstream side (`name` names it);
+        it runs whatever the client's connection does, until it ends or the stream is abandoned."""
+        self.pump = asyncio.get_running_loop().create_task(pump, name=name)
 
     def append_message(self, message: JsonObject) -> None:
         """Append one JSON-RPC message as a `message` event."""

@@ -44,8 +44,9 @@ class StreamServer:
         """A new reply stream of `session` ("post" or "get"), remembered for resumption (the oldest
         ended ones go first past `session.MAX_STREAMS`; ended POST streams are forgotten once no
         client has read them for LINGER_S). A "get" stream replaces the session's standalone one."""
-        stream = RelayStream(kind=kind, max_events=self.replay_events, max_bytes=self.replay_bytes)
-        stream.json_only = json_only
+        stream = RelayStream(
+            kind=kind, max_events=self.replay_events, max_bytes=self.replay_bytes, json_only=json_only
+        )
         if kind == "get":
             previous = session.get_stream
             if previous is not None and previous.pump is not None:
@@ -55,6 +56,11 @@ class StreamServer:
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(LINGER_S / 2, self._sweep)
         return stream
+
+    def reopen(self, session: LegacySession, stream: RelayStream) -> None:
+        """A standalone GET `stream` found without its pump goes on as the session's (a new pump feeds it)."""
+        stream.reopen()
+        session.get_stream = stream
 
     async def serve(
         self,

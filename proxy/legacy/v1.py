@@ -1,5 +1,5 @@
 """v1 tasks (2025-11-25 experimental tasks) for handshake-era clients, in front of upstreams that
-have no tasks of their own, over the HTTP relay and the stdio bridge alike.
+have no tasks of their own, whatever the upstream kind (the legacy endpoint intercepts for both).
 
 What a v1 client sees (README "What the proxy does, by client dialect"):
 
@@ -8,7 +8,7 @@ What a v1 client sees (README "What the proxy does, by client dialect"):
 - `tools/list` carries `execution.taskSupport` per tool from its configured `mode`;
 - `tools/call` with `params.task` answers a v1 `CreateTaskResult` at once (the requestor decides in
   v1); the call runs upstream as a proxy-owned call without `params.task`;
-- `tasks/get`, `tasks/result`, `tasks/list`, `tasks/cancel` are served by `task_methods_v1`.
+- `tasks/get`, `tasks/result`, `tasks/list`, `tasks/cancel` are served by `v1_methods`.
 
 When the upstream itself declares `capabilities.tasks`, none of this applies: v1 clients keep the
 plain pass-through to the upstream's own tasks.
@@ -16,8 +16,7 @@ plain pass-through to the upstream's own tasks.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -138,14 +137,14 @@ class V1Front:
 
         return rewrite
 
-    def status_pump(
+    def status_feed(
         self, emit: Callable[[JsonObject], None], principal: str, session: str = ""
-    ) -> asyncio.Task[None] | None:
-        """Emit `notifications/tasks/status` for each status change of `principal`'s tasks on this
-        server (and their progress, unless a `tasks/result` stream carries it) onto a session's
-        standalone GET stream (`emit`), until the returned task is cancelled; None when the
-        upstream has tasks of its own (its stream is left alone). Without client authentication
-        only the tasks client session `session` created are carried."""
+    ) -> Coroutine[Any, Any, None] | None:
+        """A pump that emits `notifications/tasks/status` for each status change of `principal`'s
+        tasks on this server (and their progress, unless a `tasks/result` stream carries it) onto
+        a session's standalone GET stream (`emit`), until it is cancelled; None when the upstream
+        has tasks of its own (its stream is left alone). Without client authentication only the
+        tasks client session `session` created are carried."""
         if self._upstream_tasks:
             return None
 
@@ -162,7 +161,7 @@ class V1Front:
                     elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
                         emit(item.message)  # progress: the v1 token lives as long as the task
 
-        return asyncio.get_running_loop().create_task(pump(), name=f"v1 status push {self.server}")
+        return pump()
 
     # -- what the proxy answers itself -------------------------------------------------------
 

@@ -42,7 +42,7 @@ from proxy.runtime.fanout import Fanout
 from proxy.tasks.service import TaskService
 from proxy.upstream.types import Pool, Session, SessionExpiredError, UpstreamError, with_session
 
-log = structlog.get_logger("proxy.dispatch")
+log = structlog.get_logger("proxy.modern")
 
 Handler = Callable[[ModernRequest], Awaitable[JsonObject]]
 

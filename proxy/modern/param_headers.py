@@ -13,7 +13,7 @@ import structlog
 from proxy.protocol.era import param_header_names
 from proxy.protocol.jsonrpc import JsonObject, JsonRpcError
 
-log = structlog.get_logger("proxy.dispatch")
+log = structlog.get_logger("proxy.modern")
 MAX_PAGES = 100  # tools/list pages read at most
 
 

@@ -1,6 +1,6 @@
 """Task records rendered as the v1 tasks dialect (2025-11-25 `basic/utilities/tasks`, protocol.md §1.4).
 
-The same record `protocol/tasks_v2` renders for SEP-2663 clients, shown to a handshake-era client
+The same record `wire_v2` renders for SEP-2663 clients, shown to a handshake-era client
 that declared `capabilities.tasks`: the Task is nested under `task` in `CreateTaskResult`, fields
 are `ttl` / `pollInterval` (integers, ms), and a tool result with `isError: true` reads `failed`
 (v1 schema comment) where v2 says `completed` (protocol.md §5 item 4). No I/O.
