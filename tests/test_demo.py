@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, ModernClient, ServerProcess, running_proxy
 
-from proxy.cli import demo_config
+from proxy.cli.serve import demo_config
 
 ASK = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
 

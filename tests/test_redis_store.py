@@ -18,7 +18,7 @@ from conftest import ROOT, TASKS_CAPS, ModernClient, envelope, make_record, runn
 from redis_server import RedisServer, free_port
 from v1_client import V1Client
 
-from proxy.cli import describe
+from proxy.cli.check_config import describe
 from proxy.config import Config, ConfigError, config_from_data
 from proxy.protocol.sse import iter_events
 from proxy.tasks.model import Change, TaskStatus

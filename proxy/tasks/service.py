@@ -12,10 +12,6 @@ over: it ends `failed` with an error saying what happened or, for tools configur
 rerun`, its ownership moves to this node first (a conditional write, so two nodes never both take
 it) and only then is the call sent upstream again. The sweep also stops live calls whose task an
 operator ended from outside (the CLI's cancel).
-
-One piece (about 600 lines) because the lease, the live calls, the orphan take-over and the
-outcome writes share the same state: which calls run here, which writes the store has not taken,
-and whether this node may judge other nodes' leases.
 """
 
 from __future__ import annotations

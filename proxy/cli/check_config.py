@@ -1,0 +1,106 @@
+"""`mcp-tasks-proxy check-config FILE`: validate a config file and say what it will serve."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from proxy.config import Config, ConfigError, load_config
+from proxy.replicas import advertised_url
+from proxy.runtime import event_loop
+
+
+def run(argv: list[str]) -> int:
+    """Check the config file `argv` names; 0 and a description when it can serve, 2 and the
+    problems (one per line) when it cannot."""
+    parser = argparse.ArgumentParser(
+        prog="mcp-tasks-proxy check-config", description="Validate a config file and say what it will serve."
+    )
+    parser.add_argument("file")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        return 2
+    problems = (
+        missing_commands(config) + replica_problems(config) + event_loop.problems(config.listen.event_loop)
+    )
+    if problems:
+        print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
+        return 2
+    print(describe(config, args.file))
+    return 0
+
+
+def replica_problems(config: Config) -> list[str]:
+    """What stops `config` (after --host/--port) from serving as a replica: a wildcard listen host
+    without `replicas.advertise`. Empty when fine or when it is no replica."""
+    if config.replicas is None:
+        return []
+    try:
+        advertised_url(config)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+def describe(config: Config, source: str) -> str:
+    """What a config will serve, as text: listen address, store, and per server its upstream,
+    routes and task policy (durations in seconds)."""
+    base = f"http://{config.listen.host}:{config.listen.port}"
+    durability = "Redis persistence" if config.store.redis else config.store.durable
+    lines = [
+        f"{source}: valid",
+        f"listen {base}  store {config.store.where}  (durable: {durability})  event loop {event_loop.describe(config.listen.event_loop)}",
+    ]
+    if config.replicas is not None:
+        lines.append(
+            f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout {config.replicas.hop_timeout:g}s, "
+            f"drain_detached {config.listen.drain_detached:g}s"
+        )
+    d = config.tasks
+    lines.append(
+        f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s"
+    )
+    for name, entry in config.mcpServers.items():
+        if not entry.active:
+            lines.append(f"- {name}: disabled")
+            continue
+        upstream = entry.url if entry.url else "stdio: " + " ".join([entry.command or "", *entry.args])
+        routes = f"{base}/servers/{name}/mcp" + (f" and {base}/mcp" if len(config.servers) == 1 else "")
+        lines.append(f"- {name}: {upstream}")
+        lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")
+        tasks = entry.tasks
+        overrides = {
+            k: getattr(tasks, k)
+            for k in ("detach_after", "ttl", "poll_interval", "input_timeout")
+            if getattr(tasks, k) is not None
+        }
+        if overrides:
+            lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
+        for tool in tasks.tools:
+            policy = config.policy(name, tool)
+            lines.append(
+                f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl {policy.ttl:g}s"
+            )
+    return "\n".join(lines)
+
+
+def missing_commands(config: Config) -> list[str]:
+    """One sentence per enabled stdio server whose `command` cannot be found or run (looked up on
+    the PATH its child would get, relative to its `cwd`); empty when all are runnable."""
+    problems = []
+    for name, entry in config.servers.items():
+        if not entry.command:
+            continue
+        path = entry.env.get("PATH", os.environ.get("PATH", os.defpath))
+        command = entry.command
+        if os.sep in command and entry.cwd and not os.path.isabs(command):
+            command = os.path.join(entry.cwd, command)
+        if shutil.which(command, path=path) is None:
+            where = "is not an executable file" if os.sep in command else "is not on the PATH"
+            problems.append(f"mcpServers.{name}.command: {entry.command!r} {where}")
+    return problems

@@ -1,0 +1,24 @@
+"""`mcp-tasks-proxy hash-token [TOKEN]`: the `sha256:<hex>` form of a bearer token, for `auth.tokens`,
+`console.tokens` and `metrics.token` (plain tokens are never written in the config)."""
+
+from __future__ import annotations
+
+import sys
+
+from proxy.front.auth import hash_token
+
+
+def run(argv: list[str]) -> int:
+    """Print the hash of the token `argv` gives (read from stdin without one); 2 for an empty token."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(
+            "usage: mcp-tasks-proxy hash-token [TOKEN]\n\n"
+            "Print sha256:<hex> for auth.tokens (reads the token from stdin without an argument)."
+        )
+        return 0
+    token = argv[0] if argv else sys.stdin.readline().strip()
+    if not token:
+        print("mcp-tasks-proxy: hash-token needs a non-empty token (argument or stdin)", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
