@@ -1,7 +1,8 @@
 """A/B of proxy CPU per call across git revisions, interleaved in one run (a shared machine's load
 drifts between two separate runs; within one run every revision sees the same drift).
 
-    python bench/ab.py 0494dd5 eb020f5 HEAD               # rows: a-legacy, a-modern (SDK and fake upstream), b 100k / 1M
+    python bench/ab.py 0494dd5 eb020f5 HEAD               # rows: a-legacy, a-modern (SDK and fake upstream),
+    b 100k / 1M
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
 
 Each round measures every row for every revision (the revision order alternates by round); a
@@ -133,7 +134,8 @@ def main() -> int:
                     res = measure_row(row, src, workdir, args, ups, store_ids)
                     out["samples"].setdefault(row, {}).setdefault(short, []).append(res)
                     print(
-                        f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, {res['rps']} req/s, RSS {res['rss_mb']} MB, errors {res['errors']}",
+                        f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, "
+                        f"{res['rps']} req/s, RSS {res['rss_mb']} MB, errors {res['errors']}",
                         flush=True,
                     )
             out["load_average"].append(os.getloadavg()[0])
@@ -142,7 +144,8 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     names = [s for s, _ in revs]
     lines = [
-        f"A/B {out['date']}, {args.rounds} rounds x {args.duration:g} s, concurrency {args.concurrency}; load average {out['load_average']}",
+        f"A/B {out['date']}, {args.rounds} rounds x {args.duration:g} s, concurrency {args.concurrency}; "
+        f"load average {out['load_average']}",
         "",
         "| row | "
         + " | ".join(f"{n} CPU ms/call" for n in names)

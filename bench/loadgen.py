@@ -157,9 +157,10 @@ class Worker:
         self.rid += 1
         mode, spec = self.spec["mode"], self.spec
         if mode == "legacy":
+            tool, arguments = spec["tool"], json.dumps(spec["arguments"])
             body = (
-                '{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":%s}}'
-                % (self.rid, spec["tool"], json.dumps(spec["arguments"]))
+                f'{{"jsonrpc":"2.0","id":{self.rid},"method":"tools/call",'
+                f'"params":{{"name":"{tool}","arguments":{arguments}}}}}'
             ).encode()
             return self._request(body, self._session_headers()), spec["expect"].encode()
         caps = {"extensions": {TASKS_EXT: {}}} if spec.get("tasks_ext", True) else {}
@@ -249,7 +250,10 @@ def pct(sorted_values: list[float], p: float) -> float | None:
 
 def summary(values_s: list[float], prefix: str = "") -> dict:
     v = sorted(values_s)
-    ms = lambda x: None if x is None else round(x * 1000, 3)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1000, 3)
+
     return {
         f"{prefix}p50_ms": ms(pct(v, 50)),
         f"{prefix}p90_ms": ms(pct(v, 90)),

@@ -20,6 +20,13 @@ import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _where(filename: str) -> str:
+    """A frame's file, short: relative to the checkout or to site-packages / the standard library."""
+    return filename.split("site-packages/")[-1].split("lib/python3")[-1].replace(str(ROOT) + "/", "")
+
+
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -67,18 +74,18 @@ async def main(n: int, top: int) -> None:
                     )
                     for s in stats[:top]:
                         print(
-                            f"  {s.size_diff / n:8.0f} B/call  {s.count_diff / n:6.1f} blocks/call  {s.traceback[0].filename.replace(str(ROOT) + '/', '')}"
+                            f"  {s.size_diff / n:8.0f} B/call  {s.count_diff / n:6.1f} blocks/call  "
+                            f"{s.traceback[0].filename.replace(str(ROOT) + '/', '')}"
                         )
                     print(
-                        "by the innermost proxy/ frame of the allocation's traceback, then the allocating line:"
+                        "by the innermost proxy/ frame of the allocation's traceback, then the allocating "
+                        "line:"
                     )
                     owners: dict[tuple[str, str], list[int]] = {}
                     for s in after.compare_to(before, "traceback"):
-                        frames = [
-                            f"{f.filename.split('site-packages/')[-1].split('lib/python3')[-1].replace(str(ROOT) + '/', '')}:{f.lineno}"
-                            for f in s.traceback
-                        ]
-                        # tracemalloc tracebacks are innermost-last after compare_to(..., "traceback")? take both orders into account
+                        frames = [f"{_where(f.filename)}:{f.lineno}" for f in s.traceback]
+                        # tracemalloc tracebacks are innermost-last after compare_to(..., "traceback")? take
+                        # both orders into account
                         own = next(
                             (f for f in reversed(frames) if f.startswith("proxy/")), "(no proxy frame)"
                         )
@@ -93,9 +100,7 @@ async def main(n: int, top: int) -> None:
                     print("top lines:")
                     for s in after.compare_to(before, "lineno")[:top]:
                         frame = s.traceback[0]
-                        print(
-                            f"  {s.size_diff / n:8.0f} B/call  {frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}"
-                        )
+                        print(f"  {s.size_diff / n:8.0f} B/call  {_where(frame.filename)}:{frame.lineno}")
                     tracemalloc.stop()
                 finally:
                     await client.close()

@@ -31,7 +31,8 @@ import run  # noqa: E402  (bench/run.py: process lifecycle, configs, loadgen)
 
 
 def _package(frame: str) -> str:
-    """The package of a frame's file: aiohttp, asyncio, proxy/<module>, structlog, ... (for the by-package table)."""
+    """The package of a frame's file: aiohttp, asyncio, proxy/<module>, structlog, ... (for the by-package
+    table)."""
     where = frame.rpartition("(")[2]
     for name in (
         "aiohttp",
@@ -75,7 +76,10 @@ def summarize(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[
         PACKAGES[_package(frames[-1])] += n
         for f in {_short(f) for f in frames}:
             incl[f] += n
-    pct = lambda c: [(k, round(100 * v / max(1, total), 1)) for k, v in c.most_common(top)]
+
+    def pct(counts: collections.Counter[str]) -> list[tuple[str, float]]:
+        return [(k, round(100 * v / max(1, total), 1)) for k, v in counts.most_common(top)]
+
     return pct(own), pct(incl), total
 
 
@@ -200,8 +204,10 @@ def main() -> int:
     )
     lines = [
         f"# py-spy profile of the proxy: {what}; proxy/ at {label}",
-        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}; concurrency {args.concurrency}, "
-        f"{args.duration:g} s, {res['total_ok']} calls ({res['rps']} req/s), proxy CPU {cpu_ms:.3f} ms/call; {total} samples at {args.rate}/s",
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}; "
+        f"concurrency {args.concurrency}, "
+        f"{args.duration:g} s, {res['total_ok']} calls ({res['rps']} req/s), proxy CPU {cpu_ms:.3f} ms/call; "
+        f"{total} samples at {args.rate}/s",
         "",
         "## own time by package (% of samples)",
         *[f"{100 * v / max(1, total):6.1f}  {k}" for k, v in PACKAGES.most_common()],

@@ -23,7 +23,8 @@ def redis_available() -> bool:
 
 
 def start_redis(workdir: Path, name: str, *, appendfsync: str, cpus: str | None) -> RedisServer:
-    """A redis-server in `workdir/name` with AOF on and `appendfsync` (`always` or `everysec`), pinned to `cpus`."""
+    """A redis-server in `workdir/name` with AOF on and `appendfsync` (`always` or `everysec`), pinned to
+    `cpus`."""
     launcher = (sys.executable, str(BENCH / "pinned.py"), cpus) if cpus is not None else ()
     return RedisServer(workdir / name, appendfsync=appendfsync, launcher=launcher).start()
 
@@ -34,7 +35,8 @@ def redis_store(url: str, prefix: str) -> dict:
 
 
 def fill_redis(url: str, prefix: str, n: int, server: str) -> tuple[list[str], float]:
-    """N completed tasks of principal `anonymous` on `server`, created 64 at a time; returns (ids, seconds)."""
+    """N completed tasks of principal `anonymous` on `server`, created 64 at a time; returns (ids, seconds).
+    N completed tasks of principal `anonymous` on `server`, created 64 at a time; returns (ids, seconds)."""
     import logging
 
     import structlog

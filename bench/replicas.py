@@ -173,9 +173,8 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                         None,
                     )
                     if load == "detached":
-                        time.sleep(
-                            HOLD_S + 0.5
-                        )  # the last tasks' outcomes are written (and counted) before the CPU is read
+                        # the last tasks' outcomes are written (and counted) before the CPU is read
+                        time.sleep(HOLD_S + 0.5)
                     calls = max(1, res["total_ok"])
                     cpu = {
                         t: round(
@@ -201,7 +200,8 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
                     }
                     rows.append(row)
                     log(
-                        f"  r: {n} replica(s), {load:<9} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors "
+                        f"  r: {n} replica(s), {load:<9} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 "
+                        f"{res['p99_ms']} ms  errors "
                         f"{res['errors']}  CPU ms/call {cpu}"
                     )
             finally:
@@ -216,8 +216,10 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
     proj = {r["load"]: projection(r["cpu_ms_per_call"]) for r in rows if r["replicas"] == top}
     for load, p in proj.items():
         log(
-            f"  r: projection ({load}, CPU per call at {top} replicas): calls/s by N replicas on N machines {p['calls_per_s_by_n']}; "
-            f"ceiling {p['ceiling_calls_per_s']} calls/s ({p['bound_by']}), reached at N ~ {p['n_at_ceiling']}"
+            f"  r: projection ({load}, CPU per call at {top} replicas): calls/s by N replicas on N machines "
+            f"{p['calls_per_s_by_n']}; "
+            f"ceiling {p['ceiling_calls_per_s']} calls/s ({p['bound_by']}), reached at N ~ "
+            f"{p['n_at_ceiling']}"
         )
     return {
         "rows": rows,
@@ -229,20 +231,24 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
 
 def table(rows: list[dict], proj: dict, top: int, args) -> list[str]:
     lines = [
-        f"### r. replicas behind HAProxy on one Redis (concurrency {args.r_concurrency}, {args.duration:g} s per point, unpinned)",
+        f"### r. replicas behind HAProxy on one Redis (concurrency {args.r_concurrency}, {args.duration:g} s "
+        f"per point, unpinned)",
         "",
-        "| replicas | load | req/s | p50 ms | p99 ms | CPU ms/call: haproxy | replicas (sum) | redis | upstream | loadgen | errors |",
+        "| replicas | load | req/s | p50 ms | p99 ms | CPU ms/call: haproxy | replicas (sum) | redis | "
+        "upstream | loadgen | errors |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c = r["cpu_ms_per_call"]
         lines.append(
-            f"| {r['replicas']} | {r['load']} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | {c['haproxy']} | {c['replicas']} | "
+            f"| {r['replicas']} | {r['load']} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | {c['haproxy']} "
+            f"| {c['replicas']} | "
             f"{c['redis']} | {c['upstream']} | {c['loadgen']} | {r['errors']} |"
         )
     lines += [
         "",
-        f"Projection, N replicas on N machines (CPU per call at {top} replicas; calls/s = min(N / replica, 1 / redis, 1 / haproxy)):",
+        f"Projection, N replicas on N machines (CPU per call at {top} replicas; calls/s = min(N / replica, 1 "
+        f"/ redis, 1 / haproxy)):",
         "",
         "| load | " + " | ".join(f"N={n}" for n in PROJECT_N) + " | ceiling | bound by | N at ceiling |",
         "|---|" + "---:|" * (len(PROJECT_N) + 3),

@@ -13,7 +13,8 @@ Sections (bench/README.md has the method and the latest figures):
     durable or not and Redis with `appendfsync always` or `everysec` (--stores picks the stores);
  d. proxy RSS per detached in-flight call with 10,000 concurrent detached calls;
  e. start-up time (process start -> /healthz 200) with 1,000,000 tasks in the store;
- r. (only when asked: --sections r) 1 vs 3 replicas behind HAProxy on Redis, CPU per call per tier (bench/replicas.py).
+ r. (only when asked: --sections r) 1 vs 3 replicas behind HAProxy on Redis, CPU per call per tier
+ (bench/replicas.py).
 
 Every server is a child process on 127.0.0.1, stopped in a `finally` (SIGINT, then SIGKILL), also
 on Ctrl-C / SIGTERM. Load comes from bench/loadgen.py in its own process, bounded in time and count.
@@ -229,7 +230,8 @@ def write_config(
 
 
 def start_proxy(workdir: Path, name: str, config: Path, cpus: str | None) -> tuple[Proc, str, float]:
-    """The real CLI (`mcp-tasks-proxy --config`), as a user runs it; returns (proc, /mcp URL, seconds to /healthz)."""
+    """The real CLI (`mcp-tasks-proxy --config`), as a user runs it; returns (proc, /mcp URL, seconds to
+    /healthz)."""
     port = free_port()
     exe = shutil.which("mcp-tasks-proxy", path=str(Path(PY).parent)) or "mcp-tasks-proxy"
     proc = Proc(name, [exe, "--config", str(config), "--port", str(port)], workdir, cpus=cpus, env=PROXY_ENV)
@@ -296,7 +298,8 @@ def section_a(args, workdir: Path, log) -> dict:
         res.update(label=label, **extra)
         rows.append(res)
         log(
-            f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors {res['errors']}"
+            f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors "
+            f"{res['errors']}"
         )
 
     upstream, up_url = start_sdk_upstream(workdir, up_cpu, "a-upstream-sdk")
@@ -485,9 +488,8 @@ def fill_store(path: Path, n: int) -> tuple[list[str], float]:
 
     import structlog
 
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
-    )  # no log line per record
+    # no log line per record
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from proxy.tasks.diskcache_store import DiskcacheStore
     from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id, now_ms
 
@@ -529,7 +531,8 @@ def fill_store(path: Path, n: int) -> tuple[list[str], float]:
 
 
 def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]]) -> dict:
-    """tasks/get with N stored tasks, per store (diskcache, Redis); proxy (and redis-server) on CPU 0, load generator on CPU 1."""
+    """tasks/get with N stored tasks, per store (diskcache, Redis); proxy (and redis-server) on CPU 0, load
+    generator on CPU 1."""
     px_cpu, lg_cpu = ("0", "1") if args.pin else (None, None)
     rows = []
     targets: list[tuple[str, int, Path | dict, list[str]]] = [
@@ -569,7 +572,8 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
                     res.update(stored_tasks=n, store=kind)
                     rows.append(res)
                     log(
-                        f"  b: {kind:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
+                        f"  b: {kind:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  "
+                        f"p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
                         f"  errors {res['errors']}  proxy CPU {res['proxy_cpu_ms_per_call']} ms/call"
                     )
             finally:
@@ -593,8 +597,10 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
 
 
 def section_c(args, workdir: Path, log) -> dict:
-    """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress every 0.1 s).
-    Store settings: diskcache durable (fsync) and not; Redis (with --stores redis) `appendfsync always` and `everysec`."""
+    """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress every 0.1
+    s).
+    Store settings: diskcache durable (fsync) and not; Redis (with --stores redis) `appendfsync always`
+    and `everysec`."""
     up_cpu, px_cpu, lg_cpu = ("0", "1", "0") if args.pin else (None, None, None)
     rows = []
     detach_ms = 50
@@ -648,9 +654,8 @@ def section_c(args, workdir: Path, log) -> dict:
                         },
                         lg_cpu,
                     )
-                    time.sleep(
-                        args.c_hold + 0.5
-                    )  # the warm-up's detached calls end before anything is measured
+                    # the warm-up's detached calls end before anything is measured
+                    time.sleep(args.c_hold + 0.5)
                     for conc, n in ((1, args.c_requests // 4), (16, args.c_requests)):
                         res = loadgen(
                             {
@@ -676,8 +681,10 @@ def section_c(args, workdir: Path, log) -> dict:
                         )
                         rows.append(res)
                         log(
-                            f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} concurrency {conc:>2}: {res['requests']} handles, late p50 {res['late_p50_ms']} ms"
-                            f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors {res['errors']}"
+                            f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} concurrency {conc:>2}: "
+                            f"{res['requests']} handles, late p50 {res['late_p50_ms']} ms"
+                            f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors "
+                            f"{res['errors']}"
                         )
                 finally:
                     if proxy is not None:
@@ -694,9 +701,8 @@ def section_c(args, workdir: Path, log) -> dict:
                 for r in rows
                 if r["store"] == kind and r["durable"] == durable and r["concurrency"] == conc
             )
-            name = ("" if kind == "diskcache" else "redis_") + (
-                "durable" if durable else "normal"
-            )  # diskcache keys kept as before
+            # diskcache keys kept as before
+            name = ("" if kind == "diskcache" else "redis_") + ("durable" if durable else "normal")
             summary[f"{name}_c{conc}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
     if summary.get("normal_c16_median_p99_ms"):
         summary["c16_durable_over_normal"] = round(
@@ -744,7 +750,8 @@ def section_c(args, workdir: Path, log) -> dict:
                 )
                 rows.append(res)
                 log(
-                    f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 {res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
+                    f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 "
+                    f"{res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
                     f"  errors {res['errors']}"
                 )
             finally:
@@ -824,8 +831,10 @@ def section_d(args, workdir: Path, log) -> dict:
             time.sleep(2.0)
             out["rss_after_release_mb"] = round(rss_bytes(proxy.pid) / 2**20, 1)
             log(
-                f"  d: {stats['inflight']} detached in flight: RSS {out['rss_before_mb']} -> {out['rss_after_mb']} MB = "
-                f"{out['kb_per_call']} KB/call (after release {out['rss_after_release_mb']} MB); detach phase {out['detach_phase_s']} s"
+                f"  d: {stats['inflight']} detached in flight: RSS {out['rss_before_mb']} -> "
+                f"{out['rss_after_mb']} MB = "
+                f"{out['kb_per_call']} KB/call (after release {out['rss_after_release_mb']} MB); detach "
+                f"phase {out['detach_phase_s']} s"
             )
         finally:
             proxy.stop()
@@ -860,7 +869,8 @@ def section_e(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
                 }
             )
             log(
-                f"  e: {n:>7} tasks: start -> /healthz median {rows[-1]['median_s']} s (max {rows[-1]['max_s']} s, {len(times)} runs)"
+                f"  e: {n:>7} tasks: start -> /healthz median {rows[-1]['median_s']} s (max "
+                f"{rows[-1]['max_s']} s, {len(times)} runs)"
             )
     finally:
         upstream.stop()
@@ -934,7 +944,8 @@ def report(results: dict, args) -> str:
     if "a" in results:
         a = results["a"]
         lines += [
-            f"### a. short tools/call pass-through (concurrency {args.concurrency}, {args.duration:g} s; {a['layout']})",
+            f"### a. short tools/call pass-through (concurrency {args.concurrency}, {args.duration:g} s; "
+            f"{a['layout']})",
             "",
             "| path | wire | req/s | vs direct | p50 ms | p99 ms | middle-tier CPU ms/call | errors |",
             "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -945,7 +956,8 @@ def report(results: dict, args) -> str:
                 continue
             mid = {k: v for k, v in r["cpu_ms_per_call"].items() if "upstream" not in k}
             lines.append(
-                f"| {r['label']} | {r['wire']} | {r['rps']} | {r.get('ratio_vs_direct')} | {r['p50_ms']} | {r['p99_ms']} | "
+                f"| {r['label']} | {r['wire']} | {r['rps']} | {r.get('ratio_vs_direct')} | {r['p50_ms']} | "
+                f"{r['p99_ms']} | "
                 f"{', '.join(str(v) for v in mid.values()) or '—'} | {r['errors']} |"
             )
         lines.append("")
@@ -953,12 +965,14 @@ def report(results: dict, args) -> str:
         lines += [
             f"### b. tasks/get ({results['b']['layout']}, {args.duration:g} s per point)",
             "",
-            "| store | stored tasks | concurrency | tasks/get/s | vs smallest store | p50 ms | p99 ms | proxy CPU ms/call | errors |",
+            "| store | stored tasks | concurrency | tasks/get/s | vs smallest store | p50 ms | p99 ms | "
+            "proxy CPU ms/call | errors |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in results["b"]["rows"]:
             lines.append(
-                f"| {r.get('store', 'diskcache')} | {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | {r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
+                f"| {r.get('store', 'diskcache')} | {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | "
+                f"{r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
                 f"{r['proxy_cpu_ms_per_call']} | {r['errors']} |"
             )
         lines.append("")
@@ -966,12 +980,14 @@ def report(results: dict, args) -> str:
         lines += [
             "### c. detach_after (50 ms) expiry -> CreateTaskResult at the client",
             "",
-            "| upstream | round | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | errors |",
+            "| upstream | round | store | concurrency | handles | late p50 ms | late p99 ms | late max ms | "
+            "errors |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in results["c"]["rows"]:
             lines.append(
-                f"| {r['upstream']} | {r.get('round', '')} | {_c_store_label(r)} | {r['concurrency']} | {r['requests']} | {r['late_p50_ms']} | "
+                f"| {r['upstream']} | {r.get('round', '')} | {_c_store_label(r)} | {r['concurrency']} | "
+                f"{r['requests']} | {r['late_p50_ms']} | "
                 f"{r['late_p99_ms']} | {r['late_max_ms']} | {r['errors']} |"
             )
         lines += ["", f"Median late p99 over rounds: {results['c'].get('summary')}", ""]
@@ -980,9 +996,11 @@ def report(results: dict, args) -> str:
         lines += [
             "### d. memory per detached in-flight call",
             "",
-            "| calls in flight | RSS before MB | RSS with calls MB | KB per call | RSS after release MB | errors |",
+            "| calls in flight | RSS before MB | RSS with calls MB | KB per call | RSS after release MB | "
+            "errors |",
             "|---:|---:|---:|---:|---:|---:|",
-            f"| {d['upstream_inflight']} | {d['rss_before_mb']} | {d['rss_after_mb']} | {d['kb_per_call']} | {d['rss_after_release_mb']} | {d['errors']} |",
+            f"| {d['upstream_inflight']} | {d['rss_before_mb']} | {d['rss_after_mb']} | {d['kb_per_call']} | "
+            f"{d['rss_after_release_mb']} | {d['errors']} |",
             "",
         ]
     if "e" in results:
@@ -995,7 +1013,8 @@ def report(results: dict, args) -> str:
         ]
         for r in e["rows"]:
             lines.append(
-                f"| {r['stored_tasks']} | {r['median_s']} | {r['max_s']} | {round(r['median_s'] / e['rows'][0]['median_s'], 3)} |"
+                f"| {r['stored_tasks']} | {r['median_s']} | {r['max_s']} | "
+                f"{round(r['median_s'] / e['rows'][0]['median_s'], 3)} |"
             )
         lines += [f"(`python -c 'import proxy.cli'` alone: {e['import_only_s']} s)", ""]
     lines += results.get("r", {}).get("table_md", [])
@@ -1062,7 +1081,8 @@ def main(argv: list[str] | None = None) -> int:
         "--a-more",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned (bench/section_a_more.py)",
+        help="(a) rows in front of the fast fake upstream, and direct vs proxy with nothing pinned "
+        "(bench/section_a_more.py)",
     )
     ap.add_argument(
         "--pin",
@@ -1080,7 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--ref",
-        help="measure proxy/ as of this git revision (extracted with `git archive` and put first on PYTHONPATH) "
+        help="measure proxy/ as of this git revision (extracted with `git archive` and put first on "
+        "PYTHONPATH) "
         "instead of the working tree; the README table uses it so its figures name a commit",
     )
     args = ap.parse_args(argv)
@@ -1138,7 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
             while args.wait_idle and waited < args.wait_idle and os.getloadavg()[0] > 1.0:
                 if waited == 0:
                     log(
-                        f"  waiting up to {args.wait_idle:g} s for the 1-min load average ({os.getloadavg()[0]:.2f}) to fall below 1.0 ..."
+                        f"  waiting up to {args.wait_idle:g} s for the 1-min load average "
+                        f"({os.getloadavg()[0]:.2f}) to fall below 1.0 ..."
                     )
                 time.sleep(5)
                 waited += 5
@@ -1147,7 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"section {name} ... (1-min load average {load0:.2f} on {os.cpu_count()} CPUs)")
             if load0 > 0.5:
                 log(
-                    "  warning: the machine is busy with other work; figures will be lower and noisier than on an idle machine"
+                    "  warning: the machine is busy with other work; figures will be lower and noisier than "
+                    "on an idle machine"
                 )
             try:
                 if name == "a":
@@ -1173,7 +1196,8 @@ def main(argv: list[str] | None = None) -> int:
             load1 = os.getloadavg()[0]
             results.setdefault("load_average", {})[name] = {"start": round(load0, 2), "end": round(load1, 2)}
             log(
-                f"section {name} took {time.perf_counter() - t0:.0f} s (load average {load0:.2f} -> {load1:.2f})"
+                f"section {name} took {time.perf_counter() - t0:.0f} s (load average {load0:.2f} -> "
+                f"{load1:.2f})"
             )
     except KeyboardInterrupt:
         rc = 130

@@ -31,7 +31,7 @@ def _set_nodelay(sock: socket.socket) -> None:
 
 asyncio.base_events._set_nodelay = _set_nodelay
 
-from tests.fixtures import legacy_server
+from tests.fixtures import legacy_server  # noqa: E402  (after the patch above: the fixture must bind with it)
 
 if __name__ == "__main__":
     legacy_server.main()

@@ -17,9 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-run: Any = (
-    None  # bench/run.py as running (its __main__ module: Proc registry, PROXY_ENV for --ref), set by rows()
-)
+# bench/run.py as running (its __main__ module: Proc registry, PROXY_ENV for --ref), set by rows()
+run: Any = None
 
 GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"}
 
@@ -45,7 +44,8 @@ def _measure(args, label: str, url: str, mode: str, procs: list, lg_cpu: str | N
     }
     res.update(label=label, **extra)
     log(
-        f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors {res['errors']}"
+        f"  a: {label:<58} {res['rps']:>8} req/s  p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms  errors "
+        f"{res['errors']}"
     )
     return res
 
@@ -53,7 +53,10 @@ def _measure(args, label: str, url: str, mode: str, procs: list, lg_cpu: str | N
 def _group(args, workdir: Path, log, *, upstream: str, pinned: bool, modern: bool) -> list[dict]:
     up_cpu, mid_cpu, lg_cpu = ("0", "1", "0") if pinned and args.pin else (None, None, None)
     layout = "pinned" if pinned and args.pin else "even: nothing pinned, all processes share both cores"
-    tag = f"{'fake upstream' if upstream == 'fake' else 'SDK upstream'}, {'pinned' if pinned and args.pin else 'even layout'}"
+    tag = (
+        f"{'fake upstream' if upstream == 'fake' else 'SDK upstream'}, "
+        f"{'pinned' if pinned and args.pin else 'even layout'}"
+    )
     start = run.start_fake_upstream if upstream == "fake" else run.start_sdk_upstream
     name = f"a-upstream-{upstream}-{'pinned' if pinned else 'even'}"
     rows: list[dict] = []

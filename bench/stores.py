@@ -4,7 +4,8 @@ A store of N completed tasks (principal `anonymous`, server `bench`, a small res
 one SQLite transaction through the store's own record and key layout (`DiskcacheStore`), about
 25 µs per task here; it is then kept under bench/.cache/store-<N>-<layout hash> and copied into the
 run's work directory (the proxy writes its lease into the store it serves). The layout hash covers
-`TaskRecord`'s fields and `to_dict` and the store's `create` / `_index_keys` as imported (so `--ref` gets a store
+`TaskRecord`'s fields and `to_dict` and the store's `create` / `_index_keys` as imported (so `--ref` gets a
+store
 of its own layout when the layout changed). Records keep a 400-day TTL so a cached store stays valid.
 """
 
@@ -40,9 +41,8 @@ def fill(path: Path, n: int) -> list[str]:
 
     import structlog
 
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
-    )  # no log line per record
+    # no log line per record
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from proxy.tasks.diskcache_store import DiskcacheStore
     from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id, now_ms
 
@@ -112,9 +112,8 @@ def seeded_store(dest: Path, n: int, log=print) -> tuple[list[str], float, bool]
         if cached.exists():
             shutil.rmtree(cached)
         tmp.rename(cached)
-    _checkpoint(
-        cached
-    )  # a store as a running proxy leaves it: the WAL folded in (a 1 GB WAL costs seconds at first open)
+    # a store as a running proxy leaves it: the WAL folded in (a 1 GB WAL costs seconds at first open)
+    _checkpoint(cached)
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(cached, dest, ignore=shutil.ignore_patterns("bench-ids.json"))

@@ -1,7 +1,8 @@
 """Chaos run: mixed calls and polls while proxy processes are SIGKILLed under them, then checks.
 
     python scripts/chaos.py [--calls 200] [--kills 4] [--seed N] [--rerun]            # one proxy process
-    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun] # N replicas, HAProxy, Redis
+    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun] # N replicas, HAProxy,
+    Redis
 
 Upstream: the legacy fixture server through scripts/chaos_upstream.py, which records each call's
 `label` as the call starts (every call of the load carries its own). `--rerun` configures
@@ -51,10 +52,12 @@ sums what they were serving when killed.
 Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_kill (seen before
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
 kills_with_requests_in_flight (single: the client's requests outstanding; replicas: HAProxy's count
-at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable, unknown_ids,
+at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable,
+unknown_ids,
 lost_results, terminal_changed, not_terminal, final{status: count}, tasks_running_at_kills,
 failed_replica_lost, failed_expected, unexplained_failures (+ unexplained{kind: n} and samples),
-labels_started, double_runs (+ samples), reruns, rerun_completed, lost_despite_rerun, violations[...]; in replica mode
+labels_started, double_runs (+ samples), reruns, rerun_completed, lost_despite_rerun, violations[...]; in
+replica mode
 also requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
 handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked).
 Loopback only; every process it starts is stopped.
@@ -361,10 +364,11 @@ class Replicas:
             self.upstream.stop()
 
 
+# tool -> its own error text
 EXPECTED_FAILURE = {
     "failing_job": "job failed",
     "instant_error": "instant_error exploded",
-}  # tool -> its own error text
+}
 LOST = re.compile(r"\(node ([0-9a-f]+)\) was lost|the proxy restarted while this call was running")
 
 
@@ -389,9 +393,8 @@ class Run:
     call_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # task id -> (tool, label)
     labels: dict[str, str] = field(default_factory=dict)  # label of every call sent -> tool
     killed: list[Killed] = field(default_factory=list)
-    sync_failures: list[tuple[str, dict]] = field(
-        default_factory=list
-    )  # (tool, error) of sync JSON-RPC errors
+    # (tool, error) of sync JSON-RPC errors
+    sync_failures: list[tuple[str, dict]] = field(default_factory=list)
     completed: dict[str, Any] = field(default_factory=dict)  # task id -> result first seen
     completed_at: dict[str, float] = field(default_factory=dict)
     terminal: dict[str, tuple[str, Any]] = field(default_factory=dict)  # failed/cancelled first seen
@@ -433,7 +436,8 @@ class Run:
             self.samples.append(msg[:300])
 
     def forgotten(self, task_id: str, error: dict) -> None:
-        """A handed-out id answered as unknown (-32602): itself a violation, and a lost result if one was seen."""
+        """A handed-out id answered as unknown (-32602): itself a violation, and a lost result if one was
+        seen."""
         if task_id not in self.unknown:
             self.note(f"unknown {task_id}: {json.dumps(error)[:120]}")
         self.unknown.add(task_id)
@@ -538,9 +542,8 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     stop_polling = asyncio.Event()
     kills_done = asyncio.Event()
     call_budget = asyncio.Semaphore(args.concurrency)
-    connector = aiohttp.TCPConnector(
-        force_close=True, limit=0
-    )  # one connection per request: a kill cuts only what it cuts
+    # one connection per request: a kill cuts only what it cuts
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
 
         async def one_call(i: int) -> None:
@@ -666,7 +669,9 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             for k in range(args.kills):
                 # Spread kills over the load; the first only once completed results were seen.
                 share = (k + 1) / (args.kills + 1)
-                await wait_for(lambda: run.counts["calls"] >= share * args.calls, args.request_timeout * 4)
+                await wait_for(
+                    lambda share=share: run.counts["calls"] >= share * args.calls, args.request_timeout * 4
+                )
                 if k == 0:
                     await wait_for(lambda: len(run.completed) >= args.min_seen, 60)
                 await asyncio.sleep(rng.uniform(0, 0.3))
@@ -684,7 +689,8 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 if at_process is not None:
                     run.counts["requests_at_killed_processes"] += at_process
                 print(
-                    f"kill {k + 1}: {label} (node {killed.node}, {len(killed.owned)} tasks running) with {calls} calls and {polls} polls of the client in flight"
+                    f"kill {k + 1}: {label} (node {killed.node}, {len(killed.owned)} tasks running) with "
+                    f"{calls} calls and {polls} polls of the client in flight"
                     + ("" if at_process is None else f", {at_process} at the killed process (HAProxy)"),
                     file=sys.stderr,
                     flush=True,
@@ -832,7 +838,7 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
     for killed in run.killed:
         for task_id in killed.owned:
             owned_at.setdefault(task_id, []).append(killed.node)
-    killed_at = {k.node: t for k, t in zip(run.killed, run.kill_times)}
+    killed_at = {k.node: t for k, t in zip(run.killed, run.kill_times, strict=False)}
     kinds: Counter[str] = Counter()
     out: dict[str, Any] = {
         "tasks_running_at_kills": sum(len(k.owned) for k in run.killed),
@@ -874,7 +880,8 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
                 kind = "lost_but_not_running_at_the_kill"
             unexplained(
                 kind,
-                f"{task_id} {tool} {label}: {kind} (killed nodes {sorted(killed_at)}, running at {owned_at.get(task_id, [])}): {text[:200]}",
+                f"{task_id} {tool} {label}: {kind} (killed nodes {sorted(killed_at)}, running at "
+                f"{owned_at.get(task_id, [])}): {text[:200]}",
             )
         elif status == "failed" and tool in EXPECTED_FAILURE and EXPECTED_FAILURE[tool] in text:
             out["failed_expected"] += 1
@@ -907,7 +914,8 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if n - 1 > reruns and len(doubles) < 6:
             doubles.append(
                 f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
-                f"running at {len(owned_at.get(task_id, ()))} kills; final {finals.get(task_id, {}).get('status')}"
+                f"running at {len(owned_at.get(task_id, ()))} kills; final "
+                f"{finals.get(task_id, {}).get('status')}"
             )
     out["labels_started"] = len(starts)
     if kinds:
@@ -951,7 +959,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rerun",
         action="store_true",
-        help="slow_compute on_restart: rerun (a killed process's calls run again; replicas: MCP_RERUN_POLICY)",
+        help="slow_compute on_restart: rerun (a killed process's calls run again; replicas: "
+        "MCP_RERUN_POLICY)",
     )
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")

@@ -118,7 +118,8 @@ class RedisServer:
             time.sleep(0.02)
         self.stop()
         raise RuntimeError(
-            f"redis-server on port {self.port} did not answer PING within {timeout_s:g} s; log:\n{self.log_tail()}"
+            f"redis-server on port {self.port} did not answer PING within {timeout_s:g} s; "
+            f"log:\n{self.log_tail()}"
         )
 
     def _ping(self) -> bool:

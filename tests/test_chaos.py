@@ -52,9 +52,8 @@ def assert_proved(report: dict, kills: int, *, rerun: bool = False) -> None:
 def test_small_chaos_run_single_process() -> None:
     report = chaos("--calls", "40", "--kills", "3", "--seed", "7", "--min-seen", "2", timeout=120)
     assert_proved(report, 3)
-    assert (
-        report["transport"]["call_cut"] > 0
-    )  # some kill cut a request mid-way (not just refused ones after it)
+    # some kill cut a request mid-way (not just refused ones after it)
+    assert report["transport"]["call_cut"] > 0
 
 
 @pytest.mark.skipif(

@@ -77,7 +77,8 @@ def test_bad_duration_exits_2(tmp_path: Path):
 def test_missing_env_var_exits_2(tmp_path: Path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
-        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n    headers: {Authorization: 'Bearer ${CLI_TEST_UNSET_TOKEN}'}\n"
+        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n    headers: {Authorization: 'Bearer "
+        "${CLI_TEST_UNSET_TOKEN}'}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "CLI_TEST_UNSET_TOKEN"}
     proc = subprocess.run(
@@ -205,7 +206,8 @@ class DemoProxy:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(
-                    f"no line starting with {prefix!r}; saw {self.seen}; stderr: {self.stderr_path.read_text()}"
+                    f"no line starting with {prefix!r}; saw {self.seen}; stderr: "
+                    f"{self.stderr_path.read_text()}"
                 )
             try:
                 line = self.lines.get(timeout=remaining)
@@ -213,7 +215,8 @@ class DemoProxy:
                 continue
             if line is None:
                 raise AssertionError(
-                    f"the proxy exited ({self.proc.poll()}); saw {self.seen}; stderr: {self.stderr_path.read_text()}"
+                    f"the proxy exited ({self.proc.poll()}); saw {self.seen}; stderr: "
+                    f"{self.stderr_path.read_text()}"
                 )
             self.seen.append(line)
             if line.startswith(prefix):
@@ -363,10 +366,11 @@ def test_schema_command_prints_the_schema():
 
 
 def test_check_config_prints_what_it_will_serve(tmp_path):
+    # where mcp-server-time is
     venv_path = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }  # where mcp-server-time is
+    }
     out = subprocess.run(
         [sys.executable, "-m", "proxy", "check-config", "config/claude_desktop.json"],
         capture_output=True,

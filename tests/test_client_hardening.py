@@ -31,7 +31,8 @@ LEGACY = {
 
 @asynccontextmanager
 async def served(config: Config) -> AsyncIterator[str]:
-    """Serve `config` (through `proxy.listener`, like every test proxy) on a free loopback port; yield the base URL."""
+    """Serve `config` (through `proxy.listener`, like every test proxy) on a free loopback port; yield the
+    base URL."""
     async with running_proxy(config) as proxy:
         yield proxy.base
 
@@ -69,7 +70,8 @@ async def test_a_slow_body_is_answered_408(legacy_url: str, tmp_path: Path) -> N
     async with served(config) as base:
         reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
         writer.write(
-            b'POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"jsonrpc"'
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: "
+            b'100\r\n\r\n{"jsonrpc"'
         )
         async with asyncio.timeout(3):
             answer = await reader.read()
@@ -85,7 +87,8 @@ def _post_at_once(port: int) -> bytes:
 
     with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
         sock.sendall(
-            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: "
+            b"2\r\n\r\n{}"
         )
         time.sleep(0.05)  # the proxy refuses while the request sits unread
         chunks = []

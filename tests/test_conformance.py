@@ -221,7 +221,8 @@ def run_tasks_scenarios(url: str, out: Path) -> SuiteRun:
 def proxied(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:
-    """(upstream name, URL) of the proxy (its config, as a subprocess) in front of that upstream's fixture server."""
+    """(upstream name, URL) of the proxy (its config, as a subprocess) in front of that upstream's fixture
+    server."""
     install_suite()
     name: str = request.param
     upstream = UPSTREAMS[name]
@@ -268,7 +269,8 @@ def test_conformance_matrix(
         listed = requirements[revision]
         run = runs[revision]
         print(
-            f"{name}: requirements {revision}: scored {_line(f'{len(listed.scored)} scenarios', run.counts(listed.scored))}; "
+            f"{name}: requirements {revision}: scored "
+            f"{_line(f'{len(listed.scored)} scenarios', run.counts(listed.scored))}; "
             f"all {_line(f'{len(listed.scored) + len(listed.unscored)} scenarios', run.counts())}"
         )
 

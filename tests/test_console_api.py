@@ -72,9 +72,8 @@ async def console(legacy_url: str, tmp_path: Path) -> AsyncIterator[RunningProxy
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(
-        cookie_jar=aiohttp.CookieJar(unsafe=True)
-    ) as session:  # cookies for 127.0.0.1
+    # cookies for 127.0.0.1
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
         yield session
 
 
@@ -110,9 +109,8 @@ async def test_access_needs_a_console_token_or_a_signed_in_cookie(
     api = console.base + "/console/api/tasks"
     status, body = await get_json(http, api)
     assert status == 401 and "sign in" in body["error"]["message"]
-    status, body = await get_json(
-        http, api, {"Authorization": f"Bearer {CLIENT_TOKEN}"}
-    )  # a client token never opens it
+    # a client token never opens it
+    status, body = await get_json(http, api, {"Authorization": f"Bearer {CLIENT_TOKEN}"})
     assert status == 401 and "not a console token" in body["error"]["message"]
     status, body = await get_json(http, api, BEARER)
     assert status == 200 and body == {"tasks": [], "nextCursor": None}
@@ -301,9 +299,8 @@ async def test_filters_and_pagination_over_a_thousand_tasks(
             raise AssertionError("the listing never ended")
 
         everything = await walk()
-        assert everything == [
-            r.task_id for r in sorted(records, key=lambda r: -r.created_ms)
-        ]  # newest first, each once
+        # newest first, each once
+        assert everything == [r.task_id for r in sorted(records, key=lambda r: -r.created_ms)]
         assert len(everything) == 1000
 
         def expected(keep) -> list[str]:

@@ -129,9 +129,8 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(legacy_url: str, 
                     record.status is TaskStatus.CANCELLED and record.status_message == "cancelled by operator"
                 )
                 assert (await proxy.store.get(kept)).status is TaskStatus.WORKING
-                await expect(page.locator("#upstreams")).to_contain_text(
-                    "1 call(s) running"
-                )  # the overview followed the changes
+                # the overview followed the changes
+                await expect(page.locator("#upstreams")).to_contain_text("1 call(s) running")
                 if os.environ.get("CONSOLE_SCREENSHOT"):
                     await page.screenshot(path=os.environ["CONSOLE_SCREENSHOT"])
             finally:

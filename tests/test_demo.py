@@ -33,9 +33,8 @@ async def test_every_demo_tool_through_the_proxy(demo_url: str, tmp_path: Path) 
             done = await client.wait_terminal(report["taskId"])
             assert done["status"] == "completed" and "report ready" in done["result"]["content"][0]["text"]
             flaky = await client.call("flaky_job")
-            assert (
-                flaky.error["code"] == -32603 and "build farm is on fire" in flaky.error["message"]
-            )  # fails before 1 s: no task
+            # fails before 1 s: no task
+            assert flaky.error["code"] == -32603 and "build farm is on fire" in flaky.error["message"]
             asked = (await client.call("approve_deploy", {"service": "billing"})).result
             assert asked["resultType"] == "input_required"
             ((key, question),) = asked["inputRequests"].items()

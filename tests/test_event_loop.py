@@ -13,7 +13,10 @@ import pytest
 from conftest import ROOT
 
 # Runs the CLI with the uvloop package hidden, as on a machine where it is not installed.
-WITHOUT_UVLOOP = "import sys; sys.modules['uvloop'] = None; from proxy.cli import main; raise SystemExit(main(sys.argv[1:]))"
+WITHOUT_UVLOOP = (
+    "import sys; sys.modules['uvloop'] = None; from proxy.cli import main; raise "
+    "SystemExit(main(sys.argv[1:]))"
+)
 
 
 def _config(tmp_path: Path, url: str, event_loop: str | None) -> Path:

@@ -287,9 +287,8 @@ def check_answer(status: int, content_type: str, text: str, case: dict[str, Any]
     if not text and (status == 202 or (case["http_method"] == "DELETE" and status < 300)):
         return  # a notification accepted, a session ended
     if content_type.startswith("text/event-stream"):
-        data = [
-            line[6:] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")
-        ]  # SSE line ends only
+        # SSE line ends only
+        data = [line[6:] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
         assert data, (text[:300], case)
         text = data[-1]
     message = json.loads(text)
@@ -327,9 +326,8 @@ def test_fuzzed_requests_of_both_eras_never_break_the_proxy(legacy_url: str, tmp
             body = case["body"].replace(b'"TASK"', json.dumps(before["taskId"]).encode())
             session = sessions[case["server"]]
             if case["http_method"] == "DELETE" and "SESSION" in case["headers"].values():
-                session = await _legacy_session(
-                    http, proxy.url(case["server"])
-                )  # a DELETE may end it: not the shared one
+                # a DELETE may end it: not the shared one
+                session = await _legacy_session(http, proxy.url(case["server"]))
             headers = {k: (session if v == "SESSION" else v) for k, v in case["headers"].items()}
             skip = ["Host"] if "Host" in headers else []
             async with asyncio.timeout(10):  # every answer is bounded (the upstream timeouts are 2 s)
@@ -343,9 +341,8 @@ def test_fuzzed_requests_of_both_eras_never_break_the_proxy(legacy_url: str, tmp
                     if case["http_method"] == "GET" and resp.headers.get("Content-Type", "").startswith(
                         "text/event-stream"
                     ):
-                        assert resp.status == 200, (
-                            case
-                        )  # a session's listen stream: open until the client leaves
+                        # a session's listen stream: open until the client leaves
+                        assert resp.status == 200, case
                         case["status"] = resp.status
                         return
                     text = (await resp.read()).decode("utf-8", errors="replace")
@@ -363,9 +360,8 @@ def test_fuzzed_requests_of_both_eras_never_break_the_proxy(legacy_url: str, tmp
         assert len(sent) >= 250 and {c["server"] for c in sent} == {"http", "stdio"}
         versions = {c["headers"].get("MCP-Protocol-Version") for c in sent}
         assert {"2026-07-28", "2025-11-25"} <= versions  # both eras were exercised
-        assert (
-            sum(1 for c in sent if c["status"] == 200) >= 20
-        )  # and many requests got through to a real answer
+        # and many requests got through to a real answer
+        assert sum(1 for c in sent if c["status"] == 200) >= 20
         after = loop.run_until_complete(_stored_task(proxy.url("http"), before["taskId"]))
         assert after == before
         assert loop.run_until_complete(_status(f"{proxy.base}/healthz", http)) == 200

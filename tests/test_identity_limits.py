@@ -238,9 +238,8 @@ async def test_max_ttl_caps_retention_and_expired_tasks_are_unknown(legacy_url: 
                     await asyncio.sleep(0.05)
             gone = await client.get(created["taskId"])
             assert gone.error["code"] == -32602
-            assert (
-                time.time() * 1000 >= _parse_ms(created["createdAt"]) + created["ttlMs"] - 50
-            )  # not before its ttl
+            # not before its ttl
+            assert time.time() * 1000 >= _parse_ms(created["createdAt"]) + created["ttlMs"] - 50
         finally:
             await client.close()
 
@@ -341,7 +340,8 @@ async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path)
             forged = AuthClient(
                 proxy.url(),
                 {
-                    "Authorization": f"Bearer {_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"
+                    "Authorization": f"Bearer "
+                    f"{_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"
                 },
             )
             try:

@@ -198,7 +198,6 @@ async def test_methods_outside_the_legacy_surface_get_method_not_found_from_the_
         assert status == 200 and body["error"]["code"] == -32601
         status, body = await post({"jsonrpc": "2.0", "id": 4, "method": "ping"})
         assert status == 200 and body["result"] == {}  # the session is still there
-        status, body = await post(
-            {"id": 5, "method": "unknown/method"}
-        )  # not JSON-RPC 2.0: invalid, not "not found"
+        # not JSON-RPC 2.0: invalid, not "not found"
+        status, body = await post({"id": 5, "method": "unknown/method"})
         assert 200 <= status < 500 and body["error"]["code"] == -32600

@@ -581,15 +581,14 @@ async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
                 "method": "tools/call",
                 "params": {"name": "slow_json", "arguments": {"ms": 500}},
             }
+            # no SSE: stays JSON
             async with http.post(
                 proxy.url(), json=body, headers=client.headers(Accept="application/json")
-            ) as resp:  # no SSE: stays JSON
-                assert (
-                    resp.status == 200 and (await resp.json())["error"]["code"] == -32603
-                )  # timed out before its headers
-            async with http.get(
-                proxy.base + "/metrics"
-            ) as resp:  # still counted as an error, though in a 200
+            ) as resp:
+                # timed out before its headers
+                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603
+            # still counted as an error, though in a 200
+            async with http.get(proxy.base + "/metrics") as resp:
                 assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
         python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
         calls = await _run_json(
@@ -997,9 +996,8 @@ async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late
             http.post(proxy_url, json=body, headers=client.headers(Accept="application/json"))
         )
         async with client.call(12, "slow_json", ms=4000) as late:
-            assert late.headers["Content-Type"].startswith(
-                "text/event-stream"
-            )  # switched after sse_keepalive
+            # switched after sse_keepalive
+            assert late.headers["Content-Type"].startswith("text/event-stream")
             async with http.delete(proxy_url, headers=client.headers()) as gone:
                 assert gone.status == 200
             events = [e for e in await asyncio.wait_for(read_events(late), 5) if e.data.strip()]

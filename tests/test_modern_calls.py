@@ -361,7 +361,8 @@ def conformance_url() -> Iterator[str]:
 async def read_listen_stream(
     client: ModernClient, notifications: dict, *, until: int, trigger=None, timeout: float = 3.0
 ) -> list[dict]:
-    """Open a subscriptions/listen stream, run `trigger()` after the first frame, return the first `until` frames."""
+    """Open a subscriptions/listen stream, run `trigger()` after the first frame, return the first `until`
+    frames."""
     params = {"notifications": notifications, "_meta": envelope({})}
     body = json.dumps(
         {"jsonrpc": "2.0", "id": "listen-1", "method": "subscriptions/listen", "params": params}
@@ -466,9 +467,8 @@ async def test_mcp_param_headers_must_mirror_annotated_arguments(conformance_url
 
             assert (await call("eu", "eu")).result["content"][0]["text"] == "region=eu"
             assert (await call("Hello", "=?base64?SGVsbG8=?=")).result["content"][0]["text"] == "region=Hello"
-            assert (
-                await call("=?base64?SGVsbG8=", "=?base64?SGVsbG8=")
-            ).status == 200  # no suffix: a literal
+            # no suffix: a literal
+            assert (await call("=?base64?SGVsbG8=", "=?base64?SGVsbG8=")).status == 200
             for region, header in (
                 ("eu", None),
                 ("eu", "us"),

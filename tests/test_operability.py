@@ -90,7 +90,8 @@ async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(
         line for line in requests if line.get("era") == "legacy" and line.get("rpc_method") == "tools/call"
     ]
     assert legacy_call and legacy_call[0]["tool"] == "greet" and legacy_call[0]["server"] == "legacy"
-    # The SDK may hang up right after reading initialize's last SSE event: then its line is client_disconnected.
+    # The SDK may hang up right after reading initialize's last SSE event: then its line is
+    # client_disconnected.
     ends = [line for line in lines if line["event"] in ("request", "client_disconnected")]
     assert any(line.get("era") == "legacy" and line.get("rpc_method") == "initialize" for line in ends)
     gets = [line for line in requests if line.get("rpc_method") == "tasks/get"]

@@ -83,9 +83,8 @@ async def _counting_upstream() -> tuple[web.AppRunner, str, list[int]]:
 
     async def mcp(request: web.Request) -> web.StreamResponse:
         if request.method != "POST":
-            return web.Response(
-                status=405 if request.method == "GET" else 200
-            )  # no standalone stream; DELETE ends the session
+            # no standalone stream; DELETE ends the session
+            return web.Response(status=405 if request.method == "GET" else 200)
         body = await request.json()
         if "id" not in body:
             return web.Response(status=202)

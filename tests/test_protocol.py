@@ -118,9 +118,8 @@ def test_legacy_meta_without_the_envelope_stays_legacy():
     }
     assert not is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2025-11-25"}), call)
     assert not is_modern_request(CIMultiDict(), call)
-    assert is_modern_request(
-        CIMultiDict({"MCP-Protocol-Version": "2026-07-28"}), call
-    )  # then -32602 for the envelope
+    # then -32602 for the envelope
+    assert is_modern_request(CIMultiDict({"MCP-Protocol-Version": "2026-07-28"}), call)
 
 
 def test_meta_must_be_an_object():

@@ -51,9 +51,8 @@ def test_store_url_is_an_alternative_to_path(legacy_url: str) -> None:
     config = redis_config(legacy_url, "rediss://:pw@cache.example:6380/2", "p:")
     assert config.store.redis and config.store.where == "rediss://cache.example:6380/2"
     assert "pw" not in describe(config, "x.yaml")
-    assert not config_from_data(
-        {"mcpServers": {"s": {"url": "http://127.0.0.1:1/mcp"}}}
-    ).store.redis  # diskcache stays the default
+    # diskcache stays the default
+    assert not config_from_data({"mcpServers": {"s": {"url": "http://127.0.0.1:1/mcp"}}}).store.redis
     for store, problem in (
         ({"url": "redis://h:1/0", "path": "/tmp/x"}, "not both"),
         ({"url": "http://h:1/0"}, "redis://"),
@@ -98,7 +97,8 @@ async def test_persistence_off_is_warned_and_a_refused_config_get_is_said(
         try:
             assert await store.persistence_report() == (
                 "info",
-                f"task store {store.where}: Redis appendonly yes, appendfsync always: a Redis crash loses nothing acknowledged",
+                f"task store {store.where}: Redis appendonly yes, appendfsync always: a Redis crash loses "
+                f"nothing acknowledged",
             )
         finally:
             await store.close()
@@ -212,9 +212,8 @@ async def test_changes_of_one_store_object_reach_the_others_listeners_and_waits(
         await a.create(record)
         waiter = asyncio.create_task(b.wait_for_change("x", 1, timeout_s=5))
         await asyncio.sleep(0.05)
-        await a.update(
-            "x", Change(status=TaskStatus.COMPLETED, outcome={"result": {"big": "y" * 100_000}})
-        )  # too big to travel inline
+        # too big to travel inline
+        await a.update("x", Change(status=TaskStatus.COMPLETED, outcome={"result": {"big": "y" * 100_000}}))
         changed = await asyncio.wait_for(waiter, 2)
         assert changed.version == 2 and changed.status is TaskStatus.COMPLETED
         async with asyncio.timeout(2):
@@ -224,9 +223,8 @@ async def test_changes_of_one_store_object_reach_the_others_listeners_and_waits(
             (None, "x", 1, TaskStatus.WORKING),
             (TaskStatus.WORKING, "x", 2, TaskStatus.COMPLETED),
         ]
-        assert (
-            local_a == [(None, 1), (TaskStatus.WORKING, 2)] and local_b == []
-        )  # metrics count each change once
+        # metrics count each change once
+        assert local_a == [(None, 1), (TaskStatus.WORKING, 2)] and local_b == []
         await b.create(make_record(task_id="y"))
         assert remote_b[-1] == (None, "y", 1, TaskStatus.WORKING)  # its own commits at once
     finally:
@@ -255,9 +253,8 @@ async def test_mrtr_state_used_on_one_replica_is_refused_on_the_other(
                 "inputResponses": {key: ACCEPT},
                 "requestState": first["requestState"],
             }
-            elsewhere = await on_b.request(
-                "tools/call", retry
-            )  # both replicas share the signing key; the call is parked on A
+            # both replicas share the signing key; the call is parked on A
+            elsewhere = await on_b.request("tools/call", retry)
             assert elsewhere.error["code"] == -32602 and "does not belong" in elsewhere.error["message"]
             assert (await on_a.request("tools/call", retry)).result["content"][0][
                 "text"

@@ -35,7 +35,9 @@ from proxy.replicas import advertised_url
 sys.path.insert(0, str(ROOT))
 from scripts.cluster import Cluster  # noqa: E402
 
-LEASE_S = 1.0  # short for test speed, long enough that a replica starved of CPU by a loaded machine still renews (every third)
+# short for test speed, long enough that a replica starved of CPU by a loaded machine still renews (every
+# third)
+LEASE_S = 1.0
 SETTINGS = {
     "MCP_LEASE": "1s",
     "MCP_DETACH_AFTER": "150ms",
@@ -129,9 +131,8 @@ async def test_poll_answer_and_cancel_through_other_replicas(
     assert (
         await c2.request("tasks/update", {"taskId": created["taskId"], "inputResponses": {key: ACCEPT}})
     ).result == {"resultType": "complete"}
-    assert (
-        "inputRequests" not in (await c1.get(created["taskId"])).result
-    )  # the answered key left before the ack
+    # the answered key left before the ack
+    assert "inputRequests" not in (await c1.get(created["taskId"])).result
     done = await c1.wait_terminal(created["taskId"])
     assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "deleted xr.txt"
 
@@ -199,9 +200,8 @@ async def _legacy_session(url: str, calls: int = 4) -> list[str]:
     ):
         await session.initialize()
         assert "greet" in [t.name for t in (await session.list_tools()).tools]
-        for i in range(
-            calls
-        ):  # round-robin: most of these land on a replica that relays to the session's owner
+        # round-robin: most of these land on a replica that relays to the session's owner
+        for i in range(calls):
             texts.append((await session.call_tool("greet", {"name": f"n{i}"})).content[0].text)
         texts.append((await session.call_tool("confirm_delete", {"filename": "legacy.txt"})).content[0].text)
         texts.append(
@@ -281,12 +281,15 @@ async def test_forward_hop_latency(cluster: Cluster, clients: list[ModernClient]
     within_10ms = await _metric(cluster.replica_urls[1], 'mcp_proxy_replica_hop_seconds_bucket{le="0.01"')
     within_100ms = await _metric(cluster.replica_urls[1], 'mcp_proxy_replica_hop_seconds_bucket{le="0.1"')
     print(
-        f"\nreplica hop alone (replica 1 -> owner, its histogram): {hops:g} hops, {within_10ms / hops:.1%} within 10 ms, "
+        f"\nreplica hop alone (replica 1 -> owner, its histogram): {hops:g} hops, {within_10ms / hops:.1%} "
+        f"within 10 ms, "
         f"{within_100ms / hops:.1%} within 100 ms"
     )
     print(
-        f"replica hop, client-observed through a non-owner: tasks/update p50 {p(update_ms, 50):.1f} ms p99 {p(update_ms, 99):.1f} ms; "
-        f"tasks/cancel p50 {p(cancel_ms, 50):.1f} ms p99 {p(cancel_ms, 99):.1f} ms (n={len(update_ms)}/{len(cancel_ms)})"
+        f"replica hop, client-observed through a non-owner: tasks/update p50 {p(update_ms, 50):.1f} ms p99 "
+        f"{p(update_ms, 99):.1f} ms; "
+        f"tasks/cancel p50 {p(cancel_ms, 50):.1f} ms p99 {p(cancel_ms, 99):.1f} ms "
+        f"(n={len(update_ms)}/{len(cancel_ms)})"
     )
 
 
@@ -304,7 +307,8 @@ async def test_internal_endpoints_and_relay_marks_need_the_shared_secret(cluster
             headers={"X-Mcp-Replica-Secret": cluster.secret},
         ) as resp:
             assert resp.status == 400
-        # A client that claims its request was relayed by a replica, without the secret, is routed like any other.
+        # A client that claims its request was relayed by a replica, without the secret, is routed like any
+        # other.
         sid = await _open_legacy(http, cluster.replica_urls[0] + WEB)
         headers = {
             **LEGACY_HEADERS,
@@ -564,7 +568,8 @@ async def test_header_auth_relayed_requests_keep_their_principal(legacy_url: str
                 ) as resp,
             ):
                 assert resp.status == 401  # the principal header alone, without the replicas' secret
-            # A relayed GET stream: the owner freezes; the relaying replica cuts it (3 keepalives + hop_timeout).
+            # A relayed GET stream: the owner freezes; the relaying replica cuts it (3 keepalives +
+            # hop_timeout).
             headers = {
                 **LEGACY_HEADERS,
                 "Accept": "text/event-stream",
@@ -607,20 +612,17 @@ async def test_sigterm_drains_detached_calls_while_the_others_serve_them(
                         assert (await resp.json())["checks"]["drain"].startswith("draining")
                         break
                 await asyncio.sleep(0.02)
-        refused = await c1.call(
-            "greet", {"name": "late"}
-        )  # a new call: refused, so a balancer retries it elsewhere
+        # a new call: refused, so a balancer retries it elsewhere
+        refused = await c1.call("greet", {"name": "late"})
         assert (
             refused.status == 503
             and refused.error["code"] == -32603
             and "shutting down" in refused.error["message"]
         )
-        assert (await c1.get(finishing)).result[
-            "status"
-        ] == "working"  # task methods still served while draining
-        assert (await c2.request("tasks/cancel", {"taskId": cancelled})).result == {
-            "resultType": "complete"
-        }  # the hop reaches it
+        # task methods still served while draining
+        assert (await c1.get(finishing)).result["status"] == "working"
+        # the hop reaches it
+        assert (await c2.request("tasks/cancel", {"taskId": cancelled})).result == {"resultType": "complete"}
         assert (await _wait_cancelled_upstream(c0, "drained-cancel"))["reason"] == "notifications/cancelled"
         done = await c0.wait_terminal(finishing)  # polled through another replica; the call ran to its end
         assert (
@@ -741,7 +743,8 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
         assert re.search(
             rf"proxy replica running this call \(node {re.escape(node)}\) was lost", task["statusMessage"]
         )
-        # Nobody read `unread`: the survivors' sweep (every half lease) ended it; the CLI reads the store as is.
+        # Nobody read `unread`: the survivors' sweep (every half lease) ended it; the CLI reads the store as
+        # is.
         await asyncio.sleep(max(0.0, 2 * LEASE_S - (time.monotonic() - killed_at)))
         shown = await asyncio.to_thread(
             subprocess.run,
@@ -768,11 +771,11 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
             done["status"] == "completed"
             and done["result"]["content"][0]["text"] == "quietly computed after 1s"
         )
-        # Legacy sessions of the dead replica: HTTP upstream adopted (same upstream session), stdio gone (404).
+        # Legacy sessions of the dead replica: HTTP upstream adopted (same upstream session), stdio gone
+        # (404).
         assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200
-        assert (
-            await _legacy_ping(http, cluster.replica_urls[1] + WEB, web_sid) == 200
-        )  # now relayed to replica 0
+        # now relayed to replica 0
+        assert await _legacy_ping(http, cluster.replica_urls[1] + WEB, web_sid) == 200
         assert await _legacy_ping(http, cluster.replica_urls[0] + LOCAL, stdio_sid) == 404
     await asyncio.to_thread(cluster.restart, 2)
 
@@ -827,9 +830,8 @@ async def test_a_call_whose_replica_dies_is_not_sent_again_by_the_balancer(
 
         before = await asyncio.to_thread(_open_counts, cluster)
         sent = asyncio.ensure_future(post())
-        for _ in range(
-            50
-        ):  # until the upstream runs the call (polled, not a fixed sleep: a loaded machine is slow)
+        # until the upstream runs the call (polled, not a fixed sleep: a loaded machine is slow)
+        for _ in range(50):
             await asyncio.sleep(0.1)
             if (
                 json.loads((await clients[0].call("started_log")).result["content"][0]["text"]).get("lb-once")
@@ -864,9 +866,8 @@ class _Client(ModernClient):
         try:
             return await super().post_raw(data, headers)
         except ValueError:
-            async with self.http.post(
-                self.url, data=data, headers=headers
-            ) as resp:  # not sent twice in the passing case
+            # not sent twice in the passing case
+            async with self.http.post(self.url, data=data, headers=headers) as resp:
                 return Reply(
                     resp.status,
                     {"raw": (await resp.text())[:300], "again": True},
@@ -904,9 +905,10 @@ class Load:
                         while True:
                             got = await client.get(result["taskId"])
                             if "result" not in got.message:
+                                # unknown id, or worse
                                 self.problems.append(
                                     f"{label} tasks/get {time.strftime('%X')}: {got.status} {got.message}"
-                                )  # unknown id, or worse
+                                )
                                 break
                             if got.result["status"] in ("completed", "failed", "cancelled"):
                                 result = got.result.get("result", got.result)
@@ -959,7 +961,8 @@ async def test_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> Non
         results = await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), timeout=60)
     errors = [repr(r) for r in results if isinstance(r, BaseException)]
     print(
-        f"\nrolling restart: {load.tasks_done} tasks, {load.sync_done} sync calls, {load.legacy_done} legacy calls"
+        f"\nrolling restart: {load.tasks_done} tasks, {load.sync_done} sync calls, {load.legacy_done} legacy "
+        f"calls"
     )
     assert errors == [] and load.problems == [], "\n".join(errors + load.problems)
     assert load.tasks_done >= 8 and load.sync_done > 0 and load.legacy_done > 0

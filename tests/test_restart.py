@@ -229,9 +229,8 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
             call = asyncio.create_task(
                 session.call_tool("slow_compute", {"seconds": 20, "label": "legacy-too-long"})
             )
-            await asyncio.sleep(
-                0.5
-            )  # (the call is on its way; its relay keeps it whatever the SIGTERM finds)
+            # (the call is on its way; its relay keeps it whatever the SIGTERM finds)
+            await asyncio.sleep(0.5)
             started = time.monotonic()
             proxy.proc.send_signal(signal.SIGTERM)
             with pytest.raises(MCPError) as raised:

@@ -373,9 +373,8 @@ async def test_a_question_on_a_shared_child_is_refused_when_it_could_belong_to_s
             slow = asyncio.create_task(client.call("slow_compute", {"seconds": 1.5, "label": "bystander"}))
             await asyncio.sleep(0.3)
             asked = await client.call("confirm_delete", {"filename": "ambiguous.txt"})
-            assert "error" in asked.message or asked.result.get("isError"), (
-                asked.message
-            )  # never shown to a guessed caller
+            # never shown to a guessed caller
+            assert "error" in asked.message or asked.result.get("isError"), asked.message
             log = json.loads((await client.call("cancelled_log")).result["content"][0]["text"])
             assert any(e["label"] == "confirm_delete:ambiguous.txt" for e in log)
             assert (await slow).result["content"][0]["text"] == "computed bystander after 1.5s"

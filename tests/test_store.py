@@ -132,9 +132,8 @@ async def test_status_history_is_kept_with_times_and_survives_the_store(store: T
     await store.create(make_record(task_id="h", created_ms=1_000))
     await store.update("h", Change(status_message="progress only"))
     await store.update("h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}))
-    await store.update(
-        "h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}, "j": {}})
-    )  # no status change
+    # no status change
+    await store.update("h", Change(status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}, "j": {}}))
     await store.update("h", Change(status=TaskStatus.WORKING, input_requests={}))
     done = await store.update("h", Change(status=TaskStatus.CANCELLED))
     assert [e["status"] for e in done.history] == ["working", "input_required", "working", "cancelled"]
@@ -378,9 +377,8 @@ def test_history_is_bounded_keeps_the_first_entry_and_old_records_load_without_i
         record = apply(record, Change(status=status), at_ms=2_000 + i, max_result_bytes=100)
     assert len(record.history) == HISTORY_MAX and record.history[0] == {"status": "working", "at_ms": 1_000}
     assert record.history[-1] == {"status": "working", "at_ms": 2_000 + HISTORY_MAX * 2 - 1}
-    old = {
-        k: v for k, v in make_record(version=3).to_dict().items() if k != "history"
-    }  # stored before `history` existed
+    # stored before `history` existed
+    old = {k: v for k, v in make_record(version=3).to_dict().items() if k != "history"}
     assert TaskRecord.from_dict(old).history == []
     assert (
         TaskRecord.from_dict({k: v for k, v in make_record().to_dict().items() if k != "history"}).history[0][

@@ -72,9 +72,8 @@ async def test_routing_header_rules(client: ModernClient) -> None:
     assert (await client.post_raw(body, modern_headers("TOOLS/CALL", **{"Mcp-Name": "greet"}))).error[
         "code"
     ] == -32020
-    assert (await client.post_raw(body, modern_headers("tools/call"))).error[
-        "code"
-    ] == -32020  # Mcp-Name missing
+    # Mcp-Name missing
+    assert (await client.post_raw(body, modern_headers("tools/call"))).error["code"] == -32020
     assert (await client.post_raw(body, modern_headers("tools/call", **{"Mcp-Name": "other"}))).error[
         "code"
     ] == -32020
@@ -94,9 +93,8 @@ async def test_unknown_and_removed_methods_are_404(client: ModernClient) -> None
     ):
         reply = await client.request(method, {})
         assert reply.status == 404 and reply.error["code"] == -32601, method
-        assert reply.error["message"].startswith(f"method {method!r}"), (
-            reply.error
-        )  # the proxy's own answer, never the upstream's
+        # the proxy's own answer, never the upstream's
+        assert reply.error["message"].startswith(f"method {method!r}"), reply.error
 
 
 async def test_oversized_body_is_refused_and_the_proxy_keeps_serving(
@@ -116,7 +114,8 @@ async def test_a_declared_oversized_body_is_refused_at_once(proxy: RunningProxy)
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(
-            f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{{}}".encode()
+            f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: "
+            f"10000000000\r\n\r\n{{}}".encode()
         )
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
@@ -183,9 +182,8 @@ async def test_forwarded_lists_are_stamped(client: ModernClient) -> None:
     read = await client.request("resources/read", {"uri": "test://static-text"})
     assert read.result["contents"][0]["text"].startswith("This is static text")
     missing = await client.request("resources/read", {"uri": "test://nope"})
-    assert missing.status == 400 and missing.error["code"] == -32602, (
-        missing.message
-    )  # resource not found, 2026 code (was -32002)
+    # resource not found, 2026 code (was -32002)
+    assert missing.status == 400 and missing.error["code"] == -32602, missing.message
 
 
 async def test_envelope_is_not_forwarded_but_other_meta_is(client: ModernClient) -> None:

@@ -57,9 +57,8 @@ async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_n
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
         resp = await http.post(url, data=b"{}")
         assert resp.headers["X-Upstream"] == "one"
-        c_parser = bool(
-            _header_pair_lists(resp)
-        )  # aiohttp's C parser holds the head's pairs while the body is read
+        # aiohttp's C parser holds the head's pairs while the body is read
+        c_parser = bool(_header_pair_lists(resp))
         shed_headers(resp)
         assert _header_pair_lists(resp) == [] and len(resp.headers) == 0
         assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
@@ -74,7 +73,8 @@ async def test_a_held_reply_keeps_no_header_maps_and_its_connection_serves_the_n
     assert len(peers) == 2 and peers[0] == peers[1]
     if not c_parser:
         pytest.skip(
-            "aiohttp runs its pure-Python parser here (AIOHTTP_NO_EXTENSIONS): no parser lists to shed; the rest held"
+            "aiohttp runs its pure-Python parser here (AIOHTTP_NO_EXTENSIONS): no parser lists to shed; the "
+            "rest held"
         )
 
 

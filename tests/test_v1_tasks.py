@@ -67,13 +67,11 @@ async def test_initialize_declares_tasks_and_tools_list_carries_task_support(
             status, message, _ = await client.request(
                 "tools/call", {"name": "greet", "arguments": {"name": "x"}, "task": {"ttl": 1000}}
             )
-            assert (
-                status == 200 and message["error"]["code"] == -32601
-            )  # the handshake-era wire: JSON-RPC errors in a 200
+            # the handshake-era wire: JSON-RPC errors in a 200
+            assert status == 200 and message["error"]["code"] == -32601
             status, message, _ = await client.request("tools/call", {"name": "failing_job", "arguments": {}})
-            assert (
-                status == 200 and message["error"]["code"] == -32601
-            )  # taskSupport required: never synchronous
+            # taskSupport required: never synchronous
+            assert status == 200 and message["error"]["code"] == -32601
         finally:
             await client.close()
 
@@ -88,12 +86,10 @@ async def test_without_client_auth_a_session_lists_only_the_tasks_it_created(
         mine = (await alice.call_as_task("slow_compute", {"seconds": 0.2}))["taskId"]
         listed = lambda message: [t["taskId"] for t in message["result"]["tasks"]]  # noqa: E731
         assert mine in listed((await alice.request("tasks/list", {}))[1])
-        assert mine not in listed(
-            (await bob.request("tasks/list", {}))[1]
-        )  # auth none: everyone is `anonymous`
-        assert (await bob.request("tasks/get", {"taskId": mine}))[1]["result"][
-            "taskId"
-        ] == mine  # the id still works
+        # auth none: everyone is `anonymous`
+        assert mine not in listed((await bob.request("tasks/list", {}))[1])
+        # the id still works
+        assert (await bob.request("tasks/get", {"taskId": mine}))[1]["result"]["taskId"] == mine
     finally:
         await alice.close()
         await bob.close()

@@ -42,10 +42,10 @@ class _Discard(asyncio.Queue[tuple[str, Any]]):
 
 _DISCARD = _Discard()  # the one shared stand-in queue
 
-PROGRESS_WRITE_S = 0.25  # least time (s) between two statusMessage writes of one detached call (or its poll interval, if longer)
-CANCEL_GRACE_S = (
-    0.5  # how long (s) a call whose questions were just refused may take to end before it is cancelled
-)
+# least time (s) between two statusMessage writes of one detached call (or its poll interval, if longer)
+PROGRESS_WRITE_S = 0.25
+# how long (s) a call whose questions were just refused may take to end before it is cancelled
+CANCEL_GRACE_S = 0.5
 
 
 _NO_KEYS: frozenset[str] = frozenset()
@@ -350,7 +350,8 @@ class Call:
             self.events.put_nowait(("input", key))
 
     def _key_for(self, msg: JsonObject) -> str:
-        """A key unique for the call's whole life: the upstream's hint (`_meta["mcp-tasks-proxy/inputKey"]`) if unused, else random."""
+        """A key unique for the call's whole life: the upstream's hint (`_meta["mcp-tasks-proxy/inputKey"]`)
+        if unused, else random."""
         params = object_of(msg.get("params"))
         meta = object_of(params.get("_meta"))
         hint = meta.get(INPUT_KEY_HINT)

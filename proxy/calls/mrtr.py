@@ -65,7 +65,8 @@ async def shared_key(store: TaskStore, configured: str | None) -> bytes:
     key = await store.get_blob(KEY_BLOB)
     if key is None or len(key) < 32:
         raise ConfigError(
-            f"task store {store.where}: the shared request_state key is missing or short; set request_state.secret"
+            f"task store {store.where}: the shared request_state key is missing or short; set "
+            f"request_state.secret"
         )
     return key
 
@@ -107,14 +108,18 @@ def load_or_create_key(store_path: str, configured: str | None) -> bytes:
 
 
 def _read_key(path: Path) -> bytes:
-    """The key in an existing key file. Raises FileNotFoundError when there is none, ConfigError when it is unusable."""
+    """The key in an existing key file. Raises FileNotFoundError when there is none, ConfigError when it is
+    unusable."""
     try:
         text = path.read_text(encoding="ascii", errors="replace").strip()
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the request_state key: {exc.strerror or exc}") from None
-    fix = "delete the file to have a new key generated (open MRTR rounds are then refused), or set request_state.secret"
+    fix = (
+        "delete the file to have a new key generated (open MRTR rounds are then refused), or set "
+        "request_state.secret"
+    )
     if not text:
         raise ConfigError(f"{path}: the request_state key file is empty; {fix}")
     try:

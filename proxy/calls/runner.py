@@ -164,18 +164,22 @@ class CallRunner:
                         call.cancel("the proxy is shutting down")
                         raise JsonRpcError(
                             INTERNAL_ERROR,
-                            f"proxy shutdown: the call did not finish within drain_timeout ({self.drain.timeout_s:g} s) and was abandoned",
+                            f"proxy shutdown: the call did not finish within drain_timeout "
+                            f"({self.drain.timeout_s:g} s) and was abandoned",
                         ) from None
                     if deadline is not None and loop.time() >= deadline:
                         handle = await self._detach(
                             call,
                             policy,
-                            f"still running upstream after {policy.detach_after:g} s; continuing in the background",
+                            f"still running upstream after {policy.detach_after:g} s; continuing in the "
+                            f"background",
                             stay=True,
                         )
                         if (
                             handle is None
-                        ):  # the store cannot take the task: the call stays attached (its own timeout bounds it)
+                            # the store cannot take the task: the call stays attached (its own timeout bounds
+                            # it)
+                        ):
                             deadline = None
                             continue
                         metrics.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))
@@ -230,9 +234,8 @@ class CallRunner:
                 log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
                 return None
             call.cancel("refused: the call could not become a task")
-            raise JsonRpcError(
-                exc.code, exc.message, exc.data, status=507
-            ) from None  # 507: the task could not be stored; not 503, which balancers retry
+            # 507: the task could not be stored; not 503, which balancers retry
+            raise JsonRpcError(exc.code, exc.message, exc.data, status=507) from None
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         if call.method == "tools/call":
             metrics.CALLS.labels(self.name, call.tool, "detached").inc()

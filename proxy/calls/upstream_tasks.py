@@ -177,13 +177,14 @@ class UpstreamTasks:
                     call.cancel("the upstream task asked for input a synchronous call cannot carry")
                     raise JsonRpcError(
                         INTERNAL_ERROR,
-                        f"upstream {self.name}'s task asked for input ({', '.join(kinds)}), which a call without the "
-                        "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to answer it through the task",
+                        f"upstream {self.name}'s task asked for input ({', '.join(kinds)}), which a call "
+                        f"without the "
+                        "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to "
+                        "answer it through the task",
                     )
                 try:
-                    await asyncio.wait_for(
-                        call.events.get(), timeout=self.keepalive_s
-                    )  # input, done, notifications
+                    # input, done, notifications
+                    await asyncio.wait_for(call.events.get(), timeout=self.keepalive_s)
                 except TimeoutError:
                     await reply.keepalive()
         except asyncio.CancelledError:

@@ -54,16 +54,19 @@ def describe(config: Config, source: str) -> str:
     durability = "Redis persistence" if config.store.redis else config.store.durable
     lines = [
         f"{source}: valid",
-        f"listen {base}  store {config.store.where}  (durable: {durability})  event loop {event_loop.describe(config.listen.event_loop)}",
+        f"listen {base}  store {config.store.where}  (durable: {durability})  event loop "
+        f"{event_loop.describe(config.listen.event_loop)}",
     ]
     if config.replicas is not None:
         lines.append(
-            f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout {config.replicas.hop_timeout:g}s, "
+            f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout "
+            f"{config.replicas.hop_timeout:g}s, "
             f"drain_detached {config.listen.drain_detached:g}s"
         )
     d = config.tasks
     lines.append(
-        f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, input_timeout {d.input_timeout:g}s"
+        f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, "
+        f"input_timeout {d.input_timeout:g}s"
     )
     for name, entry in config.mcpServers.items():
         if not entry.active:
@@ -84,7 +87,8 @@ def describe(config: Config, source: str) -> str:
         for tool in tasks.tools:
             policy = config.policy(name, tool)
             lines.append(
-                f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl {policy.ttl:g}s"
+                f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl "
+                f"{policy.ttl:g}s"
             )
     return "\n".join(lines)
 

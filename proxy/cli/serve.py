@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy",
         description="Reverse proxy that turns slow tools/call on legacy MCP servers into durable MCP tasks.",
-        epilog="Other commands: `mcp-tasks-proxy check-config FILE` validates a config and prints what it will serve; "
+        epilog="Other commands: `mcp-tasks-proxy check-config FILE` validates a config and prints what it "
+        "will serve; "
         "`mcp-tasks-proxy schema` prints the config file's JSON Schema; "
         "`mcp-tasks-proxy hash-token` prints the hash to put in auth.tokens; "
         "`mcp-tasks-proxy tasks --store DIR list|show ID|cancel ID` inspects a task store.",

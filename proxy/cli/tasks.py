@@ -71,7 +71,8 @@ async def _action(args: argparse.Namespace, store_cfg: StoreConfig) -> int:
             print(f"{'TASK ID':44} {'STATUS':15} {'SERVER':12} {'TOOL':24} CREATED")
             for r in records:
                 print(
-                    f"{r.task_id:44} {r.status.value:15} {r.server[:12]:12} {r.tool[:24]:24} {iso(r.created_ms)}"
+                    f"{r.task_id:44} {r.status.value:15} {r.server[:12]:12} {r.tool[:24]:24} "
+                    f"{iso(r.created_ms)}"
                 )
             print(
                 f"{len(records)} task(s)"
@@ -107,7 +108,8 @@ async def _action(args: argparse.Namespace, store_cfg: StoreConfig) -> int:
             print(f"task {record.task_id} ended meanwhile")
             return 0
         print(
-            f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress update "
+            f"task {record.task_id} cancelled (a running proxy stops the upstream call at its next progress "
+            f"update "
             "or sweep, within half of store.lease, and discards any later result)"
         )
         return 0

@@ -21,7 +21,10 @@ def _interpolation_message(exc: Exception) -> str:
     text = str(exc.args[0]) if exc.args else str(exc)
     name, _, detail = text.partition(": ")
     if isinstance(exc, expandvars.UnboundVariable):
-        return f"environment variable {name} is not set (use ${{{name}:-default}} for a fallback, or \\$ for a literal $)"
+        return (
+            f"environment variable {name} is not set (use ${{{name}:-default}} for a fallback, or \\$ for "
+            f"a literal $)"
+        )
     if isinstance(exc, expandvars.ParameterNullOrNotSet):
         return f"environment variable {name} is not set or empty" + (
             "" if detail == "parameter null or not set" else f": {detail}"

@@ -35,9 +35,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class ToolMode(StrEnum):
     """How a tool may become a task."""
 
-    OPTIONAL = (
-        "optional"  # a task when still running after detach_after and the request declared the extension
-    )
+    # a task when still running after detach_after and the request declared the extension
+    OPTIONAL = "optional"
     REQUIRED = "required"  # always a task; requests without the extension get -32021
     FORBIDDEN = "forbidden"  # never a task
 
@@ -241,7 +240,8 @@ class Config(_Strict):
             for name, digest in self.console.tokens.items():
                 if digest.removeprefix("sha256:").lower() in clients:
                     raise ValueError(
-                        f"console.tokens.{name} is also a client token in auth.tokens; give the console a token of its own"
+                        f"console.tokens.{name} is also a client token in auth.tokens; give the console a "
+                        f"token of its own"
                     )
         return self
 

@@ -30,7 +30,8 @@ class ListenConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)
     allowed_hosts: list[str] | None = Field(
         None,
-        description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound to loopback, else any",
+        description="Host/Origin names accepted (DNS-rebinding guard); default: localhost names when bound "
+        "to loopback, else any",
     )
     max_body: int = Field(4 * 1024 * 1024, ge=1024, description="largest accepted request body, in bytes")
     sse_keepalive: Duration = Field(
@@ -55,12 +56,14 @@ class ListenConfig(_Strict):
     drain_detached: Duration = Field(
         "10m",
         validate_default=True,
-        description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on (other replicas serve their polls)",
+        description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on "
+        "(other replicas serve their polls)",
     )
     header_timeout: Duration = Field(
         "10s",
         validate_default=True,
-        description="how long a connection may take to send a complete request head, and stay idle between requests",
+        description="how long a connection may take to send a complete request head, and stay idle between "
+        "requests",
     )
     body_timeout: Duration = Field(
         "30s", validate_default=True, description="how long a client may take to send a request body"
@@ -68,11 +71,14 @@ class ListenConfig(_Strict):
     max_connections: int | None = Field(
         None,
         ge=8,
-        description="open client connections at most (more are answered 503 and closed); default: half the open-file limit",
+        description="open client connections at most (more are answered 503 and closed); default: half the "
+        "open-file limit",
     )
     event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
         "asyncio",
-        description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it stops listening for good if it cannot accept for want of descriptors); auto = uvloop when installed",
+        description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it "
+        "stops listening for good if it cannot accept for want of descriptors); auto = uvloop when "
+        "installed",
     )
 
     @property
@@ -97,7 +103,8 @@ class ReplicasConfig(_Strict):
     )
     advertise: str | None = Field(
         None,
-        description="base URL the other replicas use, like http://10.0.0.5:{port}; default from listen host/port",
+        description="base URL the other replicas use, like http://10.0.0.5:{port}; default from listen "
+        "host/port",
     )
     hop_timeout: Duration = Field(
         "2s", validate_default=True, description="bound on one replica-to-replica request"
@@ -228,7 +235,8 @@ class TrustedHeaderConfig(_Strict):
             return self
         if not self.trusted_peers:
             raise ValueError(
-                "trusted_peers is required: list the addresses (or CIDR networks) of the auth proxy that sets "
+                "trusted_peers is required: list the addresses (or CIDR networks) of the auth proxy that "
+                "sets "
                 f"{self.name}, or write `trusted_peers: any` to trust the header from every peer"
             )
         for peer in self.trusted_peers:
@@ -274,7 +282,8 @@ class AuthConfig(_Strict):
             raise ValueError("mode jwt needs a `jwt` section")
         if self.mode == "header" and self.header is None:
             raise ValueError(
-                "mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or `any`)"
+                "mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or "
+                "`any`)"
             )
         return self
 
@@ -317,7 +326,8 @@ class LoggingConfig(_Strict):
 
 class MetricsConfig(_Strict):
     """`/metrics`: open by default (bind to loopback or keep it behind a firewall); with `token`
-    (a `sha256:<hex>` hash, as `mcp-tasks-proxy hash-token` prints) it needs `Authorization: Bearer <token>`."""
+    (a `sha256:<hex>` hash, as `mcp-tasks-proxy hash-token` prints) it needs `Authorization: Bearer
+    <token>`."""
 
     token: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")
 

@@ -56,7 +56,8 @@ MAX_LIMIT = 200
 _HASH = re.compile(r"^[0-9a-f]{16}$")
 _PRINCIPAL_ROUNDS = 20  # store pages one principal-filtered listing may read before it returns a cursor
 _SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri "
+    "'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "no-referrer",
@@ -138,7 +139,8 @@ def _tasks(request: web.Request) -> TaskService:
 
 
 async def list_tasks(request: web.Request) -> web.Response:
-    """`GET /console/api/tasks`: a page of everyone's tasks, newest first, with filters; 400 for a bad filter or cursor."""
+    """`GET /console/api/tasks`: a page of everyone's tasks, newest first, with filters; 400 for a bad filter
+    or cursor."""
     query = request.query
     status = query.get("status") or None
     if status is not None and status not in {s.value for s in TaskStatus}:
@@ -163,7 +165,8 @@ async def list_tasks(request: web.Request) -> web.Response:
     found: list[TaskRecord] = []
     try:
         for _ in range(_PRINCIPAL_ROUNDS if principal else 1):
-            # With a principal filter, ask for no more than the rows still missing, so a page is never cut in the middle.
+            # With a principal filter, ask for no more than the rows still missing, so a page is never cut in
+            # the middle.
             page, cursor = await store.list_tasks(where, cursor=cursor, limit=limit - len(found))
             found.extend(r for r in page if principal is None or row(r)["principalHash"] == principal)
             if cursor is None or len(found) >= limit:

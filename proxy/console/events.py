@@ -64,7 +64,8 @@ class ConsoleHub:
         self, request: web.Request, changes: Fanout[TaskEvent], *, keepalive_s: float
     ) -> web.StreamResponse:
         """Serve `text/event-stream`: `ready` once, then `task` (a list row plus `previousStatus`)
-        per change and `resync` after an overflow (the fan-out's `OVERFLOW`); a `: keepalive` comment every `keepalive_s` (s).
+        per change and `resync` after an overflow (the fan-out's `OVERFLOW`); a `: keepalive` comment every
+        `keepalive_s` (s).
         Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream.
         Raises TooManyStreamsError past MAX_STREAMS."""
         with self.subscribe(changes) as subscription:

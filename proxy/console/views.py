@@ -16,7 +16,8 @@ PREVIEW_CHARS = 4000  # characters of a result or error shown in the detail view
 
 
 def row(record: TaskRecord) -> dict[str, Any]:
-    """One list row: taskId, status, statusMessage, server, tool, principalHash, createdMs, lastUpdatedMs, version."""
+    """One list row: taskId, status, statusMessage, server, tool, principalHash, createdMs, lastUpdatedMs,
+    version."""
     return {
         "taskId": record.task_id,
         "status": record.status.value,
@@ -52,7 +53,8 @@ def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool) -> dict[st
 
 def outcome_preview(outcome: dict[str, Any] | None) -> dict[str, Any] | None:
     """`{kind, sizeBytes, preview, truncated}` of a stored outcome (`{"result": …}` or `{"error": …}`):
-    the size is that of its compact JSON in bytes, the preview its first PREVIEW_CHARS characters, indented."""
+    the size is that of its compact JSON in bytes, the preview its first PREVIEW_CHARS characters,
+    indented."""
     if not outcome:
         return None
     kind = "result" if "result" in outcome else "error"

@@ -98,9 +98,8 @@ class Authenticator:
             return self._from_header(request)
         token = _bearer(request)
         if self.mode == "bearer":
-            digest = hashlib.sha256(
-                token.encode("utf-8", "surrogateescape")
-            ).hexdigest()  # raw header bytes: no 500
+            # raw header bytes: no 500
+            digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
             for known, name in self._tokens.items():
                 if hmac.compare_digest(digest, known):
                     return name
@@ -146,12 +145,13 @@ class Authenticator:
             )
         except jwt.PyJWTError as exc:
             raise AuthError(f"invalid token: {exc}") from None
+        # a key the token's alg cannot use, a malformed header
         except (
             ValueError,
             TypeError,
             KeyError,
             AttributeError,
-        ) as exc:  # a key the token's alg cannot use, a malformed header
+        ) as exc:
             raise AuthError(f"invalid token ({exc.__class__.__name__})") from None
         principal = claims.get(cfg.principal_claim)
         if not isinstance(principal, str) or not principal:
@@ -188,7 +188,8 @@ def auth_middleware(
     Health and metrics paths stay open. Paths under `own_auth_prefix` (the console, `/console`)
     are left to their own authentication: no client principal is set there, so a client
     credential never opens them. So are paths under `internal_prefix` (the replicas' `/_replica`,
-    which check the replicas' shared secret themselves). Failures are logged as security events (without secrets).
+    which check the replicas' shared secret themselves). Failures are logged as security events (without
+    secrets).
     """
 
     @web.middleware

@@ -69,9 +69,8 @@ class ModernReply(Reply):
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.headers = request.headers
-        self.arrived: float | None = request.get(
-            ARRIVED_KEY
-        )  # event-loop time (s) the request reached the proxy
+        # event-loop time (s) the request reached the proxy
+        self.arrived: float | None = request.get(ARRIVED_KEY)
         self.stream: web.StreamResponse | None = None
         self.prefer_sse = prefers_sse(request.headers.get("Accept"))
 
@@ -168,9 +167,8 @@ class ServerEndpoint:
         too_large = JsonRpcError(
             INVALID_REQUEST, f"request body too large: the limit max_body is {request._client_max_size} bytes"
         )
-        if (
-            request.content_length or 0
-        ) > request._client_max_size:  # declared too large: refused before a byte is read
+        # declared too large: refused before a byte is read
+        if (request.content_length or 0) > request._client_max_size:
             metrics.LIMIT_REJECTIONS.labels("max_body").inc()
             return _closing(_json_error(None, too_large, status=413))
         try:
@@ -188,7 +186,8 @@ class ServerEndpoint:
             return _closing(_json_error(None, err, status=408))
         except RequestPayloadError as exc:
             reason = str(exc).replace("\n", " ").strip() or exc.__class__.__name__
-            request.content.feed_eof()  # nothing more can be read: aiohttp must not try to drain it (and log a traceback)
+            # nothing more can be read: aiohttp must not try to drain it (and log a traceback)
+            request.content.feed_eof()
             return _closing(
                 _json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400)
             )

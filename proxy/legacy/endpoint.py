@@ -151,7 +151,10 @@ class LegacyEndpoint:
         stream = sent.stream
         if session.pending.get(client_id) is not sent or stream is None or stream.closed:
             return
-        text = f"cancelled by the client; upstream {self.name} did not end the request within {CANCEL_GRACE_S:g} s"
+        text = (
+            f"cancelled by the client; upstream {self.name} did not end the request within "
+            f"{CANCEL_GRACE_S:g} s"
+        )
         stream.abandon(REQUEST_CANCELLED, text)
 
     async def _get(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
@@ -173,7 +176,8 @@ class LegacyEndpoint:
         stream = session.streams.get(parsed[0]) if parsed is not None and sid else None
         if stream is None or parsed is None or parsed[1] > stream.last_seq:
             message = (
-                "Last-Event-ID names no stream of this session (unknown, expired, or not minted by this proxy); "
+                "Last-Event-ID names no stream of this session (unknown, expired, or not minted by this "
+                "proxy); "
                 "open a new GET stream without it"
             )
             return error_reply(None, INVALID_REQUEST, message, status=400)

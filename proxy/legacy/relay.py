@@ -233,7 +233,10 @@ class HttpRelay:
             )
         if 300 <= upstream.status < 400:
             upstream.release()
-            message = f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not followed"
+            message = (
+                f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not "
+                f"followed"
+            )
             return _upstream_error(request_id, message, 502)
         limit = self.bounds.max_response_bytes
         is_sse = (
@@ -260,9 +263,8 @@ class HttpRelay:
             out_headers["Mcp-Session-Id"] = new_sid
             new = self.sessions.get(new_sid, session.principal)
             if new is not None and sent is not None and request_id is not None:
-                new.takes_over(
-                    request_id, sent, session
-                )  # the initialize request now belongs to the new session
+                # the initialize request now belongs to the new session
+                new.takes_over(request_id, sent, session)
                 session = owner[0] = new
         if not is_sse:
             async with upstream:

@@ -98,9 +98,8 @@ class StreamServer:
         JSON-RPC error, goes out as one JSON body. What else it carried (notifications) cannot
         reach such a client; it stays in the replay buffer."""
         if stream.pump is not None:
-            await asyncio.wait(
-                {stream.pump}
-            )  # (never cancels the pump: an abandoned one wrote its error first)
+            # (never cancels the pump: an abandoned one wrote its error first)
+            await asyncio.wait({stream.pump})
         out = {k: v for k, v in headers.items() if k.lower() != "content-type"}
         if stream.last_data is None:
             return web.Response(status=202, headers=out)

@@ -39,9 +39,8 @@ from proxy.tasks.wire_v1 import (
 )
 from proxy.upstream.types import Pool, UpstreamError
 
-V1_TASKS_VERSION = (
-    "2025-11-25"  # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
-)
+# the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
+V1_TASKS_VERSION = "2025-11-25"
 REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
 
 
@@ -128,7 +127,8 @@ class V1Front:
         return {**message, "result": result}
 
     def reply_rewriter(self, method: str) -> Callable[[JsonObject], Awaitable[JsonObject]] | None:
-        """How the answer to `method` is rewritten (`rewrite_reply`), or None when `method` needs no rewrite."""
+        """How the answer to `method` is rewritten (`rewrite_reply`), or None when `method` needs no rewrite.
+        How the answer to `method` is rewritten (`rewrite_reply`), or None when `method` needs no rewrite."""
         if method not in REWRITTEN_REPLIES:
             return None
 
@@ -225,7 +225,8 @@ class V1Front:
             elif "task" not in params:
                 raise JsonRpcError(
                     METHOD_NOT_FOUND,
-                    f"tool {params.get('name')!r} runs only as a task (execution.taskSupport: required): send params.task",
+                    f"tool {params.get('name')!r} runs only as a task (execution.taskSupport: required): "
+                    f"send params.task",
                 )
             else:
                 result = await self.call_as_task(params, principal=principal, capabilities=capabilities)
@@ -239,7 +240,8 @@ class V1Front:
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
 
     def _progress_of(self, principal: str) -> Callable[[str, JsonObject], None]:
-        """Where a v1 task's progress goes: to the streams of `principal`'s task, with the related-task key."""
+        """Where a v1 task's progress goes: to the streams of `principal`'s task, with the related-task key.
+        Where a v1 task's progress goes: to the streams of `principal`'s task, with the related-task key."""
 
         def publish(task_id: str, message: JsonObject) -> None:
             related = with_related_task(message, task_id)

@@ -1,4 +1,5 @@
-"""Server→client questions (elicitation, sampling, roots) as the 2026-07-28 `inputRequests` carry them. No I/O."""
+"""Server→client questions (elicitation, sampling, roots) as the 2026-07-28 `inputRequests` carry them. No
+I/O."""
 
 from __future__ import annotations
 

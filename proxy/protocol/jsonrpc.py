@@ -79,9 +79,8 @@ def http_status_for(code: int) -> int:
 
 # -- the codec: orjson on the hot path, byte for byte what `json` gave -------------------------
 
-_OPTS = (
-    orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
-)  # those stay TypeErrors, as with json
+# those stay TypeErrors, as with json
+_OPTS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 # orjson output that json.dumps would write differently: floats in exponent form (`1e-07` vs
 # `1e-7`) or below 1e-4 (`1e-05` vs `0.00001`), DEL (json writes `\u007f`), and any non-ASCII
 # byte (json escapes it).

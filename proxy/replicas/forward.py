@@ -24,9 +24,8 @@ log = structlog.get_logger("proxy.replicas")
 
 SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared in constant time)
 FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
-RELAYED_PRINCIPAL_HEADER = (
-    "X-Mcp-Replica-Principal"  # on a relayed request: whom the relaying replica authenticated
-)
+# on a relayed request: whom the relaying replica authenticated
+RELAYED_PRINCIPAL_HEADER = "X-Mcp-Replica-Principal"
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -130,7 +129,8 @@ class Forwarder:
             reason = str(exc) or exc.__class__.__name__
             log.warning("replica_unreachable", peer=peer.node, op=op, reason=reason)
             raise HopError(
-                f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s ({reason})"
+                f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s "
+                f"({reason})"
             ) from None
         finally:
             HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
@@ -157,9 +157,8 @@ class Forwarder:
         }
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
-        headers[RELAYED_PRINCIPAL_HEADER] = (
-            principal  # authenticated here (front.auth.Authenticator.principal)
-        )
+        # authenticated here (front.auth.Authenticator.principal)
+        headers[RELAYED_PRINCIPAL_HEADER] = principal
         try:
             upstream = await self._session().request(
                 request.method,

@@ -41,7 +41,8 @@ def advertised_url(config: Config) -> str:
         return url
     if host in wildcard:
         raise ValueError(
-            f"replicas.advertise is needed when listening on {host or 'every address'!r}: other replicas cannot reach a wildcard"
+            f"replicas.advertise is needed when listening on {host or 'every address'!r}: other replicas "
+            f"cannot reach a wildcard"
         )
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -100,7 +101,7 @@ class Replicas:
         )
         refused = [
             f"{p.node} at {p.url}"
-            for p, r in zip(peers, results)
+            for p, r in zip(peers, results, strict=True)
             if isinstance(r, HopError) and r.status == 403
         ]
         for who in refused:
@@ -205,7 +206,10 @@ class Replicas:
         """
         peer = await self.peer(record.owner)
         if peer is None:
-            cause = f"the proxy replica running this task (node {record.owner}) is gone or its record cannot be read"
+            cause = (
+                f"the proxy replica running this task (node {record.owner}) is gone or its record cannot "
+                f"be read"
+            )
         else:
             try:
                 answer = await self.forwarder.ask(

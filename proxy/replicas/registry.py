@@ -65,7 +65,8 @@ class Registry:
         await self.shared.session_delete(_key(self.node))
 
     async def peers(self) -> list[Peer]:
-        """Every other live replica (empty when the map cannot list its keys). Raises StoreUnavailableError."""
+        """Every other live replica (empty when the map cannot list its keys). Raises StoreUnavailableError.
+        Every other live replica (empty when the map cannot list its keys). Raises StoreUnavailableError."""
         keys = getattr(self.shared, "session_keys", None)
         if keys is None:
             return []
@@ -73,7 +74,8 @@ class Registry:
         return [p for p in found if p is not None]
 
     async def peer(self, node: Any) -> Peer | None:
-        """The live replica `node` (None when unknown, gone, or this replica itself). Raises StoreUnavailableError."""
+        """The live replica `node` (None when unknown, gone, or this replica itself). Raises
+        StoreUnavailableError."""
         if not isinstance(node, str) or not node or node == self.node:
             return None
         value = await self.shared.session_get(_key(node))

@@ -29,9 +29,8 @@ from proxy.tasks.store import StoreUnavailableError
 log = structlog.get_logger("proxy.replicas")
 
 MRTR_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
-STREAM_METHODS = frozenset(
-    {"subscriptions/listen", "tasks/result"}
-)  # POSTs answered by a stream of open-ended length
+# POSTs answered by a stream of open-ended length
+STREAM_METHODS = frozenset({"subscriptions/listen", "tasks/result"})
 ROUTER_KEY = "mcp_tasks_proxy.replica_router"
 SESSION_TTL_MS = 24 * 3600 * 1000  # a legacy session's map entry outlives any sane session
 
@@ -145,7 +144,8 @@ class EndpointRouter:
                 return relayed
         err = JsonRpcError(
             INVALID_PARAMS,
-            "requestState belongs to a call on a proxy replica that is gone; send the request again without it",
+            "requestState belongs to a call on a proxy replica that is gone; send the request again without "
+            "it",
         )
         return web.json_response(
             jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status
@@ -184,9 +184,8 @@ class EndpointRouter:
                 return relayed
         if self.sessions.knows(sid):
             if self.replicas.draining and new_call and self.kind == "http":
-                return drain_refusal(
-                    _request_id(body), "new calls"
-                )  # retried elsewhere, which adopts the session
+                # retried elsewhere, which adopts the session
+                return drain_refusal(_request_id(body), "new calls")
             return None
         try:
             entry = await self.replicas.shared.session_get(self._key(sid))

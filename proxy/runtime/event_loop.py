@@ -31,7 +31,8 @@ def resolve(choice: str) -> str:
         has_uvloop = True
     if choice == "uvloop" and not has_uvloop:
         raise EventLoopUnavailableError(
-            "listen.event_loop is uvloop, but the uvloop package is not installed (pip install uvloop), or set it to auto or asyncio"
+            "listen.event_loop is uvloop, but the uvloop package is not installed (pip install uvloop), or "
+            "set it to auto or asyncio"
         )
     if choice == "asyncio" or not has_uvloop:
         return "asyncio"

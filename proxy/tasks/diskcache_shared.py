@@ -37,7 +37,8 @@ class DiskcacheSharedState:
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
 
     def add_remote_listener(self, listener: Callable[[TaskStatus | None, TaskRecord], None]) -> None:
-        """See TaskStore.add_remote_listener: one process serves a diskcache store, so its own commits are all."""
+        """See TaskStore.add_remote_listener: one process serves a diskcache store, so its own commits are
+        all."""
         self._listeners.append(listener)
 
     async def claim_once(self, key: str, ttl_ms: int) -> bool:

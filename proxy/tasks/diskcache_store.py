@@ -188,7 +188,8 @@ class DiskcacheStore(DiskcacheSharedState):
             listener(before, record)
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(previous status or None on create, record)` after each change this object commits."""
+        """Call `listener(previous status or None on create, record)` after each change this object commits.
+        Call `listener(previous status or None on create, record)` after each change this object commits."""
         self._listeners.append(listener)
 
     # -- records ------------------------------------------------------------------------------
@@ -254,7 +255,10 @@ class DiskcacheStore(DiskcacheSharedState):
     def _keys(self, prefix: str, start: str | None = None, limit: int = 1_000_000) -> list[str]:
         """Unexpired keys with `prefix`, in key order, after `start` (exclusive) when given."""
         low, high = (start, True) if start is not None else (prefix, False)
-        sql = f"SELECT key FROM Cache WHERE key {'>' if high else '>='} ? AND key < ? AND raw = 1 AND (expire_time IS NULL OR expire_time > ?) ORDER BY key LIMIT ?"
+        sql = (
+            f"SELECT key FROM Cache WHERE key {'>' if high else '>='} ? AND key < ? AND raw = 1 AND "
+            f"(expire_time IS NULL OR expire_time > ?) ORDER BY key LIMIT ?"
+        )
         try:
             rows = self._reader.execute(sql, (low, prefix + "\uffff", time.time(), limit)).fetchall()
         except sqlite3.Error as exc:

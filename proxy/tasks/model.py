@@ -92,7 +92,8 @@ def now_ms() -> int:
 def iso(ms: int) -> str:
     """RFC 3339 UTC timestamp with millisecond precision and a `Z`, from epoch milliseconds."""
     t = time.gmtime(ms // 1000)  # what datetime.strftime gave, at a fifth of the cost
-    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{ms % 1000:03d}Z"
+    date = f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
+    return f"{date}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{ms % 1000:03d}Z"
 
 
 def principal_key(principal: str) -> str:
@@ -199,7 +200,8 @@ HISTORY_MAX = 32  # status changes kept per record (the first and the newest one
 
 
 def with_transition(history: list[dict[str, Any]], status: TaskStatus, at_ms: int) -> list[dict[str, Any]]:
-    """`history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list."""
+    """`history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list.
+    `history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list."""
     entries = [*history, {"status": TaskStatus(status).value, "at_ms": at_ms}]
     if len(entries) > HISTORY_MAX:
         entries = [entries[0], *entries[-(HISTORY_MAX - 1) :]]
@@ -240,7 +242,8 @@ def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: i
     machine; a result outcome larger than `max_result_bytes` (JSON bytes) is replaced by an error
     naming the limit (the task fails); reaching a terminal status clears `input_requests` and
     `rerun` and sets `terminal_ms`; `last_updated_ms` never goes back; `version` grows by one; a
-    status change is appended to `history` (bounded, see `with_transition`). Raises ConflictError when `expect_owner` does not match.
+    status change is appended to `history` (bounded, see `with_transition`). Raises ConflictError when
+    `expect_owner` does not match.
     """
     if record.status.terminal:
         raise TerminalTaskError(f"task {record.task_id} is {record.status.value}; it can no longer change")

@@ -26,7 +26,8 @@ def open_store(store: StoreConfig, *, max_result_bytes: int, exclusive: bool) ->
 
 
 def rate_storage(store: StoreConfig) -> Storage | None:
-    """Where `tasks_rate` counters live: Redis (shared by replicas) for a Redis store, else None (in memory)."""
+    """Where `tasks_rate` counters live: Redis (shared by replicas) for a Redis store, else None (in memory).
+    Where `tasks_rate` counters live: Redis (shared by replicas) for a Redis store, else None (in memory)."""
     if store.url is None:
         return None
     return redis_rate_storage(store.url, prefix=store.prefix, timeout_s=store.timeout)

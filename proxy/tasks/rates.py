@@ -62,7 +62,10 @@ class TaskRate:
             allowed = await self._limiter.hit(self._rate, principal_key(principal))
         except (StorageError, OSError) as exc:
             reason = exc.storage_error if isinstance(exc, StorageError) else exc
-            message = f"task store {self.where}: the tasks_rate counters cannot be reached ({reason.__class__.__name__})"
+            message = (
+                f"task store {self.where}: the tasks_rate counters cannot be reached "
+                f"({reason.__class__.__name__})"
+            )
             raise JsonRpcError(INTERNAL_ERROR, message, {"store": self.where}, status=503) from None
         if not allowed:
             log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))

@@ -129,7 +129,11 @@ local v = redis.call('HGET', KEYS[1], 'v')
 if not v then return -1 end
 if v ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'd', ARGV[2], 'v', ARGV[3])
-if ARGV[5] == '' then redis.call('HDEL', KEYS[2], ARGV[4]) else redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
+if ARGV[5] == '' then
+  redis.call('HDEL', KEYS[2], ARGV[4])
+else
+  redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+end
 if ARGV[6] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[6])
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[7])

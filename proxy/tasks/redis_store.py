@@ -50,7 +50,8 @@ class RedisTaskStore:
     of every key (several proxies may share a Redis under different prefixes). `timeout_s` (s):
     bound on connecting, on each reply, and on waiting for one of `max_connections` pooled
     connections; a call that fails on a connection error is tried once more, so one call takes
-    at most about twice `timeout_s`. `max_result_bytes` feeds `model.apply`. Raises StoreUnavailableError for a URL
+    at most about twice `timeout_s`. `max_result_bytes` feeds `model.apply`. Raises StoreUnavailableError for
+    a URL
     redis-py cannot use; connecting happens at the first call.
     """
 
@@ -104,7 +105,8 @@ class RedisTaskStore:
             raise StoreUnavailableError(self._message(exc)) from None
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(previous status or None on create, record)` after each change this object commits."""
+        """Call `listener(previous status or None on create, record)` after each change this object commits.
+        Call `listener(previous status or None on create, record)` after each change this object commits."""
         self._listeners.append(listener)
 
     def add_remote_listener(self, listener: Listener) -> None:
@@ -209,7 +211,8 @@ class RedisTaskStore:
                 self._committed(record.status, new)
                 return new
         raise StoreUnavailableError(
-            f"task store {self.where}: task {task_id} changed {CAS_ATTEMPTS} times while one change was applied"
+            f"task store {self.where}: task {task_id} changed {CAS_ATTEMPTS} times while one change was "
+            f"applied"
         )
 
     async def _records(self, task_ids: list[str]) -> list[TaskRecord | None]:
@@ -236,7 +239,8 @@ class RedisTaskStore:
     async def list_tasks(
         self, where: ListFilter, *, cursor: str | None = None, limit: int = 50
     ) -> tuple[list[TaskRecord], str | None]:
-        """See TaskStore.list_tasks. The cursor is the scope and the last index member read, base64url-encoded."""
+        """See TaskStore.list_tasks. The cursor is the scope and the last index member read,
+        base64url-encoded."""
         scope, index = self._index(where)
         start = "-"
         if cursor is not None:
@@ -363,7 +367,8 @@ class RedisTaskStore:
         except ResponseError:
             return (
                 "warning",
-                f"task store {self.where}: could not check Redis persistence (CONFIG GET refused): make sure appendonly is on",
+                f"task store {self.where}: could not check Redis persistence (CONFIG GET refused): make sure "
+                f"appendonly is on",
             )
         except (RedisError, OSError) as exc:
             raise StoreUnavailableError(self._message(exc)) from None
@@ -379,7 +384,8 @@ class RedisTaskStore:
             )
             return (
                 "info",
-                f"task store {self.where}: Redis appendonly yes, appendfsync {fsync}: a Redis crash loses {lost}",
+                f"task store {self.where}: Redis appendonly yes, appendfsync {fsync}: a Redis crash loses "
+                f"{lost}",
             )
         if save:
             return "warning", (
@@ -388,13 +394,15 @@ class RedisTaskStore:
             )
         return (
             "warning",
-            f"task store {self.where}: Redis persistence is off (appendonly no, save ''): every task is lost when Redis restarts",
+            f"task store {self.where}: Redis persistence is off (appendonly no, save ''): every task is lost "
+            f"when Redis restarts",
         )
 
     # -- small shared state (MRTR, legacy sessions) ----------------------------------------
 
     async def claim_once(self, key: str, ttl_ms: int) -> bool:
-        """True for the first claim of `key` within `ttl_ms` (across all replicas), False after (`SET NX PX`)."""
+        """True for the first claim of `key` within `ttl_ms` (across all replicas), False after (`SET NX
+        PX`)."""
         async with self.guard():
             return bool(await self.redis.set(self.keys.once(key), b"1", nx=True, px=max(1, ttl_ms)))
 

@@ -141,7 +141,8 @@ class TaskStore(Protocol):
         """The value under `key`, or None when absent or expired."""
 
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
-        """Keep `info` (JSON-able) for a legacy session id for `ttl_ms` ms from now (the legacy session map)."""
+        """Keep `info` (JSON-able) for a legacy session id for `ttl_ms` ms from now (the legacy session map).
+        Keep `info` (JSON-able) for a legacy session id for `ttl_ms` ms from now (the legacy session map)."""
 
     async def session_get(self, session_id: str) -> dict[str, Any] | None:
         """The info of a legacy session id, or None when unknown or expired."""

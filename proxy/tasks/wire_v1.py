@@ -31,7 +31,8 @@ def v1_status(record: TaskRecord) -> str:
 
 
 def v1_task(record: TaskRecord, at_ms: int | None = None) -> JsonObject:
-    """The v1 `Task`: taskId, status, statusMessage?, createdAt, lastUpdatedAt, ttl (ms or null), pollInterval (ms).
+    """The v1 `Task`: taskId, status, statusMessage?, createdAt, lastUpdatedAt, ttl (ms or null), pollInterval
+    (ms).
 
     `ttl` makes `createdAt + ttl` the task's real end of retention at `at_ms` (epoch ms, default now).
     """

@@ -30,13 +30,15 @@ def wire_task(record: TaskRecord, at_ms: int | None = None) -> JsonObject:
 
 
 def create_task_result(record: TaskRecord) -> JsonObject:
-    """The flat v2 `CreateTaskResult`: `resultType: "task"` plus the Task fields (ext-tasks §CreateTaskResult),
+    """The flat v2 `CreateTaskResult`: `resultType: "task"` plus the Task fields (ext-tasks
+    §CreateTaskResult),
     as of the record's last update (so a fresh task shows `ttlMs` equal to its configured ttl)."""
     return {"resultType": "task", **wire_task(record, record.last_updated_ms)}
 
 
 def detailed_task(record: TaskRecord) -> JsonObject:
-    """The `tasks/get` result: `resultType: "complete"` plus DetailedTask (result / error / inputRequests by status)."""
+    """The `tasks/get` result: `resultType: "complete"` plus DetailedTask (result / error / inputRequests by
+    status)."""
     out: JsonObject = {"resultType": "complete", **wire_task(record)}
     outcome = record.outcome or {}
     if record.status is TaskStatus.COMPLETED and "result" in outcome:
@@ -49,7 +51,8 @@ def detailed_task(record: TaskRecord) -> JsonObject:
 
 
 def validate_input_responses(responses: Any) -> JsonObject:
-    """`inputResponses` must be an object of objects (ElicitResult, CreateMessageResult, ListRootsResult). Raises -32602."""
+    """`inputResponses` must be an object of objects (ElicitResult, CreateMessageResult, ListRootsResult).
+    Raises -32602."""
     if not isinstance(responses, dict):
         raise JsonRpcError(INVALID_PARAMS, "inputResponses must be an object keyed by input request key")
     for key, value in responses.items():

@@ -102,7 +102,8 @@ class UpstreamSession:
                 return await self._open()
         except TimeoutError:
             raise UpstreamError(
-                f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s (init_timeout)"
+                f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s "
+                f"(init_timeout)"
             ) from None
 
     async def _open(self) -> JsonObject:
@@ -152,7 +153,9 @@ class UpstreamSession:
                     raise UpstreamError(f"upstream {self.server} GET stream: {exc}") from exc
                 async with resp:
                     if resp.status >= 300:
-                        return  # the upstream offers no standalone stream (or forgot the session); redirects are not followed
+                        # the upstream offers no standalone stream (or forgot the session); redirects are not
+                        # followed
+                        return
                     try:
                         async for event in iter_events(
                             resp.content.iter_any(), max_event_bytes=self.bounds.max_response_bytes
@@ -202,7 +205,8 @@ class UpstreamSession:
         if 300 <= resp.status < 400:
             resp.release()
             raise UpstreamError(
-                f"upstream {self.server} answered HTTP {resp.status} (a redirect); redirects are not followed: configure the final URL"
+                f"upstream {self.server} answered HTTP {resp.status} (a redirect); redirects are not "
+                f"followed: configure the final URL"
             )
         if resp.status == 404 and self.session_id and message.get("method") != "initialize":
             resp.release()
@@ -242,7 +246,8 @@ class UpstreamSession:
             if resp.status >= 400:
                 body = await resp.text(errors="replace")
                 raise UpstreamError(
-                    f"upstream {self.server} answered HTTP {resp.status} to {message.get('method') or 'a response'}: {body[:200]}"
+                    f"upstream {self.server} answered HTTP {resp.status} to "
+                    f"{message.get('method') or 'a response'}: {body[:200]}"
                 )
 
     async def request(
@@ -313,7 +318,8 @@ class UpstreamSession:
                         )
                     if body.get("id") != rid:
                         raise UpstreamError(
-                            f"upstream {self.server} answered request {rid!r} with a response for id {body.get('id')!r}"
+                            f"upstream {self.server} answered request {rid!r} with a response for id "
+                            f"{body.get('id')!r}"
                         )
                     return body
                 finally:
@@ -384,7 +390,8 @@ class UpstreamSession:
                         await handler(msg)
             except EventTooLargeError:
                 raise UpstreamError(
-                    f"upstream {self.server} sent a message larger than max_response_bytes ({self.bounds.max_response_bytes} bytes)"
+                    f"upstream {self.server} sent a message larger than max_response_bytes "
+                    f"({self.bounds.max_response_bytes} bytes)"
                 ) from None
             except (aiohttp.ClientError, OSError) as exc:
                 reason = f"broke the stream mid-call: {exc.__class__.__name__}: {exc}"
@@ -403,12 +410,14 @@ class UpstreamSession:
         self.broken = self.broken or reason
         if retry_safe and events == 0:
             raise SessionBrokenError(
-                f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request got no answer"
+                f"upstream {self.server} session {self.session_id} is broken ({self.broken}); the request "
+                f"got no answer"
             )
         raise UpstreamError(f"upstream {self.server} {reason}")
 
     def _event_message(self, event: SseEvent) -> JsonObject | None:
-        """The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logged)."""
+        """The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logged).
+        The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logged)."""
         if event.event != "message" or not event.data.strip():
             return None
         try:

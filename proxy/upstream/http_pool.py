@@ -54,9 +54,8 @@ class UpstreamPool:
             existing = self._sessions.get(key)
             if existing is not None and not existing.closed and existing.broken is None:
                 return existing
-            if (
-                existing is not None and existing.broken is not None
-            ):  # out of the pool before another call is put on it
+            # out of the pool before another call is put on it
+            if existing is not None and existing.broken is not None:
                 log.warning("upstream_session_broken", server=self.server, reason=existing.broken)
                 self.discard(existing)
             session = UpstreamSession(

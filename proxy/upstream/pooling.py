@@ -15,9 +15,8 @@ import gc
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
-STREAM_DRAIN_S = (
-    1.0  # how long (s) a reply stream may take to end after its response before its connection is closed
-)
+# how long (s) a reply stream may take to end after its response before its connection is closed
+STREAM_DRAIN_S = 1.0
 _DRAINS: set[asyncio.Task[None]] = set()
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 

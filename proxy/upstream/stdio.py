@@ -32,9 +32,8 @@ from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, Upstream
 log = structlog.get_logger("proxy.upstream.stdio")
 
 _PR_SET_PDEATHSIG = 1
-_ASKING_METHODS = frozenset(
-    {"tools/call", "prompts/get", "resources/read"}
-)  # requests a server may ask questions for
+# requests a server may ask questions for
+_ASKING_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
@@ -160,7 +159,8 @@ class StdioSession:
         if result.get("protocolVersion") not in LEGACY_VERSIONS:
             await self.close()
             raise UpstreamError(
-                f"upstream {self.server} negotiated unsupported protocol version {result.get('protocolVersion')!r}"
+                f"upstream {self.server} negotiated unsupported protocol version "
+                f"{result.get('protocolVersion')!r}"
             )
         self.protocol_version = result["protocolVersion"]
         self.initialize_result = result

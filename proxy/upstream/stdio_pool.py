@@ -133,8 +133,10 @@ class StdioPool:
                 and time.monotonic() - slot.last_exit < self.crash_cooloff
             ):
                 return (
-                    f"upstream {self.server} is in a crash loop: it exited {slot.quick_exits} times in a row soon after starting "
-                    f"(last exit status {slot.last_status}); next try in {self.crash_cooloff - (time.monotonic() - slot.last_exit):.0f} s"
+                    f"upstream {self.server} is in a crash loop: it exited {slot.quick_exits} times in a row "
+                    f"soon after starting "
+                    f"(last exit status {slot.last_status}); next try in "
+                    f"{self.crash_cooloff - (time.monotonic() - slot.last_exit):.0f} s"
                 )
         return None
 
@@ -186,7 +188,8 @@ class StdioPool:
         if not idle:
             metrics.LIMIT_REJECTIONS.labels("max_children").inc()
             raise UpstreamError(
-                f"upstream {self.server} already runs max_children ({self.max_children}) children, all busy; try again later"
+                f"upstream {self.server} already runs max_children ({self.max_children}) children, all busy; "
+                f"try again later"
             )
         victim, owner = min(idle, key=lambda pair: pair[0].last_used)
         owner.sessions.remove(victim)

@@ -61,7 +61,8 @@ class Session(Protocol):
     ) -> JsonObject:
         """Send one request; its JSON-RPC response message (`result` or `error`). Messages that
         belong to it arrive at `handler` first; `on_sent()` runs as it leaves. Bounded by
-        `Bounds.for_method` (s). Raises UpstreamError (SessionExpiredError: the upstream forgot the session)."""
+        `Bounds.for_method` (s). Raises UpstreamError (SessionExpiredError: the upstream forgot the
+        session)."""
 
     async def notify(self, method: str, params: JsonObject | None = None) -> None:
         """Send a notification. Raises UpstreamError."""
@@ -147,9 +148,8 @@ MAX_RETRY_WAIT_S = 5.0  # the most (s) an upstream's `retry` hint makes the prox
 
 # Requests that run as proxy-owned calls, bounded by the server's hard `timeout`; any other
 # request is bounded by `request_timeout`, and `initialize` by `init_timeout`.
-CALL_METHODS = frozenset(
-    {"tools/call", "prompts/get", "resources/read", "tasks/result"}
-)  # bounded by the hard `timeout`
+# bounded by the hard `timeout`
+CALL_METHODS = frozenset({"tools/call", "prompts/get", "resources/read", "tasks/result"})
 
 
 @dataclass(frozen=True)
