@@ -1,6 +1,6 @@
 """Diagnostic (not part of run.py): where the memory of a detached in-flight call goes.
 
-Runs the proxy in-process (tests/conftest.py's `running_proxy`) in front of bench/fake_upstream.py,
+Runs the proxy in-process (tests/support/proxy.py's `running_proxy`) in front of bench/fake_upstream.py,
 creates N detached `hold` calls, and prints the top tracemalloc allocation sites (grouped by file)
 of the difference. tracemalloc sees Python allocations only (not the kernel socket buffers, not
 allocator slack), so its total is a lower bound of section (d)'s RSS figure.
@@ -37,7 +37,8 @@ async def main(n: int, top: int) -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    from tests.conftest import ModernClient, make_config, running_proxy
+    from support.clients import ModernClient
+    from support.proxy import make_config, running_proxy
 
     up = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / "fake_upstream.py"), "--port", "0"],

@@ -1,6 +1,6 @@
 """Redis pieces of the benchmark (sections b and c measure the Redis store beside diskcache).
 
-A redis-server is started the way the tests start one (tests/redis_server.py: a free loopback
+A redis-server is started the way the tests start one (tests/support/redis_server.py: a free loopback
 port, its own directory, `--save ''`, AOF on with the given `appendfsync`), pinned like the proxy.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
 
-from redis_server import RedisServer, redis_server_binary  # noqa: E402
+from support.redis_server import RedisServer, redis_server_binary  # noqa: E402
 
 
 def redis_available() -> bool:

@@ -85,9 +85,10 @@ def _end(proc: subprocess.Popen[Any] | None, sig: int = signal.SIGTERM, timeout:
 
 
 def _redis_server_class() -> Any:
-    """`RedisServer` of tests/redis_server.py (the test suite's launcher: free port, own directory)."""
+    """`RedisServer` of tests/support/redis_server.py (the test suite's launcher: free port, own
+    directory)."""
     spec = importlib.util.spec_from_file_location(
-        "mcp_tasks_proxy_redis_server", ROOT / "tests" / "redis_server.py"
+        "mcp_tasks_proxy_redis_server", ROOT / "tests" / "support" / "redis_server.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

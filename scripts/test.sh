@@ -3,8 +3,9 @@
 # .ci/run both call. Set-up (idempotent): Debian packages the suite needs when missing (npm, to
 # fetch Node 22 and the conformance suite; chromium, for the console's browser test, driven by
 # Playwright's Python package: no browser download; redis-server and haproxy, which the Redis-store
-# and replica tests start on loopback ports of their own), a virtual environment with the project and its test
-# extra; then `mypy proxy`, then pytest. Extra arguments go to pytest.
+# and replica tests start on loopback ports of their own), a virtual environment with the project and
+# its test extra; then the static checks (`mypy proxy`, `ruff check`, `ruff format --check`, and
+# `lint-imports` for the package layers), then pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,4 +27,7 @@ fi
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e '.[test]'
 .venv/bin/mypy proxy
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest "$@"

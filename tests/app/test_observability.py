@@ -1,0 +1,197 @@
+"""Logs, metrics and health endpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+from support.clients import ModernClient
+from support.proxy import Serve, make_config, running_proxy
+
+from proxy.config import config_from_data
+from proxy.runtime.logs import configure_logging
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text exposition (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+async def scrape(base: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        return await resp.text()
+
+
+async def test_metrics_count_calls_tasks_latencies_and_limits(legacy_url: str, tmp_path: Path) -> None:
+    config = make_config(legacy_url, tmp_path / "store")
+    config.limits.tasks_rate = "2/second"
+    async with running_proxy(config) as proxy:
+        before = await scrape(proxy.base)
+        client = ModernClient(proxy.url())
+        try:
+            await client.call("greet", {"name": "m"})
+            created = (await client.call("slow_compute", {"seconds": 0.2, "label": "metrics"})).result
+            import asyncio
+
+            await asyncio.sleep(0.5)
+            for _ in range(3):
+                await client.get(created["taskId"])
+        finally:
+            await client.close()
+        after = await scrape(proxy.base)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("mcp_tasks_proxy_calls_total", server="legacy", tool="greet", outcome="sync") == 1
+    assert delta("mcp_tasks_proxy_calls_total", server="legacy", tool="slow_compute", outcome="detached") == 1
+    assert delta("mcp_tasks_proxy_detach_latency_seconds_count") == 1
+    assert delta("mcp_tasks_proxy_upstream_latency_seconds_count", server="legacy", method="tools/call") >= 2
+    assert delta("mcp_tasks_proxy_tasks_total", status="working") == 1
+    assert delta("mcp_tasks_proxy_tasks_total", status="completed") == 1
+    assert delta("mcp_tasks_proxy_task_age_seconds_count", status="completed") == 1
+    assert delta("mcp_tasks_proxy_limit_rejections_total", limit="tasks_rate") == 1
+    assert (
+        metric(after, "mcp_tasks_proxy_store_tasks") >= 1 and metric(after, "mcp_tasks_proxy_store_bytes") > 0
+    )
+    for name in (
+        "mcp_tasks_proxy_input_wait_seconds",
+        "mcp_tasks_proxy_tasks_orphaned_total",
+        "mcp_tasks_proxy_live_tasks",
+    ):
+        assert name in after
+
+
+async def test_one_log_line_per_request_and_per_transition_without_payloads(
+    legacy_url: str, tmp_path: Path, capsys
+) -> None:
+    configure_logging("info")
+    secret_argument = "do-not-log-this-7c1e"
+    try:
+        async with running_proxy(make_config(legacy_url, tmp_path / "store")) as proxy:
+            client = ModernClient(proxy.url())
+            try:
+                created = (
+                    await client.call("slow_compute", {"seconds": 0.2, "label": secret_argument})
+                ).result
+                await client.wait_terminal(created["taskId"])
+            finally:
+                await client.close()
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        import structlog
+
+        structlog.reset_defaults()
+    requests = [entry for entry in lines if entry["event"] == "request"]
+    call_line = next(e for e in requests if e.get("rpc_method") == "tools/call")
+    assert (
+        call_line["tool"] == "slow_compute"
+        and call_line["server"] == "legacy"
+        and call_line["task_id"] == created["taskId"]
+    )
+    assert (
+        call_line["principal"]
+        and call_line["request_id"]
+        and call_line["status"] == 200
+        and "duration_ms" in call_line
+    )
+    transitions = [e for e in lines if e["event"] == "task_transition" and e["task_id"] == created["taskId"]]
+    assert [t["to"] for t in transitions] == ["working", "completed"]
+    assert transitions[-1]["from"] == "working" and transitions[-1]["age_ms"] >= 0
+    assert secret_argument not in json.dumps(lines)
+
+
+async def test_readyz_names_the_failing_check(tmp_path: Path, serve: Serve) -> None:
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"down": {"url": "http://127.0.0.1:9/mcp"}},
+        }
+    )
+    proxy = await serve(config)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{proxy.base}/healthz") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "ok"
+        async with http.get(f"{proxy.base}/readyz") as resp:
+            body = await resp.json()
+            assert resp.status == 503 and body["ready"] is False
+            assert body["checks"]["store"] == "ok" and "unreachable" in body["checks"]["upstream:down"]
+
+
+async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Path) -> None:
+    config = make_config(legacy_url, tmp_path / "store")
+    async with running_proxy(config) as proxy:
+        before = await scrape(proxy.base)
+        client = ModernClient(
+            proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+        )
+        try:
+            await client.warm_up()
+            created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
+            task = await client.wait_status(created["taskId"], ("input_required",))
+            key = next(iter(task["inputRequests"]))
+            await client.request(
+                "tasks/update",
+                {
+                    "taskId": created["taskId"],
+                    "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+                },
+            )
+            await client.wait_terminal(created["taskId"])
+            orphan = (await client.call("slow_compute", {"seconds": 30, "label": "orphan-metric"})).result
+        finally:
+            await client.close()
+        # Forget the live call as a crashed process would, then read the task: it is failed as an orphan.
+        from proxy.app import TASKS_KEY
+        from proxy.tasks.model import Change
+
+        service = proxy.app[TASKS_KEY]
+        call = service.live.pop(orphan["taskId"])
+        await service.store.update(orphan["taskId"], Change(owner="a-node-whose-lease-lapsed"))
+        reader = ModernClient(proxy.url())
+        try:
+            assert (await reader.get(orphan["taskId"])).result["status"] == "failed"
+        finally:
+            await reader.close()
+            call.cancel("test over")
+        after = await scrape(proxy.base)
+    assert (
+        metric(after, "mcp_tasks_proxy_input_wait_seconds_count")
+        - metric(before, "mcp_tasks_proxy_input_wait_seconds_count")
+        == 1
+    )
+    assert (
+        metric(after, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed")
+        - metric(before, "mcp_tasks_proxy_tasks_orphaned_total", fate="failed")
+        == 1
+    )
+
+
+async def test_log_payloads_true_logs_request_bodies(legacy_url: str, tmp_path: Path, capsys) -> None:
+    configure_logging("info")
+    marker = "payload-marker-51ab"
+    try:
+        config = make_config(legacy_url, tmp_path / "store")
+        config.logging.log_payloads = True
+        async with running_proxy(config) as proxy:
+            client = ModernClient(proxy.url())
+            try:
+                await client.call("greet", {"name": marker})
+            finally:
+                await client.close()
+        err = capsys.readouterr().err
+    finally:
+        import structlog
+
+        structlog.reset_defaults()
+    assert "request_payload" in err and marker in err

@@ -1,0 +1,244 @@
+"""The proxy killed with SIGKILL while tasks run: after a restart every task id still resolves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from support.clients import ModernClient
+from support.servers import ROOT, ServerProcess
+
+
+def _start(config_file: Path) -> ServerProcess:
+    return ServerProcess([sys.executable, "-m", "proxy", "--config", str(config_file), "--port", "0"])
+
+
+async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: str, tmp_path: Path) -> None:
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "store": {"path": str(tmp_path / "store")},
+                "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+                "mcpServers": {"legacy": {"url": legacy_url}},
+            }
+        )
+    )
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        done_id = (await client.call("slow_compute", {"seconds": 0.1, "label": "kept"})).result["taskId"]
+        await client.wait_terminal(done_id)
+        orphan_id = (await client.call("slow_compute", {"seconds": 30, "label": "orphaned"})).result["taskId"]
+        await client.close()
+    finally:
+        proxy.kill()
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        done = (await client.get(done_id)).result
+        assert done["status"] == "completed"
+        assert done["result"]["content"][0]["text"] == "computed kept after 0.1s"
+        orphan = (await client.get(orphan_id)).result
+        assert orphan["status"] == "failed"
+        assert orphan["error"]["code"] == -32603
+        assert "restarted" in orphan["error"]["message"]
+        assert orphan == (await client.get(orphan_id)).result  # stable on later polls
+        await client.close()
+    finally:
+        proxy.stop()
+
+
+def _write_config(tmp_path: Path, legacy_url: str, **extra) -> Path:
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "store": {"path": str(tmp_path / "store")},
+                "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
+                "mcpServers": {
+                    "legacy": {
+                        "url": legacy_url,
+                        "tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}},
+                    }
+                },
+                **extra,
+            }
+        )
+    )
+    return config_file
+
+
+async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    config_file = _write_config(tmp_path, legacy_url)
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        rerun_id = (await client.call("slow_compute", {"seconds": 1.0, "label": "rerun-me"})).result["taskId"]
+        failed_id = (await client.call("confirm_delete", {"filename": "f.txt", "delay": 5})).result["taskId"]
+        await client.close()
+    finally:
+        proxy.kill()
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        first = (await client.get(rerun_id)).result
+        assert first["status"] == "working" and "re-running" in first["statusMessage"]
+        done = await client.wait_terminal(rerun_id)
+        assert (
+            done["status"] == "completed"
+            and done["result"]["content"][0]["text"] == "computed rerun-me after 1s"
+        )
+        assert (await client.get(failed_id)).result["status"] == "failed"
+        await client.close()
+    finally:
+        proxy.stop()
+
+
+async def test_sigterm_drains_synchronous_calls_and_records_detached_ones(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "5s"})
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        plain = ModernClient(proxy.url, capabilities={})
+        detached_id = (await client.call("confirm_delete", {"filename": "d.txt", "delay": 30})).result[
+            "taskId"
+        ]
+        sync_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 1.0, "label": "drained"}))
+        await asyncio.sleep(0.3)
+        proxy.proc.send_signal(signal.SIGTERM)
+        reply = await sync_call
+        assert reply.result["content"][0]["text"] == "computed drained after 1s"
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        await client.close()
+        await plain.close()
+    finally:
+        proxy.stop()
+    proxy = _start(config_file)
+    try:
+        client = ModernClient(proxy.url)
+        task = (await client.get(detached_id)).result
+        assert task["status"] == "failed" and "shut down" in task["error"]["message"]
+        await client.close()
+    finally:
+        proxy.stop()
+
+
+POLLER = """
+import asyncio, json, sys
+sys.path.insert(0, "tests")
+from support.clients import ModernClient
+async def main():
+    client = ModernClient(sys.argv[1])
+    print(json.dumps(await client.wait_terminal(sys.argv[2])))
+    await client.close()
+asyncio.run(main())
+"""
+
+
+async def test_a_new_process_resumes_polling_after_the_client_dropped(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    proxy = _start(_write_config(tmp_path, legacy_url))
+    try:
+        client = ModernClient(proxy.url)
+        task_id = (await client.call("slow_compute", {"seconds": 0.5, "label": "handoff"})).result["taskId"]
+        await client.close()  # the first client is gone
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", POLLER, proxy.url, task_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr
+        final = json.loads(out.stdout)
+        assert (
+            final["status"] == "completed"
+            and final["result"]["content"][0]["text"] == "computed handoff after 0.5s"
+        )
+    finally:
+        proxy.stop()
+
+
+async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    import time
+
+    import aiohttp
+
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
+    proxy = _start(config_file)
+    plain = ModernClient(proxy.url, capabilities={})
+    try:
+        long_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 20, "label": "too-long"}))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        proxy.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(proxy.url.replace("/mcp", "/healthz")) as resp,
+            ):
+                await resp.read()
+        reply = await long_call
+        assert reply.error["code"] == -32603 and "drain_timeout" in reply.error["message"]
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        assert time.monotonic() - started < 6  # the drain (1 s) plus clean-up, not a multiple of it
+    finally:
+        await plain.close()
+        proxy.stop()
+
+
+@pytest.mark.parametrize("upstream", ["http", "stdio"])
+async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
+    legacy_url: str, tmp_path: Path, upstream: str
+) -> None:
+    """A legacy (2025-11-25) call, relayed on an HTTP upstream's stream or bridged to a stdio child,
+    gets drain_timeout like a modern one: a JSON-RPC error naming the shutdown, and the proxy exits
+    soon after (the relay waited for the call's own end and its client saw the stream end with no
+    answer; the bridge's client saw its stream cut at drain_timeout + 1 s)."""
+    import time
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared.exceptions import MCPError
+    from support.servers import FIXTURE_STDIO
+
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
+    if upstream == "stdio":
+        config = yaml.safe_load(config_file.read_text())
+        config["mcpServers"]["legacy"] = dict(FIXTURE_STDIO)
+        config_file.write_text(yaml.safe_dump(config))
+    proxy = _start(config_file)
+    try:
+        async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            call = asyncio.create_task(
+                session.call_tool("slow_compute", {"seconds": 20, "label": "legacy-too-long"})
+            )
+            # (the call is on its way; its relay keeps it whatever the SIGTERM finds)
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            proxy.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(MCPError) as raised:
+                await asyncio.wait_for(call, 10)
+        assert raised.value.error.code == -32603
+        assert "drain_timeout" in raised.value.error.message and "1 s" in raised.value.error.message
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        assert time.monotonic() - started < 10  # the drain (1 s) plus clean-up, not the call's 20 s
+    finally:
+        proxy.stop()

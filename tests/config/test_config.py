@@ -1,0 +1,576 @@
+"""proxy.config: loading, durations, `${VAR}` interpolation, key paths in errors, policy resolution.
+
+Every file under config/ is loaded by a parametrized test, so a new example config is covered
+as soon as it is added.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from proxy.app import build_app
+from proxy.config import Config, ConfigError, ToolMode, config_from_data, load_config, parse_duration
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = ROOT / "config"
+CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
+
+# Variables the example configs need (only those without a `:-default`).
+EXAMPLE_ENV = {
+    "BUILD_TOKEN": "s3cret-token",
+    "REDIS_PASSWORD": "redis-s3cret",
+    # config/replicas.yaml (tests/test_replicas.py runs it for real through scripts/cluster.py)
+    "MCP_REDIS_URL": "redis://127.0.0.1:6379/0",
+    "MCP_REPLICA_SECRET": "r" * 32,
+    "MCP_UPSTREAM_URL": "http://127.0.0.1:9000/mcp",
+}
+
+
+def cfg(servers: dict | None = None, **top) -> Config:
+    """Validate a config tree; one remote server `a` unless `servers` is given."""
+    return config_from_data(
+        {"mcpServers": servers if servers is not None else {"a": {"url": "http://127.0.0.1:1/mcp"}}, **top}
+    )
+
+
+def config_error(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_data(data)
+    return str(info.value)
+
+
+# --- the example files --------------------------------------------------------------------------
+
+
+def test_there_are_example_configs():
+    names = {p.name for p in CONFIG_FILES}
+    assert {"example.yaml", "minimal.json", "demo.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_example_config_loads(path: Path, monkeypatch: pytest.MonkeyPatch):
+    for key, value in EXAMPLE_ENV.items():
+        monkeypatch.setenv(key, value)
+    config = load_config(path)
+    assert config.servers, f"{path.name} serves no server"
+    for name, entry in config.servers.items():
+        assert bool(entry.url) != bool(entry.command), f"{path.name}: server {name} needs a url or a command"
+        # Every tool listed resolves to a full policy.
+        for tool in [*entry.tasks.tools, "some_other_tool"]:
+            policy = config.policy(name, tool)
+            assert policy.detach_after >= 0 and policy.timeout > 0
+    # Relative store paths are taken relative to the config file's folder.
+    assert Path(config.store.path).is_absolute()
+    # The app builds (routes for every served server) without touching the network.
+    app = build_app(config)
+    paths = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
+    for name in config.servers:
+        assert f"/servers/{name}/mcp" in paths
+    assert ("/mcp" in paths) == (len(config.servers) == 1)
+
+
+def test_example_yaml_values(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("BUILD_TOKEN", "tok-123")
+    monkeypatch.delenv("PROXY_PORT", raising=False)
+    monkeypatch.delenv("BUILD_URL", raising=False)
+    config = load_config(CONFIG_DIR / "example.yaml")
+    assert config.listen.host == "127.0.0.1"
+    assert config.listen.port == 8080  # ${PROXY_PORT:-8080}
+    assert config.store.path == str((CONFIG_DIR / "var" / "tasks").resolve())
+    assert (config.tasks.detach_after, config.tasks.ttl, config.tasks.poll_interval) == (10.0, 3600.0, 2.0)
+    assert set(config.servers) == {"build", "files"}
+    build = config.servers["build"]
+    assert build.url == "http://127.0.0.1:9000/mcp"
+    assert build.headers == {"Authorization": "Bearer tok-123"}
+    assert build.timeout == 1800.0
+    assert build.tasks.detach_after == 2.0
+    assert build.tasks.tools["deploy_prod"].mode is ToolMode.REQUIRED
+    assert build.tasks.tools["ping"].mode is ToolMode.FORBIDDEN
+    assert config.policy("build", "deploy_prod").mode is ToolMode.REQUIRED
+    assert config.policy("build", "ping").mode is ToolMode.FORBIDDEN
+    assert config.policy("build", "compile").mode is ToolMode.OPTIONAL
+    assert config.policy("build", "compile").detach_after == 2.0
+    assert config.policy("files", "read_file").detach_after == 10.0
+    assert config.servers["files"].timeout == 600.0
+
+
+def test_example_yaml_env_overrides(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("BUILD_TOKEN", "t")
+    monkeypatch.setenv("PROXY_PORT", "9999")
+    monkeypatch.setenv("BUILD_URL", "http://127.0.0.1:7777/mcp")
+    config = load_config(CONFIG_DIR / "example.yaml")
+    assert config.listen.port == 9999
+    assert config.servers["build"].url == "http://127.0.0.1:7777/mcp"
+
+
+def test_example_yaml_without_token_names_the_header(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("BUILD_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG_DIR / "example.yaml")
+    message = str(info.value)
+    assert "mcpServers.build.headers.Authorization" in message
+    assert "BUILD_TOKEN" in message and "not set" in message
+
+
+def test_minimal_json_values():
+    config = load_config(CONFIG_DIR / "minimal.json")
+    assert list(config.servers) == ["demo"]
+    assert config.servers["demo"].url == "http://127.0.0.1:9001/mcp"
+    # Everything else is a default.
+    assert config.listen.port == 8080
+    assert config.policy("demo", "anything").detach_after == 10.0
+    assert config.policy("demo", "anything").ttl == 3600.0
+    assert config.policy("demo", "anything").timeout == 1800.0
+
+
+def test_demo_yaml_values(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv("MCP_TASKS_STORE", raising=False)
+    config = load_config(CONFIG_DIR / "demo.yaml")
+    assert config.servers["demo"].url == "http://127.0.0.1:9001/mcp"
+    assert config.tasks.detach_after == 1.0
+    assert config.tasks.poll_interval == 0.5
+    assert config.policy("demo", "slow_report").detach_after == 1.0
+    assert config.policy("demo", "slow_report").timeout == 600.0
+    assert config.policy("demo", "echo").mode is ToolMode.FORBIDDEN
+    assert config.store.path == str((CONFIG_DIR / "var" / "demo-tasks").resolve())
+    monkeypatch.setenv("MCP_TASKS_STORE", str(tmp_path / "s"))
+    assert load_config(CONFIG_DIR / "demo.yaml").store.path == str(tmp_path / "s")
+
+
+def test_json_and_yaml_forms_are_equivalent(tmp_path: Path):
+    data = {
+        "tasks": {"detach_after": "3s"},
+        "mcpServers": {"x": {"url": "http://127.0.0.1:1/mcp", "timeout": "1m"}},
+    }
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    (tmp_path / "c.yaml").write_text(
+        "tasks: {detach_after: 3s}\nmcpServers:\n  x: {url: 'http://127.0.0.1:1/mcp', timeout: 1m}\n"
+    )
+    a, b = load_config(tmp_path / "c.json"), load_config(tmp_path / "c.yaml")
+    assert a.model_dump() == b.model_dump()
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path / "bad.json")
+    (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+# --- durations ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("30s", 30.0),
+        ("10m", 600.0),
+        ("1h", 3600.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("0s", 0.0),
+        (" 2s ", 2.0),
+    ],
+)
+def test_durations(text: str, seconds: float):
+    assert parse_duration(text) == pytest.approx(seconds)
+    assert cfg(tasks={"detach_after": text}).tasks.detach_after == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["10", "2.5", 10, 2.5, True, "abc", "5x", "", "-5s", None, [1]])
+def test_bad_durations_are_refused(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"tasks": {"detach_after": 10}}, "tasks.detach_after"),
+        ({"tasks": {"ttl": "10"}}, "tasks.ttl"),
+        ({"tasks": {"poll_interval": "soon"}}, "tasks.poll_interval"),
+        ({"listen": {"sse_keepalive": 15}}, "listen.sse_keepalive"),
+        ({"mcpServers": {"a": {"url": "http://h/mcp", "timeout": 30}}}, "mcpServers.a.timeout"),
+        (
+            {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"detach_after": "2"}}}},
+            "mcpServers.a.tasks.detach_after",
+        ),
+        (
+            {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"ttl": "forever"}}}}}},
+            "mcpServers.a.tasks.tools.t.ttl",
+        ),
+    ],
+)
+def test_bad_duration_error_names_the_key_path(data: dict, path: str):
+    data.setdefault("mcpServers", {"a": {"url": "http://h/mcp"}})
+    message = config_error(data)
+    assert f"{path}:" in message
+    assert "unit" in message or "duration" in message
+
+
+# --- interpolation ------------------------------------------------------------------------------
+
+
+def test_interpolation(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TOKEN", "abc")
+    monkeypatch.setenv("HOST", "10.0.0.5")
+    monkeypatch.delenv("UNSET_PORT", raising=False)
+    config = cfg(
+        {
+            "a": {
+                "url": "http://${HOST}:${UNSET_PORT:-9000}/mcp",
+                "headers": {"Authorization": "Bearer ${TOKEN}", "X-Plain": "$TOKEN"},
+                "timeout": "${UNSET_TIMEOUT:-5m}",
+            }
+        },
+        tasks={"ttl": "${UNSET_TTL:-2h}"},
+    )
+    entry = config.servers["a"]
+    assert entry.url == "http://10.0.0.5:9000/mcp"
+    assert entry.headers == {"Authorization": "Bearer abc", "X-Plain": "abc"}
+    assert entry.timeout == 300.0
+    assert config.tasks.ttl == 7200.0
+
+
+def test_default_is_not_used_when_variable_is_set(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PORT_X", "1234")
+    assert cfg(listen={"port": "${PORT_X:-8080}"}).listen.port == 1234
+
+
+def test_escaped_dollar_is_literal(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("NOPE", raising=False)
+    config = cfg({"a": {"url": "http://h/mcp", "headers": {"X-Price": "\\$NOPE"}}})
+    assert config.servers["a"].headers["X-Price"] == "$NOPE"
+
+
+def test_interpolation_does_not_change_the_environment(monkeypatch: pytest.MonkeyPatch):
+    import os
+
+    monkeypatch.delenv("ASSIGNED_BY_CONFIG", raising=False)
+    config = cfg({"a": {"url": "http://h/mcp", "args": ["${ASSIGNED_BY_CONFIG:=x}"]}})
+    assert config.servers["a"].args == ["x"]
+    assert "ASSIGNED_BY_CONFIG" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"mcpServers": {"a": {"url": "${NOPE}"}}}, "mcpServers.a.url"),
+        (
+            {"mcpServers": {"a": {"url": "http://h/mcp", "headers": {"Authorization": "Bearer ${NOPE}"}}}},
+            "mcpServers.a.headers.Authorization",
+        ),
+        ({"mcpServers": {"a": {"url": "http://h/mcp", "args": ["ok", "$NOPE"]}}}, "mcpServers.a.args[1]"),
+        ({"store": {"path": "${NOPE}/tasks"}, "mcpServers": {"a": {"url": "http://h/mcp"}}}, "store.path"),
+    ],
+)
+def test_missing_variable_names_key_path_and_variable(monkeypatch: pytest.MonkeyPatch, data: dict, path: str):
+    monkeypatch.delenv("NOPE", raising=False)
+    message = config_error(data)
+    assert message.startswith(f"{path}: environment variable NOPE is not set"), message
+    assert "'" not in message.split(":", 1)[1].split("(")[0]  # not the raw quoted KeyError text
+
+
+def test_required_variable_syntax(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("NOPE", raising=False)
+    message = config_error({"mcpServers": {"a": {"url": "${NOPE:?set the upstream url}"}}})
+    assert message.startswith("mcpServers.a.url: environment variable NOPE is not set")
+    assert "set the upstream url" in message
+
+
+def test_malformed_interpolation_names_key_path():
+    message = config_error({"mcpServers": {"a": {"url": "http://h/${BROKEN"}}})
+    assert message.startswith("mcpServers.a.url:")
+
+
+# --- unknown keys -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"listen": {"hots": "x"}}, "listen.hots"),
+        ({"store": {"pth": "x"}}, "store.pth"),
+        ({"tasks": {"detach": "1s"}}, "tasks.detach"),
+        ({"mcpServers": {"build": {"url": "http://h/mcp", "urls": []}}}, "mcpServers.build.urls"),
+        (
+            {"mcpServers": {"build": {"url": "http://h/mcp", "tasks": {"mode": "required"}}}},
+            "mcpServers.build.tasks.mode",
+        ),
+        (
+            {"mcpServers": {"build": {"url": "http://h/mcp", "tasks": {"tools": {"deploy": {"foo": 1}}}}}},
+            "mcpServers.build.tasks.tools.deploy.foo",
+        ),
+    ],
+)
+def test_unknown_keys_are_rejected_with_their_path(data: dict, path: str):
+    data.setdefault("mcpServers", {"a": {"url": "http://h/mcp"}})
+    message = config_error(data)
+    assert f"\n{path}: unknown key" in message, message
+
+
+def test_all_errors_are_reported_at_once():
+    message = config_error(
+        {"listen": {"x": 1}, "mcpServers": {"a": {"url": "http://h/mcp", "y": 2, "timeout": "9"}}}
+    )
+    assert "listen.x: unknown key" in message
+    assert "mcpServers.a.y: unknown key" in message
+    assert "mcpServers.a.timeout:" in message
+
+
+def test_bad_tool_mode_names_path():
+    message = config_error(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"mode": "always"}}}}}}
+    )
+    assert "mcpServers.a.tasks.tools.t.mode:" in message
+
+
+# --- mcpServers spellings, client-only keys -----------------------------------------------------
+
+
+def test_client_only_keys_are_accepted():
+    config = cfg(
+        {
+            "a": {
+                "url": "http://h/mcp",
+                "disabled": False,
+                "enabled": True,
+                "alwaysAllow": ["x"],
+                "autoApprove": ["y"],
+                "trust": True,
+                "description": "a server",
+                "disabledTools": ["z"],
+                "timeout_ms": 60000,
+            }
+        }
+    )
+    assert list(config.servers) == ["a"]
+
+
+def test_disabled_servers_are_not_served():
+    config = cfg(
+        {
+            "on": {"url": "http://h/1"},
+            "off": {"url": "http://h/2", "disabled": True},
+            "off2": {"url": "http://h/3", "enabled": False},
+        }
+    )
+    assert set(config.mcpServers) == {"on", "off", "off2"}
+    assert list(config.servers) == ["on"]
+    app = build_app(config)
+    paths = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
+    assert "/servers/on/mcp" in paths
+    assert "/servers/off/mcp" not in paths and "/servers/off2/mcp" not in paths
+    assert "/mcp" in paths  # exactly one server is served, so it is also at /mcp
+
+
+def test_disabled_stdio_entry_is_fine():
+    config = cfg(
+        {"web": {"url": "http://h/mcp"}, "files": {"command": "npx", "args": ["-y", "x"], "disabled": True}}
+    )
+    assert list(config.servers) == ["web"]
+
+
+def test_all_servers_disabled_is_an_error():
+    message = config_error({"mcpServers": {"a": {"url": "http://h/mcp", "disabled": True}}})
+    assert "at least one enabled server" in message
+    assert "at least one enabled server" in config_error({"mcpServers": {}})
+
+
+@pytest.mark.parametrize("key", ["type", "transport", "transportType"])
+@pytest.mark.parametrize("value", ["http", "streamable-http", "streamableHttp"])
+def test_transport_spellings_accepted(key: str, value: str):
+    assert cfg({"a": {"url": "http://h/mcp", key: value}}).servers["a"].url == "http://h/mcp"
+
+
+@pytest.mark.parametrize("key", ["type", "transport", "transportType"])
+def test_legacy_sse_transport_refused(key: str):
+    message = config_error({"mcpServers": {"a": {"url": "http://h/sse", key: "sse"}}})
+    assert "mcpServers.a:" in message and "SSE" in message
+
+
+def test_claude_desktop_stdio_entry_is_accepted():
+    config = cfg(
+        {
+            "files": {
+                "command": "npx",
+                "args": ["-y", "@modelcontextprotocol/server-filesystem", "/srv"],
+                "env": {"A": "1"},
+            }
+        }
+    )
+    entry = config.servers["files"]
+    assert entry.command == "npx" and entry.args[-1] == "/srv" and entry.env == {"A": "1"}
+
+
+@pytest.mark.parametrize("spelling", [{"type": "stdio"}, {"transport": "stdio"}, {"transportType": "stdio"}])
+def test_stdio_transport_spellings(spelling: dict):
+    assert cfg({"s": {"command": "x", **spelling}}).servers["s"].command == "x"
+
+
+def test_transport_kind_must_match_the_entry():
+    assert "needs `url`" in config_error({"mcpServers": {"a": {"command": "x", "type": "http"}}})
+    assert "needs `command`" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "type": "stdio"}}})
+    assert "unknown transport" in config_error(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "type": "carrier-pigeon"}}}
+    )
+
+
+def test_gemini_http_url_spelling():
+    assert cfg({"g": {"httpUrl": "http://h/mcp"}}).servers["g"].url == "http://h/mcp"
+
+
+def test_exactly_one_of_url_and_command():
+    assert "exactly one" in config_error({"mcpServers": {"a": {"url": "http://h/mcp", "command": "x"}}})
+    assert "exactly one" in config_error({"mcpServers": {"a": {}}})
+
+
+@pytest.mark.parametrize("name", ["has space", "a/b", "", "x" * 65])
+def test_server_names_must_be_url_safe(name: str):
+    assert "server name" in config_error({"mcpServers": {name: {"url": "http://h/mcp"}}})
+
+
+# --- policy resolution --------------------------------------------------------------------------
+
+
+def test_policy_resolution_tool_then_server_then_defaults():
+    config = cfg(
+        {
+            "s": {
+                "url": "http://h/mcp",
+                "timeout": "5m",
+                "tasks": {
+                    "detach_after": "2s",
+                    "tools": {
+                        "deploy": {"mode": "required", "ttl": "10m"},
+                        "ping": {"mode": "forbidden", "detach_after": "100ms", "poll_interval": "250ms"},
+                    },
+                },
+            },
+            "plain": {"url": "http://h/2"},
+        },
+        tasks={"detach_after": "10s", "ttl": "1h", "poll_interval": "2s"},
+    )
+    deploy = config.policy("s", "deploy")
+    assert (deploy.mode, deploy.detach_after, deploy.ttl, deploy.poll_interval, deploy.timeout) == (
+        ToolMode.REQUIRED,
+        2.0,
+        600.0,
+        2.0,
+        300.0,
+    )
+    ping = config.policy("s", "ping")
+    assert (ping.mode, ping.detach_after, ping.ttl, ping.poll_interval) == (
+        ToolMode.FORBIDDEN,
+        0.1,
+        3600.0,
+        0.25,
+    )
+    other = config.policy("s", "other")
+    assert (other.mode, other.detach_after, other.ttl, other.poll_interval) == (
+        ToolMode.OPTIONAL,
+        2.0,
+        3600.0,
+        2.0,
+    )
+    plain = config.policy("plain", "x")
+    assert (plain.mode, plain.detach_after, plain.ttl, plain.poll_interval, plain.timeout) == (
+        ToolMode.OPTIONAL,
+        10.0,
+        3600.0,
+        2.0,
+        1800.0,
+    )
+
+
+def test_zero_duration_at_tool_level_overrides_server():
+    # 0s is a real value (detach at once), not "unset": it must not fall through to the server level.
+    config = cfg(
+        {
+            "s": {
+                "url": "http://h/mcp",
+                "tasks": {"detach_after": "5s", "tools": {"now": {"detach_after": "0s"}}},
+            }
+        }
+    )
+    assert config.policy("s", "now").detach_after == 0.0
+
+
+def test_defaults_without_tasks_section():
+    config = cfg()
+    policy = config.policy("a", "t")
+    assert (policy.mode, policy.detach_after, policy.ttl, policy.poll_interval, policy.timeout) == (
+        ToolMode.OPTIONAL,
+        10.0,
+        3600.0,
+        2.0,
+        1800.0,
+    )
+
+
+def test_listen_port_bounds():
+    assert "listen.port" in config_error(
+        {"listen": {"port": 70000}, "mcpServers": {"a": {"url": "http://h/mcp"}}}
+    )
+    assert cfg(listen={"port": 0}).listen.port == 0
+
+
+def test_absolute_store_path_is_kept(tmp_path: Path):
+    (tmp_path / "c.yaml").write_text(
+        f"store: {{path: {tmp_path / 'abs'}}}\nmcpServers: {{a: {{url: 'http://h/mcp'}}}}\n"
+    )
+    assert load_config(tmp_path / "c.yaml").store.path == str(tmp_path / "abs")
+
+
+def test_urls_must_be_http_and_retention_positive():
+    assert "must be an http:// or https:// URL" in config_error({"mcpServers": {"a": {"url": "notaurl"}}})
+    assert "must be an http:// or https:// URL" in config_error({"mcpServers": {"a": {"url": "ftp://h/mcp"}}})
+    assert "ttl must be longer than 0s" in config_error(
+        {"tasks": {"ttl": "0s"}, "mcpServers": {"a": {"url": "http://h/mcp"}}}
+    )
+    assert "poll_interval must be longer than 0s" in config_error(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "tasks": {"tools": {"t": {"poll_interval": "0ms"}}}}}}
+    )
+    assert cfg(tasks={"detach_after": "0s"}).tasks.detach_after == 0  # detach at once is allowed
+
+
+def test_hardening_keys_have_safe_defaults_and_are_checked(tmp_path):
+    base = {"store": {"path": str(tmp_path)}, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}}}
+    config = config_from_data(base)
+    entry = config.mcpServers["a"]
+    assert (entry.init_timeout, entry.request_timeout, entry.connect_timeout) == (30.0, 30.0, 10.0)
+    assert entry.max_response_bytes == 16 * 1024 * 1024 and entry.max_children == 32
+    assert (config.listen.header_timeout, config.listen.body_timeout, config.listen.max_connections) == (
+        10.0,
+        30.0,
+        None,
+    )
+    assert config.metrics.token is None
+    bad = {**base, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp", "request_timeout": "0s"}}}
+    with pytest.raises(ConfigError, match="mcpServers.a: .*request_timeout must be longer than 0s"):
+        config_from_data(bad)
+    with pytest.raises(ConfigError, match="metrics.token"):
+        config_from_data({**base, "metrics": {"token": "plain-secret"}})
+    with pytest.raises(ConfigError, match="listen.max_connections"):
+        config_from_data({**base, "listen": {"max_connections": 2}})
+
+
+@pytest.mark.parametrize(("lease", "ok"), [("10ms", False), ("100ms", True), ("15s", True)])
+def test_store_lease_has_a_floor(lease: str, ok: bool):
+    data = {"store": {"lease": lease}, "mcpServers": {"a": {"url": "http://h/mcp"}}}
+    if ok:
+        assert config_from_data(data).store.lease >= 0.1
+    else:
+        assert "store.lease" in config_error(data) and "at least 100ms" in config_error(data)

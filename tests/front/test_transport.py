@@ -1,0 +1,277 @@
+"""Bad input of every kind gets a clear JSON-RPC error with the right code and HTTP status,
+and the proxy keeps serving (2026-07-28 transport rules, conformance.md §6.6)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from support.clients import ModernClient, envelope
+from support.proxy import RunningProxy
+
+BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+def modern_headers(method: str, **extra: str) -> dict[str, str]:
+    return {**BASE_HEADERS, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": method, **extra}
+
+
+async def test_malformed_json_is_a_parse_error(client: ModernClient) -> None:
+    reply = await client.post_raw(b"{not json", modern_headers("tools/list"))
+    assert reply.status == 400 and reply.error["code"] == -32700 and reply.message["id"] is None
+
+
+async def test_batch_and_wrong_shapes_are_invalid_requests(client: ModernClient) -> None:
+    for body in (
+        [{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}],
+        {"jsonrpc": "2.0", "id": 1, "result": {}},
+        {"jsonrpc": "1.0", "id": 1, "method": "tools/list", "params": {"_meta": envelope()}},
+        {"jsonrpc": "2.0", "id": {"x": 1}, "method": "tools/list", "params": {"_meta": envelope()}},
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": ["not", "an", "object"]},
+    ):
+        reply = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
+        assert reply.status == 400 and reply.error["code"] == -32600, body
+
+
+async def test_missing_envelope_is_invalid_params(client: ModernClient) -> None:
+    for meta in (
+        None,
+        {"io.modelcontextprotocol/clientCapabilities": {}},
+        {"io.modelcontextprotocol/protocolVersion": "2026-07-28"},
+    ):
+        params = {} if meta is None else {"_meta": meta}
+        body = {"jsonrpc": "2.0", "id": 5, "method": "tools/list", "params": params}
+        reply = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
+        assert reply.status == 400 and reply.error["code"] == -32602 and reply.message["id"] == 5
+
+
+async def test_version_header_mismatch_then_unsupported_version(client: ModernClient) -> None:
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/list",
+        "params": {"_meta": envelope() | {"io.modelcontextprotocol/protocolVersion": "v999.0.0"}},
+    }
+    mismatch = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
+    assert mismatch.status == 400 and mismatch.error["code"] == -32020
+    unsupported = await client.post_raw(
+        json.dumps(body).encode(), modern_headers("tools/list", **{"MCP-Protocol-Version": "v999.0.0"})
+    )
+    assert unsupported.status == 400 and unsupported.error["code"] == -32022
+    assert unsupported.error["data"]["requested"] == "v999.0.0"
+    discover = (await client.request("server/discover")).result
+    assert set(unsupported.error["data"]["supported"]) <= set(discover["supportedVersions"])
+
+
+async def test_routing_header_rules(client: ModernClient) -> None:
+    params = {"name": "greet", "arguments": {"name": "h"}, "_meta": envelope()}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}).encode()
+    assert (await client.post_raw(body, modern_headers("tasks/get", **{"Mcp-Name": "greet"}))).error[
+        "code"
+    ] == -32020
+    assert (await client.post_raw(body, modern_headers("TOOLS/CALL", **{"Mcp-Name": "greet"}))).error[
+        "code"
+    ] == -32020
+    # Mcp-Name missing
+    assert (await client.post_raw(body, modern_headers("tools/call"))).error["code"] == -32020
+    assert (await client.post_raw(body, modern_headers("tools/call", **{"Mcp-Name": "other"}))).error[
+        "code"
+    ] == -32020
+    ok = await client.post_raw(body, modern_headers(" tools/call ", **{"Mcp-Name": "=?base64?Z3JlZXQ=?="}))
+    assert ok.result["content"][0]["text"] == "Hello, h!"
+
+
+async def test_unknown_and_removed_methods_are_404(client: ModernClient) -> None:
+    for method in (
+        "initialize",
+        "ping",
+        "logging/setLevel",
+        "resources/subscribe",
+        "no/such/method",
+        "unknown/method",
+        "tasks/result",
+    ):
+        reply = await client.request(method, {})
+        assert reply.status == 404 and reply.error["code"] == -32601, method
+        # the proxy's own answer, never the upstream's
+        assert reply.error["message"].startswith(f"method {method!r}"), reply.error
+
+
+async def test_oversized_body_is_refused_and_the_proxy_keeps_serving(
+    client: ModernClient, proxy: RunningProxy
+) -> None:
+    limit = proxy.config.listen.max_body
+    params = {"name": "greet", "arguments": {"name": "x" * (limit + 10)}}
+    reply = await client.request("tools/call", params, headers={"Mcp-Name": "greet"})
+    assert reply.status == 413 and reply.error["code"] == -32600 and "too large" in reply.error["message"]
+    assert (await client.call("greet", {"name": "after"})).result["content"][0]["text"] == "Hello, after!"
+
+
+async def test_a_declared_oversized_body_is_refused_at_once(proxy: RunningProxy) -> None:
+    """A Content-Length over max_body is answered 413 before any of the body is awaited (not after
+    body_timeout)."""
+    host, port = proxy.url().split("//")[1].split("/")[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: "
+            f"10000000000\r\n\r\n{{}}".encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413")
+
+
+async def test_hostile_host_and_origin_are_rejected(proxy: RunningProxy) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": envelope()}}
+    async with aiohttp.ClientSession() as http:
+        for extra in ({"Host": "evil.example.com"}, {"Origin": "http://evil.example.com"}):
+            async with http.post(
+                proxy.url(), json=body, headers={**modern_headers("server/discover"), **extra}
+            ) as resp:
+                assert resp.status == 403
+                assert (await resp.json())["error"]["code"] == -32600
+        async with http.post(
+            proxy.url(),
+            json=body,
+            headers={**modern_headers("server/discover"), "Origin": "http://localhost:3000"},
+        ) as resp:
+            assert resp.status == 200
+
+
+async def test_notification_is_accepted_with_202(client: ModernClient) -> None:
+    body = {"jsonrpc": "2.0", "method": "notifications/whatever", "params": {"_meta": envelope()}}
+    async with client.http.post(
+        client.url, json=body, headers=modern_headers("notifications/whatever")
+    ) as resp:
+        assert resp.status == 202
+
+
+async def test_get_and_delete_without_session_are_405(proxy: RunningProxy) -> None:
+    async with aiohttp.ClientSession() as http:
+        for method in ("GET", "DELETE"):
+            async with http.request(method, proxy.url(), headers={"Accept": "text/event-stream"}) as resp:
+                assert resp.status == 405
+
+
+async def test_discover_advertises_tasks_and_caching_fields(client: ModernClient) -> None:
+    result = (await client.request("server/discover")).result
+    assert result["resultType"] == "complete"
+    assert "2026-07-28" in result["supportedVersions"]
+    assert result["capabilities"]["extensions"]["io.modelcontextprotocol/tasks"] == {}
+    assert "tasks" not in result["capabilities"]
+    assert isinstance(result["ttlMs"], int) and result["cacheScope"] in ("public", "private")
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "mcp-tasks-proxy"
+
+
+async def test_forwarded_lists_are_stamped(client: ModernClient) -> None:
+    for method, key in (
+        ("tools/list", "tools"),
+        ("prompts/list", "prompts"),
+        ("resources/list", "resources"),
+    ):
+        result = (await client.request(method)).result
+        assert (
+            result["resultType"] == "complete"
+            and "ttlMs" in result
+            and "cacheScope" in result
+            and key in result
+        )
+    read = await client.request("resources/read", {"uri": "test://static-text"})
+    assert read.result["contents"][0]["text"].startswith("This is static text")
+    missing = await client.request("resources/read", {"uri": "test://nope"})
+    # resource not found, 2026 code (was -32002)
+    assert missing.status == 400 and missing.error["code"] == -32602, missing.message
+
+
+async def test_envelope_is_not_forwarded_but_other_meta_is(client: ModernClient) -> None:
+    reply = await client.call("echo_meta", {}, meta={"acme/trace": "t-1", "progressToken": "p-9"})
+    seen = json.loads(reply.result["content"][0]["text"])
+    assert seen["meta"]["acme/trace"] == "t-1"
+    assert not any(k.startswith("io.modelcontextprotocol/") for k in seen["meta"])
+    assert seen["meta"]["progressToken"] != "p-9"  # the proxy's own token, mapped back on relay
+
+
+async def test_legacy_task_param_is_stripped(client: ModernClient) -> None:
+    reply = await client.request(
+        "tools/call", {"name": "echo_meta", "arguments": {}, "task": {"ttl": 60000}}, capabilities={}
+    )
+    assert reply.result["resultType"] == "complete"
+    assert "taskId" not in reply.result
+
+
+def test_accept_preference_for_sse() -> None:
+    from proxy.front.endpoint import prefers_sse
+
+    assert prefers_sse("text/event-stream, application/json")
+    assert not prefers_sse("application/json, text/event-stream")
+    assert prefers_sse("application/json;q=0.5, text/event-stream")
+    assert not prefers_sse("text/event-stream;q=0, application/json")
+    assert not prefers_sse("text/event-stream") and not prefers_sse(None)  # both must be acceptable
+
+
+async def test_a_client_that_prefers_sse_gets_its_result_as_one_sse_event(client: ModernClient) -> None:
+    body = json.dumps(
+        {"jsonrpc": "2.0", "id": 7, "method": "tools/list", "params": {"_meta": envelope()}}
+    ).encode()
+    headers = {**modern_headers("tools/list"), "Accept": "text/event-stream, application/json"}
+    reply = await client.post_raw(body, headers)
+    assert reply.status == 200 and reply.content_type.startswith("text/event-stream")
+    assert reply.message["id"] == 7 and reply.result["resultType"] == "complete" and reply.result["tools"]
+    # Errors keep their HTTP status (and so go out as JSON) whatever the client prefers.
+    unknown = await client.post_raw(
+        body.replace(b"tools/list", b"nope/nope"), {**headers, "Mcp-Method": "nope/nope"}
+    )
+    assert unknown.status == 404 and unknown.content_type.startswith("application/json")
+
+
+async def test_deeply_nested_json_is_a_parse_error_not_a_crash(client: ModernClient) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    reply = await client.post_raw(deep, modern_headers("tools/list"))
+    assert reply.status == 400 and reply.error["code"] == -32700
+    assert (await client.call("greet", {"name": "still here"})).result["content"][0][
+        "text"
+    ] == "Hello, still here!"
+
+
+async def test_http_level_refusals_are_json_rpc_errors(proxy: RunningProxy) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.url(), headers={"Accept": "text/event-stream"}) as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+            assert (await resp.json())["error"]["code"] == -32600
+        async with http.post(f"{proxy.base}/servers/nope/mcp", json={}) as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == -32601
+        async with http.put(proxy.url(), json={}) as resp:
+            assert resp.status == 405 and "error" in await resp.json()
+
+
+async def test_origin_null_is_rejected_on_loopback(proxy: RunningProxy) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": envelope()}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            proxy.url(), json=body, headers={**modern_headers("server/discover"), "Origin": "null"}
+        ) as resp:
+            assert resp.status == 403
+
+
+async def test_max_body_error_names_the_limit(client: ModernClient, proxy: RunningProxy) -> None:
+    params = {"name": "greet", "arguments": {"name": "x" * (proxy.config.listen.max_body + 10)}}
+    reply = await client.request("tools/call", params, headers={"Mcp-Name": "greet"})
+    assert reply.status == 413 and "max_body" in reply.error["message"]
+
+
+async def test_legacy_client_meta_without_envelope_stays_on_the_legacy_path(proxy: RunningProxy) -> None:
+    # A session-less legacy request that carries _meta.progressToken must not be judged by 2026 rules.
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {"progressToken": "p"}}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            proxy.url(), json=body, headers={**BASE_HEADERS, "MCP-Protocol-Version": "2025-11-25"}
+        ) as resp:
+            status, reply = resp.status, await resp.json()
+    # The upstream answered (a legacy server wants a session first), not the 2026 envelope validator (-32602).
+    assert (
+        status == 400 and reply["error"]["code"] == -32600 and "session" in reply["error"]["message"].lower()
+    ), reply

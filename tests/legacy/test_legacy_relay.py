@@ -1,0 +1,1115 @@
+"""The HTTP legacy relay owns its protocol state (issue 13), tested over raw HTTP against an upstream
+that gets ids, sessions and streams wrong on purpose (tests/fixtures/relay_upstream.py): the proxy's
+own JSON-RPC ids toward the upstream and SSE event ids toward the client, `Last-Event-ID` served
+from its own buffer, keepalives on relayed streams, an error for every request a stream leaves
+unanswered, cancels that never reach the upstream for answered or queued requests, and exactly one
+response per upstream request id."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support.clients import ModernClient
+from support.proxy import Serve, running_proxy, stdio_config
+from support.servers import ServerProcess
+
+from proxy.config import config_from_data
+from proxy.protocol.sse import iter_events
+from proxy.upstream.http import UpstreamSession
+from proxy.upstream.types import SessionBrokenError, UpstreamError
+
+LEGACY = "2025-11-25"
+ELICIT_TASKS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    server = ServerProcess([sys.executable, "tests/fixtures/relay_upstream.py", "--port", "0"])
+    yield server.url
+    server.stop()
+
+
+def relay_config(upstream_url: str, tmp_path: Path, server: dict | None = None, **listen: object):
+    return config_from_data(
+        {
+            "listen": {"sse_keepalive": "50ms", **listen},
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "50ms"},
+            "mcpServers": {"bad": {"url": upstream_url, "timeout": "5s", **(server or {})}},
+        }
+    )
+
+
+@pytest.fixture
+async def proxy_url(upstream: str, tmp_path: Path) -> AsyncIterator[str]:
+    async with running_proxy(relay_config(upstream, tmp_path)) as proxy:
+        yield proxy.url()
+
+
+class Legacy:
+    """A raw 2025-11-25 client session through the proxy."""
+
+    def __init__(self, url: str, http: aiohttp.ClientSession) -> None:
+        self.url, self.http, self.sid = url, http, ""
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        h = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            "MCP-Protocol-Version": LEGACY,
+        }
+        if self.sid:
+            h["Mcp-Session-Id"] = self.sid
+        return {**h, **extra}
+
+    async def open(self, capabilities: dict | None = None) -> Legacy:
+        body = {
+            "jsonrpc": "2.0",
+            "id": "init",
+            "method": "initialize",
+            "params": {
+                "protocolVersion": LEGACY,
+                "capabilities": capabilities or {},
+                "clientInfo": {"name": "raw", "version": "0"},
+            },
+        }
+        async with self.http.post(self.url, json=body, headers=self.headers()) as resp:
+            assert resp.status == 200, await resp.text()
+            self.sid = resp.headers["Mcp-Session-Id"]
+            assert (await reply_of(resp))["id"] == "init"
+        await self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return self
+
+    async def post(self, body: dict) -> int:
+        async with self.http.post(self.url, json=body, headers=self.headers()) as resp:
+            await resp.read()
+            return resp.status
+
+    def call(self, rid: object, tool: str, **args: object):
+        body = {
+            "jsonrpc": "2.0",
+            "id": rid,
+            "method": "tools/call",
+            "params": {"name": tool, "arguments": args},
+        }
+        return self.http.post(self.url, json=body, headers=self.headers())
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list:
+    return [event async for event in iter_events(resp.content.iter_any())]
+
+
+async def reply_of(resp: aiohttp.ClientResponse) -> dict:
+    """The JSON-RPC reply of a request, JSON or SSE (a reply slower than `sse_keepalive` comes on SSE)."""
+    if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return json.loads([e for e in await read_events(resp) if e.data.strip()][-1].data)
+    return await resp.json()
+
+
+async def upstream_log(upstream: str) -> list[dict]:
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/log") as resp:
+        return await resp.json()
+
+
+async def upstream_sessions(upstream: str) -> list[str]:
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/sessions") as resp:
+        return await resp.json()
+
+
+# -- item 1: ids ---------------------------------------------------------------------------------
+
+
+async def test_own_request_ids_toward_the_upstream(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
+        async with a.call("same-id", "echo", x=1) as resp:  # JSON reply
+            assert (await reply_of(resp))["id"] == "same-id"
+        async with b.call("same-id", "sse_echo") as resp:  # SSE reply
+            events = await read_events(resp)
+        final = json.loads(events[-1].data)
+        assert final["id"] == "same-id" and final["result"]["content"][0]["text"] == "sse_echo done"
+    seen = [
+        entry["message"]
+        for entry in await upstream_log(upstream)
+        if entry["message"].get("method") == "tools/call"
+    ]
+    assert seen and all(isinstance(m["id"], int) for m in seen[-2:])  # the proxy's ids, never the client's
+
+
+async def test_own_event_ids_scoped_to_session_and_stream(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
+        ids = []
+        for client in (a, a, b):
+            async with client.call(1, "sse_echo") as resp:
+                ids.append([e.id for e in await read_events(resp)])
+    assert all(i not in ("1", "2") for stream in ids for i in stream)  # never the upstream's reused ids
+    tokens = {i.rpartition(":")[0] for stream in ids for i in stream}
+    assert len(tokens) == 3  # one token per stream, none shared between sessions
+    assert [i.rpartition(":")[2] for i in ids[0]] == ["1", "2"]
+
+
+async def test_server_requests_get_proxy_ids_and_one_answer_each(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = (
+            await Legacy(proxy_url, http).open({"elicitation": {}}),
+            await Legacy(proxy_url, http).open({"elicitation": {}}),
+        )
+
+        async def ask(client: Legacy, answer: str) -> tuple[str, dict]:
+            async with client.call(5, "ask") as resp:
+                it = iter_events(resp.content.iter_any())
+                question = json.loads((await anext(it)).data)
+                assert question["method"] == "elicitation/create" and question["id"] != 0
+                reply = {
+                    "jsonrpc": "2.0",
+                    "id": question["id"],
+                    "result": {"action": "accept", "content": {"who": answer}},
+                }
+                assert await client.post(reply) == 202
+                assert await client.post(reply) == 202  # a duplicate: dropped, never forwarded
+                assert await client.post({**reply, "id": "mtp-unknown"}) == 202
+                final = json.loads((await anext(it)).data)
+                return question["id"], final
+
+        (qa, ra), (qb, rb) = await asyncio.gather(ask(a, "alice"), ask(b, "bob"))
+    assert qa != qb
+    assert "alice" in ra["result"]["content"][0]["text"] and "bob" in rb["result"]["content"][0]["text"]
+    responses = [e for e in await upstream_log(upstream) if "method" not in e["message"]]
+    per_session: dict[str, int] = {}
+    for entry in responses[-2:]:
+        assert entry["message"]["id"] == 0  # both sessions asked with id 0
+        per_session[entry["session"]] = per_session.get(entry["session"], 0) + 1
+    assert len(per_session) == 2 and set(per_session.values()) == {1}
+    assert len([e for e in responses if e["message"].get("id") == "mtp-unknown"]) == 0
+
+
+# -- item 1: streams -----------------------------------------------------------------------------
+
+
+async def test_keepalive_on_relayed_post_and_get_streams(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(1, "slow", ms=300) as resp:
+            raw = await resp.read()
+        assert raw.count(b": keepalive") >= 2 and raw.rstrip().endswith(b"}")
+        async with http.get(proxy_url, headers=client.headers(Accept="text/event-stream")) as resp:
+            assert resp.status == 200
+            chunk = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2)
+        assert chunk.startswith(b": keepalive")
+
+
+@pytest.mark.parametrize("tool", ["die", "close_early"])
+async def test_stream_that_dies_or_closes_gets_an_error(proxy_url: str, tool: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call("mine", tool) as resp:
+            events = await asyncio.wait_for(read_events(resp), 5)
+    messages = [json.loads(e.data) for e in events if e.data]
+    assert messages[0]["method"] == "notifications/message"
+    assert messages[-1]["id"] == "mine" and messages[-1]["error"]["code"] == -32603
+    assert "upstream bad" in messages[-1]["error"]["message"]
+
+
+async def test_polling_upstream_resumed_through_the_proxys_ids(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(9, "poll") as resp:
+            events = await asyncio.wait_for(read_events(resp), 5)  # cut like the upstream cut it
+        assert (
+            len(events) == 1
+            and events[0].data == ""
+            and events[0].retry == 50
+            and ":" in (events[0].id or "")
+        )
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": events[0].id})
+        async with http.get(proxy_url, headers=headers) as resp:
+            assert resp.status == 200
+            rest = await asyncio.wait_for(read_events(resp), 5)
+    final = json.loads(rest[-1].data)
+    assert final["id"] == 9 and final["result"]["content"][0]["text"] == "poll done"
+
+
+async def test_resume_after_client_disconnect_without_upstream_event_store(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        resp = await client.call(3, "sse_echo", ms=200).__aenter__()
+        first = await anext(iter_events(resp.content.iter_any()))
+        resp.close()  # the connection is gone; the call goes on in the proxy
+        await asyncio.sleep(0.4)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first.id})
+        async with http.get(proxy_url, headers=headers) as again:
+            rest = await asyncio.wait_for(read_events(again), 5)
+    assert [json.loads(e.data).get("id") for e in rest] == [3]
+    assert rest[0].id.rpartition(":")[2] == "2"
+
+
+async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(
+                upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n
+            ) as r:
+                assert r.status == 204
+
+        async def next_message(it: AsyncIterator) -> tuple[str, int]:
+            async with asyncio.timeout(5):
+                while True:
+                    event = await anext(it)
+                    if event.data:
+                        return event.id, json.loads(event.data)["params"]["data"]
+
+        resp = await http.get(proxy_url, headers=client.headers(Accept="text/event-stream")).__aenter__()
+        await push(1)
+        first_id, n = await next_message(iter_events(resp.content.iter_any()))
+        assert n == 1
+        resp.close()
+        await asyncio.sleep(0.1)
+        await push(2)
+        await push(3)
+        await asyncio.sleep(0.2)  # both are read from the upstream while no client is attached
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy_url, headers=headers) as again:
+            it = iter_events(again.content.iter_any())
+            assert [(await next_message(it))[1] for _ in range(2)] == [2, 3]
+            await push(4)
+            assert (await next_message(it))[1] == 4
+
+
+async def test_an_ended_stream_stays_resumable_for_the_linger_time_then_is_forgotten(
+    upstream: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    serve: Serve,
+) -> None:
+    """An ended reply stream is resumable for LINGER_S (scaled down here), then forgotten by the
+    relay's sweep: also in a session that opens no further stream, and behind a stream that is
+    still open (a long call)."""
+    monkeypatch.setattr("proxy.legacy.streams.LINGER_S", 0.3)
+    proxy = await serve(relay_config(upstream, tmp_path))
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        long_call = await client.call(1, "slow", ms=4000).__aenter__()  # opened first, open throughout
+        async with client.call(2, "sse_echo") as resp:
+            ended_id = [e for e in await read_events(resp) if e.data.strip()][-1].id
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": ended_id})
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert again.status == 200  # resumable at once: nothing after that id, so the replay just ends
+            assert [e for e in await asyncio.wait_for(read_events(again), 5) if e.data.strip()] == []
+        # Unread from now on (a resumption is a read: it starts the linger time again). The sweep
+        # runs every LINGER_S / 2, so the stream is gone after 1.5 x LINGER_S.
+        await asyncio.sleep(0.3 * 1.5 + 0.2)
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert again.status == 400
+            assert "Last-Event-ID" in (await again.json())["error"]["message"]
+        long_call.close()
+
+
+async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(
+    upstream: str, tmp_path: Path
+) -> None:
+    async with (
+        running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        client = await Legacy(proxy.url(), http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(
+                upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n
+            ) as r:
+                assert r.status == 204
+
+        async def messages(resp: aiohttp.ClientResponse, count: int) -> list[tuple[str, int]]:
+            out: list[tuple[str, int]] = []
+            async with asyncio.timeout(5):
+                async for event in iter_events(resp.content.iter_any()):
+                    if event.data:
+                        out.append((event.id, json.loads(event.data)["params"]["data"]))
+                        if len(out) == count:
+                            return out
+            return out
+
+        resp = await http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")).__aenter__()
+        await push(1)
+        [(first_id, _)] = await messages(resp, 1)
+        resp.close()
+        for n in (2, 3, 4, 5):
+            await push(n)
+        await asyncio.sleep(0.2)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy.url(), headers=headers) as again:
+            assert [n for _, n in await messages(again, 2)] == [4, 5]  # only the last replay_events are kept
+        async with http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as fresh:
+            assert fresh.status == 200
+            await push(6)
+            assert [n for _, n in await messages(fresh, 1)] == [6]
+    async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/gets") as r:
+        mine = [g for g in await r.json() if g["session"] == upstream_sid]
+    assert mine == [{"session": upstream_sid, "last_event_id": None}]  # one upstream GET served all three
+
+
+async def test_unknown_or_foreign_last_event_id_is_refused(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
+        async with a.call(1, "sse_echo") as resp:
+            event_id = (await read_events(resp))[0].id
+        for client, value in ((b, event_id), (a, "not-ours"), (a, "zzz:1")):
+            async with http.get(
+                proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": value})
+            ) as resp:
+                assert resp.status == 400
+                assert "Last-Event-ID" in (await resp.json())["error"]["message"]
+
+
+# -- item 1: cancels -----------------------------------------------------------------------------
+
+
+async def test_cancel_maps_in_flight_and_drops_answered_or_unknown(upstream: str, proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(1, "echo") as resp:
+            await resp.read()
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+        assert await client.post(cancel) == 202  # answered already
+        assert await client.post({**cancel, "params": {"requestId": "never"}}) == 202
+        before = len(await upstream_log(upstream))
+        async with client.call("slow-one", "wait_cancel") as resp:
+            await asyncio.sleep(0.2)
+            assert await client.post({**cancel, "params": {"requestId": "slow-one", "reason": "user"}}) == 202
+            events = await asyncio.wait_for(read_events(resp), 3)
+        assert json.loads(events[-1].data)["id"] == "slow-one"
+    log = await upstream_log(upstream)
+    cancels = [e["message"] for e in log if e["message"].get("method") == "notifications/cancelled"]
+    assert cancels and all(c["params"]["requestId"] not in (1, "never", "slow-one") for c in cancels)
+    call_id = next(e["message"]["id"] for e in log[before:] if e["message"].get("method") == "tools/call")
+    assert cancels[-1]["params"]["requestId"] == call_id
+
+
+# -- item 2: one response per upstream id; broken sessions ----------------------------------------
+
+
+async def test_update_and_cancel_race_sends_one_response(upstream: str, proxy_url: str) -> None:
+    client = ModernClient(proxy_url, capabilities=ELICIT_TASKS)
+    try:
+        for _ in range(3):
+            created = (await client.call("ask", {"delay_ms": 150})).result
+            assert created["resultType"] == "task"
+            task = await client.wait_status(created["taskId"], ("input_required",))
+            key = next(iter(task["inputRequests"]))
+            answer = {
+                "taskId": created["taskId"],
+                "inputResponses": {key: {"action": "accept", "content": {}}},
+            }
+            await asyncio.gather(
+                client.request("tasks/update", answer),
+                client.request("tasks/cancel", {"taskId": created["taskId"]}),
+            )
+            await asyncio.sleep(0.2)
+            assert (await client.call("echo", {"after": "race"})).result["content"][0][
+                "text"
+            ] == '{"after": "race"}'
+    finally:
+        await client.close()
+    counts: dict[tuple, int] = {}
+    for entry in await upstream_log(upstream):
+        message = entry["message"]
+        if "method" not in message:
+            counts[(entry["session"], message["id"])] = counts.get((entry["session"], message["id"]), 0) + 1
+    assert counts and set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+async def test_cancel_answers_questions_first_and_cancels_only_a_request_still_running(
+    upstream: str, proxy_url: str, stubborn: bool
+) -> None:
+    client = ModernClient(proxy_url, capabilities=ELICIT_TASKS)
+    try:
+        created = (await client.call("ask", {"delay_ms": 150, "stubborn": stubborn})).result
+        await client.wait_status(created["taskId"], ("input_required",))
+        before = len(await upstream_log(upstream))
+        await client.request("tasks/cancel", {"taskId": created["taskId"]})
+        await asyncio.sleep(1.0)  # past the grace the proxy gives the upstream to end the request itself
+    finally:
+        await client.close()
+    after = [e["message"] for e in (await upstream_log(upstream))[before:]]
+    answers = [i for i, m in enumerate(after) if "method" not in m]
+    cancels = [i for i, m in enumerate(after) if m.get("method") == "notifications/cancelled"]
+    assert len(answers) == 1 and after[answers[0]]["error"]["code"] == -32800
+    if stubborn:  # still running after its question failed: cancelled, after the answer
+        assert len(cancels) == 1 and cancels[0] > answers[0]
+    else:  # it ended by itself: a cancel would name a request already answered
+        assert cancels == []
+
+
+async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(
+    upstream: str, proxy_url: str
+) -> None:
+    client = ModernClient(proxy_url, capabilities={})
+    try:
+        assert (await client.call("echo", {"n": 1})).status == 200
+        before = await upstream_sessions(upstream)
+        reply = await client.call("break")
+        assert "closed the stream before answering" in reply.error["message"]
+        assert (await client.call("echo", {"n": 2})).result["content"][0]["text"] == '{"n": 2}'
+        assert len(await upstream_sessions(upstream)) == len(before) + 1  # a new upstream session
+    finally:
+        await client.close()
+    async with aiohttp.ClientSession() as http:
+        session = UpstreamSession(http, upstream, server="bad")
+        await session.open()
+        with pytest.raises(UpstreamError):
+            await session.request("tools/call", {"name": "break"}, handler=None)
+        assert session.broken
+        with pytest.raises(SessionBrokenError):  # nothing came back on a broken session: not delivered
+            await session.request("tools/call", {"name": "echo"}, handler=None)
+        await session.close()
+
+
+async def test_second_answer_for_one_upstream_id_is_never_sent(upstream: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        session = UpstreamSession(http, upstream, server="bad", capabilities={"elicitation": {}})
+        await session.open()
+
+        async def on_message(msg: dict) -> None:
+            if msg.get("method") == "elicitation/create":
+                await asyncio.gather(  # an answer and a cancel's error at once
+                    session.respond(msg["id"], error={"code": -32800, "message": "cancelled"}),
+                    session.respond(msg["id"], result={"action": "accept", "content": {}}),
+                )
+
+        reply = await session.request("tools/call", {"name": "ask"}, handler=on_message)
+        assert "cancelled" in reply["result"]["content"][0]["text"]
+        assert (await session.request("tools/call", {"name": "echo", "arguments": {"ok": 1}}, handler=None))[
+            "result"
+        ]
+        sid = session.session_id
+        await session.close()
+    answers = [
+        e for e in await upstream_log(upstream) if e["session"] == sid and "method" not in e["message"]
+    ]
+    assert len(answers) == 1
+
+
+# -- stdio: a cancelled queued call is never sent ------------------------------------------------
+
+
+async def test_stdio_queued_call_cancelled_is_never_sent(tmp_path: Path, serve: Serve) -> None:
+    proxy = await serve(stdio_config(tmp_path, server={"max_concurrency": 1}))
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        first = asyncio.ensure_future(client.call("a", "slow_compute", seconds=1.0, label="A").__aenter__())
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        queued = asyncio.ensure_future(client.call("b", "slow_compute", seconds=0.1, label="B").__aenter__())
+        await asyncio.sleep(0.2)
+        assert (
+            await client.post(
+                {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "b"}}
+            )
+            == 202
+        )
+        resp = await asyncio.wait_for(queued, 2)
+        body = await resp.json()
+        assert body["id"] == "b" and body["error"]["code"] == -32800
+        assert time.monotonic() - started < 0.9  # answered while A still held the only slot
+        done = await first
+        assert (await done.json())["result"]["content"][0]["text"] == "computed A after 1s"
+        async with client.call("log", "cancelled_log") as log_resp:
+            text = (await log_resp.json())["result"]["content"][0]["text"]
+        assert "B" not in [entry["label"] for entry in json.loads(text)]
+        resp.release()
+        done.release()
+
+
+async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
+    config = stdio_config(tmp_path)
+    config.listen.sse_keepalive = 0.05
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call("k", "slow_compute", seconds=0.3, label="K") as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            raw = await resp.read()
+    assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
+    final = json.loads(
+        [e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1]
+    )
+    assert final["id"] == "k" and final["result"]["content"][0]["text"] == "computed K after 0.3s"
+
+
+# -- review fixes ---------------------------------------------------------------------------------
+
+
+async def _run_json(argv: list[str]) -> object:
+    """Run a client script off the event loop the proxy serves on; its last stdout line as JSON."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(900)  # first run installs its tools (npm, a venv): longer than the suite's 300 s
+async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
+    upstream: str, tmp_path: Path
+) -> None:
+    """protocol.md §1.4.4: on the legacy wire a JSON-RPC error for a request comes in an HTTP 200;
+    an `mcp` 1.x client raises on any other status inside its task group and loses its transport."""
+    from support.servers import ROOT, python_venv
+
+    async with running_proxy(relay_config(upstream, tmp_path, {"timeout": "200ms"})) as proxy:
+        async with aiohttp.ClientSession() as http:
+            client = await Legacy(proxy.url(), http).open()
+            body = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "slow_json", "arguments": {"ms": 500}},
+            }
+            # no SSE: stays JSON
+            async with http.post(
+                proxy.url(), json=body, headers=client.headers(Accept="application/json")
+            ) as resp:
+                # timed out before its headers
+                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603
+            # still counted as an error, though in a 200
+            async with http.get(proxy.base + "/metrics") as resp:
+                assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
+        python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
+        calls = await _run_json(
+            [
+                str(python),
+                "tests/fixtures/mcp1_relay_client.py",
+                proxy.url(),
+                'slow_json:{"ms": 500}',
+                'echo:{"x": 1}',
+            ]
+        )
+    assert isinstance(calls, list) and calls[0]["error"] == -32603 and "timeout" in calls[0]["message"], calls
+    assert calls[1] == {"text": '{"x": 1}'}, calls
+
+
+async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream: str, tmp_path: Path) -> None:
+    """A session-less upstream: Bob's cancel for id 1 never touches Alice's request 1, and two
+    principals using id 1 at once keep their own mappings (fresh upstream id per request)."""
+    config = config_from_data(
+        {
+            "listen": {"sse_keepalive": "50ms"},
+            "auth": {
+                "mode": "header",
+                "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]},
+            },
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"bad": {"url": upstream.removesuffix("/mcp") + "/stateless", "timeout": "5s"}},
+        }
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": LEGACY,
+    }
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "wait_cancel", "arguments": {"ms": 1500}},
+    }
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+
+        async def post(user: str, body: dict) -> tuple[int, dict | None]:
+            async with http.post(
+                proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user}
+            ) as resp:
+                if resp.status == 202:
+                    return 202, None
+                return resp.status, await reply_of(resp)
+
+        async def calls_seen(n: int) -> None:
+            async with asyncio.timeout(5):
+                while (
+                    len(
+                        [
+                            m
+                            for m in (await upstream_log(upstream))[before:]
+                            if m["message"].get("method") == "tools/call"
+                        ]
+                    )
+                    < n
+                ):
+                    await asyncio.sleep(0.02)
+
+        before = len(await upstream_log(upstream))
+        bob = asyncio.ensure_future(post("bob", call))
+        await calls_seen(1)
+        alice = asyncio.ensure_future(post("alice", call))  # the newest mapping of client id 1
+        await calls_seen(2)
+        assert await post("carol", cancel) == (202, None)  # carol has no request 1: nothing goes upstream
+        assert await post("bob", cancel) == (202, None)  # bob cancels HIS request 1 only
+        status, reply = await bob
+        assert status == 200 and reply["id"] == 1 and reply["error"]["code"] == -32800
+        status, reply = await alice
+        assert (
+            status == 200 and reply["id"] == 1 and reply["result"]["content"][0]["text"] == "wait_cancel done"
+        )
+    seen = [entry["message"] for entry in (await upstream_log(upstream))[before:]]
+    calls = [m["id"] for m in seen if m.get("method") == "tools/call"]
+    cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
+    assert len(calls) == 2 and calls[0] != calls[1]  # a fresh upstream id per request
+    assert len(cancels) == 1 and cancels[0] in calls
+
+
+async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
+    """DELETE is bounded by request_timeout; a GET's wait for the upstream's headers by
+    connect_timeout + request_timeout, with keepalives on the client's stream meanwhile."""
+    config = relay_config(upstream, tmp_path, {"request_timeout": "300ms", "connect_timeout": "200ms"})
+    proxy = await serve(config)
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call(1, "hang") as resp:
+            assert (await reply_of(resp))["result"]["content"][0]["text"] == "hanging"
+        started = time.monotonic()
+        async with (
+            asyncio.timeout(5),
+            http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as resp,
+        ):
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            body = await resp.text()  # ends once the upstream's bound is over
+        assert body.count(": keepalive") >= 3, body
+        assert 0.4 < time.monotonic() - started < 3
+        started = time.monotonic()
+        async with asyncio.timeout(5), http.delete(proxy.url(), headers=client.headers()) as resp:
+            assert resp.status == 504 and "request_timeout" in (await resp.json())["error"]["message"]
+        assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("how", ["client_leaves", "tasks_cancel"])
+async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_path: Path, how: str) -> None:
+    """max_concurrency 1: A holds the slot, B waits for it. B abandoned (its client leaves, or
+    tasks/cancel of its task) must reach the child neither as a tools/call nor as a cancel."""
+    stdin_log = tmp_path / "stdin.jsonl"
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_server.py"
+    server = {
+        "command": "sh",
+        "args": ["-c", f"tee {stdin_log} | {sys.executable} {fixture} --stdio"],
+        "max_concurrency": 1,
+    }
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "100ms", "ttl": "10m", "poll_interval": "50ms"},
+            "mcpServers": {"fx": server},
+        }
+    )
+    async with running_proxy(config) as proxy:
+        client = ModernClient(proxy.url(), capabilities=None if how == "tasks_cancel" else {})
+        try:
+            await client.call("greet", {"name": "warm-up"})
+            a = asyncio.ensure_future(client.call("slow_compute", {"seconds": 1.0, "label": "A"}))
+            async with asyncio.timeout(5):
+                while "slow_compute" not in stdin_log.read_text():
+                    await asyncio.sleep(0.02)
+            if how == "tasks_cancel":
+                b = (await client.call("slow_compute", {"seconds": 0.1, "label": "B"})).result
+                assert b["resultType"] == "task", b  # detached while still queued for the slot
+                assert (await client.request("tasks/cancel", {"taskId": b["taskId"]})).status == 200
+                assert (await client.wait_terminal(b["taskId"]))["status"] == "cancelled"
+            else:
+                b_call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.1, "label": "B"}))
+                await asyncio.sleep(0.2)
+                b_call.cancel()  # the client closes B's request stream while B waits for the slot
+                with pytest.raises(asyncio.CancelledError):
+                    await b_call
+                await asyncio.sleep(0.2)
+            reply = await a
+            if reply.result.get("resultType") == "task":
+                await client.wait_terminal(reply.result["taskId"])
+            await client.call("greet", {"name": "after"})  # the child has read everything sent before
+        finally:
+            await client.close()
+    sent = [json.loads(line) for line in stdin_log.read_text().splitlines() if line.strip()]
+    labels = [
+        m["params"]["arguments"].get("label")
+        for m in sent
+        if m.get("method") == "tools/call" and m["params"]["name"] == "slow_compute"
+    ]
+    assert labels == ["A"], sent
+    assert not [m for m in sent if m.get("method") == "notifications/cancelled"], sent
+
+
+async def test_silently_broken_session_retries_only_what_is_safe_to_send_twice(
+    upstream: str, proxy_url: str
+) -> None:
+    """A pooled upstream session that broke unannounced: the first request on it gets a stream that
+    closes with no event. A non-call (tools/list) is sent again on a new session and works; a
+    tools/call is not (the upstream accepted it; whether the tool ran is unknowable), it fails with
+    -32603, and the session has left the pool for the next call."""
+    client = ModernClient(proxy_url, capabilities={})
+
+    async def break_latest() -> str:
+        sid = (await upstream_sessions(upstream))[-1]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(upstream.removesuffix("/mcp") + f"/break?session={sid}") as resp,
+        ):
+            assert resp.status == 204
+        return sid
+
+    try:
+        assert (await client.call("echo", {"n": 1})).status == 200
+        broken = await break_latest()
+        before = len(await upstream_log(upstream))
+        listing = await client.request("tools/list")
+        assert "echo" in [t["name"] for t in listing.result["tools"]], listing.message
+        lists = [
+            e["session"]
+            for e in (await upstream_log(upstream))[before:]
+            if e["message"].get("method") == "tools/list"
+        ]
+        assert lists[0] == broken and len(lists) == 2 and lists[1] != broken  # sent again, on a new session
+        broken = await break_latest()
+        before = len(await upstream_log(upstream))
+        reply = await client.call("echo", {"n": 2})
+        assert (
+            reply.error["code"] == -32603 and "closed the stream before answering" in reply.error["message"]
+        )
+        calls = [
+            e["session"]
+            for e in (await upstream_log(upstream))[before:]
+            if e["message"].get("method") == "tools/call"
+        ]
+        assert calls == [broken]  # never sent twice
+        assert (await client.call("echo", {"n": 3})).result["content"][0]["text"] == '{"n": 3}'
+    finally:
+        await client.close()
+
+
+async def test_slow_json_upstream_reply_switches_to_sse_with_keepalives(proxy_url: str) -> None:
+    """A JSON-mode upstream slower than `sse_keepalive`: a client that accepts SSE gets its reply on
+    an SSE stream with keepalives meanwhile (as in front of stdio); one that does not gets JSON."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(7, "slow_json", ms=400) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            text = await resp.text()
+        assert text.count(": keepalive") >= 2, text
+        data = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+        assert data == [
+            {
+                "jsonrpc": "2.0",
+                "id": 7,
+                "result": {"content": [{"type": "text", "text": "slow_json done"}], "isError": False},
+            }
+        ]
+        body = {
+            "jsonrpc": "2.0",
+            "id": 8,
+            "method": "tools/call",
+            "params": {"name": "slow_json", "arguments": {"ms": 200}},
+        }
+        async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
+            assert resp.headers["Content-Type"].startswith("application/json")
+            assert (await resp.json())["id"] == 8
+
+
+async def test_resuming_get_takes_the_stream_over_from_a_connection_still_attached(
+    upstream: str, proxy_url: str
+) -> None:
+    """2025-11-25 transports: a message is never broadcast on two streams. A GET with Last-Event-ID
+    while the first GET connection is still open: the new one gets what follows, the old one ends."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+
+        async def push(n: int) -> None:
+            async with http.post(
+                upstream.removesuffix("/mcp") + f"/push?session={upstream_sid}", json=n
+            ) as r:
+                assert r.status == 204
+
+        async def messages(it: AsyncIterator, count: int) -> list:
+            out: list = []
+            async with asyncio.timeout(5):
+                async for event in it:
+                    if event.data:
+                        out.append((event.id, json.loads(event.data)["params"]["data"]))
+                        if len(out) == count:
+                            break
+            return out
+
+        old = await http.get(proxy_url, headers=client.headers(Accept="text/event-stream")).__aenter__()
+        old_events = iter_events(old.content.iter_any())
+        await push(1)
+        [(first_id, _)] = await messages(old_events, 1)
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
+        async with http.get(proxy_url, headers=headers) as new:
+            async with asyncio.timeout(5):
+                rest = [e async for e in old_events if e.data]  # the old connection ends
+            await push(2)
+            assert [n for _, n in await messages(iter_events(new.content.iter_any()), 1)] == [2]
+        assert rest == []  # 2 went to the new connection only
+        old.release()
+
+
+# -- found by a newcomer's run (2026-12-02) ------------------------------------------------------
+
+
+async def test_an_upstream_withdrawn_question_reaches_the_client_under_its_proxy_id(
+    upstream: str, proxy_url: str
+) -> None:
+    """The upstream's `notifications/cancelled` for its own question names the proxy id the client
+    got the question under; the client's late answer is then not forwarded."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open({"elicitation": {}})
+        async with client.call(6, "ask", withdraw_ms=100) as resp:
+            it = iter_events(resp.content.iter_any())
+            question = json.loads((await anext(it)).data)
+            cancel = json.loads((await anext(it)).data)
+            final = json.loads((await anext(it)).data)
+        assert question["method"] == "elicitation/create"
+        assert (
+            cancel["method"] == "notifications/cancelled" and cancel["params"]["requestId"] == question["id"]
+        )
+        assert final["id"] == 6
+        late = {"jsonrpc": "2.0", "id": question["id"], "result": {"action": "accept", "content": {}}}
+        assert await client.post(late) == 202
+    upstream_sid = (await upstream_sessions(upstream))[-1]
+    assert [
+        e
+        for e in await upstream_log(upstream)
+        if e["session"] == upstream_sid and "method" not in e["message"]
+    ] == []
+
+
+async def test_a_last_event_id_past_the_newest_event_is_refused(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(1, "sse_echo") as resp:
+            token = (await read_events(resp))[-1].id.rpartition(":")[0]
+        async with http.get(
+            proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": f"{token}:999"})
+        ) as again:
+            assert again.status == 400
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"Content-Type": "text/plain", "Accept": "application/json"}, {"Content-Type": "", "Accept": ""}],
+)
+async def test_a_client_without_json_content_type_or_sse_accept_is_served_json(
+    proxy_url: str, extra: dict
+) -> None:
+    """README "Transport leniency": the upstream is asked properly whatever the client sent, and a
+    client that takes no SSE gets the answer as one JSON body (the upstream replied on SSE)."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        headers = {k: v for k, v in client.headers(**extra).items() if v}
+        body = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": 4,
+                "method": "tools/call",
+                "params": {"name": "sse_echo", "arguments": {}},
+            }
+        )
+        async with http.post(
+            proxy_url, data=body, headers=headers, skip_auto_headers=["Content-Type"]
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["Content-Type"].startswith("application/json")
+            reply = await resp.json()
+    assert reply["id"] == 4 and "result" in reply
+
+
+async def test_deleting_a_session_mid_call_ends_its_stream_with_an_error(proxy_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(8, "slow", ms=4000) as resp:
+            async with http.delete(proxy_url, headers=client.headers()) as gone:
+                assert gone.status == 200
+            events = [e for e in await asyncio.wait_for(read_events(resp), 5) if e.data.strip()]
+    error = json.loads(events[-1].data)
+    assert error["id"] == 8 and "session ended" in error["error"]["message"]
+
+
+async def test_a_2025_06_18_session_is_not_offered_v1_tasks(proxy_url: str) -> None:
+    """v1 tasks are 2025-11-25's: an older session gets no `capabilities.tasks`, and its
+    `params.task` is passed through as any other param (a synchronous answer)."""
+    async with aiohttp.ClientSession() as http:
+        client = Legacy(proxy_url, http)
+        old = {"MCP-Protocol-Version": "2025-06-18"}
+        init = {
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "old", "version": "0"},
+            },
+        }
+        async with http.post(proxy_url, json=init, headers=client.headers(**old)) as resp:
+            client.sid = resp.headers["Mcp-Session-Id"]
+            result = (await resp.json())["result"]
+        assert result["protocolVersion"] == "2025-06-18" and "tasks" not in result["capabilities"]
+        call = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"a": 1}, "task": {"ttl": 60000}},
+        }
+        async with http.post(proxy_url, json=call, headers=client.headers(**old)) as resp:
+            reply = await reply_of(resp)
+    assert reply["id"] == 1 and json.loads(reply["result"]["content"][0]["text"]) == {"a": 1}
+
+
+async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late_stream(
+    proxy_url: str,
+) -> None:
+    """The session's end reaches every kind of waiting reply: a JSON-only client's (one JSON body
+    with the error) and a reply already switched to SSE while a slow JSON upstream was awaited."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        body = {
+            "jsonrpc": "2.0",
+            "id": 11,
+            "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"ms": 4000}},
+        }
+        json_only = asyncio.ensure_future(
+            http.post(proxy_url, json=body, headers=client.headers(Accept="application/json"))
+        )
+        async with client.call(12, "slow_json", ms=4000) as late:
+            # switched after sse_keepalive
+            assert late.headers["Content-Type"].startswith("text/event-stream")
+            async with http.delete(proxy_url, headers=client.headers()) as gone:
+                assert gone.status == 200
+            events = [e for e in await asyncio.wait_for(read_events(late), 5) if e.data.strip()]
+        resp = await asyncio.wait_for(json_only, 5)
+        async with resp:
+            assert resp.status == 200
+            reply = await resp.json()
+    assert (
+        json.loads(events[-1].data)["id"] == 12
+        and "session ended" in json.loads(events[-1].data)["error"]["message"]
+    )
+    assert reply["id"] == 11 and "session ended" in reply["error"]["message"]
+
+
+async def test_a_2025_06_18_session_without_the_version_header_and_a_required_tool(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
+    """The version the session's initialize asked for counts when a request has no
+    MCP-Protocol-Version; a `mode: required` tool refuses a 2025-06-18 session's calls."""
+    config = relay_config(upstream, tmp_path, server={"tasks": {"tools": {"slow": {"mode": "required"}}}})
+    proxy = await serve(config)
+    async with aiohttp.ClientSession() as http:
+        client = Legacy(proxy.url(), http)
+        init = {
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "old", "version": "0"},
+            },
+        }
+        async with http.post(
+            proxy.url(), json=init, headers=client.headers(**{"MCP-Protocol-Version": "2025-06-18"})
+        ) as resp:
+            client.sid = resp.headers["Mcp-Session-Id"]
+        no_header = {k: v for k, v in client.headers().items() if k != "MCP-Protocol-Version"}
+        task = {"ttl": 60000}
+        echo = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"a": 1}, "task": task},
+        }
+        async with http.post(proxy.url(), json=echo, headers=no_header) as resp:
+            assert json.loads((await reply_of(resp))["result"]["content"][0]["text"]) == {"a": 1}
+        slow = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "slow", "arguments": {}, "task": task},
+        }
+        async with http.post(proxy.url(), json=slow, headers=no_header) as resp:
+            assert (await reply_of(resp))["error"]["code"] == -32601
+
+
+async def test_a_json_only_client_does_not_leave_the_upstreams_question_waiting(proxy_url: str) -> None:
+    """A client that takes no SSE cannot see a server→client request: the proxy answers it upstream
+    with -32601 at once, so the call ends now rather than at its timeout."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open({"elicitation": {}})
+        body = {
+            "jsonrpc": "2.0",
+            "id": 13,
+            "method": "tools/call",
+            "params": {"name": "ask", "arguments": {}},
+        }
+        async with http.post(proxy_url, json=body, headers=client.headers(Accept="application/json")) as resp:
+            assert resp.headers["Content-Type"].startswith("application/json")
+            reply = await asyncio.wait_for(resp.json(), 3)  # the fixture waits 5 s for an answer
+    text = json.loads(reply["result"]["content"][0]["text"])
+    assert reply["id"] == 13 and text["code"] == -32601 and "text/event-stream" in text["message"]
+
+
+# -- one session machine, two upstream kinds -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["http", "stdio"])
+async def test_a_cancelled_request_ends_the_same_way_on_both_upstream_kinds(
+    legacy_url: str, tmp_path: Path, kind: str
+) -> None:
+    """A legacy client's `notifications/cancelled` reaches the upstream under the proxy's id, and
+    the request's reply ends within the cancel grace with -32800, whatever the upstream kind (a stdio
+    child that answers a cancelled request with nothing used to hold its client until the call's
+    timeout)."""
+    from support.proxy import make_config
+    from support.servers import FIXTURE_STDIO
+
+    config = make_config(legacy_url, tmp_path / "store")
+    if kind == "stdio":
+        config = stdio_config(tmp_path)
+        config.mcpServers = {"legacy": config.mcpServers["fx"].model_copy(update=FIXTURE_STDIO)}
+    label = f"cancel-{kind}"
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+
+        async def call() -> dict:
+            async with client.call("c1", "slow_compute", seconds=10, label=label) as resp:
+                return await reply_of(resp)
+
+        started = time.monotonic()
+        replied = asyncio.ensure_future(call())
+        await asyncio.sleep(0.5)  # running upstream by now
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "c1"}}
+        assert await client.post(cancel) == 202
+        reply = await asyncio.wait_for(replied, 5)
+        assert reply["id"] == "c1" and reply["error"]["code"] == -32800, reply
+        assert time.monotonic() - started < 4
+        async with client.call("log", "cancelled_log") as log_resp:
+            entries = json.loads((await reply_of(log_resp))["result"]["content"][0]["text"])
+    assert [e["reason"] for e in entries if e["label"] == label] == ["notifications/cancelled"]

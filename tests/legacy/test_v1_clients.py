@@ -1,0 +1,92 @@
+"""Acceptance: real v1 (2025-11-25 tasks) clients through the proxy in front of the legacy fixture
+server: the TypeScript SDK 1.x client's experimental tasks API (npm) and the `mcp` 1.x Python
+line's experimental task client (in its own virtual environment). Each drives a slow call as a
+task, `tasks/list`, an input request answered through `tasks/result`, a cancel, a result fetched
+from a new session and an `isError` result.
+
+Both are installed on first run into ignored folders (`.node/ts-sdk/`, `.venv-mcp1/`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from support.proxy import RunningProxy
+from support.servers import ROOT, npm_install, python_venv
+
+TS_SDK = "@modelcontextprotocol/sdk@1.32.2"
+MCP1 = "mcp==1.30.0"
+TS_DIR = ROOT / ".node" / "ts-sdk"
+MCP1_VENV = ROOT / ".venv-mcp1"
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def _ts_sdk() -> Path:
+    sdk = TS_DIR / "node_modules" / "@modelcontextprotocol" / "sdk"
+    if not (sdk / "dist" / "esm" / "experimental" / "tasks").exists():
+        npm_install(TS_DIR, TS_SDK)
+    return sdk
+
+
+def _mcp1_python() -> Path:
+    return python_venv(MCP1_VENV, MCP1)
+
+
+async def _run(argv: list[str]) -> dict:
+    """Run a client script (the proxy serves on this event loop, so never block it) and parse its JSON line.
+    Run a client script (the proxy serves on this event loop, so never block it) and parse its JSON line."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def _check(out: dict) -> None:
+    assert out["capabilities"]["list"] == {} and out["capabilities"]["cancel"] == {}
+    assert out["capabilities"]["requests"]["tools"]["call"] == {}
+    assert out["taskSupport"]["slow_compute"] == "optional"
+    assert out["cancel"]["status"] == "cancelled" and out["cancel"]["after"] == "cancelled"
+    assert out["cancel"]["again"] == -32602  # a JSON-RPC error the SDK can read (HTTP 200 on this wire)
+    assert out["newSession"] == "computed later after 0.3s"
+
+
+@pytest.mark.node
+@pytest.mark.timeout(900)  # first run installs its tools (npm, a venv): longer than the suite's 300 s
+async def test_typescript_sdk_1x_experimental_tasks_through_the_proxy(proxy: RunningProxy) -> None:
+    node = shutil.which("node")
+    assert node, "node is needed for this test"
+    out = await _run([node, str(FIXTURES / "ts_v1_client.mjs"), str(_ts_sdk()), proxy.url()])
+    _check(out)
+    assert (
+        out["slow"]["result"]["content"][0]["text"] == "computed ts after 0.6s"
+        and out["slow"]["error"] is None
+    )
+    assert out["slow"]["taskId"] in out["listed"]
+    assert out["input"]["result"]["content"][0]["text"] == "deleted ts.txt" and out["asked"] == [
+        "Delete ts.txt?"
+    ]
+    # The SDK reports a `failed` task as an error message (v1: `isError: true` ends `failed`).
+    assert out["isError"]["statuses"][-1] == "failed"
+    assert out["isError"]["error"] is not None or (out["isError"]["result"] or {}).get("isError") is True
+
+
+@pytest.mark.timeout(900)  # first run installs its tools (npm, a venv): longer than the suite's 300 s
+async def test_mcp_1x_python_experimental_task_client_through_the_proxy(proxy: RunningProxy) -> None:
+    out = await _run([str(_mcp1_python()), str(FIXTURES / "mcp1_v1_client.py"), proxy.url()])
+    _check(out)
+    assert out["slow"]["created"] == "working" and out["slow"]["statuses"][-1] == "completed"
+    assert out["slow"]["result"] == "computed py after 0.6s"
+    assert len(out["listed"]) == 1
+    assert out["input"]["statuses"][-1] == "input_required" and out["input"]["result"] == "deleted py.txt"
+    assert out["input"]["asked"] == ["Delete py.txt?"]
+    assert out["isError"]["statuses"][-1] == "failed" and out["isError"]["isError"] is True

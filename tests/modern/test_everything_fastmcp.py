@@ -1,0 +1,210 @@
+"""Acceptance: a real third-party upstream (server-everything from npm) behind the proxy, driven by
+FastMCP's client with the tasks extension (fastmcp-tasks)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
+import pytest
+from fastmcp import Client
+from support.proxy import Serve, running_proxy
+from support.servers import ROOT, ServerProcess, npm_install
+
+from proxy.config import config_from_data
+from proxy.tasks.model import TaskStatus
+from proxy.tasks.store import ListFilter
+
+pytestmark = [
+    pytest.mark.node,
+    pytest.mark.timeout(900),
+]  # first run installs its tools (npm, a venv): longer than the suite's 300 s
+EVERYTHING = "@modelcontextprotocol/server-everything@2026.8.31"
+NODE_DIR = ROOT / ".node" / "everything"
+
+
+def _install_everything() -> Path:
+    entry = NODE_DIR / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
+    if not entry.exists():
+        npm_install(NODE_DIR, EVERYTHING)
+    return entry
+
+
+@pytest.fixture(scope="module")
+def everything_url() -> Iterator[str]:
+    """server-everything over Streamable HTTP on a free port (a thin wrapper prints the ready line)."""
+    entry = _install_everything()
+    wrapper = ROOT / "tests" / "fixtures" / "run_node_server.py"
+    server = ServerProcess(
+        [sys.executable, str(wrapper), "node", str(entry), "streamableHttp"], env={"NODE_NO_WARNINGS": "1"}
+    )
+    yield server.url
+    server.stop()
+
+
+async def test_long_operation_becomes_a_task_and_returns_the_direct_content(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
+    args = {"duration": 4, "steps": 4}
+    proxy = await serve(config)
+
+    async def direct() -> object:
+        async with Client(everything_url) as client:
+            return await client.call_tool("trigger-long-running-operation", args)
+
+    async def proxied() -> object:
+        async with Client(proxy.url()) as client:
+            assert client.protocol_version == "2026-07-28"
+            result = await client.call_tool("trigger-long-running-operation", args)
+            echo = await client.call_tool("echo", {"message": "hello"})
+            return result, echo
+
+    direct_result, (proxied_result, echo) = await asyncio.gather(direct(), proxied())
+    assert [c.model_dump() for c in proxied_result.content] == [c.model_dump() for c in direct_result.content]
+    assert "hello" in echo.content[0].text
+    records, _ = await proxy.store.list_tasks(ListFilter())
+    long_ops = [r for r in records if r.tool == "trigger-long-running-operation"]
+    assert len(long_ops) == 1 and long_ops[0].status is TaskStatus.COMPLETED
+    assert not [r for r in records if r.tool == "echo"], "echo must stay synchronous"
+
+
+async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: str, tmp_path: Path) -> None:
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
+    asked: list[str] = []
+
+    async def on_elicit(message, response_type, params, context):
+        asked.append(message)
+        return {"name": "Ada Lovelace", "check": True, "email": "ada@example.com"}
+
+    async with running_proxy(config) as proxy:
+        async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
+            result = await client.call_tool("trigger-elicitation-request", {})
+    text = "\n".join(c.text for c in result.content if getattr(c, "text", None))
+    assert asked == ["Please provide inputs for the following fields:"]
+    assert "Ada Lovelace" in text and "ada@example.com" in text
+
+
+async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """server-everything's `simulate-research-query` (`taskSupport: required`, the upstream's own
+    v1 task): FastMCP's tasks client gets a v2 task that completes with the upstream's result; a
+    2026-07-28 client without the extension gets the synchronous result."""
+    from support.clients import ModernClient
+
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
+    proxy = await serve(config)
+
+    async def with_tasks() -> str:
+        async with Client(proxy.url()) as client:
+            result = await client.call_tool("simulate-research-query", {"topic": "tides"})
+            return result.content[0].text
+
+    async def without_extension() -> dict:
+        plain = ModernClient(proxy.url(), capabilities={})
+        try:
+            reply = await plain.call("simulate-research-query", {"topic": "moons"})
+            assert reply.status == 200, reply.message
+            return reply.result
+        finally:
+            await plain.close()
+
+    tasked, synchronous = await asyncio.gather(with_tasks(), without_extension())
+    assert tasked.startswith("# Research Report: tides")
+    assert synchronous["resultType"] == "complete" and synchronous.get("isError") is not True
+    assert synchronous["content"][0]["text"].startswith("# Research Report: moons")
+    records, _ = await proxy.store.list_tasks(ListFilter())
+    assert [r.status for r in records if r.tool == "simulate-research-query"] == [TaskStatus.COMPLETED]
+
+
+async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """In front of an upstream with v1 tasks of its own, a v1 client talks to those: the proxy
+    neither declares its own `capabilities.tasks` nor serves `tasks/*` (they reach the upstream)."""
+    from support.v1_client import V1Client
+
+    config = config_from_data(
+        {"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}}
+    )
+    proxy = await serve(config)
+    client = V1Client(proxy.url())
+    try:
+        init = await client.initialize()
+        assert "tasks" in init["capabilities"]  # the upstream's own declaration, relayed
+        task = await client.call_as_task("simulate-research-query", {"topic": "reefs"})
+        status, message, _ = await client.request("tasks/get", {"taskId": task["taskId"]})
+        assert status == 200 and message["result"]["taskId"] == task["taskId"]
+        records, _ = await proxy.store.list_tasks(ListFilter())
+        assert records == []  # the upstream's task, not the proxy's
+        status, message, _ = await client.request("tasks/cancel", {"taskId": task["taskId"]})
+        assert message["result"]["status"] == "cancelled"
+    finally:
+        await client.close()
+
+
+async def test_upstream_task_question_becomes_input_required_and_is_answered(
+    everything_url: str, tmp_path: Path
+) -> None:
+    """The upstream's own task asks (elicitation on its `tasks/result` stream): the v2 task goes
+    `input_required`, FastMCP answers through `tasks/update`, and the upstream's task completes."""
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
+    asked: list[str] = []
+
+    async def on_elicit(message, response_type, params, context):
+        asked.append(message)
+        return {"interpretation": "technical"}
+
+    async with running_proxy(config) as proxy:
+        async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
+            result = await client.call_tool("simulate-research-query", {"topic": "python", "ambiguous": True})
+    assert asked and "multiple interpretations" in asked[0]
+    assert "Clarification**: technical" in result.content[0].text
+
+
+async def test_upstream_task_question_fails_a_call_without_the_extension_at_once(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Without the tasks extension nothing can carry the upstream task's question: the client gets
+    -32603 saying so as soon as it is asked (not after input_timeout), and the upstream task is cancelled."""
+    from support.clients import ModernClient
+
+    config = config_from_data(
+        {"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}}
+    )
+    proxy = await serve(config)
+    plain = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+    try:
+        async with asyncio.timeout(15):
+            reply = await plain.call("simulate-research-query", {"topic": "python", "ambiguous": True})
+        assert reply.error["code"] == -32603 and "elicitation/create" in reply.error["message"], reply.message
+    finally:
+        await plain.close()

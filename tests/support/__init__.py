@@ -1,0 +1,2 @@
+"""Helpers the tests share (imported as `support.<module>`; pytest puts `tests/` on the path):
+real servers in subprocesses, the proxy in-process, raw clients, seeded records."""

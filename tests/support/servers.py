@@ -1,0 +1,115 @@
+"""Real servers the tests start: child processes that print `listening on URL`, Node and Python
+tools installed on first use into ignored folders of the checkout, small aiohttp apps on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServerProcess:
+    """A child process that prints `listening on URL` on stdout once ready."""
+
+    def __init__(
+        self, argv: list[str], *, env: dict[str, str] | None = None, ready_prefix: str = "listening on "
+    ) -> None:
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.lines: list[str] = []
+        for _ in range(50):
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.strip())
+            if line.startswith(ready_prefix):
+                self.url = line.strip().removeprefix(ready_prefix)
+                return
+        self.stop()
+        raise RuntimeError(f"{argv} did not start: {self.lines!r}")
+
+    def kill(self) -> None:
+        """SIGKILL the child (no cleanup runs) and reap it."""
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def stop(self) -> None:
+        """Terminate (then kill) the child and reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
+    """`npm install packages` into `folder` (an ignored folder of the checkout, with its own
+    package.json), as the tests that need Node packages do on first run. Fails when npm is missing."""
+    npm = shutil.which("npm")
+    assert npm, f"npm must be on the PATH to install {', '.join(packages)} (README: Run all tests)"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "package.json").write_text('{"private": true}\n')
+    subprocess.run(
+        [npm, "install", "--silent", "--no-audit", "--no-fund", *packages],
+        cwd=folder,
+        check=True,
+        timeout=timeout_s,
+    )
+
+
+def python_venv(folder: Path, requirement: str, *, timeout_s: float = 600) -> Path:
+    """A virtual environment in `folder` (an ignored folder of the checkout) with `requirement`
+    pip-installed, for tests that run an SDK other than the project's own (e.g. `mcp==1.26.0`).
+    Built on first use and reused while its marker file names the same requirement; returns its
+    `python`. Fails when the venv cannot be created or pip cannot install (network, index)."""
+    python = folder / "bin" / "python"
+    marker = folder / f".installed-{requirement}"
+    if not marker.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True, timeout=120)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement],
+            check=True,
+            timeout=timeout_s,
+        )
+        marker.write_text("")
+    return python
+
+
+@asynccontextmanager
+async def served_app(app: web.Application) -> AsyncIterator[int]:
+    """Serve a small aiohttp `app` on a free loopback port for the block; yields the port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+FIXTURE_STDIO = {
+    "command": sys.executable,
+    "args": [str(ROOT / "tests" / "fixtures" / "legacy_server.py"), "--stdio"],
+}

@@ -1,0 +1,117 @@
+"""stdio upstreams under pressure: a cap on children per server (with `isolation: per_principal`
+stopped when idle by default), oversized messages refused, and every start failure and crash loop
+visible in the log and in metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import aiohttp
+import structlog
+from support.clients import AuthClient, ModernClient
+from support.proxy import Serve, running_proxy, stdio_config
+
+from proxy.app import POOLS_KEY
+from proxy.config import config_from_data
+from proxy.front.auth import hash_token
+from proxy.runtime.logs import configure_logging
+
+
+def test_per_principal_children_stop_when_idle_by_default(tmp_path: Path) -> None:
+    assert (
+        stdio_config(tmp_path, server={"isolation": "per_principal"}).mcpServers["fx"].idle_timeout == 600.0
+    )
+    assert stdio_config(tmp_path).mcpServers["fx"].idle_timeout is None  # a shared child stays up
+    assert stdio_config(tmp_path).mcpServers["fx"].max_children == 32
+
+
+async def test_per_principal_children_are_capped(tmp_path: Path, serve: Serve) -> None:
+    config = stdio_config(tmp_path, server={"isolation": "per_principal", "max_children": 2})
+    tokens = {name: hash_token(name + "-secret") for name in ("alice", "bob", "carol")}
+    config.auth = type(config.auth).model_validate({"mode": "bearer", "tokens": tokens})
+    proxy = await serve(config)
+    pool = proxy.app[POOLS_KEY]["fx"]
+    clients = {
+        name: AuthClient(proxy.url(), {"Authorization": f"Bearer {name}-secret"}, capabilities={})
+        for name in tokens
+    }
+    try:
+        for name in ("alice", "bob", "carol"):  # the third principal's child replaces an idle one
+            assert (await clients[name].call("greet", {"name": name})).result["content"][0][
+                "text"
+            ] == f"Hello, {name}!"
+            assert len(pool.children()) <= 2
+        busy = [
+            asyncio.create_task(clients[n].call("slow_compute", {"seconds": 1.5, "label": n}))
+            for n in ("alice", "bob")
+        ]
+        async with asyncio.timeout(10):  # until both slow calls run on their own children
+            while sum(1 for slot in pool._slots.values() for child in slot.sessions if child.in_flight) < 2:
+                await asyncio.sleep(0.02)
+        refused = await clients["carol"].call("greet", {"name": "carol"})
+        assert refused.status < 500 and "max_children" in refused.error["message"], refused.message
+        assert len(pool.children()) <= 2
+        for reply in await asyncio.gather(*busy):
+            assert reply.result["isError"] is False
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+async def test_an_oversized_stdout_message_is_an_error_and_the_child_restarts(
+    tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(stdio_config(tmp_path, server={"max_response_bytes": 64 * 1024}))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call("big_result", {"kb": 256})
+        assert (
+            reply.status < 500
+            and reply.error["code"] == -32603
+            and "max_response_bytes" in reply.error["message"]
+        )
+        assert (await client.call("greet", {"name": "again"})).result["content"][0]["text"] == "Hello, again!"
+    finally:
+        await client.close()
+
+
+async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(
+    tmp_path: Path, capsys
+) -> None:
+    configure_logging("info")
+    try:
+        config = config_from_data(
+            {
+                "store": {"path": str(tmp_path / "store"), "durable": False},
+                "mcpServers": {
+                    "missing": {"command": str(tmp_path / "no-such-server")},
+                    "looping": {
+                        "command": sys.executable,
+                        "args": ["-c", "import sys; sys.exit(7)"],
+                        "max_restarts": 2,
+                    },
+                },
+            }
+        )
+        async with running_proxy(config) as proxy:
+            for server in ("missing", "looping"):
+                client = ModernClient(proxy.url(server), capabilities={})
+                try:
+                    for _ in range(2):
+                        assert (await client.call("anything")).error["code"] == -32603
+                finally:
+                    await client.close()
+            async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/metrics") as resp:
+                metrics = await resp.text()
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        structlog.reset_defaults()
+    failed = [line for line in lines if line["event"] == "upstream_start_failed"]
+    assert any(line["server"] == "missing" and "cannot start" in line["reason"] for line in failed)
+    assert any(line["server"] == "looping" for line in failed)
+    assert any(line["event"] == "upstream_crash_loop" and line["server"] == "looping" for line in lines)
+    assert 'mcp_tasks_proxy_upstream_processes_total{event="start_failed",server="missing"}' in metrics
+    assert 'mcp_tasks_proxy_upstream_processes_total{event="crash_loop",server="looping"}' in metrics

@@ -1,0 +1,207 @@
+"""Upstreams that misbehave on purpose: every wait on them is bounded by config, their redirects are
+not followed (configured headers stay with the configured URL), oversized or mismatched replies are
+JSON-RPC errors, and /readyz tells the truth. Both eras, scaled-down timings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support.clients import ModernClient
+from support.proxy import Serve, running_proxy
+from support.servers import ROOT, ServerProcess
+
+from proxy.config import config_from_data
+
+LEGACY_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "application/json, text/event-stream",
+    "MCP-Protocol-Version": "2025-11-25",
+}
+INIT = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "0"},
+    },
+}
+SECRET = "upstream-api-key-do-not-leak"
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[str]:
+    server = ServerProcess(
+        [sys.executable, str(ROOT / "tests" / "fixtures" / "hostile_upstream.py"), "--port", "0"]
+    )
+    yield server.url
+    server.stop()
+
+
+def hostile_config(base: str, tmp_path: Path, mode: str, **server: object):
+    entry = {
+        "url": f"{base}/{mode}/mcp",
+        "init_timeout": "300ms",
+        "request_timeout": "300ms",
+        "timeout": "5s",
+        "headers": {"Authorization": f"Bearer {SECRET}"},
+        **server,
+    }
+    return config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "2s", "poll_interval": "100ms"},
+            "mcpServers": {mode.replace("-", "_"): entry},
+        }
+    )
+
+
+async def legacy_post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=body, headers={**LEGACY_HEADERS, **(headers or {})}) as resp:
+            text = await resp.text()
+            if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+                return resp.status, json.loads(data[-1])
+            return resp.status, json.loads(text)
+
+
+async def readyz(base: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/readyz") as resp:
+            return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("tasks", [True, False], ids=["tasks-extension", "no-extension"])
+async def test_hung_tools_list_never_hangs_a_call(
+    hostile: str, tmp_path: Path, tasks: bool, serve: Serve
+) -> None:
+    proxy = await serve(hostile_config(hostile, tmp_path, "hang-list"))
+    client = ModernClient(proxy.url(), capabilities=None if tasks else {})
+    try:
+        started = time.monotonic()
+        async with asyncio.timeout(5):
+            reply = await client.call("ok")
+        assert reply.result["content"][0]["text"] == "ok"
+        assert time.monotonic() - started < 3
+        listing = await client.request("tools/list")
+        assert listing.error["code"] == -32603 and "request_timeout" in listing.error["message"]
+        status, body = await readyz(proxy.base)
+        assert status == 503 and body["checks"]["upstream:hang_list"] != "ok", body
+    finally:
+        await client.close()
+
+
+async def test_hung_initialize_is_a_bounded_error_in_both_eras(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(hostile_config(hostile, tmp_path, "hang-init"))
+    client = ModernClient(proxy.url())
+    try:
+        async with asyncio.timeout(5):
+            reply = await client.call("ok")
+        assert reply.error["code"] == -32603 and "init_timeout" in reply.error["message"], reply.message
+        async with asyncio.timeout(5):
+            status, body = await legacy_post(proxy.url(), INIT)
+        assert (
+            status == 200 and body["error"]["code"] == -32603 and "init_timeout" in body["error"]["message"]
+        )
+        status, ready = await readyz(proxy.base)
+        assert status == 503 and "initialize" in ready["checks"]["upstream:hang_init"]
+    finally:
+        await client.close()
+
+
+async def test_redirects_are_not_followed_and_never_carry_configured_headers(
+    hostile: str, tmp_path: Path
+) -> None:
+    async with running_proxy(hostile_config(hostile, tmp_path, "redirect")) as proxy:
+        client = ModernClient(proxy.url())
+        try:
+            reply = await client.call("ok")
+            assert reply.error["code"] == -32603 and "redirect" in reply.error["message"]
+            status, body = await legacy_post(proxy.url(), INIT)
+            assert status == 200 and "redirect" in body["error"]["message"]
+        finally:
+            await client.close()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{hostile}/seen") as resp:
+            seen = await resp.json()
+    assert seen == []  # the redirect target never heard from the proxy, let alone its API key
+
+
+@pytest.mark.parametrize("tool", ["big", "big_sse"])
+async def test_oversized_upstream_replies_are_errors_in_both_eras(
+    hostile: str, tmp_path: Path, tool: str, serve: Serve
+) -> None:
+    config = hostile_config(hostile, tmp_path, "ok", max_response_bytes=256 * 1024)
+    proxy = await serve(config)
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call(tool, {"kb": 1024})
+        assert (
+            reply.status < 500
+            and reply.error["code"] == -32603
+            and "max_response_bytes" in reply.error["message"]
+        )
+        assert (await client.call(tool, {"kb": 16})).result["content"][0]["text"].startswith(("x", "y"))
+        session = {"Mcp-Session-Id": "", "MCP-Protocol-Version": "2025-11-25"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
+                session["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
+            call = {
+                "jsonrpc": "2.0",
+                "id": 2,
+                "method": "tools/call",
+                "params": {"name": tool, "arguments": {"kb": 1024}},
+            }
+            async with http.post(proxy.url(), json=call, headers={**LEGACY_HEADERS, **session}) as resp:
+                if tool == "big":  # a JSON reply announces its size: refused before a byte is relayed
+                    assert (
+                        resp.status == 200 and "max_response_bytes" in (await resp.json())["error"]["message"]
+                    )
+                else:  # an SSE stream is never relayed whole: the unanswered call gets its JSON-RPC error
+                    events = [
+                        json.loads(line[5:])
+                        for line in (await resp.text()).splitlines()
+                        if line.startswith("data:")
+                    ]
+                    answer = [e for e in events if e.get("id") == 2]
+                    assert len(answer) == 1 and answer[0]["error"]["code"] == -32603, events
+                    assert (
+                        "broke its stream" in answer[0]["error"]["message"]
+                        and "larger than" in answer[0]["error"]["message"]
+                    )
+        assert (await client.call("ok")).result["content"][0]["text"] == "ok"  # still serving
+    finally:
+        await client.close()
+
+
+async def test_a_reply_for_another_id_is_refused(hostile: str, tmp_path: Path, serve: Serve) -> None:
+    proxy = await serve(hostile_config(hostile, tmp_path, "ok"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call("wrong_id")
+        assert reply.error["code"] == -32603 and "response for id" in reply.error["message"], reply.message
+    finally:
+        await client.close()
+
+
+async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(hostile_config(hostile, tmp_path, "ok", timeout="400ms", request_timeout="5s"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        assert (await client.call("slow", {"seconds": 0.6})).error["message"].count("hard timeout") == 1
+        assert (await client.call("slow", {"seconds": 0.05})).result["content"][0]["text"] == "ok"
+    finally:
+        await client.close()
