@@ -1,7 +1,7 @@
 """The proxy-wide config sections: where it listens, who may call it, limits, logs and metrics.
 
-Split from `config.py` (which re-exports every name) to keep each module short. Every wait a
-section configures is a duration with a unit; every default is the safe one.
+`model.py` holds the servers and the whole file; `proxy.config` exports the names of both. Every
+wait a section configures is a duration with a unit; every default is the safe one.
 """
 
 from __future__ import annotations
