@@ -1,7 +1,7 @@
 """mcp-tasks-proxy benchmark: one command, every section, one machine, one run.
 
     python bench/run.py                 # full run (~6-8 min on 2 cores), README table figures
-    python bench/run.py --quick         # tiny sizes, seconds; what tests/test_bench_smoke.py runs
+    python bench/run.py --quick         # tiny sizes, seconds; what tests/app/test_bench_smoke.py runs
     python bench/run.py --sections a,c  # a subset; see --help for sizes and durations
 
 Sections (bench/README.md has the method and the latest figures):
