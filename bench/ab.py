@@ -1,8 +1,7 @@
 """A/B of proxy CPU per call across git revisions, interleaved in one run (a shared machine's load
 drifts between two separate runs; within one run every revision sees the same drift).
 
-    python bench/ab.py 0494dd5 eb020f5 HEAD               # rows: a-legacy, a-modern (SDK and fake upstream),
-    b 100k / 1M
+    python bench/ab.py 0494dd5 eb020f5 HEAD   # rows: a-legacy, a-modern (SDK, fake upstream), b 100k / 1M
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
 
 Each round measures every row for every revision (the revision order alternates by round); a

@@ -35,8 +35,7 @@ def redis_store(url: str, prefix: str) -> dict:
 
 
 def fill_redis(url: str, prefix: str, n: int, server: str) -> tuple[list[str], float]:
-    """N completed tasks of principal `anonymous` on `server`, created 64 at a time; returns (ids, seconds).
-    N completed tasks of principal `anonymous` on `server`, created 64 at a time; returns (ids, seconds)."""
+    """N completed tasks of principal `anonymous` on `server`, made 64 at a time; returns (ids, seconds)."""
     import logging
 
     import structlog

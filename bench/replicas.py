@@ -116,8 +116,8 @@ def section_r(args, workdir: Path, log, h: ModuleType) -> dict:
     upstream, up_url = h.start_sdk_upstream(workdir, None, "r-upstream-sdk")
     try:
         for n in counts:
-            # Redis as in sections b/c (bench/redis_bench.py, tests/support/redis_server.py): AOF, fsync
-            # per write.
+            # Redis as in sections b/c (bench/redis_bench.py,
+            # tests/support/redis_server.py): AOF, fsync per write.
             redis = redis_bench.start_redis(workdir, f"r{n}-redis", appendfsync="always", cpus=None)
             replicas: list[Any] = []
             haproxy = None

@@ -597,10 +597,9 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
 
 
 def section_c(args, workdir: Path, log) -> dict:
-    """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress every 0.1
-    s).
-    Store settings: diskcache durable (fsync) and not; Redis (with --stores redis) `appendfsync always`
-    and `everysec`."""
+    """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress
+    every 0.1 s). Store settings: diskcache durable (fsync) and not; Redis (with --stores redis)
+    `appendfsync always` and `everysec`."""
     up_cpu, px_cpu, lg_cpu = ("0", "1", "0") if args.pin else (None, None, None)
     rows = []
     detach_ms = 50

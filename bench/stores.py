@@ -4,9 +4,9 @@ A store of N completed tasks (principal `anonymous`, server `bench`, a small res
 one SQLite transaction through the store's own record and key layout (`DiskcacheStore`), about
 25 µs per task here; it is then kept under bench/.cache/store-<N>-<layout hash> and copied into the
 run's work directory (the proxy writes its lease into the store it serves). The layout hash covers
-`TaskRecord`'s fields and `to_dict` and the store's `create` / `_index_keys` as imported (so `--ref` gets a
-store
-of its own layout when the layout changed). Records keep a 400-day TTL so a cached store stays valid.
+`TaskRecord`'s fields and `to_dict` and the store's `create` / `_index_keys` as imported (so
+`--ref` gets a store of its own layout when the layout changed). Records keep a 400-day TTL so a
+cached store stays valid.
 """
 
 from __future__ import annotations

@@ -62,11 +62,11 @@ REPLICAS_KEY = web.AppKey("replicas", Replicas)
 def build_app(config: Config) -> web.Application:
     """The proxy as an aiohttp Application.
 
-    Routes: `/servers/<name>/mcp` for each enabled server, `/mcp` too when exactly one is configured,
-    `/healthz` and `/readyz`, and the operator console at `/console/` when `config.console` is set
-    (its own sign-in; client credentials never open it). The task store opens and closes with the app (cleanup
-    context); opening
-    it raises StoreLockedError when another process serves the same store directory.
+    Routes: `/servers/<name>/mcp` for each enabled server, `/mcp` too when exactly one is
+    configured, `/healthz` and `/readyz`, and the operator console at `/console/` when
+    `config.console` is set (its own sign-in; client credentials never open it). The task store
+    opens and closes with the app (cleanup context); opening it raises StoreLockedError when
+    another process serves the same store directory.
     """
     allowed = (
         set(config.listen.allowed_hosts)

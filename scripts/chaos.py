@@ -1,8 +1,8 @@
 """Chaos run: mixed calls and polls while proxy processes are SIGKILLed under them, then checks.
 
-    python scripts/chaos.py [--calls 200] [--kills 4] [--seed N] [--rerun]            # one proxy process
-    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun] # N replicas, HAProxy,
-    Redis
+    python scripts/chaos.py [--calls 200] [--kills 4] [--seed N] [--rerun]     # one proxy process
+    python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun]
+                                                  # N replicas, HAProxy, Redis
 
 Upstream: the legacy fixture server through scripts/chaos_upstream.py, which records each call's
 `label` as the call starts (every call of the load carries its own). `--rerun` configures
@@ -52,13 +52,12 @@ sums what they were serving when killed.
 Prints one JSON line: calls, handed_out, seen_completed, seen_completed_before_kill (seen before
 the last kill, so checked after at least one), seen_completed_before_first_kill, kills,
 kills_with_requests_in_flight (single: the client's requests outstanding; replicas: HAProxy's count
-at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}, store_unavailable,
-unknown_ids,
-lost_results, terminal_changed, not_terminal, final{status: count}, tasks_running_at_kills,
-failed_replica_lost, failed_expected, unexplained_failures (+ unexplained{kind: n} and samples),
-labels_started, double_runs (+ samples), reruns, rerun_completed, lost_despite_rerun, violations[...]; in
-replica mode
-also requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
+at the killed replica), transport_errors, transport{call_cut, poll_refused, ...},
+store_unavailable, unknown_ids, lost_results, terminal_changed, not_terminal, final{status: count},
+tasks_running_at_kills, failed_replica_lost, failed_expected, unexplained_failures
+(+ unexplained{kind: n} and samples), labels_started, double_runs (+ samples), reruns,
+rerun_completed, lost_despite_rerun, violations[...]; in replica mode also
+requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
 handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked).
 Loopback only; every process it starts is stopped.
 """
@@ -329,8 +328,8 @@ class Replicas:
     def kill(self, rng: random.Random) -> Killed:
         from proxy.tasks.redis_store import RedisTaskStore
 
-        # A random replica among those serving requests right now (waiting up to 2 s for one; any
-        # replica when none is).
+        # A random replica among those serving requests right now
+        # (waiting up to 2 s for one; any replica when none is).
         deadline = time.monotonic() + 2
         while True:
             load = self.sessions()

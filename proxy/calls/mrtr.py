@@ -21,17 +21,14 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import jwt
 
 from proxy.calls.call import Call
 from proxy.config import ConfigError
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
-from proxy.tasks.store import StoreUnavailableError
-
-if TYPE_CHECKING:
-    from proxy.tasks.store import TaskStore
+from proxy.tasks.store import StoreUnavailableError, TaskStore
 
 KEY_FILE = "request_state.key"
 KEY_BLOB = "request_state.key"  # the shared key's name in a Redis store

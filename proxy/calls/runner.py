@@ -175,11 +175,9 @@ class CallRunner:
                             f"background",
                             stay=True,
                         )
-                        if (
-                            handle is None
-                            # the store cannot take the task: the call stays attached (its own timeout bounds
-                            # it)
-                        ):
+                        if handle is None:
+                            # the store cannot take the task: the call stays attached (its own timeout
+                            # bounds it)
                             deadline = None
                             continue
                         metrics.DETACH_LATENCY.observe(max(0.0, loop.time() - deadline))

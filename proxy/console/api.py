@@ -165,8 +165,8 @@ async def list_tasks(request: web.Request) -> web.Response:
     found: list[TaskRecord] = []
     try:
         for _ in range(_PRINCIPAL_ROUNDS if principal else 1):
-            # With a principal filter, ask for no more than the rows still missing, so a page is never cut in
-            # the middle.
+            # With a principal filter, ask for no more than the rows still
+            # missing, so a page is never cut in the middle.
             page, cursor = await store.list_tasks(where, cursor=cursor, limit=limit - len(found))
             found.extend(r for r in page if principal is None or row(r)["principalHash"] == principal)
             if cursor is None or len(found) >= limit:

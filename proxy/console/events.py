@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from proxy.console.views import row
+from proxy.protocol.sse import SSE_HEADERS
 from proxy.runtime.fanout import Fanout, Subscription
 from proxy.tasks.types import TaskChange, TaskEvent
 
@@ -69,13 +70,7 @@ class ConsoleHub:
         Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream.
         Raises TooManyStreamsError past MAX_STREAMS."""
         with self.subscribe(changes) as subscription:
-            response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-store",
-                    "X-Accel-Buffering": "no",
-                }
-            )
+            response = web.StreamResponse(headers={**SSE_HEADERS, "Cache-Control": "no-store"})
             await response.prepare(request)
             try:
                 await _send(response, b"retry: 2000\n\n" + _event({"event": "ready", "data": {}}))

@@ -110,8 +110,8 @@ async def serve_http(
 ) -> None:
     """Serve over Streamable HTTP until cancelled; print `listening on URL` once accepting (`port` 0: any free
     one)."""
-    # IPPROTO_TCP explicitly: asyncio then sets TCP_NODELAY (else each SSE reply waits ~40 ms for a delayed
-    # ACK).
+    # IPPROTO_TCP explicitly: asyncio then sets TCP_NODELAY (else
+    # each SSE reply waits ~40 ms for a delayed ACK).
     sock = socket.socket(
         socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
     )

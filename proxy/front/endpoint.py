@@ -25,7 +25,7 @@ from proxy.modern.dispatcher import ServerDispatcher
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import check_headers, is_modern_request, parse_envelope
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
-from proxy.protocol.sse import KEEPALIVE, encode_message
+from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.runtime import metrics
 from proxy.tasks.model import ANONYMOUS
 
@@ -76,14 +76,7 @@ class ModernReply(Reply):
 
     async def _start_sse(self) -> web.StreamResponse:
         if self.stream is None:
-            stream = web.StreamResponse(
-                status=200,
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                },
-            )
+            stream = web.StreamResponse(status=200, headers=SSE_HEADERS)
             await stream.prepare(self.request)
             self.stream = stream
         return self.stream

@@ -208,8 +208,8 @@ async def start(
 ) -> tuple[web.AppRunner, CappedSite]:
     """Run `app` on `sock` (bound from `config.listen` when None) with the listen section's bounds:
     `header_timeout` (s) for a request head, idle connections and draining an unread body, at most
-    `max_connections` open
-    connections, `drain_timeout` (s) (+1 s) for shutdown. Raises OSError when the address cannot be bound."""
+    `max_connections` open connections, `drain_timeout` (s) (+1 s) for shutdown. Raises OSError
+    when the address cannot be bound."""
     listen = config.listen
     sock = sock if sock is not None else bind(listen.host, listen.port)
     runner = web.AppRunner(

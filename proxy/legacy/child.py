@@ -10,7 +10,6 @@ what the child says about it into the request's reply stream, through the sessio
 from __future__ import annotations
 
 import contextlib
-import secrets
 from collections.abc import Awaitable
 
 import structlog
@@ -87,13 +86,7 @@ class StdioChild:
             child = await self.pool.session(session.capabilities, session.principal)
         except UpstreamError as exc:
             return error_reply(client_id, INTERNAL_ERROR, str(exc))
-        params = dict(object_of(body.get("params")))
-        meta = dict(object_of(params.get("_meta")))
-        client_token = meta.get("progressToken")
-        upstream_token = None
-        if client_token is not None:
-            upstream_token = meta["progressToken"] = "mtp-" + secrets.token_urlsafe(9)
-            params["_meta"] = meta
+        params, client_token, upstream_token = session.own_progress_token(object_of(body.get("params")))
         stream = self.streams.open(
             session, "post", json_only="text/event-stream" not in request.headers.get("Accept", "")
         )

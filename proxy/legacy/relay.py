@@ -25,14 +25,14 @@ import structlog
 from aiohttp import web
 
 from proxy.legacy.replay import RelayStream
-from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question
+from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question, same_id
 from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import Rewrite, error_reply
 from proxy.legacy.v1 import V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
-from proxy.upstream.types import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, Bounds
+from proxy.upstream.types import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, Bounds, UpstreamError, read_body
 
 log = structlog.get_logger("proxy.legacy")
 
@@ -378,14 +378,13 @@ class HttpRelay:
         """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC,
         under the client's id."""
         try:
-            data = await read_limited(upstream, self.bounds.max_response_bytes)
-        except (*_UPSTREAM_ERRORS, EventTooLargeError) as exc:
-            reason = str(exc) or exc.__class__.__name__
-            return _upstream_error(request_id, f"upstream {self.name} broke its reply: {reason}", 502)
+            data = await read_body(upstream, self.bounds.max_response_bytes, self.name)
+        except UpstreamError as exc:
+            return _upstream_error(request_id, str(exc), 502)
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
-            if sent is not None and message.get("id") == sent.upstream_id:
+            if sent is not None and same_id(message.get("id"), sent.upstream_id):
                 message = {**message, "id": request_id}
                 if rewrite is not None:
                     message = await rewrite(message)
@@ -634,16 +633,6 @@ class HttpRelay:
             stream.close()
             with contextlib.suppress(Exception):
                 upstream.release()
-
-
-async def read_limited(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body of an upstream reply; EventTooLargeError once it passes `limit` bytes."""
-    data = bytearray()
-    async for chunk in upstream.content.iter_chunked(1 << 16):
-        data += chunk
-        if len(data) > limit:
-            raise EventTooLargeError(f"a reply larger than max_response_bytes ({limit} bytes)")
-    return bytes(data)
 
 
 def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:

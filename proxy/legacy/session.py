@@ -61,7 +61,7 @@ class Question:
     target: Any = None
 
 
-def _same_id(a: Any, b: Any) -> bool:
+def same_id(a: Any, b: Any) -> bool:
     """JSON-RPC ids are equal when their values and types are (1 is not "1", nor True)."""
     return type(a) is type(b) and a == b
 
@@ -98,6 +98,18 @@ class LegacySession:
         sent = Outbound(upstream_id, **outbound)
         self.pending[client_id] = sent
         return sent
+
+    def own_progress_token(self, params: JsonObject) -> tuple[JsonObject, Any, str | None]:
+        """For an upstream several sessions share (a stdio child): `params` with the client's
+        `_meta.progressToken` replaced by a fresh proxy token (`mtp-<random>`), the client's token,
+        and the proxy's (both None when the request asks for no progress). `to_client` maps the
+        upstream's progress back under the client's token."""
+        meta = dict(object_of(params.get("_meta")))
+        client_token = meta.get("progressToken")
+        if client_token is None:
+            return params, None, None
+        upstream_token = meta["progressToken"] = "mtp-" + secrets.token_urlsafe(9)
+        return {**params, "_meta": meta}, client_token, upstream_token
 
     def answered(self, client_id: RequestId | None, sent: Outbound) -> None:
         """`sent` needs no cancel any more (answered, or failed): a later cancel for it is dropped."""
@@ -143,7 +155,7 @@ class LegacySession:
         """The upstream cancelled its own question: the proxy id the client knows it by (the
         question is forgotten), or None when the client has no such question open."""
         for proxy_id, question in reversed(self.questions.items()):
-            if question.target is target and _same_id(question.upstream_id, upstream_id):
+            if question.target is target and same_id(question.upstream_id, upstream_id):
                 del self.questions[proxy_id]
                 return proxy_id
         return None
@@ -161,7 +173,7 @@ class LegacySession:
         if jsonrpc.is_request(message):
             return {**message, "id": self.ask(message["id"], target)}, False
         if jsonrpc.is_response(message):
-            if sent is not None and _same_id(message.get("id"), sent.upstream_id):
+            if sent is not None and same_id(message.get("id"), sent.upstream_id):
                 return {**message, "id": client_id}, True
             log.warning(
                 "legacy_foreign_response_dropped", reason="a response for an id this stream does not carry"

@@ -12,11 +12,11 @@ from aiohttp import web
 
 from proxy.legacy.replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions
+from proxy.protocol.sse import SSE_HEADERS
 
 log = structlog.get_logger("proxy.legacy")
 
 LINGER_S = 60.0  # how long (s) a stream no client reads keeps its buffer (and a GET stream its pump)
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class StreamServer:

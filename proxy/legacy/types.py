@@ -49,8 +49,7 @@ class LegacyUpstream(Protocol):
     async def cancel(
         self, request: web.Request, session: LegacySession, sent: Outbound, body: JsonObject
     ) -> web.StreamResponse:
-        """Pass a client's `notifications/cancelled` on for `sent` (still in flight), under its upstream id.
-        Pass a client's `notifications/cancelled` on for `sent` (still in flight), under its upstream id."""
+        """Pass a client's `notifications/cancelled` on for `sent` (in flight), under its upstream id."""
 
     async def respond(
         self, request: web.Request, session: LegacySession, question: Question, body: JsonObject

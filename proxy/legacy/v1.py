@@ -127,8 +127,7 @@ class V1Front:
         return {**message, "result": result}
 
     def reply_rewriter(self, method: str) -> Callable[[JsonObject], Awaitable[JsonObject]] | None:
-        """How the answer to `method` is rewritten (`rewrite_reply`), or None when `method` needs no rewrite.
-        How the answer to `method` is rewritten (`rewrite_reply`), or None when `method` needs no rewrite."""
+        """How the answer to `method` is rewritten (`rewrite_reply`), or None when it needs no rewrite."""
         if method not in REWRITTEN_REPLIES:
             return None
 
@@ -240,8 +239,7 @@ class V1Front:
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
 
     def _progress_of(self, principal: str) -> Callable[[str, JsonObject], None]:
-        """Where a v1 task's progress goes: to the streams of `principal`'s task, with the related-task key.
-        Where a v1 task's progress goes: to the streams of `principal`'s task, with the related-task key."""
+        """Where a v1 task's progress goes: the streams of `principal`'s task, with the related-task key."""
 
         def publish(task_id: str, message: JsonObject) -> None:
             related = with_related_task(message, task_id)

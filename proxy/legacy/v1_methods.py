@@ -25,7 +25,7 @@ from aiohttp import web
 from proxy.protocol import jsonrpc
 from proxy.protocol.inputs import InputError
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, RequestId
-from proxy.protocol.sse import KEEPALIVE, encode_message
+from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.runtime.fanout import Subscription
 from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.service import TaskService
@@ -51,13 +51,7 @@ class _Sse:
 
     async def write(self, data: bytes) -> None:
         if self.stream is None:
-            self.stream = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                }
-            )
+            self.stream = web.StreamResponse(headers=SSE_HEADERS)
             await self.stream.prepare(self.request)
         await self.stream.write(data)
 

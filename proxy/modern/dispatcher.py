@@ -1,5 +1,5 @@
-"""Modern-era (2026-07-28) method dispatch for one configured upstream server: a method table that only
-routes.
+"""Modern-era (2026-07-28) method dispatch for one configured upstream server: a method table that
+only routes.
 
 The proxy answers `server/discover` and `tasks/*` itself (`task_methods`), runs `tools/call`,
 `prompts/get` and `resources/read` as proxy-owned calls (`calls`), relays list changes on

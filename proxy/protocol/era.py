@@ -114,9 +114,9 @@ def is_modern_request(headers: Mapping[str, str], body: Any) -> bool:
     Rule (after conformance.md §9.5): never with an `Mcp-Session-Id`; always when `params._meta`
     carries `io.modelcontextprotocol/protocolVersion` (the modern envelope); otherwise by the
     `MCP-Protocol-Version` header: modern unless it names a legacy revision, legacy when absent.
-    A bare `initialize` is legacy. So a legacy client that sends `_meta.progressToken` without a session stays
-    legacy, and a
-    2026 request with a broken envelope still reaches modern validation (-32602).
+    A bare `initialize` is legacy. So a legacy client that sends `_meta.progressToken` without a
+    session stays legacy, and a 2026 request with a broken envelope still reaches modern validation
+    (-32602).
     """
     if headers.get("Mcp-Session-Id"):
         return False

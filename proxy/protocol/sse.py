@@ -11,6 +11,10 @@ from typing import Any
 
 from proxy.protocol import jsonrpc
 
+# The response headers of every SSE stream the proxy serves: no cache may keep it, and no buffering
+# reverse proxy (nginx's X-Accel-Buffering) may hold its events back.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 
 @dataclass
 class SseEvent:

@@ -128,9 +128,8 @@ class Replicas:
     async def begin_drain(self) -> None:
         """Mark this replica draining (in memory at once, then in its registry record)."""
         self.draining = True
-        self.registry.draining = True
         with contextlib.suppress(StoreUnavailableError):
-            await self.registry.announce()
+            await self.registry.announce_draining()
         log.info("replica_draining", node=self.node)
 
     async def wait_idle(self, timeout_s: float, busy: Callable[[], bool]) -> bool:

@@ -60,13 +60,18 @@ class Registry:
             _key(self.node), {"url": self.url, "draining": self.draining}, self.lease_ms
         )
 
+    async def announce_draining(self) -> None:
+        """From now on this replica's record says it is draining (it takes no new calls or sessions);
+        written at once. Raises StoreUnavailableError (the next `announce` writes it again)."""
+        self.draining = True
+        await self.announce()
+
     async def withdraw(self) -> None:
         """Remove this replica's record (clean exit). Raises StoreUnavailableError."""
         await self.shared.session_delete(_key(self.node))
 
     async def peers(self) -> list[Peer]:
-        """Every other live replica (empty when the map cannot list its keys). Raises StoreUnavailableError.
-        Every other live replica (empty when the map cannot list its keys). Raises StoreUnavailableError."""
+        """Every other live replica (none when the map cannot list keys). Raises StoreUnavailableError."""
         keys = getattr(self.shared, "session_keys", None)
         if keys is None:
             return []

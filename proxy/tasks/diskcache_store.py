@@ -10,7 +10,9 @@
 - Keys: `task:<id>` the record; `ip:<principal>\\x1f<server>\\x1f<rev>\\x1f<id>` and
   `ia:<rev>\\x1f<id>` listing indexes (`rev` orders newest first); `live:<id>` non-terminal tasks;
   `node:<id>` leases. Index keys expire with their record. `once:`, `blob:`, `session:`: small
-  shared state (`diskcache_shared.py`).
+  shared state, the same API as the Redis store's (`claim_once`, `put_blob`, `get_blob`,
+  `session_*`), with diskcache expiry and written through the single writer (so a claim is atomic
+  across this process's tasks).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Any
 import diskcache
 
 from proxy.tasks.dirlock import lock_directory, unlock_directory
-from proxy.tasks.diskcache_shared import DiskcacheSharedState
 from proxy.tasks.model import (
     Change,
     ConflictError,
@@ -38,9 +39,8 @@ from proxy.tasks.model import (
     now_ms,
     principal_key,
 )
-from proxy.tasks.store import ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError
 
-Listener = Callable[[TaskStatus | None, TaskRecord], None]
 _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)
 _STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 _SEP = "\x1f"
@@ -54,7 +54,7 @@ def _rev(created_ms: int) -> str:
     return f"{_REV_BASE - created_ms:013d}"
 
 
-class DiskcacheStore(DiskcacheSharedState):
+class DiskcacheStore:
     """Task records in a diskcache directory; see the module docstring.
 
     `path` is the directory (created 0700 if missing). `durable=True` fsyncs every batch (SQLite
@@ -188,8 +188,7 @@ class DiskcacheStore(DiskcacheSharedState):
             listener(before, record)
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(previous status or None on create, record)` after each change this object commits.
-        Call `listener(previous status or None on create, record)` after each change this object commits."""
+        """Call `listener(previous status or None on create, record)` after each change this store commits."""
         self._listeners.append(listener)
 
     # -- records ------------------------------------------------------------------------------
@@ -336,6 +335,61 @@ class DiskcacheStore(DiskcacheSharedState):
             if record is not None and not record.status.terminal:
                 records.append(record)
         return records
+
+    # -- small shared state: single-use claims, blobs, the legacy session map ----------------------
+
+    def _read(self, key: str) -> Any:
+        try:
+            return self._cache.get(key)
+        except _STORE_ERRORS as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+
+    def add_remote_listener(self, listener: Listener) -> None:
+        """See TaskStore.add_remote_listener: one process serves a diskcache store, so its own commits are
+        all."""
+        self._listeners.append(listener)
+
+    async def claim_once(self, key: str, ttl_ms: int) -> bool:
+        """See TaskStore.claim_once (diskcache `add`, which writes only an absent key)."""
+        return bool(
+            await self._write(lambda: self._cache.add("once:" + key, 1, expire=max(1, ttl_ms) / 1000))
+        )
+
+    async def claimed(self, key: str) -> bool:
+        """See TaskStore.claimed."""
+        return self._read("once:" + key) is not None
+
+    async def put_blob(
+        self, key: str, value: bytes, ttl_ms: int | None = None, *, only_new: bool = False
+    ) -> bool:
+        """See TaskStore.put_blob."""
+        expire = None if ttl_ms is None else max(1, ttl_ms) / 1000
+        if only_new:
+            return bool(
+                await self._write(lambda: self._cache.add("blob:" + key, bytes(value), expire=expire))
+            )
+        return bool(await self._write(lambda: self._cache.set("blob:" + key, bytes(value), expire=expire)))
+
+    async def get_blob(self, key: str) -> bytes | None:
+        """See TaskStore.get_blob."""
+        value = self._read("blob:" + key)
+        return None if value is None else bytes(value)
+
+    async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
+        """See TaskStore.session_put."""
+        await self._write(
+            lambda: self._cache.set("session:" + session_id, dict(info), expire=max(1, ttl_ms) / 1000),
+            fsync=False,
+        )
+
+    async def session_get(self, session_id: str) -> dict[str, Any] | None:
+        """See TaskStore.session_get."""
+        value = self._read("session:" + session_id)
+        return None if value is None else dict(value)
+
+    async def session_delete(self, session_id: str) -> None:
+        """See TaskStore.session_delete."""
+        await self._write(lambda: self._cache.delete("session:" + session_id), fsync=False)
 
     # -- leases, retention, health ------------------------------------------------------------
 

@@ -200,8 +200,7 @@ HISTORY_MAX = 32  # status changes kept per record (the first and the newest one
 
 
 def with_transition(history: list[dict[str, Any]], status: TaskStatus, at_ms: int) -> list[dict[str, Any]]:
-    """`history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list.
-    `history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX entries keeping the first; a new list."""
+    """`history` plus `{status, at_ms}` (epoch ms), cut to HISTORY_MAX keeping the first; a new list."""
     entries = [*history, {"status": TaskStatus(status).value, "at_ms": at_ms}]
     if len(entries) > HISTORY_MAX:
         entries = [entries[0], *entries[-(HISTORY_MAX - 1) :]]

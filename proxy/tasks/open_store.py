@@ -26,8 +26,7 @@ def open_store(store: StoreConfig, *, max_result_bytes: int, exclusive: bool) ->
 
 
 def rate_storage(store: StoreConfig) -> Storage | None:
-    """Where `tasks_rate` counters live: Redis (shared by replicas) for a Redis store, else None (in memory).
-    Where `tasks_rate` counters live: Redis (shared by replicas) for a Redis store, else None (in memory)."""
+    """Where `tasks_rate` counters live: Redis (shared by replicas) for a Redis store, else None (memory)."""
     if store.url is None:
         return None
     return redis_rate_storage(store.url, prefix=store.prefix, timeout_s=store.timeout)

@@ -29,10 +29,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.store import Listener
 
 log = structlog.get_logger("proxy.tasks")
 
-Listener = Callable[[TaskStatus | None, TaskRecord], None]
 RECONNECT_S = 0.5  # s between pub/sub reconnection attempts
 POLL_S = 1.0  # s: a change wait re-reads the record at least this often (messages may be lost)
 READ_S = 1.0  # s: one pub/sub read waits at most this long before the loop checks for shutdown

@@ -34,9 +34,9 @@ from redis.exceptions import RedisError, ResponseError
 
 from proxy.config.base import redact_url, url_password
 from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, principal_key
-from proxy.tasks.redis_events import POLL_S, ChangeFeed, Listener
+from proxy.tasks.redis_events import POLL_S, ChangeFeed
 from proxy.tasks.redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message
-from proxy.tasks.store import ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError
 
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
 CAS_ATTEMPTS = 100  # compare-and-set rounds one change may take under contention before giving up
@@ -50,9 +50,8 @@ class RedisTaskStore:
     of every key (several proxies may share a Redis under different prefixes). `timeout_s` (s):
     bound on connecting, on each reply, and on waiting for one of `max_connections` pooled
     connections; a call that fails on a connection error is tried once more, so one call takes
-    at most about twice `timeout_s`. `max_result_bytes` feeds `model.apply`. Raises StoreUnavailableError for
-    a URL
-    redis-py cannot use; connecting happens at the first call.
+    at most about twice `timeout_s`. `max_result_bytes` feeds `model.apply`. Raises
+    StoreUnavailableError for a URL redis-py cannot use; connecting happens at the first call.
     """
 
     def __init__(
@@ -105,8 +104,7 @@ class RedisTaskStore:
             raise StoreUnavailableError(self._message(exc)) from None
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(previous status or None on create, record)` after each change this object commits.
-        Call `listener(previous status or None on create, record)` after each change this object commits."""
+        """Call `listener(previous status or None on create, record)` after each change this store commits."""
         self._listeners.append(listener)
 
     def add_remote_listener(self, listener: Listener) -> None:

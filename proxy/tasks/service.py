@@ -155,8 +155,7 @@ class TaskService:
         self._leases.failed()
 
     async def stop(self) -> None:
-        """On shutdown: record `failed` for every detached call still running, cancel it, give the lease up.
-        On shutdown: record `failed` for every detached call still running, cancel it, give the lease up."""
+        """On shutdown: record `failed` for each detached call still running, cancel it, give the lease up."""
         self._stopping = True  # the loop also checks it: redis-py can swallow a cancel (redis/redis-py#2028)
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -177,8 +176,7 @@ class TaskService:
     # -- creation ----------------------------------------------------------------------------
 
     def check_capacity(self, principal: str) -> None:
-        """Raise a limit error (HTTP 429) when `principal` already has `max_tasks_per_principal` live tasks.
-        Raise a limit error (HTTP 429) when `principal` already has `max_tasks_per_principal` live tasks."""
+        """Raise a limit error (HTTP 429) when `principal` has `max_tasks_per_principal` live tasks."""
         cap = self.max_tasks_per_principal
         if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
             log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))

@@ -17,6 +17,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from proxy.tasks.model import Change, TaskRecord, TaskStatus
 
+# Called with (status before, record after) for each change a store commits (or, on a shared store,
+# learns another replica committed); synchronous, so it must not block.
+Listener = Callable[[TaskStatus | None, TaskRecord], None]
+
 
 class TaskNotFoundError(KeyError):
     """Raised when a task id is unknown or expired."""
@@ -42,16 +46,6 @@ class ListFilter:
     server: str | None = None
     status: str | None = None
     tool: str | None = None
-
-
-class RemoteOwner(Protocol):
-    """Reaches the live call of a task another node (replica) runs (`proxy.replicas`)."""
-
-    async def answer(self, record: TaskRecord, responses: dict) -> list[str]:
-        """Deliver input responses (by key) there; the keys used."""
-
-    async def cancel(self, record: TaskRecord, reason: str) -> None:
-        """Stop the call there (the store already says `cancelled`)."""
 
 
 @runtime_checkable
@@ -114,11 +108,11 @@ class TaskStore(Protocol):
     async def close(self) -> None:
         """Flush pending writes and release resources."""
 
-    def add_listener(self, listener: Callable[[TaskStatus | None, TaskRecord], None]) -> None:
+    def add_listener(self, listener: Listener) -> None:
         """Call `listener(previous status, or None on create; new record)` after each change this
         store object commits (in this process; for metrics and logs: never counted twice)."""
 
-    def add_remote_listener(self, listener: Callable[[TaskStatus | None, TaskRecord], None]) -> None:
+    def add_remote_listener(self, listener: Listener) -> None:
         """Call `listener(previous status or None; record)` for the changes every process serving
         this store commits (all replicas on a Redis store; this process alone on diskcache), for
         status push and the console's event stream. Changes of other processes may come late, or
@@ -141,8 +135,7 @@ class TaskStore(Protocol):
         """The value under `key`, or None when absent or expired."""
 
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
-        """Keep `info` (JSON-able) for a legacy session id for `ttl_ms` ms from now (the legacy session map).
-        Keep `info` (JSON-able) for a legacy session id for `ttl_ms` ms from now (the legacy session map)."""
+        """Keep `info` (JSON-able) for a legacy session id, `ttl_ms` ms from now (the legacy session map)."""
 
     async def session_get(self, session_id: str) -> dict[str, Any] | None:
         """The info of a legacy session id, or None when unknown or expired."""

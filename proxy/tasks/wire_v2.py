@@ -31,8 +31,8 @@ def wire_task(record: TaskRecord, at_ms: int | None = None) -> JsonObject:
 
 def create_task_result(record: TaskRecord) -> JsonObject:
     """The flat v2 `CreateTaskResult`: `resultType: "task"` plus the Task fields (ext-tasks
-    §CreateTaskResult),
-    as of the record's last update (so a fresh task shows `ttlMs` equal to its configured ttl)."""
+    §CreateTaskResult), as of the record's last update (so a fresh task shows `ttlMs` equal to its
+    configured ttl)."""
     return {"resultType": "task", **wire_task(record, record.last_updated_ms)}
 
 

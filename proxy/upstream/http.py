@@ -153,8 +153,8 @@ class UpstreamSession:
                     raise UpstreamError(f"upstream {self.server} GET stream: {exc}") from exc
                 async with resp:
                     if resp.status >= 300:
-                        # the upstream offers no standalone stream (or forgot the session); redirects are not
-                        # followed
+                        # the upstream offers no standalone stream (or forgot
+                        # the session); redirects are not followed
                         return
                     try:
                         async for event in iter_events(
@@ -416,8 +416,7 @@ class UpstreamSession:
         raise UpstreamError(f"upstream {self.server} {reason}")
 
     def _event_message(self, event: SseEvent) -> JsonObject | None:
-        """The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logged).
-        The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logged)."""
+        """The JSON object an SSE `message` event carries, or None (other event, no data, not JSON: logs)."""
         if event.event != "message" or not event.data.strip():
             return None
         try:
