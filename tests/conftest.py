@@ -62,9 +62,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         check = EXTERNAL_PARTS.get(marker.name)
         problem = check() if check is not None else None
         if problem is not None:
-            if os.environ.get("CI") == "true":
-                pytest.fail(f"{problem}; CI=true needs every external part (scripts/test.sh installs them)")
-            pytest.skip(problem)
+            fail_or_skip(problem)
+
+
+def fail_or_skip(problem: str) -> None:
+    """The one rule for a missing external part: fail under `CI=true`, skip with `problem` elsewhere."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{problem}; CI=true needs every external part (scripts/test.sh installs them)")
+    pytest.skip(problem)
 
 
 @pytest.fixture(scope="session")
@@ -72,10 +77,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     """A real redis-server (appendonly yes, everysec) on a free loopback port with its own temp
     directory, one per test session; tests keep apart through key prefixes (`redis_prefix`)."""
     problem = _missing_redis()
-    if problem is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(problem)
-        pytest.skip(problem)
+    if problem is not None:  # a fixture of a test marked `redis` (its setup has ruled already)
+        fail_or_skip(problem)
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()

@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.redis  # sections b and c put the Redis store beside diskcache
 def test_bench_quick_run_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import aiohttp
 from support.clients import ModernClient
-from support.proxy import Serve, make_config, running_proxy
+from support.proxy import Serve, make_config
 
 from proxy.config import config_from_data
 from proxy.runtime.logs import configure_logging
@@ -32,23 +32,26 @@ async def scrape(base: str) -> str:
         return await resp.text()
 
 
-async def test_metrics_count_calls_tasks_latencies_and_limits(legacy_url: str, tmp_path: Path) -> None:
+async def test_metrics_count_calls_tasks_latencies_and_limits(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
     config = make_config(legacy_url, tmp_path / "store")
     config.limits.tasks_rate = "2/second"
-    async with running_proxy(config) as proxy:
-        before = await scrape(proxy.base)
-        client = ModernClient(proxy.url())
-        try:
-            await client.call("greet", {"name": "m"})
-            created = (await client.call("slow_compute", {"seconds": 0.2, "label": "metrics"})).result
-            import asyncio
+    proxy = await serve(config)
+    before = await scrape(proxy.base)
+    client = ModernClient(proxy.url())
+    try:
+        await client.call("greet", {"name": "m"})
+        created = (await client.call("slow_compute", {"seconds": 0.2, "label": "metrics"})).result
+        import asyncio
 
-            await asyncio.sleep(0.5)
-            for _ in range(3):
-                await client.get(created["taskId"])
-        finally:
-            await client.close()
-        after = await scrape(proxy.base)
+        await asyncio.sleep(0.5)
+        for _ in range(3):
+            await client.get(created["taskId"])
+    finally:
+        await client.close()
+    after = await scrape(proxy.base)
+    await proxy.stop()
 
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -73,20 +76,19 @@ async def test_metrics_count_calls_tasks_latencies_and_limits(legacy_url: str, t
 
 
 async def test_one_log_line_per_request_and_per_transition_without_payloads(
-    legacy_url: str, tmp_path: Path, capsys
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
 ) -> None:
     configure_logging("info")
     secret_argument = "do-not-log-this-7c1e"
     try:
-        async with running_proxy(make_config(legacy_url, tmp_path / "store")) as proxy:
-            client = ModernClient(proxy.url())
-            try:
-                created = (
-                    await client.call("slow_compute", {"seconds": 0.2, "label": secret_argument})
-                ).result
-                await client.wait_terminal(created["taskId"])
-            finally:
-                await client.close()
+        proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+        client = ModernClient(proxy.url())
+        try:
+            created = (await client.call("slow_compute", {"seconds": 0.2, "label": secret_argument})).result
+            await client.wait_terminal(created["taskId"])
+        finally:
+            await client.close()
+        await proxy.stop()
         lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     finally:
         import structlog
@@ -128,43 +130,44 @@ async def test_readyz_names_the_failing_check(tmp_path: Path, serve: Serve) -> N
             assert body["checks"]["store"] == "ok" and "unreachable" in body["checks"]["upstream:down"]
 
 
-async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Path) -> None:
+async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
     config = make_config(legacy_url, tmp_path / "store")
-    async with running_proxy(config) as proxy:
-        before = await scrape(proxy.base)
-        client = ModernClient(
-            proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+    proxy = await serve(config)
+    before = await scrape(proxy.base)
+    client = ModernClient(
+        proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+    )
+    try:
+        await client.warm_up()
+        created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
+        task = await client.wait_status(created["taskId"], ("input_required",))
+        key = next(iter(task["inputRequests"]))
+        await client.request(
+            "tasks/update",
+            {
+                "taskId": created["taskId"],
+                "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+            },
         )
-        try:
-            await client.warm_up()
-            created = (await client.call("confirm_delete", {"filename": "m.txt", "delay": 0.2})).result
-            task = await client.wait_status(created["taskId"], ("input_required",))
-            key = next(iter(task["inputRequests"]))
-            await client.request(
-                "tasks/update",
-                {
-                    "taskId": created["taskId"],
-                    "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
-                },
-            )
-            await client.wait_terminal(created["taskId"])
-            orphan = (await client.call("slow_compute", {"seconds": 30, "label": "orphan-metric"})).result
-        finally:
-            await client.close()
-        # Forget the live call as a crashed process would, then read the task: it is failed as an orphan.
-        from proxy.app import TASKS_KEY
-        from proxy.tasks.model import Change
+        await client.wait_terminal(created["taskId"])
+        orphan = (await client.call("slow_compute", {"seconds": 30, "label": "orphan-metric"})).result
+    finally:
+        await client.close()
+    # Forget the live call as a crashed process would, then read the task: it is failed as an orphan.
+    from proxy.app import TASKS_KEY
+    from proxy.tasks.model import Change
 
-        service = proxy.app[TASKS_KEY]
-        call = service.live.pop(orphan["taskId"])
-        await service.store.update(orphan["taskId"], Change(owner="a-node-whose-lease-lapsed"))
-        reader = ModernClient(proxy.url())
-        try:
-            assert (await reader.get(orphan["taskId"])).result["status"] == "failed"
-        finally:
-            await reader.close()
-            call.cancel("test over")
-        after = await scrape(proxy.base)
+    service = proxy.app[TASKS_KEY]
+    call = service.live.pop(orphan["taskId"])
+    await service.store.update(orphan["taskId"], Change(owner="a-node-whose-lease-lapsed"))
+    reader = ModernClient(proxy.url())
+    try:
+        assert (await reader.get(orphan["taskId"])).result["status"] == "failed"
+    finally:
+        await reader.close()
+        call.cancel("test over")
+    after = await scrape(proxy.base)
+    await proxy.stop()
     assert (
         metric(after, "mcp_tasks_proxy_input_wait_seconds_count")
         - metric(before, "mcp_tasks_proxy_input_wait_seconds_count")
@@ -177,18 +180,21 @@ async def test_input_wait_and_orphan_metrics_move(legacy_url: str, tmp_path: Pat
     )
 
 
-async def test_log_payloads_true_logs_request_bodies(legacy_url: str, tmp_path: Path, capsys) -> None:
+async def test_log_payloads_true_logs_request_bodies(
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
+) -> None:
     configure_logging("info")
     marker = "payload-marker-51ab"
     try:
         config = make_config(legacy_url, tmp_path / "store")
         config.logging.log_payloads = True
-        async with running_proxy(config) as proxy:
-            client = ModernClient(proxy.url())
-            try:
-                await client.call("greet", {"name": marker})
-            finally:
-                await client.close()
+        proxy = await serve(config)
+        client = ModernClient(proxy.url())
+        try:
+            await client.call("greet", {"name": marker})
+        finally:
+            await client.close()
+        await proxy.stop()
         err = capsys.readouterr().err
     finally:
         import structlog

@@ -21,7 +21,7 @@ import structlog
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from support.clients import ModernClient
-from support.proxy import make_config, running_proxy
+from support.proxy import Serve, make_config
 from support.servers import ROOT
 
 from proxy.calls.mrtr import KEY_FILE, load_or_create_key
@@ -44,36 +44,37 @@ async def scrape(base: str, headers: dict[str, str] | None = None) -> tuple[int,
 
 
 async def test_legacy_era_calls_are_counted_and_logged_like_modern_ones(
-    legacy_url: str, tmp_path: Path, capsys
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
 ) -> None:
     configure_logging("info")
     try:
-        async with running_proxy(make_config(legacy_url, tmp_path / "store")) as proxy:
-            _, before = await scrape(proxy.base)
-            async with (
-                streamable_http_client(proxy.url()) as (read, write),
-                ClientSession(read, write) as session,
-            ):
-                await session.initialize()
-                result = await session.call_tool("greet", {"name": "legacy"})
-            assert result.content[0].text == "Hello, legacy!"
-            # The relay counts a call once its handler returns, which may be just after the client
-            # read the last SSE event: scrape until it shows (bounded, 2 s).
-            calls = {"server": "legacy", "tool": "greet", "outcome": "sync"}
-            async with asyncio.timeout(2):
-                while True:
-                    _, after = await scrape(proxy.base)  # legacy traffic only so far
-                    if metric(after, "mcp_tasks_proxy_calls_total", **calls) > metric(
-                        before, "mcp_tasks_proxy_calls_total", **calls
-                    ):
-                        break
-                    await asyncio.sleep(0.01)
-            modern = ModernClient(proxy.url())
-            try:
-                created = (await modern.call("slow_compute", {"seconds": 0.1, "label": "x"})).result
-                await modern.wait_terminal(created["taskId"])
-            finally:
-                await modern.close()
+        proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+        _, before = await scrape(proxy.base)
+        async with (
+            streamable_http_client(proxy.url()) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            result = await session.call_tool("greet", {"name": "legacy"})
+        assert result.content[0].text == "Hello, legacy!"
+        # The relay counts a call once its handler returns, which may be just after the client
+        # read the last SSE event: scrape until it shows (bounded, 2 s).
+        calls = {"server": "legacy", "tool": "greet", "outcome": "sync"}
+        async with asyncio.timeout(2):
+            while True:
+                _, after = await scrape(proxy.base)  # legacy traffic only so far
+                if metric(after, "mcp_tasks_proxy_calls_total", **calls) > metric(
+                    before, "mcp_tasks_proxy_calls_total", **calls
+                ):
+                    break
+                await asyncio.sleep(0.01)
+        modern = ModernClient(proxy.url())
+        try:
+            created = (await modern.call("slow_compute", {"seconds": 0.1, "label": "x"})).result
+            await modern.wait_terminal(created["taskId"])
+        finally:
+            await modern.close()
+        await proxy.stop()
         lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     finally:
         structlog.reset_defaults()
@@ -120,24 +121,24 @@ def test_request_state_key_file_is_checked_and_written_safely(tmp_path: Path) ->
 
 
 async def test_an_empty_key_file_stops_the_start_instead_of_every_mrtr_round(
-    legacy_url: str, tmp_path: Path
+    legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / KEY_FILE).write_text("")
     with pytest.raises(ConfigError, match="is empty"):
-        async with running_proxy(make_config(legacy_url, tmp_path / "store")):
-            pass
+        _proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+        await _proxy.stop()
 
 
-async def test_metrics_token(legacy_url: str, tmp_path: Path) -> None:
+async def test_metrics_token(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
     config = make_config(legacy_url, tmp_path / "store")
     config.metrics.token = hash_token("scraper-secret")
-    async with running_proxy(config) as proxy:
-        status, body = await scrape(proxy.base)
-        assert status == 401 and json.loads(body)["error"]["code"] == -32600
-        assert (await scrape(proxy.base, {"Authorization": "Bearer wrong"}))[0] == 401
-        status, body = await scrape(proxy.base, {"Authorization": "Bearer scraper-secret"})
-        assert status == 200 and "mcp_tasks_proxy_calls_total" in body
+    proxy = await serve(config)
+    status, body = await scrape(proxy.base)
+    assert status == 401 and json.loads(body)["error"]["code"] == -32600
+    assert (await scrape(proxy.base, {"Authorization": "Bearer wrong"}))[0] == 401
+    status, body = await scrape(proxy.base, {"Authorization": "Bearer scraper-secret"})
+    assert status == 200 and "mcp_tasks_proxy_calls_total" in body
 
 
 def _write_config(tmp_path: Path, url: str, **listen: object) -> Path:

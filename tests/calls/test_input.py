@@ -10,7 +10,7 @@ import mcp.types as types
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from support.clients import ModernClient
-from support.proxy import RunningProxy, Serve, make_config, running_proxy
+from support.proxy import RunningProxy, Serve, make_config
 
 ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
 ACCEPT = {"action": "accept", "content": {"confirm": True}}
@@ -474,16 +474,20 @@ async def test_request_state_is_bound_to_principal_and_server(
             await c.close()
 
 
-async def test_request_state_key_is_generated_once_beside_the_store(legacy_url: str, tmp_path) -> None:
+async def test_request_state_key_is_generated_once_beside_the_store(
+    legacy_url: str, tmp_path, serve: Serve
+) -> None:
     import stat
 
     key_file = tmp_path / "store" / "request_state.key"
-    async with running_proxy(make_config(legacy_url, tmp_path / "store")):
-        first = key_file.read_text()
+    _proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    first = key_file.read_text()
+    await _proxy.stop()
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(bytes.fromhex(first)) == 32
-    async with running_proxy(make_config(legacy_url, tmp_path / "store")):
-        assert key_file.read_text() == first  # kept across restarts
+    _proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    assert key_file.read_text() == first  # kept across restarts
+    await _proxy.stop()
     config = make_config(legacy_url, tmp_path / "other")
     config.request_state.secret = "s" * 32
-    async with running_proxy(config):
-        assert not (tmp_path / "other" / "request_state.key").exists()  # the configured secret is used
+    _proxy = await serve(config)
+    assert not (tmp_path / "other" / "request_state.key").exists()  # the configured secret is used

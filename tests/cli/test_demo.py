@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from support.clients import ModernClient
-from support.proxy import running_proxy
+from support.proxy import Serve
 from support.servers import ROOT, ServerProcess
 
 from proxy.cli.serve import demo_config
@@ -25,31 +25,31 @@ def demo_url() -> Iterator[str]:
     server.stop()
 
 
-async def test_every_demo_tool_through_the_proxy(demo_url: str, tmp_path: Path) -> None:
-    async with running_proxy(demo_config(demo_url, str(tmp_path / "store"))) as proxy:
-        client = ModernClient(proxy.url(), capabilities=ASK)
-        try:
-            assert (await client.call("echo", {"text": "hi"})).result["content"][0]["text"] == "hi"
-            report = (await client.call("slow_report", {"seconds": 1.5, "steps": 3})).result
-            assert report["resultType"] == "task"
-            done = await client.wait_terminal(report["taskId"])
-            assert done["status"] == "completed" and "report ready" in done["result"]["content"][0]["text"]
-            flaky = await client.call("flaky_job")
-            # fails before 1 s: no task
-            assert flaky.error["code"] == -32603 and "build farm is on fire" in flaky.error["message"]
-            asked = (await client.call("approve_deploy", {"service": "billing"})).result
-            assert asked["resultType"] == "input_required"
-            ((key, question),) = asked["inputRequests"].items()
-            assert question["params"]["message"] == "Deploy billing to production?"
-            retry = {
-                "name": "approve_deploy",
-                "arguments": {"service": "billing"},
-                "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
-                "requestState": asked["requestState"],
-            }
-            assert "approved" in (await client.request("tools/call", retry)).result["content"][0]["text"]
-        finally:
-            await client.close()
+async def test_every_demo_tool_through_the_proxy(demo_url: str, tmp_path: Path, serve: Serve) -> None:
+    proxy = await serve(demo_config(demo_url, str(tmp_path / "store")))
+    client = ModernClient(proxy.url(), capabilities=ASK)
+    try:
+        assert (await client.call("echo", {"text": "hi"})).result["content"][0]["text"] == "hi"
+        report = (await client.call("slow_report", {"seconds": 1.5, "steps": 3})).result
+        assert report["resultType"] == "task"
+        done = await client.wait_terminal(report["taskId"])
+        assert done["status"] == "completed" and "report ready" in done["result"]["content"][0]["text"]
+        flaky = await client.call("flaky_job")
+        # fails before 1 s: no task
+        assert flaky.error["code"] == -32603 and "build farm is on fire" in flaky.error["message"]
+        asked = (await client.call("approve_deploy", {"service": "billing"})).result
+        assert asked["resultType"] == "input_required"
+        ((key, question),) = asked["inputRequests"].items()
+        assert question["params"]["message"] == "Deploy billing to production?"
+        retry = {
+            "name": "approve_deploy",
+            "arguments": {"service": "billing"},
+            "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+            "requestState": asked["requestState"],
+        }
+        assert "approved" in (await client.request("tools/call", retry)).result["content"][0]["text"]
+    finally:
+        await client.close()
 
 
 def test_the_printed_curl_line_turns_a_slow_call_into_a_task() -> None:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from support.clients import ModernClient
 from support.console import CLIENT_TOKEN, CONSOLE_TOKEN, client_for, console_config, seed
-from support.proxy import RunningProxy, Serve, make_config, running_proxy
+from support.proxy import RunningProxy, Serve, make_config
 from support.records import make_record
 
 from proxy.app import TASKS_KEY
@@ -31,9 +31,9 @@ BEARER = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
 
 
 @pytest.fixture
-async def console(legacy_url: str, tmp_path: Path) -> AsyncIterator[RunningProxy]:
-    async with running_proxy(console_config(legacy_url, tmp_path / "store")) as proxy:
-        yield proxy
+async def console(legacy_url: str, tmp_path: Path, serve: Serve) -> AsyncIterator[RunningProxy]:
+    proxy = await serve(console_config(legacy_url, tmp_path / "store"))
+    yield proxy
 
 
 @pytest.fixture
@@ -468,26 +468,26 @@ async def test_completed_results_preview_and_other_servers_and_expired_tasks(
 
 
 async def test_overview_and_a_stream_with_keepalives_that_ends_at_shutdown(
-    legacy_url: str, tmp_path: Path, http: aiohttp.ClientSession
+    legacy_url: str, tmp_path: Path, http: aiohttp.ClientSession, serve: Serve
 ) -> None:
     config = console_config(legacy_url, tmp_path / "store", listen={"sse_keepalive": "200ms"})
-    async with running_proxy(config) as proxy:
-        status, overview = await get_json(http, proxy.base + "/console/api/overview", BEARER)
-        assert (
-            status == 200
-            and overview["upstreams"] == {"legacy": "ok", "other": "ok"}
-            and overview["store"] == "ok"
-        )
-        assert set(overview["tasksByStatus"]) <= {s.value for s in TaskStatus}
-        buckets = overview["detachDelay"]["buckets"]
-        assert (
-            buckets[-1]["le"] == "+Inf"
-            and sum(b["count"] for b in buckets) == overview["detachDelay"]["count"]
-        )
-        stream = await http.get(proxy.base + "/console/api/events", headers=BEARER)
-        events = await read_events(stream, lambda ev: sum(e[0] == ":" for e in ev) >= 2, timeout=5)
-        assert events[0][0] == "ready" and events[1] == (":", "keepalive")
-        stopped = time.monotonic()
+    proxy = await serve(config)
+    status, overview = await get_json(http, proxy.base + "/console/api/overview", BEARER)
+    assert (
+        status == 200
+        and overview["upstreams"] == {"legacy": "ok", "other": "ok"}
+        and overview["store"] == "ok"
+    )
+    assert set(overview["tasksByStatus"]) <= {s.value for s in TaskStatus}
+    buckets = overview["detachDelay"]["buckets"]
+    assert (
+        buckets[-1]["le"] == "+Inf" and sum(b["count"] for b in buckets) == overview["detachDelay"]["count"]
+    )
+    stream = await http.get(proxy.base + "/console/api/events", headers=BEARER)
+    events = await read_events(stream, lambda ev: sum(e[0] == ":" for e in ev) >= 2, timeout=5)
+    assert events[0][0] == "ready" and events[1] == (":", "keepalive")
+    stopped = time.monotonic()
+    await proxy.stop()
     # The proxy has shut down with the stream open: the stream did not hold the shutdown up, and it ended.
     try:
         assert time.monotonic() - stopped < 5

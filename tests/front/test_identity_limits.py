@@ -12,49 +12,52 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from support.clients import AuthClient, ModernClient
-from support.proxy import Serve, make_config, running_proxy, with_auth
+from support.proxy import Serve, make_config, with_auth
 from support.servers import served_app
 
 from proxy.front.auth import hash_token
 
 
-async def test_bearer_tokens_bind_tasks_to_their_principal(legacy_url: str, tmp_path: Path, capsys) -> None:
+async def test_bearer_tokens_bind_tasks_to_their_principal(
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
+) -> None:
     auth = {
         "mode": "bearer",
         "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")},
     }
-    async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
-        alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret"})
-        bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret"})
-        nobody = ModernClient(proxy.url())
-        wrong = AuthClient(proxy.url(), {"Authorization": "Bearer guess"})
-        try:
-            for client in (nobody, wrong):
-                reply = await client.call("greet", {"name": "x"})
-                assert (
-                    reply.status == 401
-                    and reply.error["code"] == -32600
-                    and "authentication required" in reply.error["message"]
-                )
-            created = (await alice.call("slow_compute", {"seconds": 0.3, "label": "alice"})).result
-            task_id = created["taskId"]
-            unknown = await bob.get("no-such-task")
-            for method, params in (
-                ("tasks/get", {"taskId": task_id}),
-                ("tasks/update", {"taskId": task_id, "inputResponses": {}}),
-                ("tasks/cancel", {"taskId": task_id}),
-            ):
-                reply = await bob.request(method, params)
-                assert reply.error["code"] == unknown.error["code"] == -32602
-                assert reply.error["message"].replace(task_id, "X") == unknown.error["message"].replace(
-                    "no-such-task", "X"
-                )
-            done = await alice.wait_terminal(task_id)
-            assert done["status"] == "completed"  # bob's cancel did nothing
-            assert (await proxy.store.get(task_id)).principal == "alice"
-        finally:
-            for client in (alice, bob, nobody, wrong):
-                await client.close()
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret"})
+    bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret"})
+    nobody = ModernClient(proxy.url())
+    wrong = AuthClient(proxy.url(), {"Authorization": "Bearer guess"})
+    try:
+        for client in (nobody, wrong):
+            reply = await client.call("greet", {"name": "x"})
+            assert (
+                reply.status == 401
+                and reply.error["code"] == -32600
+                and "authentication required" in reply.error["message"]
+            )
+        created = (await alice.call("slow_compute", {"seconds": 0.3, "label": "alice"})).result
+        task_id = created["taskId"]
+        unknown = await bob.get("no-such-task")
+        for method, params in (
+            ("tasks/get", {"taskId": task_id}),
+            ("tasks/update", {"taskId": task_id, "inputResponses": {}}),
+            ("tasks/cancel", {"taskId": task_id}),
+        ):
+            reply = await bob.request(method, params)
+            assert reply.error["code"] == unknown.error["code"] == -32602
+            assert reply.error["message"].replace(task_id, "X") == unknown.error["message"].replace(
+                "no-such-task", "X"
+            )
+        done = await alice.wait_terminal(task_id)
+        assert done["status"] == "completed"  # bob's cancel did nothing
+        assert (await proxy.store.get(task_id)).principal == "alice"
+    finally:
+        for client in (alice, bob, nobody, wrong):
+            await client.close()
+    await proxy.stop()
     logs = capsys.readouterr()
     text = logs.out + logs.err
     assert "security_foreign_task_access" in text and "security_auth_failed" in text
@@ -109,43 +112,47 @@ async def test_jwt_against_a_jwks_file(legacy_url: str, tmp_path: Path, serve: S
             await client.close()
 
 
-async def test_trusted_header_from_a_fronting_proxy(legacy_url: str, tmp_path: Path) -> None:
+async def test_trusted_header_from_a_fronting_proxy(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
     auth = {"mode": "header", "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]}}
-    async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
-        erin = AuthClient(proxy.url(), {"X-Forwarded-User": "erin"})
-        anonymous = ModernClient(proxy.url())
-        try:
-            created = (await erin.call("slow_compute", {"seconds": 0.1})).result
-            assert (await proxy.store.get(created["taskId"])).principal == "erin"
-            assert (await anonymous.call("greet", {"name": "x"})).status == 401
-        finally:
-            await erin.close()
-            await anonymous.close()
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    erin = AuthClient(proxy.url(), {"X-Forwarded-User": "erin"})
+    anonymous = ModernClient(proxy.url())
+    try:
+        created = (await erin.call("slow_compute", {"seconds": 0.1})).result
+        assert (await proxy.store.get(created["taskId"])).principal == "erin"
+        assert (await anonymous.call("greet", {"name": "x"})).status == 401
+    finally:
+        await erin.close()
+        await anonymous.close()
+    await proxy.stop()
     auth = {"mode": "header", "header": {"name": "X-Forwarded-User", "trusted_peers": ["10.9.9.9"]}}
-    async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
-        spoofer = AuthClient(proxy.url(), {"X-Forwarded-User": "erin"})
-        try:
-            assert (await spoofer.call("greet", {"name": "x"})).status == 401
-        finally:
-            await spoofer.close()
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    spoofer = AuthClient(proxy.url(), {"X-Forwarded-User": "erin"})
+    try:
+        assert (await spoofer.call("greet", {"name": "x"})).status == 401
+    finally:
+        await spoofer.close()
 
 
-async def test_upstream_credentials_never_reach_the_store(legacy_url: str, tmp_path: Path) -> None:
+async def test_upstream_credentials_never_reach_the_store(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
     secret = "upstream-credential-7f3a9c"
     config = make_config(
         legacy_url, tmp_path / "store", server={"headers": {"Authorization": f"Bearer {secret}"}}
     )
-    async with running_proxy(config) as proxy:
-        client = ModernClient(proxy.url())
-        try:
-            seen = json.loads((await client.call("echo_meta", capabilities={})).result["content"][0]["text"])
-            assert seen["headers"]["authorization"] == f"Bearer {secret}"  # it does reach the upstream
-            for seconds in (0.2, 0.3):
-                created = (await client.call("slow_compute", {"seconds": seconds})).result
-                assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
-            assert await proxy.store.count() >= 2
-        finally:
-            await client.close()
+    proxy = await serve(config)
+    client = ModernClient(proxy.url())
+    try:
+        seen = json.loads((await client.call("echo_meta", capabilities={})).result["content"][0]["text"])
+        assert seen["headers"]["authorization"] == f"Bearer {secret}"  # it does reach the upstream
+        for seconds in (0.2, 0.3):
+            created = (await client.call("slow_compute", {"seconds": seconds})).result
+            assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
+        assert await proxy.store.count() >= 2
+    finally:
+        await client.close()
+    await proxy.stop()
     for path in (tmp_path / "store").rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
@@ -255,7 +262,7 @@ async def test_cancel_racing_completion_has_one_final_state(
 
 
 async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(
-    legacy_url: str, tmp_path: Path, capsys
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
 ) -> None:
     import aiohttp
 
@@ -274,7 +281,8 @@ async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(
         },
     }
     base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy, aiohttp.ClientSession() as http:
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    async with aiohttp.ClientSession() as http:
         async with http.post(
             proxy.url(), json=init, headers={**base, "Authorization": "Bearer alice-secret"}
         ) as resp:
@@ -291,11 +299,12 @@ async def test_a_legacy_session_belongs_to_the_principal_that_opened_it(
         ) as resp:
             assert resp.status == 200
             await resp.read()
+    await proxy.stop()
     logs = capsys.readouterr()
     assert "security_foreign_session_access" in logs.out + logs.err
 
 
-async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path) -> None:
+async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
     from aiohttp import web
 
     key, jwks = _rsa_jwks(tmp_path)
@@ -315,19 +324,20 @@ async def test_jwt_keys_fetched_from_a_jwks_url(legacy_url: str, tmp_path: Path)
                 "algorithms": ["RS256"],
             },
         }
-        async with running_proxy(with_auth(legacy_url, tmp_path, auth)) as proxy:
-            frank = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='frank')}"})
-            forged = AuthClient(
-                proxy.url(),
-                {
-                    "Authorization": f"Bearer "
-                    f"{_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"
-                },
-            )
-            try:
-                created = (await frank.call("slow_compute", {"seconds": 0.1})).result
-                assert (await proxy.store.get(created["taskId"])).principal == "frank"
-                assert (await forged.get(created["taskId"])).status == 401
-            finally:
-                await frank.close()
-                await forged.close()
+        proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+        frank = AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='frank')}"})
+        forged = AuthClient(
+            proxy.url(),
+            {
+                "Authorization": f"Bearer "
+                f"{_token(rsa.generate_private_key(public_exponent=65537, key_size=2048), sub='frank')}"
+            },
+        )
+        try:
+            created = (await frank.call("slow_compute", {"seconds": 0.1})).result
+            assert (await proxy.store.get(created["taskId"])).principal == "frank"
+            assert (await forged.get(created["taskId"])).status == 401
+        finally:
+            await frank.close()
+            await forged.close()
+        await proxy.stop()

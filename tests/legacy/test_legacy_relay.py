@@ -17,8 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from support.clients import ModernClient
-from support.proxy import Serve, running_proxy, stdio_config
-from support.servers import ServerProcess
+from support.proxy import Serve, make_config, stdio_config
+from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, python_venv
 
 from proxy.config import config_from_data
 from proxy.protocol.sse import iter_events
@@ -48,9 +48,9 @@ def relay_config(upstream_url: str, tmp_path: Path, server: dict | None = None, 
 
 
 @pytest.fixture
-async def proxy_url(upstream: str, tmp_path: Path) -> AsyncIterator[str]:
-    async with running_proxy(relay_config(upstream, tmp_path)) as proxy:
-        yield proxy.url()
+async def proxy_url(upstream: str, tmp_path: Path, serve: Serve) -> AsyncIterator[str]:
+    proxy = await serve(relay_config(upstream, tmp_path))
+    yield proxy.url()
 
 
 class Legacy:
@@ -316,12 +316,10 @@ async def test_an_ended_stream_stays_resumable_for_the_linger_time_then_is_forgo
 
 
 async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_stream(
-    upstream: str, tmp_path: Path
+    upstream: str, tmp_path: Path, serve: Serve
 ) -> None:
-    async with (
-        running_proxy(relay_config(upstream, tmp_path, replay_events=2)) as proxy,
-        aiohttp.ClientSession() as http,
-    ):
+    proxy = await serve(relay_config(upstream, tmp_path, replay_events=2))
+    async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy.url(), http).open()
         upstream_sid = (await upstream_sessions(upstream))[-1]
 
@@ -355,6 +353,7 @@ async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_s
             assert fresh.status == 200
             await push(6)
             assert [n for _, n in await messages(fresh, 1)] == [6]
+    await proxy.stop()
     async with aiohttp.ClientSession() as http, http.get(upstream.removesuffix("/mcp") + "/gets") as r:
         mine = [g for g in await r.json() if g["session"] == upstream_sid]
     assert mine == [{"session": upstream_sid, "last_event_id": None}]  # one upstream GET served all three
@@ -533,14 +532,16 @@ async def test_stdio_queued_call_cancelled_is_never_sent(tmp_path: Path, serve: 
         done.release()
 
 
-async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path) -> None:
+async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path, serve: Serve) -> None:
     config = stdio_config(tmp_path)
     config.listen.sse_keepalive = 0.05
-    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+    proxy = await serve(config)
+    async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy.url(), http).open()
         async with client.call("k", "slow_compute", seconds=0.3, label="K") as resp:
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             raw = await resp.read()
+    await proxy.stop()
     assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
     final = json.loads(
         [e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1]
@@ -568,45 +569,46 @@ async def _run_json(argv: list[str]) -> object:
 
 @pytest.mark.timeout(900)  # first run installs its tools (npm, a venv): longer than the suite's 300 s
 async def test_upstream_errors_go_out_in_http_200_and_keep_an_mcp1_client_alive(
-    upstream: str, tmp_path: Path
+    upstream: str, tmp_path: Path, serve: Serve
 ) -> None:
     """protocol.md §1.4.4: on the legacy wire a JSON-RPC error for a request comes in an HTTP 200;
     an `mcp` 1.x client raises on any other status inside its task group and loses its transport."""
-    from support.servers import ROOT, python_venv
-
-    async with running_proxy(relay_config(upstream, tmp_path, {"timeout": "200ms"})) as proxy:
-        async with aiohttp.ClientSession() as http:
-            client = await Legacy(proxy.url(), http).open()
-            body = {
-                "jsonrpc": "2.0",
-                "id": 1,
-                "method": "tools/call",
-                "params": {"name": "slow_json", "arguments": {"ms": 500}},
-            }
-            # no SSE: stays JSON
-            async with http.post(
-                proxy.url(), json=body, headers=client.headers(Accept="application/json")
-            ) as resp:
-                # timed out before its headers
-                assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603
-            # still counted as an error, though in a 200
-            async with http.get(proxy.base + "/metrics") as resp:
-                assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
-        python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
-        calls = await _run_json(
-            [
-                str(python),
-                "tests/fixtures/mcp1_relay_client.py",
-                proxy.url(),
-                'slow_json:{"ms": 500}',
-                'echo:{"x": 1}',
-            ]
-        )
+    proxy = await serve(relay_config(upstream, tmp_path, {"timeout": "200ms"}))
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        body = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "slow_json", "arguments": {"ms": 500}},
+        }
+        # no SSE: stays JSON
+        async with http.post(
+            proxy.url(), json=body, headers=client.headers(Accept="application/json")
+        ) as resp:
+            # timed out before its headers
+            assert resp.status == 200 and (await resp.json())["error"]["code"] == -32603
+        # still counted as an error, though in a 200
+        async with http.get(proxy.base + "/metrics") as resp:
+            assert 'calls_total{outcome="error",server="bad",tool="slow_json"} 1.0' in await resp.text()
+    python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
+    calls = await _run_json(
+        [
+            str(python),
+            "tests/fixtures/mcp1_relay_client.py",
+            proxy.url(),
+            'slow_json:{"ms": 500}',
+            'echo:{"x": 1}',
+        ]
+    )
+    await proxy.stop()
     assert isinstance(calls, list) and calls[0]["error"] == -32603 and "timeout" in calls[0]["message"], calls
     assert calls[1] == {"text": '{"x": 1}'}, calls
 
 
-async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream: str, tmp_path: Path) -> None:
+async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
     """A session-less upstream: Bob's cancel for id 1 never touches Alice's request 1, and two
     principals using id 1 at once keep their own mappings (fresh upstream id per request)."""
     config = config_from_data(
@@ -632,7 +634,8 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream:
         "params": {"name": "wait_cancel", "arguments": {"ms": 1500}},
     }
     cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
-    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+    proxy = await serve(config)
+    async with aiohttp.ClientSession() as http:
 
         async def post(user: str, body: dict) -> tuple[int, dict | None]:
             async with http.post(
@@ -669,6 +672,7 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(upstream:
         assert (
             status == 200 and reply["id"] == 1 and reply["result"]["content"][0]["text"] == "wait_cancel done"
         )
+    await proxy.stop()
     seen = [entry["message"] for entry in (await upstream_log(upstream))[before:]]
     calls = [m["id"] for m in seen if m.get("method") == "tools/call"]
     cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
@@ -703,7 +707,9 @@ async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(
 
 
 @pytest.mark.parametrize("how", ["client_leaves", "tasks_cancel"])
-async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_path: Path, how: str) -> None:
+async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(
+    tmp_path: Path, how: str, serve: Serve
+) -> None:
     """max_concurrency 1: A holds the slot, B waits for it. B abandoned (its client leaves, or
     tasks/cancel of its task) must reach the child neither as a tools/call nor as a cancel."""
     stdin_log = tmp_path / "stdin.jsonl"
@@ -720,32 +726,33 @@ async def test_stdio_cancel_of_a_queued_modern_call_never_reaches_the_child(tmp_
             "mcpServers": {"fx": server},
         }
     )
-    async with running_proxy(config) as proxy:
-        client = ModernClient(proxy.url(), capabilities=None if how == "tasks_cancel" else {})
-        try:
-            await client.call("greet", {"name": "warm-up"})
-            a = asyncio.ensure_future(client.call("slow_compute", {"seconds": 1.0, "label": "A"}))
-            async with asyncio.timeout(5):
-                while "slow_compute" not in stdin_log.read_text():
-                    await asyncio.sleep(0.02)
-            if how == "tasks_cancel":
-                b = (await client.call("slow_compute", {"seconds": 0.1, "label": "B"})).result
-                assert b["resultType"] == "task", b  # detached while still queued for the slot
-                assert (await client.request("tasks/cancel", {"taskId": b["taskId"]})).status == 200
-                assert (await client.wait_terminal(b["taskId"]))["status"] == "cancelled"
-            else:
-                b_call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.1, "label": "B"}))
-                await asyncio.sleep(0.2)
-                b_call.cancel()  # the client closes B's request stream while B waits for the slot
-                with pytest.raises(asyncio.CancelledError):
-                    await b_call
-                await asyncio.sleep(0.2)
-            reply = await a
-            if reply.result.get("resultType") == "task":
-                await client.wait_terminal(reply.result["taskId"])
-            await client.call("greet", {"name": "after"})  # the child has read everything sent before
-        finally:
-            await client.close()
+    proxy = await serve(config)
+    client = ModernClient(proxy.url(), capabilities=None if how == "tasks_cancel" else {})
+    try:
+        await client.call("greet", {"name": "warm-up"})
+        a = asyncio.ensure_future(client.call("slow_compute", {"seconds": 1.0, "label": "A"}))
+        async with asyncio.timeout(5):
+            while "slow_compute" not in stdin_log.read_text():
+                await asyncio.sleep(0.02)
+        if how == "tasks_cancel":
+            b = (await client.call("slow_compute", {"seconds": 0.1, "label": "B"})).result
+            assert b["resultType"] == "task", b  # detached while still queued for the slot
+            assert (await client.request("tasks/cancel", {"taskId": b["taskId"]})).status == 200
+            assert (await client.wait_terminal(b["taskId"]))["status"] == "cancelled"
+        else:
+            b_call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.1, "label": "B"}))
+            await asyncio.sleep(0.2)
+            b_call.cancel()  # the client closes B's request stream while B waits for the slot
+            with pytest.raises(asyncio.CancelledError):
+                await b_call
+            await asyncio.sleep(0.2)
+        reply = await a
+        if reply.result.get("resultType") == "task":
+            await client.wait_terminal(reply.result["taskId"])
+        await client.call("greet", {"name": "after"})  # the child has read everything sent before
+    finally:
+        await client.close()
+    await proxy.stop()
     sent = [json.loads(line) for line in stdin_log.read_text().splitlines() if line.strip()]
     labels = [
         m["params"]["arguments"].get("label")
@@ -1081,21 +1088,19 @@ async def test_a_json_only_client_does_not_leave_the_upstreams_question_waiting(
 
 @pytest.mark.parametrize("kind", ["http", "stdio"])
 async def test_a_cancelled_request_ends_the_same_way_on_both_upstream_kinds(
-    legacy_url: str, tmp_path: Path, kind: str
+    legacy_url: str, tmp_path: Path, kind: str, serve: Serve
 ) -> None:
     """A legacy client's `notifications/cancelled` reaches the upstream under the proxy's id, and
     the request's reply ends within the cancel grace with -32800, whatever the upstream kind (a stdio
     child that answers a cancelled request with nothing used to hold its client until the call's
     timeout)."""
-    from support.proxy import make_config
-    from support.servers import FIXTURE_STDIO
-
     config = make_config(legacy_url, tmp_path / "store")
     if kind == "stdio":
         config = stdio_config(tmp_path)
         config.mcpServers = {"legacy": config.mcpServers["fx"].model_copy(update=FIXTURE_STDIO)}
     label = f"cancel-{kind}"
-    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+    proxy = await serve(config)
+    async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy.url(), http).open()
 
         async def call() -> dict:
@@ -1112,4 +1117,5 @@ async def test_a_cancelled_request_ends_the_same_way_on_both_upstream_kinds(
         assert time.monotonic() - started < 4
         async with client.call("log", "cancelled_log") as log_resp:
             entries = json.loads((await reply_of(log_resp))["result"]["content"][0]["text"])
+    await proxy.stop()
     assert [e["reason"] for e in entries if e["label"] == label] == ["notifications/cancelled"]

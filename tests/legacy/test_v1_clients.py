@@ -36,8 +36,7 @@ def _mcp1_python() -> Path:
 
 
 async def _run(argv: list[str]) -> dict:
-    """Run a client script (the proxy serves on this event loop, so never block it) and parse its JSON line.
-    Run a client script (the proxy serves on this event loop, so never block it) and parse its JSON line."""
+    """Run a client script (the proxy serves on this event loop: never block it) and parse its JSON line."""
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
 import pytest
 from fastmcp import Client
-from support.proxy import Serve, running_proxy
+from support.proxy import Serve
 from support.servers import ROOT, ServerProcess, npm_install
 
 from proxy.config import config_from_data
@@ -78,7 +78,9 @@ async def test_long_operation_becomes_a_task_and_returns_the_direct_content(
     assert not [r for r in records if r.tool == "echo"], "echo must stay synchronous"
 
 
-async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: str, tmp_path: Path) -> None:
+async def test_elicitation_is_answered_through_fastmcp_handler(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
     config = config_from_data(
         {
             "store": {"path": str(tmp_path / "store")},
@@ -92,9 +94,10 @@ async def test_elicitation_is_answered_through_fastmcp_handler(everything_url: s
         asked.append(message)
         return {"name": "Ada Lovelace", "check": True, "email": "ada@example.com"}
 
-    async with running_proxy(config) as proxy:
-        async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
-            result = await client.call_tool("trigger-elicitation-request", {})
+    proxy = await serve(config)
+    async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
+        result = await client.call_tool("trigger-elicitation-request", {})
+    await proxy.stop()
     text = "\n".join(c.text for c in result.content if getattr(c, "text", None))
     assert asked == ["Please provide inputs for the following fields:"]
     assert "Ada Lovelace" in text and "ada@example.com" in text
@@ -166,7 +169,7 @@ async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(
 
 
 async def test_upstream_task_question_becomes_input_required_and_is_answered(
-    everything_url: str, tmp_path: Path
+    everything_url: str, tmp_path: Path, serve: Serve
 ) -> None:
     """The upstream's own task asks (elicitation on its `tasks/result` stream): the v2 task goes
     `input_required`, FastMCP answers through `tasks/update`, and the upstream's task completes."""
@@ -183,9 +186,10 @@ async def test_upstream_task_question_becomes_input_required_and_is_answered(
         asked.append(message)
         return {"interpretation": "technical"}
 
-    async with running_proxy(config) as proxy:
-        async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
-            result = await client.call_tool("simulate-research-query", {"topic": "python", "ambiguous": True})
+    proxy = await serve(config)
+    async with Client(proxy.url(), elicitation_handler=on_elicit) as client:
+        result = await client.call_tool("simulate-research-query", {"topic": "python", "ambiguous": True})
+    await proxy.stop()
     assert asked and "multiple interpretations" in asked[0]
     assert "Clarification**: technical" in result.content[0].text
 

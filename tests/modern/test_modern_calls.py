@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from support.clients import ModernClient, envelope
-from support.proxy import RunningProxy, Serve, make_config, running_proxy
+from support.proxy import RunningProxy, Serve, make_config
 from support.servers import ServerProcess
 
 from proxy.app import TASKS_KEY
@@ -309,30 +309,31 @@ async def test_per_tool_detach_after_overrides_server_default(
 
 
 async def test_tasks_survive_a_restart_and_orphans_fail_with_a_restart_message(
-    legacy_url: str, tmp_path
+    legacy_url: str, tmp_path, serve: Serve
 ) -> None:
     config = make_config(legacy_url, tmp_path / "s")
     config.store.durable = True
-    async with running_proxy(config) as proxy:
-        client = ModernClient(proxy.url())
-        done_id = (await client.call("slow_compute", {"seconds": 0.1, "label": "before"})).result["taskId"]
-        await client.wait_terminal(done_id)
-        orphan_id = (await client.call("slow_compute", {"seconds": 5, "label": "orphan"})).result["taskId"]
-        await client.close()
+    proxy = await serve(config)
+    client = ModernClient(proxy.url())
+    done_id = (await client.call("slow_compute", {"seconds": 0.1, "label": "before"})).result["taskId"]
+    await client.wait_terminal(done_id)
+    orphan_id = (await client.call("slow_compute", {"seconds": 5, "label": "orphan"})).result["taskId"]
+    await client.close()
+    await proxy.stop()
     config2 = make_config(legacy_url, tmp_path / "s")
-    async with running_proxy(config2) as proxy2:
-        client = ModernClient(proxy2.url())
-        try:
-            done = (await client.get(done_id)).result
-            assert (
-                done["status"] == "completed"
-                and done["result"]["content"][0]["text"] == "computed before after 0.1s"
-            )
-            orphan = (await client.get(orphan_id)).result
-            assert orphan["status"] == "failed"
-            assert "shut down" in orphan["error"]["message"] or "restarted" in orphan["error"]["message"]
-        finally:
-            await client.close()
+    proxy2 = await serve(config2)
+    client = ModernClient(proxy2.url())
+    try:
+        done = (await client.get(done_id)).result
+        assert (
+            done["status"] == "completed"
+            and done["result"]["content"][0]["text"] == "computed before after 0.1s"
+        )
+        orphan = (await client.get(orphan_id)).result
+        assert orphan["status"] == "failed"
+        assert "shut down" in orphan["error"]["message"] or "restarted" in orphan["error"]["message"]
+    finally:
+        await client.close()
 
 
 async def test_upstream_unreachable_names_the_cause(tmp_path, serve: Serve) -> None:

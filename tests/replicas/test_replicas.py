@@ -38,8 +38,8 @@ from scripts.cluster import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.redis, pytest.mark.haproxy]
 
-# short for test speed, long enough that a replica starved of CPU by a loaded machine still renews (every
-# third)
+# short for test speed, long enough that a replica starved of CPU
+# by a loaded machine still renews (every third)
 LEASE_S = 1.0
 SETTINGS = {
     "MCP_LEASE": "1s",
@@ -310,8 +310,8 @@ async def test_internal_endpoints_and_relay_marks_need_the_shared_secret(cluster
             headers={"X-Mcp-Replica-Secret": cluster.secret},
         ) as resp:
             assert resp.status == 400
-        # A client that claims its request was relayed by a replica, without the secret, is routed like any
-        # other.
+        # A client that claims its request was relayed by a replica,
+        # without the secret, is routed like any other.
         sid = await _open_legacy(http, cluster.replica_urls[0] + WEB)
         headers = {
             **LEGACY_HEADERS,
@@ -571,8 +571,8 @@ async def test_header_auth_relayed_requests_keep_their_principal(legacy_url: str
                 ) as resp,
             ):
                 assert resp.status == 401  # the principal header alone, without the replicas' secret
-            # A relayed GET stream: the owner freezes; the relaying replica cuts it (3 keepalives +
-            # hop_timeout).
+            # A relayed GET stream: the owner freezes; the relaying
+            # replica cuts it (3 keepalives + hop_timeout).
             headers = {
                 **LEGACY_HEADERS,
                 "Accept": "text/event-stream",
@@ -746,8 +746,8 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
         assert re.search(
             rf"proxy replica running this call \(node {re.escape(node)}\) was lost", task["statusMessage"]
         )
-        # Nobody read `unread`: the survivors' sweep (every half lease) ended it; the CLI reads the store as
-        # is.
+        # Nobody read `unread`: the survivors' sweep (every half
+        # lease) ended it; the CLI reads the store as is.
         await asyncio.sleep(max(0.0, 2 * LEASE_S - (time.monotonic() - killed_at)))
         shown = await asyncio.to_thread(
             subprocess.run,
@@ -774,8 +774,8 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
             done["status"] == "completed"
             and done["result"]["content"][0]["text"] == "quietly computed after 1s"
         )
-        # Legacy sessions of the dead replica: HTTP upstream adopted (same upstream session), stdio gone
-        # (404).
+        # Legacy sessions of the dead replica: HTTP upstream adopted
+        # (same upstream session), stdio gone (404).
         assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200
         # now relayed to replica 0
         assert await _legacy_ping(http, cluster.replica_urls[1] + WEB, web_sid) == 200

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import yaml
 from support.clients import TASKS_CAPS, ModernClient, envelope
-from support.proxy import running_proxy
+from support.proxy import Serve
 from support.records import make_record
 from support.redis_server import RedisServer, free_port
 from support.servers import ROOT
@@ -73,7 +73,7 @@ def test_store_url_is_an_alternative_to_path(legacy_url: str) -> None:
 
 
 async def test_persistence_off_is_warned_and_a_refused_config_get_is_said(
-    tmp_path: Path, legacy_url: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, legacy_url: str, capsys: pytest.CaptureFixture[str], serve: Serve
 ) -> None:
     with RedisServer(tmp_path / "off", appendonly=False).start() as off:
         store = RedisTaskStore(off.url)
@@ -83,8 +83,8 @@ async def test_persistence_off_is_warned_and_a_refused_config_get_is_said(
         finally:
             await store.close()
         capsys.readouterr()
-        async with running_proxy(redis_config(legacy_url, off.url, "warn:")):
-            pass
+        _proxy = await serve(redis_config(legacy_url, off.url, "warn:"))
+        await _proxy.stop()
         logs = capsys.readouterr()
         warned = [line for line in (logs.out + logs.err).splitlines() if "store_persistence" in line]
         assert len(warned) == 1 and "warning" in warned[0] and "persistence is off" in warned[0], logs
@@ -134,7 +134,11 @@ async def test_with_appendfsync_always_a_committed_task_survives_a_redis_crash(t
 
 
 async def test_a_password_from_the_environment_never_leaks_and_redis_down_is_503_with_readyz_saying_why(
-    tmp_path: Path, legacy_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    legacy_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    serve: Serve,
 ) -> None:
     secret = "pw-" + "s3cr3t" * 4
     server = RedisServer(tmp_path / "auth", password=secret).start()
@@ -157,39 +161,39 @@ async def test_a_password_from_the_environment_never_leaks_and_redis_down_is_503
             await wrong.count()
         assert secret not in str(refused.value) and f"127.0.0.1:{server.port}" in str(refused.value)
         await wrong.close()
-        async with running_proxy(config) as proxy:
-            client = ModernClient(proxy.url())
-            try:
-                task_id = (await client.call("slow_compute", {"seconds": 0.2, "label": "r"})).result["taskId"]
-                assert (await client.wait_terminal(task_id))["status"] == "completed"
-                status, ready = await readyz(proxy.base)
-                assert status == 200 and ready["checks"]["store"] == "ok"
-                server.stop()
-                reply = await client.get(task_id)
-                assert reply.status == 503 and reply.error["code"] == -32603, reply.message
-                assert f"127.0.0.1:{server.port}" in reply.error["message"] and secret not in json.dumps(
-                    reply.message
-                )
-                status, ready = await readyz(proxy.base)
-                assert (
-                    status == 503
-                    and ready["checks"]["store"].startswith("failed")
-                    and "Connection" in ready["checks"]["store"]
-                )
-                assert secret not in json.dumps(ready)
-                # The call started upstream, then could not become a task: it stays attached and is
-                # answered synchronously (a 503 would make a load balancer run it again).
-                attached = await client.call("slow_compute", {"seconds": 0.2, "label": "down"})
-                assert (
-                    attached.status == 200
-                    and attached.result["content"][0]["text"] == "computed down after 0.2s"
-                ), attached.message
-                assert secret not in json.dumps(attached.message)
-                server.start(port=server.port)
-                assert (await readyz(proxy.base))[0] == 200
-                assert (await client.get(task_id)).result["status"] == "completed"  # AOF kept it
-            finally:
-                await client.close()
+        proxy = await serve(config)
+        client = ModernClient(proxy.url())
+        try:
+            task_id = (await client.call("slow_compute", {"seconds": 0.2, "label": "r"})).result["taskId"]
+            assert (await client.wait_terminal(task_id))["status"] == "completed"
+            status, ready = await readyz(proxy.base)
+            assert status == 200 and ready["checks"]["store"] == "ok"
+            server.stop()
+            reply = await client.get(task_id)
+            assert reply.status == 503 and reply.error["code"] == -32603, reply.message
+            assert f"127.0.0.1:{server.port}" in reply.error["message"] and secret not in json.dumps(
+                reply.message
+            )
+            status, ready = await readyz(proxy.base)
+            assert (
+                status == 503
+                and ready["checks"]["store"].startswith("failed")
+                and "Connection" in ready["checks"]["store"]
+            )
+            assert secret not in json.dumps(ready)
+            # The call started upstream, then could not become a task: it stays attached and is
+            # answered synchronously (a 503 would make a load balancer run it again).
+            attached = await client.call("slow_compute", {"seconds": 0.2, "label": "down"})
+            assert (
+                attached.status == 200 and attached.result["content"][0]["text"] == "computed down after 0.2s"
+            ), attached.message
+            assert secret not in json.dumps(attached.message)
+            server.start(port=server.port)
+            assert (await readyz(proxy.base))[0] == 200
+            assert (await client.get(task_id)).result["status"] == "completed"  # AOF kept it
+        finally:
+            await client.close()
+        await proxy.stop()
     finally:
         server.stop()
     logs = capsys.readouterr()
@@ -238,86 +242,83 @@ async def test_changes_of_one_store_object_reach_the_others_listeners_and_waits(
 
 
 async def test_mrtr_state_used_on_one_replica_is_refused_on_the_other(
-    legacy_url: str, redis_server: RedisServer, redis_prefix: str
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str, serve: Serve
 ) -> None:
-    async with (
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as a,
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as b,
-    ):
-        on_a, on_b = (
-            ModernClient(a.url(), capabilities={"elicitation": {}}),
-            ModernClient(b.url(), capabilities={"elicitation": {}}),
-        )
-        try:
-            args = {"filename": "replica.txt"}
-            first = (await on_a.call("confirm_delete", args)).result
-            key = next(iter(first["inputRequests"]))
-            retry = {
-                "name": "confirm_delete",
-                "arguments": args,
-                "inputResponses": {key: ACCEPT},
-                "requestState": first["requestState"],
-            }
-            # both replicas share the signing key; the call is parked on A
-            elsewhere = await on_b.request("tools/call", retry)
-            assert elsewhere.error["code"] == -32602 and "does not belong" in elsewhere.error["message"]
-            assert (await on_a.request("tools/call", retry)).result["content"][0][
-                "text"
-            ] == "deleted replica.txt"
-            for client in (on_b, on_a):
-                replay = await client.request("tools/call", retry)
-                assert replay.error["code"] == -32602 and "already used" in replay.error["message"], (
-                    replay.message
-                )
-        finally:
-            await on_a.close()
-            await on_b.close()
+    a = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    b = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    on_a, on_b = (
+        ModernClient(a.url(), capabilities={"elicitation": {}}),
+        ModernClient(b.url(), capabilities={"elicitation": {}}),
+    )
+    try:
+        args = {"filename": "replica.txt"}
+        first = (await on_a.call("confirm_delete", args)).result
+        key = next(iter(first["inputRequests"]))
+        retry = {
+            "name": "confirm_delete",
+            "arguments": args,
+            "inputResponses": {key: ACCEPT},
+            "requestState": first["requestState"],
+        }
+        # both replicas share the signing key; the call is parked on A
+        elsewhere = await on_b.request("tools/call", retry)
+        assert elsewhere.error["code"] == -32602 and "does not belong" in elsewhere.error["message"]
+        assert (await on_a.request("tools/call", retry)).result["content"][0]["text"] == "deleted replica.txt"
+        for client in (on_b, on_a):
+            replay = await client.request("tools/call", retry)
+            assert replay.error["code"] == -32602 and "already used" in replay.error["message"], (
+                replay.message
+            )
+    finally:
+        await on_a.close()
+        await on_b.close()
 
 
 async def test_the_tasks_rate_is_counted_in_redis_across_two_proxies(
-    legacy_url: str, redis_server: RedisServer, redis_prefix: str
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str, serve: Serve
 ) -> None:
     configs = [redis_config(legacy_url, redis_server.url, redis_prefix) for _ in range(2)]
     for config in configs:
         config.limits.tasks_rate = "3/minute"
-    async with running_proxy(configs[0]) as a, running_proxy(configs[1]) as b:
-        on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
-        try:
-            replies = [
-                await on_a.get("whatever"),
-                await on_b.get("whatever"),
-                await on_a.get("whatever"),
-                await on_b.get("whatever"),
-            ]
-            assert [r.status for r in replies] == [400, 400, 400, 429]
-            assert replies[3].error["data"]["limit"] == "tasks_rate"
-        finally:
-            await on_a.close()
-            await on_b.close()
+    a = await serve(configs[0])
+    b = await serve(configs[1])
+    on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
+    try:
+        replies = [
+            await on_a.get("whatever"),
+            await on_b.get("whatever"),
+            await on_a.get("whatever"),
+            await on_b.get("whatever"),
+        ]
+        assert [r.status for r in replies] == [400, 400, 400, 429]
+        assert replies[3].error["data"]["limit"] == "tasks_rate"
+    finally:
+        await on_a.close()
+        await on_b.close()
 
 
 async def test_a_detached_call_on_one_replica_is_read_listed_and_waited_on_from_the_other(
-    legacy_url: str, redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str, tmp_path: Path, serve: Serve
 ) -> None:
-    async with (
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as a,
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as b,
-    ):
-        on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
-        try:
-            created = (await on_a.call("slow_compute", {"seconds": 0.4, "label": "shared"})).result
-            assert created["resultType"] == "task"
-            task_id = created["taskId"]
-            assert (await on_b.get(task_id)).result["status"] == "working"
-            done = await on_b.wait_terminal(task_id)
-            assert (
-                done["status"] == "completed"
-                and done["result"]["content"][0]["text"] == "computed shared after 0.4s"
-            )
-            assert a.store.where == f"redis://127.0.0.1:{redis_server.port}/0"
-        finally:
-            await on_a.close()
-            await on_b.close()
+    a = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    b = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
+    try:
+        created = (await on_a.call("slow_compute", {"seconds": 0.4, "label": "shared"})).result
+        assert created["resultType"] == "task"
+        task_id = created["taskId"]
+        assert (await on_b.get(task_id)).result["status"] == "working"
+        done = await on_b.wait_terminal(task_id)
+        assert (
+            done["status"] == "completed"
+            and done["result"]["content"][0]["text"] == "computed shared after 0.4s"
+        )
+        assert a.store.where == f"redis://127.0.0.1:{redis_server.port}/0"
+    finally:
+        await on_a.close()
+        await on_b.close()
+    await b.stop()
+    await a.stop()
     config_file = tmp_path / "proxy.yaml"
     config_file.write_text(
         yaml.safe_dump(
@@ -338,61 +339,55 @@ async def test_a_detached_call_on_one_replica_is_read_listed_and_waited_on_from_
 
 
 async def test_a_v1_client_on_one_replica_is_pushed_the_end_of_a_task_running_on_the_other(
-    legacy_url: str, redis_server: RedisServer, redis_prefix: str
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str, serve: Serve
 ) -> None:
-    async with (
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as a,
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as b,
-    ):
-        on_a, on_b = V1Client(a.url()), V1Client(b.url())
-        try:
-            await on_a.initialize()
-            await on_b.initialize()
-            task = await on_a.call_as_task("slow_compute", {"seconds": 0.5, "label": "pushed"})
-            status, message, notes = await on_b.request("tasks/result", {"taskId": task["taskId"]})
-            assert (
-                status == 200 and message["result"]["content"][0]["text"] == "computed pushed after 0.5s"
-            ), message
-            assert [n["params"]["status"] for n in notes if n["method"] == "notifications/tasks/status"][
-                -1:
-            ] == ["completed"], notes
-        finally:
-            await on_a.close()
-            await on_b.close()
+    a = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    b = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    on_a, on_b = V1Client(a.url()), V1Client(b.url())
+    try:
+        await on_a.initialize()
+        await on_b.initialize()
+        task = await on_a.call_as_task("slow_compute", {"seconds": 0.5, "label": "pushed"})
+        status, message, notes = await on_b.request("tasks/result", {"taskId": task["taskId"]})
+        assert status == 200 and message["result"]["content"][0]["text"] == "computed pushed after 0.5s", (
+            message
+        )
+        assert [n["params"]["status"] for n in notes if n["method"] == "notifications/tasks/status"][-1:] == [
+            "completed"
+        ], notes
+    finally:
+        await on_a.close()
+        await on_b.close()
 
 
 async def test_a_listen_stream_on_one_replica_is_pushed_the_changes_of_a_task_running_on_the_other(
-    legacy_url: str, redis_server: RedisServer, redis_prefix: str
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str, serve: Serve
 ) -> None:
-    async with (
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as a,
-        running_proxy(redis_config(legacy_url, redis_server.url, redis_prefix)) as b,
-    ):
-        on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
-        try:
-            task_id = (await on_a.call("slow_compute", {"seconds": 0.5, "label": "listened"})).result[
-                "taskId"
-            ]
-            params = {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)}
-            body = json.dumps(
-                {"jsonrpc": "2.0", "id": "listen-b", "method": "subscriptions/listen", "params": params}
-            )
-            statuses: list[str] = []
-            async with on_b.http.post(
-                on_b.url, data=body, headers=on_b.headers_for("subscriptions/listen", params)
-            ) as resp:
-                assert resp.status == 200
-                async with asyncio.timeout(5):
-                    async for event in iter_events(resp.content.iter_any()):
-                        frame = json.loads(event.data) if event.data else {}
-                        if frame.get("method") == "notifications/tasks":
-                            statuses.append(frame["params"]["status"])
-                            if frame["params"]["status"] == "completed":
-                                break
-            assert statuses[-1] == "completed", statuses  # pushed by B from A's commit (nothing on B polls)
-        finally:
-            await on_a.close()
-            await on_b.close()
+    a = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    b = await serve(redis_config(legacy_url, redis_server.url, redis_prefix))
+    on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
+    try:
+        task_id = (await on_a.call("slow_compute", {"seconds": 0.5, "label": "listened"})).result["taskId"]
+        params = {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)}
+        body = json.dumps(
+            {"jsonrpc": "2.0", "id": "listen-b", "method": "subscriptions/listen", "params": params}
+        )
+        statuses: list[str] = []
+        async with on_b.http.post(
+            on_b.url, data=body, headers=on_b.headers_for("subscriptions/listen", params)
+        ) as resp:
+            assert resp.status == 200
+            async with asyncio.timeout(5):
+                async for event in iter_events(resp.content.iter_any()):
+                    frame = json.loads(event.data) if event.data else {}
+                    if frame.get("method") == "notifications/tasks":
+                        statuses.append(frame["params"]["status"])
+                        if frame["params"]["status"] == "completed":
+                            break
+        assert statuses[-1] == "completed", statuses  # pushed by B from A's commit (nothing on B polls)
+    finally:
+        await on_a.close()
+        await on_b.close()
 
 
 def test_a_proxy_whose_redis_is_unreachable_exits_naming_the_store_without_its_password(

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import yaml
 from support.clients import ModernClient
-from support.proxy import RunningProxy, Serve, make_config, running_proxy
+from support.proxy import RunningProxy, Serve, make_config
 from support.records import make_record
 from support.servers import ROOT, ServerProcess
 
@@ -234,73 +234,73 @@ async def test_a_lapsed_lease_ends_the_orphan_within_twice_the_lease(
 
 
 async def test_an_operator_cancel_from_the_cli_stops_the_upstream_call(
-    legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], serve: Serve
 ) -> None:
     config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "50ms"})
     config.store.lease = 0.4  # the sweep that notices runs every half lease
-    async with running_proxy(config) as proxy:
-        client = ModernClient(proxy.url())
-        try:
-            created = (await client.call("quiet_compute", {"seconds": 30})).result
-            cancelled = await asyncio.to_thread(
-                subprocess.run,
-                [
-                    sys.executable,
-                    "-m",
-                    "proxy",
-                    "tasks",
-                    "--store",
-                    str(tmp_path / "store"),
-                    "cancel",
-                    created["taskId"],
-                ],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                cwd=ROOT,
-            )
-            assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
-            async with asyncio.timeout(5):
-                while created["taskId"] in proxy.app[TASKS_KEY].live:
-                    await asyncio.sleep(0.05)
-            assert (await client.get(created["taskId"])).result["status"] == "cancelled"
-        finally:
-            await client.close()
+    proxy = await serve(config)
+    client = ModernClient(proxy.url())
+    try:
+        created = (await client.call("quiet_compute", {"seconds": 30})).result
+        cancelled = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "tasks",
+                "--store",
+                str(tmp_path / "store"),
+                "cancel",
+                created["taskId"],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
+        assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+        async with asyncio.timeout(5):
+            while created["taskId"] in proxy.app[TASKS_KEY].live:
+                await asyncio.sleep(0.05)
+        assert (await client.get(created["taskId"])).result["status"] == "cancelled"
+    finally:
+        await client.close()
+    await proxy.stop()
     assert _logged("\n".join(capsys.readouterr()), "task_cancelled", by="operator")
 
 
 async def test_the_audit_trail_names_each_step_and_never_a_payload(
-    legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], serve: Serve
 ) -> None:
     config = make_config(
         legacy_url, tmp_path / "store", tasks={"detach_after": "50ms"}, server={"timeout": "300ms"}
     )
-    async with running_proxy(config) as proxy:
-        client = ModernClient(
-            proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+    proxy = await serve(config)
+    client = ModernClient(
+        proxy.url(), capabilities={"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+    )
+    try:
+        await client.warm_up()
+        asked = (await client.call("confirm_delete", {"filename": "secret-name.txt", "delay": 0.2})).result
+        task = await client.wait_status(asked["taskId"], ("input_required",))
+        key = next(iter(task["inputRequests"]))
+        await client.request(
+            "tasks/update",
+            {
+                "taskId": asked["taskId"],
+                "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
+            },
         )
-        try:
-            await client.warm_up()
-            asked = (
-                await client.call("confirm_delete", {"filename": "secret-name.txt", "delay": 0.2})
-            ).result
-            task = await client.wait_status(asked["taskId"], ("input_required",))
-            key = next(iter(task["inputRequests"]))
-            await client.request(
-                "tasks/update",
-                {
-                    "taskId": asked["taskId"],
-                    "inputResponses": {key: {"action": "accept", "content": {"confirm": True}}},
-                },
-            )
-            await client.wait_terminal(asked["taskId"])
-            await client.get(asked["taskId"])
-            cancelled = (await client.call("quiet_compute", {"seconds": 5})).result
-            await client.request("tasks/cancel", {"taskId": cancelled["taskId"]})
-            timed_out = (await client.call("quiet_compute", {"seconds": 5})).result
-            assert (await client.wait_terminal(timed_out["taskId"]))["status"] == "failed"
-        finally:
-            await client.close()
+        await client.wait_terminal(asked["taskId"])
+        await client.get(asked["taskId"])
+        cancelled = (await client.call("quiet_compute", {"seconds": 5})).result
+        await client.request("tasks/cancel", {"taskId": cancelled["taskId"]})
+        timed_out = (await client.call("quiet_compute", {"seconds": 5})).result
+        assert (await client.wait_terminal(timed_out["taskId"]))["status"] == "failed"
+    finally:
+        await client.close()
+    await proxy.stop()
     text = "\n".join(capsys.readouterr())
     for event in (
         "task_created",

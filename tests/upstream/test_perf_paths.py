@@ -15,7 +15,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.clients import ModernClient
-from support.proxy import make_config, running_proxy
+from support.proxy import Serve, make_config
 
 from proxy.protocol import jsonrpc
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, iter_events
@@ -130,17 +130,18 @@ async def _counting_upstream() -> tuple[web.AppRunner, str, list[int]]:
     return runner, f"http://127.0.0.1:{port}/mcp", ports
 
 
-async def test_modern_calls_reuse_the_upstream_connection(tmp_path: Path) -> None:
+async def test_modern_calls_reuse_the_upstream_connection(tmp_path: Path, serve: Serve) -> None:
     runner, url, ports = await _counting_upstream()
     try:
-        async with running_proxy(make_config(url, tmp_path / "store", tasks={"detach_after": "5s"})) as proxy:
-            client = ModernClient(proxy.url())
-            try:
-                for _ in range(6):
-                    assert (await client.call("greet")).result["content"][0]["text"] == "hi"
-                    await asyncio.sleep(0.05)  # the previous stream has ended and its connection is idle
-            finally:
-                await client.close()
+        proxy = await serve(make_config(url, tmp_path / "store", tasks={"detach_after": "5s"}))
+        client = ModernClient(proxy.url())
+        try:
+            for _ in range(6):
+                assert (await client.call("greet")).result["content"][0]["text"] == "hi"
+                await asyncio.sleep(0.05)  # the previous stream has ended and its connection is idle
+        finally:
+            await client.close()
+        await proxy.stop()
         # The pool may hold a few connections (opened by the session's start-up requests), but the
         # later calls run on connections used before: none opens a new one.
         assert len(ports) == 6 and set(ports[3:]) <= set(ports[:3]), f"client ports of the 6 calls: {ports}"

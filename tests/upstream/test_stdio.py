@@ -15,7 +15,7 @@ import aiohttp
 import psutil
 import pytest
 from support.clients import ModernClient
-from support.proxy import FIXTURE, Serve, running_proxy, stdio_config
+from support.proxy import FIXTURE, Serve, stdio_config
 from support.servers import ROOT, ServerProcess
 
 from proxy.app import POOLS_KEY
@@ -127,22 +127,21 @@ async def test_crash_mid_call_fails_the_task_naming_the_exit_status_and_restarts
 
 
 async def test_garbage_on_stdout_is_skipped_and_stderr_is_logged_with_the_server_name(
-    tmp_path: Path, capsys
+    tmp_path: Path, capsys, serve: Serve
 ) -> None:
-    async with running_proxy(
-        stdio_config(tmp_path, server={"env": {"FIXTURE_STDOUT_GARBAGE": "1"}})
-    ) as proxy:
-        client = ModernClient(proxy.url())
-        try:
-            assert (await client.call("log_stderr", {"text": "hello from the child"})).result["content"][0][
-                "text"
-            ] == "logged"
-            assert (await client.call("greet", {"name": "still fine"})).result["content"][0][
-                "text"
-            ] == "Hello, still fine!"
-            await asyncio.sleep(0.1)
-        finally:
-            await client.close()
+    proxy = await serve(stdio_config(tmp_path, server={"env": {"FIXTURE_STDOUT_GARBAGE": "1"}}))
+    client = ModernClient(proxy.url())
+    try:
+        assert (await client.call("log_stderr", {"text": "hello from the child"})).result["content"][0][
+            "text"
+        ] == "logged"
+        assert (await client.call("greet", {"name": "still fine"})).result["content"][0][
+            "text"
+        ] == "Hello, still fine!"
+        await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    await proxy.stop()
     out = capsys.readouterr()
     logs = out.out + out.err
     assert "upstream_stdout_not_jsonrpc" in logs and "this line is not JSON-RPC" in logs

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import structlog
 from support.clients import AuthClient, ModernClient
-from support.proxy import Serve, running_proxy, stdio_config
+from support.proxy import Serve, stdio_config
 
 from proxy.app import POOLS_KEY
 from proxy.config import config_from_data
@@ -79,7 +79,7 @@ async def test_an_oversized_stdout_message_is_an_error_and_the_child_restarts(
 
 
 async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(
-    tmp_path: Path, capsys
+    tmp_path: Path, capsys, serve: Serve
 ) -> None:
     configure_logging("info")
     try:
@@ -96,16 +96,17 @@ async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(
                 },
             }
         )
-        async with running_proxy(config) as proxy:
-            for server in ("missing", "looping"):
-                client = ModernClient(proxy.url(server), capabilities={})
-                try:
-                    for _ in range(2):
-                        assert (await client.call("anything")).error["code"] == -32603
-                finally:
-                    await client.close()
-            async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/metrics") as resp:
-                metrics = await resp.text()
+        proxy = await serve(config)
+        for server in ("missing", "looping"):
+            client = ModernClient(proxy.url(server), capabilities={})
+            try:
+                for _ in range(2):
+                    assert (await client.call("anything")).error["code"] == -32603
+            finally:
+                await client.close()
+        async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/metrics") as resp:
+            metrics = await resp.text()
+        await proxy.stop()
         lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     finally:
         structlog.reset_defaults()

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from support.clients import ModernClient
-from support.proxy import Serve, running_proxy
+from support.proxy import Serve
 from support.servers import ROOT, ServerProcess
 
 from proxy.config import config_from_data
@@ -121,17 +121,18 @@ async def test_hung_initialize_is_a_bounded_error_in_both_eras(
 
 
 async def test_redirects_are_not_followed_and_never_carry_configured_headers(
-    hostile: str, tmp_path: Path
+    hostile: str, tmp_path: Path, serve: Serve
 ) -> None:
-    async with running_proxy(hostile_config(hostile, tmp_path, "redirect")) as proxy:
-        client = ModernClient(proxy.url())
-        try:
-            reply = await client.call("ok")
-            assert reply.error["code"] == -32603 and "redirect" in reply.error["message"]
-            status, body = await legacy_post(proxy.url(), INIT)
-            assert status == 200 and "redirect" in body["error"]["message"]
-        finally:
-            await client.close()
+    proxy = await serve(hostile_config(hostile, tmp_path, "redirect"))
+    client = ModernClient(proxy.url())
+    try:
+        reply = await client.call("ok")
+        assert reply.error["code"] == -32603 and "redirect" in reply.error["message"]
+        status, body = await legacy_post(proxy.url(), INIT)
+        assert status == 200 and "redirect" in body["error"]["message"]
+    finally:
+        await client.close()
+    await proxy.stop()
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{hostile}/seen") as resp:
             seen = await resp.json()
