@@ -52,7 +52,7 @@ async def _ready(app: web.Application) -> None:
 async def running_proxy(config: Config) -> AsyncIterator[RunningProxy]:
     """Serve `config` on 127.0.0.1 with a free port for the duration of the block, the way the
     command line serves it (`front.listener`: header timeouts, the connection cap, malformed HTTP
-    answered as JSON-RPC), for the tests of those parts and of proxies stopped mid-test."""
+    answered as JSON-RPC), for the tests of those parts; every other test uses `serve`."""
     config.listen.host, config.listen.port = "127.0.0.1", 0
     app = build_app(config)
     runner, _site = await listener.start(app, config)
