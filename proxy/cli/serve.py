@@ -27,6 +27,7 @@ from proxy.runtime import event_loop
 from proxy.runtime.logs import configure_logging
 from proxy.tasks.dirlock import lock_directory, unlock_directory
 from proxy.tasks.store import StoreLockedError, StoreUnavailableError
+from proxy.upstream.stdio import die_with_parent
 
 log = structlog.get_logger("proxy.cli")
 
@@ -88,7 +89,10 @@ def run(argv: list[str]) -> int:
 
 @contextlib.asynccontextmanager
 async def _demo_upstream() -> AsyncIterator[str]:
-    """Start the bundled demo server as a child process on a free loopback port; yield its URL."""
+    """Start the bundled demo server as a child process on a free loopback port; yield its URL.
+
+    The child runs in a session of its own, so a terminal's Ctrl-C reaches the proxy alone (which
+    drains, then stops the child with SIGTERM), and it dies with the proxy even on SIGKILL."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -98,6 +102,8 @@ async def _demo_upstream() -> AsyncIterator[str]:
         "--port",
         "0",
         stdout=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     try:
         assert proc.stdout is not None

@@ -31,6 +31,11 @@ from proxy.tasks.model import ANONYMOUS
 
 log = structlog.get_logger("proxy.front")
 
+# Deeper bodies are refused as unparseable (-32700): they parse, but would fail on their way out
+# (the JSON encoders stop near 255 or 1000 levels) as a 500. MCP messages nest a few dozen at most.
+MAX_JSON_DEPTH = 128
+TOO_DEEP = f"the body nests JSON more than {MAX_JSON_DEPTH} levels deep"
+
 
 def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:
     return web.json_response(
@@ -189,7 +194,9 @@ class ServerEndpoint:
         except (ValueError, UnicodeDecodeError) as exc:
             return _json_error(None, JsonRpcError(PARSE_ERROR, f"the body is not valid JSON: {exc}"))
         except RecursionError:
-            return _json_error(None, JsonRpcError(PARSE_ERROR, "the body nests JSON too deeply"))
+            return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
+        if jsonrpc.nests_deeper_than(raw, body, MAX_JSON_DEPTH):
+            return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
         if isinstance(body, dict):
             bind_request(body)
         routed = (

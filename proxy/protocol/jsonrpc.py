@@ -126,6 +126,23 @@ def loads(raw: bytes | bytearray | str) -> Any:
     return json.loads(raw, parse_constant=_NonFinite, parse_float=_float)
 
 
+def nests_deeper_than(raw: bytes | bytearray, value: Any, limit: int) -> bool:
+    """True when `value` (parsed from `raw`) nests arrays and objects more than `limit` levels deep.
+    Such a body would parse, yet fail later on its way out (the encoders' recursion limits) as an
+    internal error. Only a body with more than `limit` brackets in all is walked (iteratively)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            depth += 1
+            if depth > limit:
+                return True
+            stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def _float(text: str) -> float:
     value = float(text)
     return value if value - value == 0 else _NonFinite(text)  # 1e400 reads as inf

@@ -36,7 +36,9 @@ _PR_SET_PDEATHSIG = 1
 _ASKING_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
+def die_with_parent() -> None:
+    """In a child between fork and exec (Linux): SIGKILL it when its parent dies, so no child
+    outlives the proxy, even one killed with SIGKILL. Does nothing where prctl is missing."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -124,7 +126,7 @@ class StdioSession:
                 stderr=asyncio.subprocess.PIPE,
                 env={**os.environ, **self.command.env},
                 cwd=self.command.cwd,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             raise UpstreamError(

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 from support.clients import ModernClient, envelope
 from support.proxy import RunningProxy
 
@@ -235,6 +236,28 @@ async def test_deeply_nested_json_is_a_parse_error_not_a_crash(client: ModernCli
     assert (await client.call("greet", {"name": "still here"})).result["content"][0][
         "text"
     ] == "Hello, still here!"
+
+
+@pytest.mark.parametrize("era", ["modern", "legacy"])
+@pytest.mark.parametrize("depth", [129, 980, 1050])
+async def test_a_request_nesting_deeper_than_the_limit_is_a_parse_error(
+    client: ModernClient, era: str, depth: int
+) -> None:
+    """A body that parses but nests past MAX_JSON_DEPTH (128) gets -32700 in a 400 on both eras,
+    however deep (near 1,000 levels it once parsed, then failed on its way out as a 500)."""
+    arguments = b'{"text": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+    params = b'{"name": "echo_meta", "arguments": ' + arguments
+    if era == "modern":
+        params += b', "_meta": ' + json.dumps(envelope()).encode()
+        headers = modern_headers("tools/call", **{"Mcp-Name": "echo_meta"})
+    else:
+        headers = {**BASE_HEADERS, "MCP-Protocol-Version": "2025-11-25"}
+    body = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": ' + params + b"}}"
+    reply = await client.post_raw(body, headers)
+    assert reply.status == 400 and reply.error["code"] == -32700, reply.message
+    assert "128 levels" in reply.error["message"]
+    shallow = b"[" * 100 + b"]" * 100
+    assert (await client.call("echo_meta", {"nested": json.loads(shallow)})).status == 200
 
 
 async def test_http_level_refusals_are_json_rpc_errors(proxy: RunningProxy) -> None:
