@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -376,6 +377,7 @@ async def test_unknown_or_foreign_last_event_id_is_refused(proxy_url: str) -> No
 
 
 async def test_cancel_maps_in_flight_and_drops_answered_or_unknown(upstream: str, proxy_url: str) -> None:
+    start = len(await upstream_log(upstream))
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open()
         async with client.call(1, "echo") as resp:
@@ -390,10 +392,10 @@ async def test_cancel_maps_in_flight_and_drops_answered_or_unknown(upstream: str
             events = await asyncio.wait_for(read_events(resp), 3)
         assert json.loads(events[-1].data)["id"] == "slow-one"
     log = await upstream_log(upstream)
-    cancels = [e["message"] for e in log if e["message"].get("method") == "notifications/cancelled"]
-    assert cancels and all(c["params"]["requestId"] not in (1, "never", "slow-one") for c in cancels)
     call_id = next(e["message"]["id"] for e in log[before:] if e["message"].get("method") == "tools/call")
-    assert cancels[-1]["params"]["requestId"] == call_id
+    cancels = [e["message"] for e in log[start:] if e["message"].get("method") == "notifications/cancelled"]
+    # One cancel, for the request in flight, under the upstream's id, with the client's reason.
+    assert [c["params"] for c in cancels] == [{"requestId": call_id, "reason": "user"}]
 
 
 # -- item 2: one response per upstream id; broken sessions ----------------------------------------
@@ -530,6 +532,44 @@ async def test_stdio_queued_call_cancelled_is_never_sent(tmp_path: Path, serve: 
         assert "B" not in [entry["label"] for entry in json.loads(text)]
         resp.release()
         done.release()
+
+
+async def test_stdio_child_gets_one_cancel_only_for_the_request_in_flight(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """The README's rule on stdio: a child never gets `notifications/cancelled` for a request it
+    already answered or never saw. The child's own log of every cancel it received holds exactly
+    one: for the running call, under the id the child knows it by."""
+    config = stdio_config(tmp_path)
+    config.listen.sse_keepalive = 0.05  # the reply stream opens at once (a keepalive), not at the answer
+    proxy = await serve(config)
+
+    async def child_log(client: Legacy, tool: str) -> Any:
+        async with client.call(f"log-{tool}", tool) as resp:
+            return json.loads((await resp.json())["result"]["content"][0]["text"])
+
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        async with client.call(1, "greet", name="answered") as resp:
+            assert "Hello" in (await resp.json())["result"]["content"][0]["text"]
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+        assert await client.post(cancel) == 202  # answered already
+        assert await client.post({**cancel, "params": {"requestId": "never-sent"}}) == 202
+        async with client.call("running", "slow_compute", seconds=10, label="one-cancel") as resp:
+            async with asyncio.timeout(5):
+                while "one-cancel" not in await child_log(client, "started_log"):
+                    await asyncio.sleep(0.02)
+            assert await client.post({**cancel, "params": {"requestId": "running", "reason": "user"}}) == 202
+            events = await asyncio.wait_for(read_events(resp), 5)
+        final = json.loads(events[-1].data)
+        assert final["id"] == "running" and "error" in final
+        async with asyncio.timeout(5):
+            while not (
+                ended := [e for e in await child_log(client, "cancelled_log") if e["label"] == "one-cancel"]
+            ):
+                await asyncio.sleep(0.02)
+        received = await child_log(client, "cancels_received")
+    assert received == [{"requestId": ended[0]["requestId"], "reason": "user"}]
 
 
 async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path, serve: Serve) -> None:

@@ -230,6 +230,46 @@ async def test_v1_tasks_belong_to_their_principal(legacy_url: str, tmp_path: Pat
         await bob.close()
 
 
+async def test_another_principals_response_never_answers_a_v1_question(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Bob posts a JSON-RPC response under the id of the question Alice's task asked: it is not
+    Alice's answer. Her question stays open, and her own answer is the one the upstream gets."""
+    auth = {
+        "mode": "bearer",
+        "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")},
+    }
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    alice, bob = V1Client(proxy.url()), V1Client(proxy.url())
+    for client, token in ((alice, "alice-secret"), (bob, "bob-secret")):
+        client.http.headers["Authorization"] = f"Bearer {token}"  # type: ignore[index]
+    try:
+        await alice.initialize()
+        await bob.initialize()
+        task = await alice.call_as_task("confirm_delete", {"filename": "a.txt", "delay": 0.1})
+        await _wait_status(alice, task["taskId"], ("input_required",))
+        bob_said: list[int] = []
+
+        async def bob_first(question: dict) -> dict:
+            declined = {"jsonrpc": "2.0", "id": question["id"], "result": {"action": "decline"}}
+            status, _, _ = await asyncio.wait_for(bob.post(declined), 10)
+            bob_said.append(status)
+            status, message, _ = await asyncio.wait_for(
+                alice.request("tasks/get", {"taskId": task["taskId"]}), 10
+            )
+            assert message["result"]["status"] == "input_required"  # still Alice's to answer
+            return {"action": "accept", "content": {"confirm": True}}
+
+        status, message, _ = await asyncio.wait_for(
+            alice.request("tasks/result", {"taskId": task["taskId"]}, on_request=bob_first), 20
+        )
+        assert message["result"]["content"][0]["text"] == "deleted a.txt"
+        assert bob_said and bob_said[0] < 500
+    finally:
+        await alice.close()
+        await bob.close()
+
+
 async def test_session_get_stream_carries_task_status_notifications(flow_proxy: RunningProxy) -> None:
     client = V1Client(flow_proxy.url())
     frames: list[dict] = []

@@ -140,6 +140,31 @@ async def test_poll_answer_and_cancel_through_other_replicas(
     assert done["status"] == "completed" and done["result"]["content"][0]["text"] == "deleted xr.txt"
 
 
+async def test_a_cancel_through_another_replica_reaches_the_upstream_before_any_sweep(
+    legacy_url: str,
+) -> None:
+    """The replica that takes a cancel for another's task hops it to the owner, which cancels the
+    upstream request at once. Without the hop, only the owner's sweep (every half lease: 30 s
+    here, and none runs in this test's first 30 s) would notice the task ended elsewhere."""
+    settings = {**SETTINGS, "MCP_LEASE": "60s", "MCP_STDIO_DISABLED": "true"}
+    with Cluster(upstream_url=legacy_url, replicas=2, settings=settings) as pair:
+        owner, other = (ModernClient(url + WEB, capabilities=ELICIT_CAPS) for url in pair.replica_urls)
+        try:
+            await owner.warm_up()
+            # No progress from this tool: a progress write would also find the task ended elsewhere.
+            created = (await owner.call("quiet_compute", {"seconds": 30, "label": "xr-prompt"})).result
+            assert created["resultType"] == "task"
+            sent = time.time()
+            cancelled = await other.request("tasks/cancel", {"taskId": created["taskId"]})
+            assert cancelled.result == {"resultType": "complete"}
+            seen = await _wait_cancelled_upstream(other, "xr-prompt", timeout=10)
+            assert seen["reason"] == "notifications/cancelled"
+            assert seen["at"] - sent < 2.0, f"the upstream saw the cancel {seen['at'] - sent:.2f} s later"
+        finally:
+            await owner.close()
+            await other.close()
+
+
 async def test_mrtr_rounds_on_different_replicas(clients: list[ModernClient]) -> None:
     c0, c1, c2 = clients
     await c0.warm_up()

@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -107,6 +108,34 @@ async def test_conditional_change_on_owner(store: TaskStore) -> None:
         await store.update("o", Change(status_message="x", expect_owner="node-b"))
     moved = await store.update("o", Change(owner="node-b", expect_owner="node-a"))
     assert moved.owner == "node-b" and [r.owner for r in await store.live_tasks()] == ["node-b"]
+
+
+async def test_two_nodes_racing_to_take_over_an_orphan_never_both_win(store: TaskStore) -> None:
+    """The take-over path (`TaskService._take_over`): a status change conditional on the lost owner.
+    Of two nodes re-running the same orphan at once, one wins; the other gets ConflictError and
+    writes nothing. A later status change still conditional on the lost owner (failing the orphan,
+    or the lost node itself ending its call) is refused too."""
+    for i in range(10):
+        await store.create(make_record(task_id=f"orphan{i}", owner="lost-node"))
+        by_b, by_c = (
+            Change(status=TaskStatus.WORKING, status_message="re-run", owner=node, expect_owner="lost-node")
+            for node in ("node-b", "node-c")
+        )
+        results = await asyncio.gather(
+            store.update(f"orphan{i}", by_b), store.update(f"orphan{i}", by_c), return_exceptions=True
+        )
+        winners = [r for r in results if isinstance(r, TaskRecord)]
+        assert len(winners) == 1 and sum(isinstance(r, ConflictError) for r in results) == 1, results
+        stored = await store.get(f"orphan{i}")
+        assert (stored.owner, stored.version) == (winners[0].owner, winners[0].version)
+        for late in (
+            Change(status=TaskStatus.FAILED, outcome={"error": {}}, expect_owner="lost-node"),
+            Change(status=TaskStatus.COMPLETED, outcome={"result": {}}, expect_owner="lost-node"),
+        ):
+            with pytest.raises(ConflictError):
+                await store.update(f"orphan{i}", late)
+        stored = await store.get(f"orphan{i}")
+        assert (stored.status, stored.version) == (TaskStatus.WORKING, winners[0].version)
 
 
 async def test_result_over_the_size_limit_fails_the_task(store: TaskStore) -> None:
@@ -313,6 +342,75 @@ async def test_diskcache_directory_and_database_are_private(tmp_path: Path) -> N
         assert all(p.stat().st_mode & 0o777 == 0o600 for p in files), [
             (p.name, oct(p.stat().st_mode)) for p in files
         ]
+    finally:
+        await store.close()
+
+
+class HeldCommit:
+    """Holds the diskcache store's writer thread inside a commit until `release()`: a real batch,
+    kept open so that the test can queue writes behind it (no timing involved)."""
+
+    def __init__(self, store: DiskcacheStore) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        # The store's group commit takes any callable; this one waits on the writer thread (bounded).
+        self.done = asyncio.ensure_future(store._write(self._hold, fsync=False))
+
+    def _hold(self) -> None:
+        self.entered.set()
+        self.released.wait(10)
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 10), "the writer never started the held commit"
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_a_batch_mixing_progress_and_a_status_change_is_committed_with_fsync(tmp_path: Path) -> None:
+    """Group commit fsyncs a batch when any write in it needs it: progress text alone may be lost
+    in a crash, a status change may not. The batch's own durability setting (SQLite's `synchronous`
+    pragma inside the commit: 2 = FULL, 1 = NORMAL) is read by a probe committed in the same batch."""
+    store = DiskcacheStore(tmp_path / "s", durable=True)
+    try:
+        await store.create(make_record(task_id="mixed"))
+        await store.create(make_record(task_id="progress-only"))
+
+        def probe() -> int:
+            return int(store._cache._con.execute("PRAGMA synchronous").fetchone()[0])
+
+        for task_id, changes, expected in (
+            ("mixed", [Change(status_message="50%"), Change(status=TaskStatus.INPUT_REQUIRED)], 2),
+            ("progress-only", [Change(status_message="10%"), Change(status_message="20%")], 1),
+        ):
+            held = HeldCommit(store)
+            await held.wait_entered()
+            batch = [asyncio.ensure_future(store.update(task_id, change)) for change in changes]
+            seen = asyncio.ensure_future(store._write(probe, fsync=False))
+            await asyncio.sleep(0)  # all three queued behind the held commit: one batch
+            held.release()
+            await asyncio.wait_for(asyncio.gather(held.done, *batch), 10)
+            assert await asyncio.wait_for(seen, 10) == expected, task_id
+    finally:
+        await store.close()
+
+
+async def test_a_write_queued_during_a_commit_lands_without_a_further_write(tmp_path: Path) -> None:
+    """The writer keeps committing while writes are queued: one that arrives while a batch commits
+    is committed right after it, not when some later write comes."""
+    store = DiskcacheStore(tmp_path / "s", durable=False)
+    try:
+        await store.create(make_record(task_id="queued"))
+        held = HeldCommit(store)
+        await held.wait_entered()
+        queued = asyncio.ensure_future(
+            store.update("queued", Change(status_message="queued during a commit"))
+        )
+        await asyncio.sleep(0)
+        held.release()
+        await asyncio.wait_for(held.done, 10)
+        record = await asyncio.wait_for(queued, 10)  # no other write follows
+        assert record.status_message == "queued during a commit"
+        assert (await store.get("queued")).status_message == "queued during a commit"
     finally:
         await store.close()
 
