@@ -21,6 +21,8 @@ from proxy.front.auth import Authenticator, auth_middleware
 from proxy.front.endpoint import ServerEndpoint
 from proxy.front.guards import default_allowed_hosts, host_guard
 from proxy.front.middleware import access_log, json_errors
+from proxy.front.resource import ProtectedResource
+from proxy.front.scopes import ScopeCheck
 from proxy.legacy.child import StdioChild
 from proxy.legacy.endpoint import LegacyEndpoint
 from proxy.legacy.relay import HttpRelay
@@ -43,6 +45,7 @@ from proxy.tasks.rates import close_rate_storage
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.service import RESTART_MESSAGE, TaskService
 from proxy.tasks.store import StoreUnavailableError, TaskStore
+from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http_pool import UpstreamPool
 from proxy.upstream.stdio import StdioCommand
 from proxy.upstream.stdio_pool import StdioPool
@@ -57,6 +60,7 @@ POOLS_KEY = web.AppKey("pools", dict[str, Pool])
 DRAIN_KEY = web.AppKey("drain", Drain)
 PARKED_KEY = web.AppKey("parked", ParkedCalls)
 REPLICAS_KEY = web.AppKey("replicas", Replicas)
+RESOURCE_KEY = web.AppKey("resource", ProtectedResource)  # the proxy as an OAuth protected resource
 
 
 def build_app(config: Config) -> web.Application:
@@ -73,9 +77,12 @@ def build_app(config: Config) -> web.Application:
         if config.listen.allowed_hosts is not None
         else default_allowed_hosts(config.listen.host)
     )
+    resource = ProtectedResource(config)
     # A relayed request keeps the principal the relaying replica authenticated.
     authenticator = Authenticator(
-        config.auth, replica_secret=config.replicas.secret if config.replicas is not None else None
+        config.auth,
+        resource=resource if config.listen.public_url is not None else None,
+        replica_secret=config.replicas.secret if config.replicas is not None else None,
     )
     middlewares = [
         access_log(payloads=config.logging.log_payloads),
@@ -83,6 +90,7 @@ def build_app(config: Config) -> web.Application:
         host_guard(allowed),
         auth_middleware(
             authenticator,
+            resource,
             own_auth_prefix="/console" if config.console is not None else None,
             internal_prefix=REPLICA_PREFIX if config.replicas is not None else None,
         ),
@@ -91,7 +99,9 @@ def build_app(config: Config) -> web.Application:
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
     app[DRAIN_KEY] = Drain()
+    app[RESOURCE_KEY] = resource
     app.cleanup_ctx.append(_lifecycle)
+    app.on_cleanup.append(lambda _: authenticator.close())
 
     def endpoint_handler(name: str):
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -107,6 +117,7 @@ def build_app(config: Config) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", metrics_handler)
+    resource.add_routes(app)
     if config.replicas is not None:
         add_replica_routes(app)
         app.on_response_prepare.append(on_response_prepare)
@@ -147,8 +158,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             for name, entry in config.servers.items()
             if entry.command
         }
+        credentials = {
+            name: ClientCredentials(entry.oauth, http, server=name, timeout_s=entry.request_timeout)
+            for name, entry in config.servers.items()
+            if entry.oauth is not None
+        }
         pools: dict[str, Pool] = {
-            name: children.get(name) or http_pool(name, entry, http, notifications[name])
+            name: children.get(name)
+            or http_pool(name, entry, http, notifications[name], credentials.get(name))
             for name, entry in config.servers.items()
         }
         for pool in pools.values():
@@ -206,6 +223,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                     sessions=sessions,
                     streams=streams,
                     v1=v1,
+                    credentials=credentials.get(name),
                 )
             )
             router = (
@@ -221,6 +239,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 ),
                 body_timeout=config.listen.body_timeout,
                 router=router.route if router is not None else None,
+                scopes=ScopeCheck(app[RESOURCE_KEY], name, tasks) if config.auth.scopes else None,
             )
         app[TASKS_KEY], app[POOLS_KEY], app[PARKED_KEY] = tasks, pools, parked
         if config.console is not None:
@@ -255,10 +274,14 @@ async def _parked_calls(config: Config, store: TaskStore, node: str) -> ParkedCa
 
 
 def http_pool(
-    name: str, entry: ServerEntry, http: aiohttp.ClientSession, notifications: Fanout[JsonObject]
+    name: str,
+    entry: ServerEntry,
+    http: aiohttp.ClientSession,
+    notifications: Fanout[JsonObject],
+    credentials: ClientCredentials | None,
 ) -> UpstreamPool:
     """The Streamable HTTP sessions of one server (`entry.url`), publishing the upstream's
-    server-wide notifications on `notifications`."""
+    server-wide notifications on `notifications`, with the proxy's own token (`credentials`)."""
     return UpstreamPool(
         http,
         name,
@@ -266,6 +289,7 @@ def http_pool(
         entry.headers,
         bounds=Bounds.from_entry(entry),
         on_notification=notifications.publish,
+        credentials=credentials,
     )
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import sys
+from urllib.parse import urlsplit
 
-from proxy.config import Config, ConfigError, load_config
+from proxy.config import Config, ConfigError, JwtConfig, load_config
+from proxy.front.tokens import AccessTokens, TokenError
 from proxy.replicas import advertised_url
 from proxy.runtime import event_loop
 
@@ -32,7 +35,51 @@ def run(argv: list[str]) -> int:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
     print(describe(config, args.file))
+    for warning in auth_warnings(config):
+        print(f"warning: {warning}")
     return 0
+
+
+def auth_warnings(config: Config) -> list[str]:
+    """What an operator should know about `config.auth` that does not stop the proxy: OAuth that
+    MCP clients cannot discover (no `listen.public_url`), a public URL over plain HTTP beyond
+    loopback, and an issuer whose metadata cannot be fetched now (offline is allowed; the proxy
+    tries again for each token)."""
+    auth = config.auth
+    if auth.mode != "jwt" or auth.jwt is None:
+        return []
+    warnings = []
+    public = config.listen.public_url
+    if public is None:
+        warnings.append(
+            "auth mode jwt without listen.public_url: MCP clients cannot discover where to sign in (no "
+            "protected resource metadata; the 401 names no resource_metadata); tokens are checked "
+            "against jwt.audience" + ("" if auth.jwt.audience else ", which is not set: any audience passes")
+        )
+    elif urlsplit(public).scheme == "http" and urlsplit(public).hostname not in (
+        "127.0.0.1",
+        "localhost",
+        "::1",
+    ):
+        warnings.append(f"listen.public_url {public} is plain http: OAuth 2.1 needs https beyond loopback")
+    if auth.jwt.issuer and not (auth.jwt.jwks_file or auth.jwt.jwks_url):
+        problem = asyncio.run(_issuer_problem(auth.jwt))
+        if problem is not None:
+            warnings.append(
+                f"the issuer's metadata cannot be fetched now ({problem}); tokens fail until it can"
+            )
+    return warnings
+
+
+async def _issuer_problem(jwt: JwtConfig) -> str | None:
+    tokens = AccessTokens(jwt)
+    try:
+        await tokens.metadata()
+    except TokenError as exc:
+        return str(exc)
+    finally:
+        await tokens.close()
+    return None
 
 
 def replica_problems(config: Config) -> list[str]:
@@ -63,6 +110,21 @@ def describe(config: Config, source: str) -> str:
             f"{config.replicas.hop_timeout:g}s, "
             f"drain_detached {config.listen.drain_detached:g}s"
         )
+    auth = config.auth
+    if auth.mode == "jwt" and auth.jwt is not None:
+        source = auth.jwt.jwks_file or auth.jwt.jwks_url or "the issuer's jwks_uri"
+        lines.append(f"auth: OAuth access tokens from {auth.jwt.issuer or 'any issuer'}, keys from {source}")
+        if config.listen.public_url:
+            lines.append(
+                f"  resource {config.listen.public_url}/mcp (and /servers/NAME/mcp); metadata at "
+                f"{config.listen.public_url}/.well-known/oauth-protected-resource/..."
+            )
+        for server, rules in auth.scopes.items():
+            lines.append(
+                f"  scopes on {server}: " + "; ".join(f"{t}: {' '.join(s)}" for t, s in rules.items())
+            )
+    else:
+        lines.append(f"auth: {auth.mode}")
     d = config.tasks
     lines.append(
         f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, "

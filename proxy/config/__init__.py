@@ -7,10 +7,11 @@ This package's face names what the rest of the proxy uses.
 
 from proxy.config.base import ConfigError, Duration, parse_duration, redact_url
 from proxy.config.load import SCHEMA_FILE, config_from_data, config_json_schema, load_config
-from proxy.config.model import Config, ResolvedPolicy, ServerEntry, ToolMode
+from proxy.config.model import Config, ResolvedPolicy, ServerEntry, ToolMode, UpstreamOAuth
 from proxy.config.sections import (
     AuthConfig,
     ConsoleConfig,
+    IntrospectionConfig,
     JwtConfig,
     LimitsConfig,
     ListenConfig,
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "ConsoleConfig",
     "Duration",
+    "IntrospectionConfig",
     "JwtConfig",
     "LimitsConfig",
     "ListenConfig",
@@ -41,6 +43,7 @@ __all__ = [
     "StoreConfig",
     "ToolMode",
     "TrustedHeaderConfig",
+    "UpstreamOAuth",
     "config_from_data",
     "config_json_schema",
     "load_config",

@@ -111,14 +111,38 @@ _CLIENT_ONLY_KEYS = (
 )
 
 
+class UpstreamOAuth(_Strict):
+    """The proxy's own OAuth 2.1 client-credentials grant toward an upstream that wants a token
+    (the client's token never goes upstream). `token_url` is the authorization server's token
+    endpoint; `client_secret` usually `${ENV_VAR}`; `scope` and `resource` (RFC 8707) are sent when
+    given. The token is kept until `refresh_before` (s) ahead of its expiry, and fetched again once
+    when the upstream answers 401."""
+
+    token_url: str
+    client_id: str = Field(min_length=1)
+    client_secret: str = Field(min_length=1)
+    scope: str | None = None
+    resource: str | None = None
+    refresh_before: Duration = Field("60s", validate_default=True)
+
+    @field_validator("token_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"token_url {value!r} must be an http:// or https:// URL")
+        return value
+
+
 class ServerEntry(_Strict):
     """One upstream MCP server, in the Claude Desktop / `.mcp.json` shape plus proxy keys.
 
-    Remote: `url` (Streamable HTTP; Gemini's `httpUrl` too), `headers`. Stdio: `command`, `args`,
-    `env` (added to the proxy's environment), `cwd`. `timeout` (s) is the hard limit of one upstream
-    call (tools/call, prompts/get, resources/read); `request_timeout` (s) bounds every other upstream
-    request (tools/list, …); `init_timeout` (s) the `initialize` handshake; `connect_timeout` (s) a
-    TCP connect (HTTP); `max_response_bytes` the largest upstream reply (larger: a JSON-RPC error).
+    Remote: `url` (Streamable HTTP; Gemini's `httpUrl` too), `headers`, `oauth` (the proxy's client
+    credentials). Stdio: `command`, `args`, `env` (added to the proxy's environment), `cwd`.
+    `timeout` (s) is the hard limit of one upstream call (tools/call, prompts/get, resources/read);
+    `request_timeout` (s) bounds every other upstream request (tools/list, …); `init_timeout` (s)
+    the `initialize` handshake; `connect_timeout` (s) a TCP connect (HTTP); `max_response_bytes`
+    the largest upstream reply (larger: a JSON-RPC error).
     Stdio only: `instances` children per capability set, `max_concurrency` requests in flight,
     `isolation: per_principal` for a child per principal (at most `max_children` at once, each
     stopped after `idle_timeout`, 10m by default then), `idle_timeout` (s) to stop an unused child,
@@ -128,6 +152,7 @@ class ServerEntry(_Strict):
     url: str | None = None
     httpUrl: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
+    oauth: UpstreamOAuth | None = None
     command: str | None = None
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -174,6 +199,10 @@ class ServerEntry(_Strict):
                 raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
         if bool(self.url) == bool(self.command):
             raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
+        if self.oauth is not None and not self.url:
+            raise ValueError("`oauth` (the proxy's client credentials) is for an upstream `url`")
+        if self.oauth is not None and any(k.lower() == "authorization" for k in self.headers):
+            raise ValueError("give either `oauth` or an Authorization header, not both")
         kind = (self.type or self.transport or self.transportType or "").lower().replace("_", "-")
         if kind and kind not in _TRANSPORT_KINDS:
             raise ValueError(f"unknown transport {kind!r}; use stdio or http (streamable-http)")
@@ -235,6 +264,9 @@ class Config(_Strict):
             raise ValueError("mcpServers must configure at least one enabled server")
         if self.replicas is not None and not self.store.redis:
             raise ValueError("replicas need a shared store: set store.url (redis://host:port/db)")
+        unknown = sorted(set(self.auth.scopes) - set(self.mcpServers))
+        if unknown:
+            raise ValueError(f"auth.scopes names servers that are not configured: {', '.join(unknown)}")
         if self.console is not None:
             clients = {digest.removeprefix("sha256:").lower() for digest in self.auth.tokens.values()}
             for name, digest in self.console.tokens.items():

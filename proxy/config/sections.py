@@ -74,12 +74,31 @@ class ListenConfig(_Strict):
         description="open client connections at most (more are answered 503 and closed); default: half the "
         "open-file limit",
     )
+    public_url: str | None = Field(
+        None,
+        description="the proxy's public base URL (https://host[:port][/prefix]); an endpoint's OAuth "
+        "resource URI is this plus its path. Never taken from a request's Host header",
+    )
     event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
         "asyncio",
         description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it "
         "stops listening for good if it cannot accept for want of descriptors); auto = uvloop when "
         "installed",
     )
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+            raise ValueError(
+                f"public_url {value!r} must be an http:// or https:// base URL without query or fragment"
+            )
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("public_url must not carry credentials")
+        return value.rstrip("/")
 
     @property
     def max_body_bytes(self) -> int:
@@ -199,9 +218,27 @@ class RequestStateConfig(_Strict):
     secret: str | None = Field(None, min_length=32)
 
 
+class IntrospectionConfig(_Strict):
+    """RFC 7662 token introspection for opaque (non-JWT) access tokens, with the proxy's own client
+    credentials (HTTP Basic). `endpoint` defaults to the authorization server's
+    `introspection_endpoint` (discovered from `jwt.issuer`). `cache` (s) bounds how long an answer
+    is reused; never past the token's `exp`."""
+
+    client_id: str = Field(min_length=1)
+    client_secret: str = Field(min_length=1)
+    endpoint: str | None = None
+    cache: Duration = Field("5m", validate_default=True)
+
+
 class JwtConfig(_Strict):
-    """JWT verification: keys from `jwks_file` (relative to the config file) or `jwks_url`;
-    `issuer`/`audience` checked when given; the principal is the `principal_claim` claim."""
+    """Access-token verification (RFC 9068 JWTs, checked by PyJWT). Keys from `jwks_file` (relative
+    to the config file), `jwks_url`, or, with neither, the `jwks_uri` the `issuer` publishes (RFC 8414
+    `/.well-known/oauth-authorization-server`, then OpenID discovery). `issuer` is checked when
+    given; `audience` defaults to the resource URI of the endpoint a request came to (with
+    `listen.public_url`). The principal is the `principal_claim` claim (`client_id` when a
+    client-credentials token has none). `jwks_timeout` (s) bounds each metadata, JWKS or
+    introspection request; `refetch_interval` (s) is the least time between two JWKS fetches for an
+    unknown `kid`. `leeway_s` (s) is the clock skew allowed on `exp`/`nbf`."""
 
     jwks_file: str | None = None
     jwks_url: str | None = None
@@ -211,13 +248,25 @@ class JwtConfig(_Strict):
     principal_claim: str = "sub"
     leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
     jwks_timeout: Duration = Field(
-        "10s", validate_default=True, description="how long fetching `jwks_url` may take"
+        "10s",
+        validate_default=True,
+        description="how long fetching the issuer's metadata, the JWKS or an introspection may take",
     )
+    refetch_interval: Duration = Field(
+        "30s", validate_default=True, description="least time between JWKS fetches for an unknown kid"
+    )
+    introspection: IntrospectionConfig | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> JwtConfig:
-        if bool(self.jwks_file) == bool(self.jwks_url):
-            raise ValueError("give exactly one of `jwks_file` and `jwks_url`")
+        if self.jwks_file and self.jwks_url:
+            raise ValueError("give at most one of `jwks_file` and `jwks_url`")
+        if not (self.jwks_file or self.jwks_url or self.issuer):
+            raise ValueError(
+                "give `issuer` (its keys are discovered from its metadata), `jwks_url` or `jwks_file`"
+            )
+        if self.introspection is not None and not (self.introspection.endpoint or self.issuer):
+            raise ValueError("introspection needs `endpoint`, or `issuer` to discover it from")
         return self
 
 
@@ -267,6 +316,13 @@ class AuthConfig(_Strict):
     tokens: dict[str, str] = Field(default_factory=dict)
     jwt: JwtConfig | None = None
     header: TrustedHeaderConfig | None = None
+    scopes: dict[str, dict[str, list[str]]] = Field(
+        default_factory=dict,
+        description="mode jwt: OAuth scopes a token needs, {SERVER: {'*': [every tool], TOOL: [that tool]}}",
+    )
+    resource_documentation: str | None = Field(
+        None, description="a URL for people, served in the protected resource metadata"
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> AuthConfig:
@@ -280,6 +336,14 @@ class AuthConfig(_Strict):
                     )
         if self.mode == "jwt" and self.jwt is None:
             raise ValueError("mode jwt needs a `jwt` section")
+        if self.scopes and self.mode != "jwt":
+            raise ValueError("auth.scopes needs mode jwt (only OAuth access tokens carry scopes)")
+        for server, tools in self.scopes.items():
+            for tool, needed in tools.items():
+                if not all(re.fullmatch(r"[\x21\x23-\x5b\x5d-\x7e]+", scope) for scope in needed):
+                    raise ValueError(
+                        f"auth.scopes.{server}.{tool}: a scope is a non-empty token (RFC 6749 3.3)"
+                    )
         if self.mode == "header" and self.header is None:
             raise ValueError(
                 "mode header needs a `header` section with `trusted_peers` (the auth proxy's addresses, or "

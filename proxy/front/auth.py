@@ -1,24 +1,25 @@
 """Inbound identity: who is calling (the principal), per the config's `auth` section.
 
 Modes: `none` (one principal, `anonymous`), `bearer` (static tokens, kept in the config only as
-SHA-256 hashes), `jwt` (signature, expiry, issuer and audience checked by PyJWT against a JWKS file
-or URL), `header` (a trusted header set by a fronting auth proxy, optionally only from listed peer
-addresses). Every task is bound to the principal that created it (design.md "Invariants").
+SHA-256 hashes), `jwt` (OAuth 2.1 access tokens: `tokens.py`, audience-bound to the endpoint's
+resource URI, with the challenges and metadata of `resource.py`), `header` (a trusted header set
+by a fronting auth proxy, optionally only from listed peer addresses). Every task is bound to the
+principal that created it (design.md "Invariants").
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
 from pathlib import Path
 
-import jwt
 import structlog
 from aiohttp import web
 
 from proxy.config import AuthConfig
+from proxy.front.resource import METADATA_PREFIX, ProtectedResource
+from proxy.front.tokens import AccessTokens, TokenError
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INVALID_REQUEST
 from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER, SECRET_HEADER
@@ -27,6 +28,7 @@ from proxy.tasks.model import ANONYMOUS, principal_hash
 log = structlog.get_logger("proxy.front")
 
 PRINCIPAL_KEY = web.RequestKey("principal", str)
+SCOPES_KEY = web.RequestKey("scopes", frozenset)  # granted by an OAuth access token (mode jwt)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
@@ -40,45 +42,50 @@ def hash_token(token: str) -> str:
 
 
 class Authenticator:
-    """Turns a request into a principal name, or raises AuthError.
+    """Turns a request into a principal name (and, for OAuth access tokens, the scopes they grant),
+    or raises AuthError.
 
     `config` is the `auth` section (a relative `jwks_file` is taken relative to `base_dir`);
-    `replica_secret` is the replicas' shared secret, with which a request another replica relayed
-    carries the principal that replica authenticated (None without replicas: such a request is refused).
+    `resource` says which audience a token must carry (the resource URI of the endpoint it came to,
+    with `listen.public_url`, unless `jwt.audience` is set); `replica_secret` is the replicas'
+    shared secret, with which a request another replica relayed carries the principal that replica
+    authenticated (None without replicas: such a request is refused). Call `close` when done.
     """
 
     def __init__(
-        self, config: AuthConfig, *, base_dir: Path | None = None, replica_secret: str | None = None
+        self,
+        config: AuthConfig,
+        *,
+        resource: ProtectedResource | None = None,
+        base_dir: Path | None = None,
+        replica_secret: str | None = None,
     ) -> None:
         self.config = config
         self.mode = config.mode
+        self.resource = resource
         self._tokens = {
             digest.removeprefix("sha256:").lower(): name for name, digest in config.tokens.items()
         }
-        self._jwks: jwt.PyJWKSet | None = None
-        self._jwks_client: jwt.PyJWKClient | None = None
         self.replica_secret = replica_secret
-        if self.mode == "jwt":
-            assert config.jwt is not None
-            if config.jwt.jwks_file:
-                path = Path(config.jwt.jwks_file)
-                if not path.is_absolute() and base_dir is not None:
-                    path = base_dir / path
-                self._jwks = jwt.PyJWKSet.from_json(path.read_text())
-            elif config.jwt.jwks_url:
-                self._jwks_client = jwt.PyJWKClient(
-                    config.jwt.jwks_url,
-                    cache_keys=True,
-                    lifespan=300,
-                    timeout=int(max(1, config.jwt.jwks_timeout)),
-                )
+        self.access_tokens = (
+            AccessTokens(config.jwt, base_dir=base_dir)
+            if self.mode == "jwt" and config.jwt is not None
+            else None
+        )
 
-    async def principal(self, request: web.Request) -> str:
-        """The principal of `request`. Raises AuthError.
+    async def close(self) -> None:
+        """Release the authorization server client (JWKS, introspection)."""
+        if self.access_tokens is not None:
+            await self.access_tokens.close()
+
+    async def identify(self, request: web.Request) -> tuple[str, frozenset[str] | None]:
+        """The principal of `request`, and the scopes its OAuth access token grants (None when the
+        mode has no scopes). Raises AuthError, or TokenError for a refused access token.
 
         A request another replica relayed (it carries the replicas' shared secret) keeps the principal
         that replica authenticated (`X-Mcp-Replica-Principal`): it is not authenticated again (the
-        relaying replica's address is not an auth proxy's, and a token may not be re-checkable).
+        relaying replica's address is not an auth proxy's, a token may not be re-checkable, and the
+        relaying replica checked the scopes).
         """
         relayed = request.headers.getall(RELAYED_PRINCIPAL_HEADER, [])
         if relayed:
@@ -91,20 +98,25 @@ class Authenticator:
                 or not hmac.compare_digest(given, self.replica_secret.encode())
             ):
                 raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
-            return relayed[0]
+            return relayed[0], None
         if self.mode == "none":
-            return ANONYMOUS
+            return ANONYMOUS, None
         if self.mode == "header":
-            return self._from_header(request)
+            return self._from_header(request), None
         token = _bearer(request)
         if self.mode == "bearer":
             # raw header bytes: no 500
             digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
             for known, name in self._tokens.items():
                 if hmac.compare_digest(digest, known):
-                    return name
+                    return name, None
             raise AuthError("unknown bearer token")
-        return await self._from_jwt(token)
+        assert self.access_tokens is not None and self.config.jwt is not None
+        audience = self.config.jwt.audience
+        if audience is None and self.resource is not None:
+            audience = self.resource.resource_uri(request.path)
+        claims = await self.access_tokens.verify(token, audience=audience)
+        return claims.principal, claims.scopes
 
     def _from_header(self, request: web.Request) -> str:
         cfg = self.config.header
@@ -116,61 +128,6 @@ class Authenticator:
             raise AuthError(f"missing or repeated {cfg.name} header")
         return values[0].strip()
 
-    async def _from_jwt(self, token: str) -> str:
-        cfg = self.config.jwt
-        assert cfg is not None
-        try:
-            header = jwt.get_unverified_header(token)
-            if self._jwks is not None:
-                kid = header.get("kid")
-                keys = [k for k in self._jwks.keys if kid is None or k.key_id == kid]
-                if not keys:
-                    raise AuthError("no key in the JWKS matches the token's kid")
-                key = keys[0]
-            else:
-                assert self._jwks_client is not None
-                key = await asyncio.to_thread(self._jwks_client.get_signing_key_from_jwt, token)
-            # Only the algorithm of the matched key: a token whose `alg` does not fit its key is refused.
-            allowed = _algorithms_for(key, cfg.algorithms)
-            if header.get("alg") not in allowed:
-                raise AuthError(f"the token's alg {str(header.get('alg'))[:20]!r} does not match its key")
-            claims = jwt.decode(
-                token,
-                key.key,
-                algorithms=allowed,
-                audience=cfg.audience,
-                issuer=cfg.issuer,
-                leeway=cfg.leeway_s,
-                options={"require": ["exp"]},
-            )
-        except jwt.PyJWTError as exc:
-            raise AuthError(f"invalid token: {exc}") from None
-        # a key the token's alg cannot use, a malformed header
-        except (
-            ValueError,
-            TypeError,
-            KeyError,
-            AttributeError,
-        ) as exc:
-            raise AuthError(f"invalid token ({exc.__class__.__name__})") from None
-        principal = claims.get(cfg.principal_claim)
-        if not isinstance(principal, str) or not principal:
-            raise AuthError(f"the token has no {cfg.principal_claim!r} claim")
-        return principal
-
-
-_ALG_FAMILIES = {"RSA": ("RS", "PS"), "EC": ("ES",), "OKP": ("EdDSA", "Ed"), "oct": ("HS",)}
-
-
-def _algorithms_for(key: jwt.PyJWK, configured: list[str]) -> list[str]:
-    """The configured algorithms that `key` can verify: its own `alg` when the JWK names one,
-    else those of its key type (RSA: RS*/PS*, EC: ES*, OKP: EdDSA)."""
-    data = getattr(key, "_jwk_data", {}) or {}
-    if isinstance(data.get("alg"), str):
-        return [alg for alg in configured if alg == data["alg"]]
-    prefixes = _ALG_FAMILIES.get(str(data.get("kty")), ())
-    return [alg for alg in configured if alg.startswith(prefixes)] if prefixes else []
-
 
 def _bearer(request: web.Request) -> str:
     value = request.headers.get("Authorization", "")
@@ -181,41 +138,60 @@ def _bearer(request: web.Request) -> str:
 
 
 def auth_middleware(
-    authenticator: Authenticator, *, own_auth_prefix: str | None = None, internal_prefix: str | None = None
+    authenticator: Authenticator,
+    resource: ProtectedResource,
+    *,
+    own_auth_prefix: str | None = None,
+    internal_prefix: str | None = None,
 ):
-    """aiohttp middleware: set `request[PRINCIPAL_KEY]`, or answer 401 with a JSON-RPC error.
+    """aiohttp middleware: set `request[PRINCIPAL_KEY]` (and `request[SCOPES_KEY]` for OAuth
+    access tokens), or answer 401 with a JSON-RPC error and a `WWW-Authenticate` challenge that
+    points to the endpoint's Protected Resource Metadata (`resource`; RFC 9728 §5.1).
 
-    Health and metrics paths stay open. Paths under `own_auth_prefix` (the console, `/console`)
-    are left to their own authentication: no client principal is set there, so a client
-    credential never opens them. So are paths under `internal_prefix` (the replicas' `/_replica`,
-    which check the replicas' shared secret themselves). Failures are logged as security events (without
-    secrets).
+    Health, metrics and the resource metadata stay open. Paths under `own_auth_prefix` (the
+    console, `/console`) are left to their own authentication: no client principal is set there, so
+    a client credential never opens them. So are paths under `internal_prefix` (the replicas'
+    `/_replica`, which check the replicas' shared secret themselves). Failures are logged as
+    security events (without secrets).
     """
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if request.path in OPEN_PATHS:
+        path = request.path
+        if path in OPEN_PATHS or path == METADATA_PREFIX or path.startswith(METADATA_PREFIX + "/"):
             return await handler(request)
         if own_auth_prefix is not None and (
-            request.path == own_auth_prefix or request.path.startswith(own_auth_prefix + "/")
+            path == own_auth_prefix or path.startswith(own_auth_prefix + "/")
         ):
             return await handler(request)
-        if internal_prefix is not None and request.path.startswith(internal_prefix + "/"):
+        if internal_prefix is not None and path.startswith(internal_prefix + "/"):
             return await handler(request)
         try:
-            request[PRINCIPAL_KEY] = await authenticator.principal(request)
-            structlog.contextvars.bind_contextvars(principal=principal_hash(request[PRINCIPAL_KEY]))
-        except AuthError as exc:
-            log.warning("security_auth_failed", reason=str(exc), remote=request.remote, path=request.path)
-            body = jsonrpc.error_response(
-                None, jsonrpc.error_object(INVALID_REQUEST, f"authentication required: {exc}")
+            principal, scopes = await authenticator.identify(request)
+        except (AuthError, TokenError) as exc:
+            log.warning("security_auth_failed", reason=str(exc), remote=request.remote, path=path)
+            sent_token = "Authorization" in request.headers
+            challenge = resource.challenge(
+                path,
+                error="invalid_token" if sent_token and authenticator.mode == "jwt" else None,
+                description=str(exc) if sent_token and authenticator.mode == "jwt" else None,
             )
-            return web.Response(
-                status=401,
-                text=json.dumps(body),
-                content_type="application/json",
-                headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy"'},
-            )
+            return auth_refusal(401, f"authentication required: {exc}", challenge)
+        request[PRINCIPAL_KEY] = principal
+        if scopes is not None:
+            request[SCOPES_KEY] = scopes
+        structlog.contextvars.bind_contextvars(principal=principal_hash(principal))
         return await handler(request)
 
     return middleware
+
+
+def auth_refusal(status: int, message: str, challenge: str) -> web.Response:
+    """A 401 or 403 answer: a JSON-RPC error (-32600) body and the `WWW-Authenticate` challenge."""
+    body = jsonrpc.error_response(None, jsonrpc.error_object(INVALID_REQUEST, message))
+    return web.Response(
+        status=status,
+        text=json.dumps(body),
+        content_type="application/json",
+        headers={"WWW-Authenticate": challenge},
+    )

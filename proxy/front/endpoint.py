@@ -20,6 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.calls.types import Reply
 from proxy.front.auth import PRINCIPAL_KEY
 from proxy.front.middleware import ARRIVED_KEY
+from proxy.front.scopes import ScopeCheck
 from proxy.legacy.endpoint import LegacyEndpoint
 from proxy.modern.dispatcher import ServerDispatcher
 from proxy.protocol import jsonrpc
@@ -122,8 +123,8 @@ Router = Callable[[web.Request, Any, bytes | None, str], Awaitable[web.StreamRes
 
 class ServerEndpoint:
     """The MCP endpoint of one upstream server (`name`): the 2026-07-28 era through `dispatcher`,
-    the handshake era through `legacy`, each request first offered to `router` (replicas).
-    `body_timeout` (s) bounds reading a request body."""
+    the handshake era through `legacy`, each request first offered to `router` (replicas), after
+    `scopes` (`auth.scopes`) had their say. `body_timeout` (s) bounds reading a request body."""
 
     def __init__(
         self,
@@ -133,12 +134,14 @@ class ServerEndpoint:
         legacy: LegacyEndpoint,
         body_timeout: float,
         router: Router | None = None,
+        scopes: ScopeCheck | None = None,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher
         self.legacy = legacy
         self.body_timeout = body_timeout
         self.router = router
+        self.scopes = scopes
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -199,6 +202,8 @@ class ServerEndpoint:
             return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
         if isinstance(body, dict):
             bind_request(body)
+        if self.scopes is not None and (refused := await self.scopes.refusal(request, body)) is not None:
+            return refused
         routed = (
             await self.router(request, body, raw, principal_of(request)) if self.router is not None else None
         )

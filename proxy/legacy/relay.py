@@ -32,6 +32,7 @@ from proxy.legacy.v1 import V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
+from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.types import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, Bounds, UpstreamError, read_body
 
 log = structlog.get_logger("proxy.legacy")
@@ -40,7 +41,7 @@ log = structlog.get_logger("proxy.legacy")
 # parses as JSON is served without `Content-Type: application/json`, and without the full Accept).
 UPSTREAM_ACCEPT = {"POST": "application/json, text/event-stream", "GET": "text/event-stream"}
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
-_UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, UpstreamError)
 
 
 def _upstream_error(request_id: Any, message: str, status: int) -> web.Response:
@@ -60,7 +61,9 @@ def _decode(data: str) -> Any:
 
 class HttpRelay:
     """Relays legacy sessions of server `name` to its HTTP upstream at `url` (config `headers`,
-    the shared `http` client, the server's `bounds`), serving replies through `streams`."""
+    the proxy's own token when the server has `oauth` (`credentials`), the shared `http` client,
+    the server's `bounds`), serving replies through `streams`. The client's own `Authorization`
+    never goes upstream."""
 
     kind = "http"
     sessionless = True  # an upstream may serve requests without a session
@@ -76,10 +79,12 @@ class HttpRelay:
         sessions: LegacySessions,
         streams: StreamServer,
         v1: V1Front,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.name = name
         self.url = url
         self.headers = headers
+        self.credentials = credentials
         self.http = http
         self.bounds = bounds
         self.sessions = sessions
@@ -529,8 +534,25 @@ class HttpRelay:
     ) -> aiohttp.ClientResponse:
         """One upstream HTTP exchange (redirects never followed: configured credentials stay here).
         Bounded by `bound` (s): the whole exchange, or with `headers_only` (a GET stream, which
-        lasts as long as the client keeps it) only the wait for the response headers. Raises
-        aiohttp.ClientError, OSError or TimeoutError."""
+        lasts as long as the client keeps it) only the wait for the response headers. With
+        `credentials`, the proxy's token goes along, fetched again once on a 401. Raises
+        aiohttp.ClientError, OSError, TimeoutError or UpstreamError (no token)."""
+        if self.credentials is None:
+            return await self._send_once(method, raw, headers, bound, headers_only)
+        headers = {**headers, **await self.credentials.ensure()}
+        resp = await self._send_once(method, raw, headers, bound, headers_only)
+        if resp.status == 401:
+            resp.release()
+            headers = {**headers, **await self.credentials.refused(headers)}
+            resp = await self._send_once(method, raw, headers, bound, headers_only)
+            if resp.status == 401:
+                resp.release()
+                raise UpstreamError(f"upstream {self.name} refused the proxy's token (HTTP 401)")
+        return resp
+
+    async def _send_once(
+        self, method: str, raw: bytes, headers: dict[str, str], bound: float, headers_only: bool
+    ) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(
             total=None if headers_only else bound,
             sock_connect=self.bounds.connect_timeout,

@@ -21,6 +21,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from proxy.protocol.jsonrpc import JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent, iter_events
+from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.pooling import drain_later, shed_headers
 from proxy.upstream.types import (
     CALL_METHODS,
@@ -56,11 +57,13 @@ class UpstreamSession:
         capabilities: JsonObject | None = None,
         bounds: Bounds | None = None,
         on_notification: Callable[[JsonObject], None] | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.http = http
         self.url = url
         self.server = server
         self.extra_headers = dict(headers or {})
+        self.credentials = credentials
         self.capabilities = dict(capabilities or {})
         self.bounds = bounds or Bounds()
         self.connect_timeout = self.bounds.connect_timeout
@@ -83,6 +86,7 @@ class UpstreamSession:
     def _headers(self) -> dict[str, str]:
         headers = {
             **self.extra_headers,
+            **(self.credentials.header() if self.credentials is not None else {}),
             "Content-Type": "application/json",
             "Accept": "application/json, text/event-stream",
         }
@@ -190,18 +194,16 @@ class UpstreamSession:
     async def _post(
         self, message: JsonObject, *, timeout: aiohttp.ClientTimeout | None = None
     ) -> aiohttp.ClientResponse:
-        try:
-            resp = await self.http.post(
-                self.url,
-                data=jsonrpc.dumps(message),
-                headers=self._headers(),
-                allow_redirects=False,  # configured headers (credentials) never follow a redirect
-                timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
-            )
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(
-                f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}"
-            ) from exc
+        if self.credentials is not None:
+            await self.credentials.ensure()
+        resp = await self._post_once(message, timeout)
+        if resp.status == 401 and self.credentials is not None:  # the proxy's token expired early
+            resp.release()
+            await self.credentials.refused(self.credentials.header())
+            resp = await self._post_once(message, timeout)
+            if resp.status == 401:
+                resp.release()
+                raise UpstreamError(f"upstream {self.server} refused the proxy's token (HTTP 401)")
         if 300 <= resp.status < 400:
             resp.release()
             raise UpstreamError(
@@ -425,6 +427,22 @@ class UpstreamSession:
             log.warning("upstream_invalid_sse_data", server=self.server, sample=event.data[:120])
             return None
         return msg if isinstance(msg, dict) else None
+
+    async def _post_once(
+        self, message: JsonObject, timeout: aiohttp.ClientTimeout | None
+    ) -> aiohttp.ClientResponse:
+        try:
+            return await self.http.post(
+                self.url,
+                data=jsonrpc.dumps(message),
+                headers=self._headers(),
+                allow_redirects=False,  # configured headers (credentials) never follow a redirect
+                timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(
+                f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}"
+            ) from exc
 
     async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
         """A GET resuming the session's stream after `last_event_id`; None when refused."""

@@ -9,6 +9,7 @@ import aiohttp
 import structlog
 
 from proxy.protocol.jsonrpc import JsonObject
+from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http import UpstreamSession
 from proxy.upstream.types import Bounds, Session, caps_key, probe
 
@@ -20,7 +21,8 @@ class UpstreamPool:
 
     Legacy servers decide what they offer from the `initialize` capabilities (protocol.md §3.4),
     so each capability set gets its own session, opened on first use. `on_notification` receives
-    the server-wide notifications (list changes) of every session's standalone GET stream.
+    the server-wide notifications (list changes) of every session's standalone GET stream;
+    `credentials` is the proxy's own token for the upstream (`mcpServers.NAME.oauth`), if any.
     """
 
     def __init__(
@@ -32,8 +34,10 @@ class UpstreamPool:
         *,
         bounds: Bounds | None = None,
         on_notification: Callable[[JsonObject], None] | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.http = http
+        self.credentials = credentials
         self.server = server
         self.url = url
         self.headers = headers
@@ -66,6 +70,7 @@ class UpstreamPool:
                 capabilities=capabilities,
                 bounds=self.bounds,
                 on_notification=self.on_notification,
+                credentials=self.credentials,
             )
             await session.open()
             self._sessions[key] = session

@@ -26,6 +26,10 @@ EXAMPLE_ENV = {
     "MCP_REDIS_URL": "redis://127.0.0.1:6379/0",
     "MCP_REPLICA_SECRET": "r" * 32,
     "MCP_UPSTREAM_URL": "http://127.0.0.1:9000/mcp",
+    # config/oauth.yaml (tests/front/test_oauth.py checks it against a real authorization server)
+    "MCP_PUBLIC_URL": "https://mcp.example.com",
+    "MCP_OAUTH_ISSUER": "https://idp.example.com",
+    "BUILD_CLIENT_SECRET": "build-s3cret",
 }
 
 

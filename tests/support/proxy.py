@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -73,8 +74,11 @@ async def serve_with(aiohttp_server: ServerFactory, config: Config) -> RunningPr
     """Serve `config` through pytest-aiohttp's `aiohttp_server` fixture (which stops it at the end
     of the test): the in-process way most tests use."""
     app = build_app(config)
+    # A config with a public URL is served at its port (its OAuth resource URIs name it).
+    public = urlsplit(config.listen.public_url) if config.listen.public_url else None
+    port = {"port": public.port} if public is not None and public.port else {}
     # aiohttp waits for handlers at shutdown as long as the command line does (drain_timeout + 1 s).
-    server = await aiohttp_server(app, shutdown_timeout=config.listen.drain_timeout + 1.0)
+    server = await aiohttp_server(app, shutdown_timeout=config.listen.drain_timeout + 1.0, **port)
     proxy = RunningProxy(
         base=str(server.make_url("")).rstrip("/"), config=config, app=app, close=server.close
     )
