@@ -11,10 +11,9 @@ import asyncio
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -28,7 +27,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull,
 from support.clients import TASKS_CAPS, envelope
 from support.oauth import NODE, NODE_MODULES, AuthorizationServer, MemoryStorage
 from support.proxy import Serve
-from support.servers import ROOT, ServerProcess
+from support.servers import ROOT, ServerProcess, free_port
 from support.v1_client import V1Client
 
 from proxy.cli.check_config import auth_warnings
@@ -48,12 +47,6 @@ INITIALIZE = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def oauth_config(upstream: str, tmp_path: Path, issuer: str, port: int, **jwt: object) -> Config:
     """One server (`legacy`) in front of `upstream`, mode jwt with `issuer`, served at `port`."""
     return config_from_data(
@@ -65,6 +58,24 @@ def oauth_config(upstream: str, tmp_path: Path, issuer: str, port: int, **jwt: o
             "mcpServers": {"legacy": {"url": upstream}},
         }
     )
+
+
+OAuthProxy = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+def oauth_proxy(
+    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+) -> OAuthProxy:
+    """`await oauth_proxy(upstream=legacy_url, **jwt)`: a proxy (`oauth_config`) with `auth_server`
+    as its issuer, on a port of its own; its `/mcp` URL."""
+
+    async def start(upstream: str = legacy_url, **jwt: object) -> str:
+        port = free_port()
+        await serve(oauth_config(upstream, tmp_path, auth_server.url, port, **jwt))
+        return f"http://127.0.0.1:{port}/mcp"
+
+    return start
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +185,9 @@ async def test_without_a_public_url_nothing_is_discoverable(
 
 @pytest.mark.node
 async def test_mcp_sdk_client_credentials_sign_in_and_a_detached_call(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port))
+    url = await oauth_proxy()
     provider = ClientCredentialsOAuthProvider(
         server_url=url,
         storage=MemoryStorage(),
@@ -199,11 +208,9 @@ async def test_mcp_sdk_client_credentials_sign_in_and_a_detached_call(
 
 @pytest.mark.node
 async def test_mcp_sdk_authorization_code_with_pkce_sign_in(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port))
+    url = await oauth_proxy()
     redirect_uri = "http://127.0.0.1:9/callback"  # never opened: the redirect is read, not followed
     codes: asyncio.Queue[AuthorizationCodeResult] = asyncio.Queue()
 
@@ -244,11 +251,9 @@ async def test_mcp_sdk_authorization_code_with_pkce_sign_in(
 
 @pytest.mark.node
 async def test_typescript_client_signs_in_with_client_credentials(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port))
+    url = await oauth_proxy()
     proc = await asyncio.create_subprocess_exec(
         str(NODE),
         str(Path(__file__).parents[1] / "fixtures" / "ts_oauth_client.mjs"),
@@ -270,11 +275,9 @@ async def test_typescript_client_signs_in_with_client_credentials(
 
 @pytest.mark.node
 async def test_tokens_are_refused_with_the_right_status_and_challenge(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port, refetch_interval="1s"))
+    url = await oauth_proxy(refetch_interval="1s")
     good = auth_server.token("alice", scope="mcp:use compute", resource=url)
     assert (await post(url, INITIALIZE, good))[0] == 200
     fetched = auth_server.jwks_served()
@@ -283,7 +286,7 @@ async def test_tokens_are_refused_with_the_right_status_and_challenge(
         status, body, challenge = result
         assert status == 401 and 'error="invalid_token"' in challenge and body["error"]["code"] == -32600
         assert (
-            f'resource_metadata="http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"'
+            f'resource_metadata="{url.removesuffix("/mcp")}/.well-known/oauth-protected-resource/mcp"'
             in challenge
         )
 
@@ -321,11 +324,9 @@ def _b64(segment: str) -> str:
 
 @pytest.mark.node
 async def test_insufficient_scope_is_a_403_a_client_can_step_up_from(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port))
+    url = await oauth_proxy()
     narrow = auth_server.token("alice", scope="mcp:use", resource=url)
     wide = auth_server.token("alice", scope="mcp:use compute", resource=url)
     body, headers = modern_call("greet", {"name": "a"})
@@ -351,12 +352,10 @@ async def test_insufficient_scope_is_a_403_a_client_can_step_up_from(
 
 @pytest.mark.node
 async def test_an_unreachable_jwks_refuses_every_token(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
     dead = f"http://127.0.0.1:{free_port()}/jwks"
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port, jwks_url=dead, jwks_timeout="2s"))
+    url = await oauth_proxy(jwks_url=dead, jwks_timeout="2s")
     token = auth_server.token("alice", scope="mcp:use", resource=url)
     status, body, challenge = await post(url, INITIALIZE, token)
     assert status == 401 and 'error="invalid_token"' in challenge
@@ -365,12 +364,11 @@ async def test_an_unreachable_jwks_refuses_every_token(
 
 @pytest.mark.node
 async def test_opaque_tokens_are_introspected(
-    auth_server: AuthorizationServer, legacy_url: str, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    introspection = {"client_id": "introspector", "client_secret": "introspector-secret"}
-    await serve(oauth_config(legacy_url, tmp_path, auth_server.url, port, introspection=introspection))
+    url = await oauth_proxy(
+        introspection={"client_id": "introspector", "client_secret": "introspector-secret"}
+    )
     opaque = auth_server.token("opaque-client", scope="mcp:use", resource=url)
     assert opaque.startswith("opaque-")
     assert (await post(url, INITIALIZE, opaque))[0] == 200
@@ -440,16 +438,14 @@ async def test_an_upstream_gets_the_proxys_token_never_the_clients(
 
 @pytest.mark.node
 async def test_the_clients_token_never_reaches_an_upstream_without_proxy_credentials(
-    auth_server: AuthorizationServer, tmp_path: Path, serve: Serve
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
     """No token passthrough: in front of an upstream that wants a token, with no `oauth` of the
     proxy's own, the upstream is sent no token at all (its log stays empty) and the client gets an
     error, on both eras."""
     upstream = ServerProcess([sys.executable, "tests/fixtures/oauth_upstream.py", auth_server.url])
     try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}/mcp"
-        await serve(oauth_config(upstream.url, tmp_path, auth_server.url, port))
+        url = await oauth_proxy(upstream.url)
         client_token = auth_server.token("alice-app", scope="mcp:use compute", resource=url)
         body, headers = modern_call("greet", {"name": "up"})
         status, reply, _ = await post(url, body, client_token, **headers)

@@ -207,7 +207,8 @@ async def test_bad_v1_task_requests_get_clear_jsonrpc_errors(v1: V1Client) -> No
     assert status == 400 and message["error"]["code"] == -32600
 
 
-async def test_v1_tasks_belong_to_their_principal(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
+async def alice_and_bob(legacy_url: str, tmp_path: Path, serve: Serve) -> tuple[V1Client, V1Client]:
+    """Two initialized v1 sessions of two principals (bearer tokens) on one proxy; close both."""
     auth = {
         "mode": "bearer",
         "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")},
@@ -216,9 +217,13 @@ async def test_v1_tasks_belong_to_their_principal(legacy_url: str, tmp_path: Pat
     alice, bob = V1Client(proxy.url()), V1Client(proxy.url())
     for client, token in ((alice, "alice-secret"), (bob, "bob-secret")):
         client.http.headers["Authorization"] = f"Bearer {token}"  # type: ignore[index]
+        await client.initialize()
+    return alice, bob
+
+
+async def test_v1_tasks_belong_to_their_principal(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
+    alice, bob = await alice_and_bob(legacy_url, tmp_path, serve)
     try:
-        await alice.initialize()
-        await bob.initialize()
         task = await alice.call_as_task("slow_compute", {"seconds": 0.2})
         for method in ("tasks/get", "tasks/result", "tasks/cancel"):
             status, message, _ = await bob.request(method, {"taskId": task["taskId"]})
@@ -235,17 +240,8 @@ async def test_another_principals_response_never_answers_a_v1_question(
 ) -> None:
     """Bob posts a JSON-RPC response under the id of the question Alice's task asked: it is not
     Alice's answer. Her question stays open, and her own answer is the one the upstream gets."""
-    auth = {
-        "mode": "bearer",
-        "tokens": {"alice": hash_token("alice-secret"), "bob": hash_token("bob-secret")},
-    }
-    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
-    alice, bob = V1Client(proxy.url()), V1Client(proxy.url())
-    for client, token in ((alice, "alice-secret"), (bob, "bob-secret")):
-        client.http.headers["Authorization"] = f"Bearer {token}"  # type: ignore[index]
+    alice, bob = await alice_and_bob(legacy_url, tmp_path, serve)
     try:
-        await alice.initialize()
-        await bob.initialize()
         task = await alice.call_as_task("confirm_delete", {"filename": "a.txt", "delay": 0.1})
         await _wait_status(alice, task["taskId"], ("input_required",))
         bob_said: list[int] = []

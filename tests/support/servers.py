@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -62,6 +63,13 @@ class ServerProcess:
                 self.proc.wait()
         if self.proc.stdout:
             self.proc.stdout.close()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a server whose URL must be known before it starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
