@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -429,9 +430,27 @@ async def test_an_upstream_gets_the_proxys_token_never_the_clients(
             http.get(upstream.url.removesuffix("/mcp") + "/seen") as resp,
         ):
             seen = await resp.json()
-        assert seen and all(
-            entry == {"client_id": "proxy-upstream", "aud": upstream.url} for entry in seen
+        assert len(seen) >= 2 and all(
+            (entry["client_id"], entry["aud"]) == ("proxy-upstream", upstream.url) for entry in seen
         ), seen
+        assert len({entry["iat"] for entry in seen}) == 1  # one token, kept for every request
+        # The upstream revokes it: the next request gets 401, and the proxy fetches a new token once.
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(upstream.url.removesuffix("/mcp") + "/revoke") as resp,
+        ):
+            not_before = (await resp.json())["not_before"]
+        await asyncio.sleep(max(0.0, not_before - time.time()) + 0.05)
+        body, headers = modern_call("greet", {"name": "again"})
+        status, reply, _ = await post(url, body, client_token, **headers)
+        assert status == 200 and reply["result"]["content"][0]["text"] == "Hello, again!", reply
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(upstream.url.removesuffix("/mcp") + "/seen") as resp,
+        ):
+            after = (await resp.json())[len(seen) :]
+        assert after[0] == {"refused": "revoked"} and after[1]["iat"] >= not_before, after
+        assert all(entry.get("client_id", "proxy-upstream") == "proxy-upstream" for entry in after)
     finally:
         upstream.stop()
 
