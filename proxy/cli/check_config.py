@@ -56,6 +56,11 @@ def auth_warnings(config: Config) -> list[str]:
             "protected resource metadata; the 401 names no resource_metadata); tokens are checked "
             "against jwt.audience" + ("" if auth.jwt.audience else ", which is not set: any audience passes")
         )
+    elif not auth.jwt.issuer:
+        warnings.append(
+            "listen.public_url is set but auth.jwt.issuer is not: no protected resource metadata is "
+            "served, so MCP clients cannot discover where to sign in"
+        )
     elif urlsplit(public).scheme == "http" and urlsplit(public).hostname not in (
         "127.0.0.1",
         "localhost",

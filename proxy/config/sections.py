@@ -76,7 +76,7 @@ class ListenConfig(_Strict):
     )
     public_url: str | None = Field(
         None,
-        description="the proxy's public base URL (https://host[:port][/prefix]); an endpoint's OAuth "
+        description="the proxy's public base URL (https://host[:port], no path); an endpoint's OAuth "
         "resource URI is this plus its path. Never taken from a request's Host header",
     )
     event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
@@ -98,6 +98,11 @@ class ListenConfig(_Strict):
             )
         if parts.username is not None or parts.password is not None:
             raise ValueError("public_url must not carry credentials")
+        if parts.path.strip("/"):
+            raise ValueError(
+                f"public_url {value!r} must be scheme://host[:port] without a path: the metadata of an "
+                "endpoint lives at /.well-known/oauth-protected-resource/<its path> (RFC 9728)"
+            )
         return value.rstrip("/")
 
     @property

@@ -170,7 +170,8 @@ def auth_middleware(
             principal, scopes = await authenticator.identify(request)
         except (AuthError, TokenError) as exc:
             log.warning("security_auth_failed", reason=str(exc), remote=request.remote, path=path)
-            sent_token = "Authorization" in request.headers
+            scheme = request.headers.get("Authorization", "").partition(" ")[0]
+            sent_token = scheme.lower() == "bearer"  # another scheme carries no token (RFC 6750 §3.1)
             challenge = resource.challenge(
                 path,
                 error="invalid_token" if sent_token and authenticator.mode == "jwt" else None,

@@ -1,7 +1,8 @@
 """Scopes per server and tool (`auth.scopes`), checked on a request before any upstream work: a
 `tools/call` needs the server's `*` scopes and the tool's own; reading or changing a task
 (`tasks/get`, `tasks/result`, `tasks/update`, `tasks/cancel`, both dialects) needs those of the tool
-that made it, besides being its principal. A token without them gets HTTP 403 with
+that made it, besides being its principal; `tasks/list` (ids and statuses of the principal's own
+tasks) needs the server's `*` scopes. A token without them gets HTTP 403 with
 `error="insufficient_scope"` and the scopes needed, so that a client can step up (MCP authorization,
 "Scope challenge handling"; RFC 6750 §3.1).
 
@@ -54,6 +55,8 @@ class ScopeCheck:
                 return None
             tool = record.tool
             what = f"task {record.task_id} (made by {tool[:128]})"
+        elif method == "tasks/list":
+            tool, what = None, "listing tasks"  # the principal's own tasks: the server's "*" scopes
         else:
             return None
         needed = self.resource.needed(self.server, tool)

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote_plus, urlsplit, urlunsplit
 
 import aiohttp
 import jwt
@@ -161,12 +161,16 @@ class AccessTokens:
                 raise TokenError("no key in the JWKS matches the token's kid")
             return found
         now = time.monotonic()
-        if self._keys is None or now - self._keys_at > KEYS_LIFESPAN_S:
+        may_fetch = now - self._tried_at >= self.config.refetch_interval  # also after a failed fetch
+        if may_fetch and (self._keys is None or now - self._keys_at > KEYS_LIFESPAN_S):
             await self._refresh_keys(now)
+            may_fetch = False
         found = _find(self._keys, kid)
-        if found is None and now - self._tried_at >= self.config.refetch_interval:
+        if found is None and may_fetch:
             await self._refresh_keys(now)  # a key rotated in since the last fetch
             found = _find(self._keys, kid)
+        if found is None and self._keys is None:
+            raise TokenError("the authorization server's keys are unavailable")
         if found is None:
             raise TokenError("no key of the authorization server matches the token's kid")
         return found
@@ -208,7 +212,7 @@ class AccessTokens:
             except TokenError as exc:
                 failures.append(str(exc))
                 continue
-            if document.get("issuer", "").rstrip("/") != issuer.rstrip("/"):
+            if str(document.get("issuer") or "").rstrip("/") != issuer.rstrip("/"):
                 failures.append(f"{url} names issuer {str(document.get('issuer'))[:200]!r}")
                 continue
             self._metadata, self._metadata_at = document, time.monotonic()
@@ -220,7 +224,8 @@ class AccessTokens:
     async def _introspect(self, token: str, audience: str | None) -> TokenClaims:
         introspection = self.config.introspection
         assert introspection is not None
-        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+        # keyed by the audience too: a token good for one endpoint is not good for another
+        digest = hashlib.sha256(f"{audience}\n{token}".encode("utf-8", "surrogateescape")).hexdigest()
         now = time.time()
         cached = self._introspected.get(digest)
         if cached is not None and cached[1] > now:
@@ -234,7 +239,7 @@ class AccessTokens:
         answer = await self._post_form(
             endpoint,
             {"token": token, "token_type_hint": "access_token"},
-            aiohttp.encode_basic_auth(introspection.client_id, introspection.client_secret),
+            basic_auth(introspection.client_id, introspection.client_secret),
         )
         if answer.get("active") is not True:
             raise TokenError("the token is not active")
@@ -293,6 +298,12 @@ class AccessTokens:
         if not isinstance(document, dict):
             raise TokenError(f"{method} {url}: not a JSON object")
         return document
+
+
+def basic_auth(client_id: str, client_secret: str) -> str:
+    """An `Authorization: Basic` value for OAuth client credentials: each part form-urlencoded
+    first (RFC 6749 §2.3.1), so a `:` or a non-ASCII character in them is carried intact."""
+    return aiohttp.encode_basic_auth(quote_plus(client_id), quote_plus(client_secret))
 
 
 def _find(keys: jwt.PyJWKSet | None, kid: Any) -> jwt.PyJWK | None:

@@ -243,6 +243,13 @@ class HttpRelay:
                 f"followed"
             )
             return _upstream_error(request_id, message, 502)
+        if upstream.status in (401, 403):  # the upstream's own sign-in is not the client's to answer
+            upstream.release()
+            message = (
+                f"upstream {self.name} refused the proxy (HTTP {upstream.status}): it wants credentials; "
+                f"configure mcpServers.{self.name}.oauth or headers"
+            )
+            return _upstream_error(request_id, message, 502)
         limit = self.bounds.max_response_bytes
         is_sse = (
             upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300

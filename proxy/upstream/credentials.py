@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from urllib.parse import quote_plus
 
 import aiohttp
 import structlog
@@ -78,8 +79,9 @@ class ClientCredentials:
                     data=form,
                     headers={
                         "Accept": "application/json",
+                        # each part form-urlencoded first (RFC 6749 §2.3.1)
                         "Authorization": aiohttp.encode_basic_auth(
-                            self.config.client_id, self.config.client_secret
+                            quote_plus(self.config.client_id), quote_plus(self.config.client_secret)
                         ),
                     },
                     allow_redirects=False,

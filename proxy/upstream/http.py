@@ -144,6 +144,8 @@ class UpstreamSession:
             with attempt:
                 if self.closed:
                     return
+                if self.credentials is not None:
+                    await self.credentials.ensure()
                 headers = {k: v for k, v in self._headers().items() if k != "Content-Type"}
                 headers["Accept"] = "text/event-stream"
                 try:
@@ -446,6 +448,11 @@ class UpstreamSession:
 
     async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
         """A GET resuming the session's stream after `last_event_id`; None when refused."""
+        if self.credentials is not None:
+            try:
+                await self.credentials.ensure()
+            except UpstreamError:
+                return None
         headers = {k: v for k, v in self._headers().items() if k != "Content-Type"}
         headers["Accept"] = "text/event-stream"
         headers["Last-Event-ID"] = last_event_id

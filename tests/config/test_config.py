@@ -578,3 +578,35 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
         assert config_from_data(data).store.lease >= 0.1
     else:
         assert "store.lease" in config_error(data) and "at least 100ms" in config_error(data)
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"listen": {"public_url": "https://mcp.example.com/gateway"}}, "without a path"),
+        ({"listen": {"public_url": "ftp://mcp.example.com"}}, "http:// or https://"),
+        ({"listen": {"public_url": "https://user:pw@mcp.example.com"}}, "must not carry credentials"),
+        ({"auth": {"mode": "bearer", "tokens": {}, "scopes": {"a": {"*": ["x"]}}}}, "mode bearer needs"),
+        ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}, "scopes": {"nope": {"*": ["x"]}}}}, "nope"),
+        (
+            {"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}, "scopes": {"a": {"*": ["a b"]}}}},
+            "RFC 6749",
+        ),
+        ({"auth": {"mode": "jwt", "jwt": {}}}, "give `issuer`"),
+        (
+            {
+                "mcpServers": {
+                    "a": {
+                        "url": "http://u",
+                        "headers": {"Authorization": "x"},
+                        "oauth": {"token_url": "http://t", "client_id": "c", "client_secret": "s"},
+                    }
+                }
+            },
+            "either `oauth` or an Authorization header",
+        ),
+    ],
+)
+def test_authorization_settings_are_checked(section: dict, expected: str):
+    data = {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, **section}
+    assert expected in config_error(data)

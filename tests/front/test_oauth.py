@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 import aiohttp
 import fastmcp_tasks
 import pytest
+from aiohttp import web
 from fastmcp import Client
 from mcp.client.auth import OAuthClientProvider
 from mcp.client.auth.extensions.client_credentials import ClientCredentialsOAuthProvider
@@ -28,7 +29,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull,
 from support.clients import TASKS_CAPS, envelope
 from support.oauth import NODE, NODE_MODULES, AuthorizationServer, MemoryStorage
 from support.proxy import Serve
-from support.servers import ROOT, ServerProcess, free_port
+from support.servers import ROOT, ServerProcess, free_port, served_app
 from support.v1_client import V1Client
 
 from proxy.cli.check_config import auth_warnings
@@ -349,6 +350,15 @@ async def test_insufficient_scope_is_a_403_a_client_can_step_up_from(
     other = auth_server.token("mallory", scope="mcp:use compute", resource=url)
     status, reply, _ = await post(url, body, other, **headers)  # another principal: not found, as ever
     assert status == 400 and reply["error"]["code"] == -32602
+    # Listing shows the principal's own tasks: it needs the server's "*" scopes.
+    listing = {"jsonrpc": "2.0", "id": 9, "method": "tasks/list", "params": {"_meta": envelope(TASKS_CAPS)}}
+    list_headers = {"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": "tasks/list"}
+    status, reply, challenge = await post(
+        url, listing, auth_server.token("alice", resource=url), **list_headers
+    )
+    assert status == 403 and 'scope="mcp:use"' in challenge
+    status, reply, _ = await post(url, listing, narrow, **list_headers)
+    assert status != 403, reply
 
 
 @pytest.mark.node
@@ -361,6 +371,32 @@ async def test_an_unreachable_jwks_refuses_every_token(
     status, body, challenge = await post(url, INITIALIZE, token)
     assert status == 401 and 'error="invalid_token"' in challenge
     assert dead not in json.dumps(body) and dead not in challenge  # the cause is logged, not told
+
+
+@pytest.mark.node
+async def test_a_hanging_jwks_is_asked_once_per_interval(
+    auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
+) -> None:
+    """A key endpoint that never answers: the first token waits for `jwks_timeout`, the next ones
+    within `refetch_interval` are refused at once without asking again."""
+    asked: list[float] = []
+    release = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        asked.append(time.monotonic())
+        await release.wait()
+        return web.json_response({"keys": []})
+
+    app = web.Application()
+    app.router.add_get("/jwks", hang)
+    async with served_app(app) as port:
+        url = await oauth_proxy(jwks_url=f"http://127.0.0.1:{port}/jwks", jwks_timeout="500ms")
+        token = auth_server.token("alice", scope="mcp:use", resource=url)
+        for _ in range(5):
+            status, _, challenge = await post(url, INITIALIZE, token)
+            assert status == 401 and 'error="invalid_token"' in challenge
+        assert len(asked) == 1
+        release.set()
 
 
 @pytest.mark.node
@@ -377,6 +413,9 @@ async def test_opaque_tokens_are_introspected(
     assert status == 401 and 'error="invalid_token"' in challenge
     elsewhere = auth_server.token("opaque-client", scope="mcp:use", resource="https://other.example/mcp")
     assert (await post(url, INITIALIZE, elsewhere))[0] == 401
+    # Accepted at /mcp (and so cached there), the token is still not one for another endpoint.
+    other_endpoint = url.removesuffix("/mcp") + "/servers/legacy/mcp"
+    assert (await post(other_endpoint, INITIALIZE, opaque))[0] == 401
 
 
 # -- the proxy's own token toward an upstream --------------------------------------------------------
@@ -469,8 +508,10 @@ async def test_the_clients_token_never_reaches_an_upstream_without_proxy_credent
         body, headers = modern_call("greet", {"name": "up"})
         status, reply, _ = await post(url, body, client_token, **headers)
         assert reply["error"]["message"] == "upstream legacy answered HTTP 401", reply
-        status, reply, _ = await post(url, INITIALIZE, client_token)
-        assert "error" in reply, reply
+        status, reply, challenge = await post(url, INITIALIZE, client_token)
+        # The upstream's sign-in is not the client's: no 401, no challenge.
+        assert status != 401 and not challenge, (status, challenge)
+        assert reply["error"]["message"].startswith("upstream legacy refused the proxy (HTTP 401)"), reply
         async with (
             aiohttp.ClientSession() as http,
             http.get(upstream.url.removesuffix("/mcp") + "/seen") as resp,
