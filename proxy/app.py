@@ -75,7 +75,7 @@ def build_app(config: Config) -> web.Application:
     allowed = (
         set(config.listen.allowed_hosts)
         if config.listen.allowed_hosts is not None
-        else default_allowed_hosts(config.listen.host)
+        else default_allowed_hosts(config.listen.host, config.listen.public_url)
     )
     resource = ProtectedResource(config)
     # A relayed request keeps the principal the relaying replica authenticated.

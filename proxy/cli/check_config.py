@@ -9,8 +9,8 @@ import shutil
 import sys
 from urllib.parse import urlsplit
 
-from proxy.config import Config, ConfigError, JwtConfig, load_config
-from proxy.front.tokens import AccessTokens, TokenError
+from proxy.config import Config, ConfigError, JwtConfig, load_config, redact_url
+from proxy.front.tokens import AccessTokens, TokenError, load_jwks_file
 from proxy.replicas import advertised_url
 from proxy.runtime import event_loop
 
@@ -29,7 +29,10 @@ def run(argv: list[str]) -> int:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
     problems = (
-        missing_commands(config) + replica_problems(config) + event_loop.problems(config.listen.event_loop)
+        missing_commands(config)
+        + replica_problems(config)
+        + event_loop.problems(config.listen.event_loop)
+        + auth_problems(config)
     )
     if problems:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
@@ -38,6 +41,18 @@ def run(argv: list[str]) -> int:
     for warning in auth_warnings(config):
         print(f"warning: {warning}")
     return 0
+
+
+def auth_problems(config: Config) -> list[str]:
+    """What stops `config.auth` from serving: a `jwks_file` that cannot be read as a key set."""
+    jwt_config = config.auth.jwt
+    if config.auth.mode != "jwt" or jwt_config is None or not jwt_config.jwks_file:
+        return []
+    try:
+        load_jwks_file(jwt_config.jwks_file, None)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def auth_warnings(config: Config) -> list[str]:
@@ -117,8 +132,11 @@ def describe(config: Config, source: str) -> str:
         )
     auth = config.auth
     if auth.mode == "jwt" and auth.jwt is not None:
-        source = auth.jwt.jwks_file or auth.jwt.jwks_url or "the issuer's jwks_uri"
-        lines.append(f"auth: OAuth access tokens from {auth.jwt.issuer or 'any issuer'}, keys from {source}")
+        source = auth.jwt.jwks_file or (
+            redact_url(auth.jwt.jwks_url) if auth.jwt.jwks_url else "the issuer's jwks_uri"
+        )
+        issuer = redact_url(auth.jwt.issuer) if auth.jwt.issuer else "any issuer"
+        lines.append(f"auth: OAuth access tokens from {issuer}, keys from {source}")
         if config.listen.public_url:
             lines.append(
                 f"  resource {config.listen.public_url}/mcp (and /servers/NAME/mcp); metadata at "

@@ -27,6 +27,7 @@ from proxy.config.sections import (
     ReplicasConfig,
     RequestStateConfig,
     StoreConfig,
+    http_url,
 )
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -128,10 +129,7 @@ class UpstreamOAuth(_Strict):
     @field_validator("token_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"token_url {value!r} must be an http:// or https:// URL")
-        return value
+        return http_url(value, "oauth.token_url")
 
 
 class ServerEntry(_Strict):

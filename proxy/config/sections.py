@@ -91,17 +91,13 @@ class ListenConfig(_Strict):
     def _public_url(cls, value: str | None) -> str | None:
         if value is None:
             return None
+        http_url(value, "public_url")
         parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        if parts.query or parts.fragment or parts.path.strip("/"):
             raise ValueError(
-                f"public_url {value!r} must be an http:// or https:// base URL without query or fragment"
-            )
-        if parts.username is not None or parts.password is not None:
-            raise ValueError("public_url must not carry credentials")
-        if parts.path.strip("/"):
-            raise ValueError(
-                f"public_url {value!r} must be scheme://host[:port] without a path: the metadata of an "
-                "endpoint lives at /.well-known/oauth-protected-resource/<its path> (RFC 9728)"
+                f"public_url {redact_url(value)!r} must be scheme://host[:port] without a path, query or "
+                "fragment: the metadata of an endpoint lives at "
+                "/.well-known/oauth-protected-resource/<its path> (RFC 9728)"
             )
         return value.rstrip("/")
 
@@ -223,6 +219,21 @@ class RequestStateConfig(_Strict):
     secret: str | None = Field(None, min_length=32)
 
 
+def http_url(value: str, name: str) -> str:
+    """`value` when it is an http:// or https:// URL with a host and no user or password in it;
+    else ValueError, naming `name` and never the credentials."""
+    try:
+        parts = urlsplit(value)
+        has_credentials = parts.username is not None or parts.password is not None
+    except ValueError:
+        raise ValueError(f"{name} is not a URL") from None
+    if has_credentials:
+        raise ValueError(f"{name} must not carry a user or password in the URL")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{name} {redact_url(value)!r} must be an http:// or https:// URL")
+    return value
+
+
 class IntrospectionConfig(_Strict):
     """RFC 7662 token introspection for opaque (non-JWT) access tokens, with the proxy's own client
     credentials (HTTP Basic). `endpoint` defaults to the authorization server's
@@ -233,6 +244,11 @@ class IntrospectionConfig(_Strict):
     client_secret: str = Field(min_length=1)
     endpoint: str | None = None
     cache: Duration = Field("5m", validate_default=True)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        return http_url(value, "introspection.endpoint") if value is not None else None
 
 
 class JwtConfig(_Strict):
@@ -249,8 +265,8 @@ class JwtConfig(_Strict):
     jwks_url: str | None = None
     issuer: str | None = None
     audience: str | None = None
-    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
-    principal_claim: str = "sub"
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"], min_length=1)
+    principal_claim: str = Field("sub", min_length=1)
     leeway_s: float = Field(30.0, ge=0, description="clock skew allowed on exp/nbf, in seconds")
     jwks_timeout: Duration = Field(
         "10s",
@@ -261,6 +277,18 @@ class JwtConfig(_Strict):
         "30s", validate_default=True, description="least time between JWKS fetches for an unknown kid"
     )
     introspection: IntrospectionConfig | None = None
+
+    @field_validator("issuer", "jwks_url")
+    @classmethod
+    def _urls(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return http_url(value, f"jwt.{info.field_name}") if value is not None else None
+
+    @field_validator("jwks_timeout")
+    @classmethod
+    def _bounded(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("jwks_timeout must be more than 0 s: every wait has a bound")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> JwtConfig:
@@ -328,6 +356,11 @@ class AuthConfig(_Strict):
     resource_documentation: str | None = Field(
         None, description="a URL for people, served in the protected resource metadata"
     )
+
+    @field_validator("resource_documentation")
+    @classmethod
+    def _documentation(cls, value: str | None) -> str | None:
+        return http_url(value, "resource_documentation") if value is not None else None
 
     @model_validator(mode="after")
     def _complete(self) -> AuthConfig:

@@ -53,10 +53,15 @@ def host_guard(allowed: set[str] | None):
     return middleware
 
 
-def default_allowed_hosts(listen_host: str) -> set[str] | None:
-    """Localhost names when bound to loopback, else None (any host)."""
+def default_allowed_hosts(listen_host: str, public_url: str | None = None) -> set[str] | None:
+    """Localhost names when bound to loopback (and the host of `public_url`, the name a fronting
+    reverse proxy passes on), else None (any host)."""
     try:
         loopback = listen_host == "localhost" or ipaddress.ip_address(listen_host).is_loopback
     except ValueError:
         loopback = False
-    return {"localhost", "127.0.0.1", "::1", "[::1]"} if loopback else None
+    if not loopback:
+        return None
+    names = {"localhost", "127.0.0.1", "::1", "[::1]"}
+    public_host = urlsplit(public_url).hostname if public_url else None
+    return names | {public_host} if public_host else names

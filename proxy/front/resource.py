@@ -70,7 +70,7 @@ class ProtectedResource:
         (when discoverable, else the realm), and `error`, `error_description` and `scope` when given
         (RFC 6750 §3: quoted strings, no `"` or `\\` inside)."""
         params: list[tuple[str, str]] = []
-        metadata = self.metadata_url(path)
+        metadata = self.metadata_url(path) if path in self.endpoints else None
         params.append(("resource_metadata", metadata) if metadata is not None else ("realm", REALM))
         if error is not None:
             params.append(("error", error))

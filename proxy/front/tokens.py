@@ -25,7 +25,7 @@ import aiohttp
 import jwt
 import structlog
 
-from proxy.config import JwtConfig
+from proxy.config import ConfigError, JwtConfig, redact_url
 
 log = structlog.get_logger("proxy.front")
 
@@ -87,14 +87,12 @@ class AccessTokens:
         self.config = config
         self._static: jwt.PyJWKSet | None = None
         if config.jwks_file:
-            path = Path(config.jwks_file)
-            if not path.is_absolute() and base_dir is not None:
-                path = base_dir / path
-            self._static = jwt.PyJWKSet.from_json(path.read_text())
+            self._static = load_jwks_file(config.jwks_file, base_dir)
         self._http: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self._metadata: dict[str, Any] | None = None
         self._metadata_at = float("-inf")
+        self._metadata_tried = float("-inf")
         self._keys: jwt.PyJWKSet | None = None
         self._keys_at = float("-inf")  # when the keys were last fetched (monotonic s)
         self._tried_at = float("-inf")  # when a fetch was last tried, for the refetch interval
@@ -146,8 +144,9 @@ class AccessTokens:
 
     def _principal(self, claims: dict[str, Any]) -> str:
         principal = claims.get(self.config.principal_claim)
-        if principal is None and self.config.principal_claim == "sub":
-            principal = claims.get("client_id")  # a client-credentials token names no user
+        client = claims.get("client_id")
+        if principal is None and self.config.principal_claim == "sub" and isinstance(client, str) and client:
+            principal = "client:" + client  # a client-credentials token names no user; never a user's name
         if not isinstance(principal, str) or not principal:
             raise TokenError(f"the token has no {self.config.principal_claim!r} claim")
         return principal
@@ -199,12 +198,19 @@ class AccessTokens:
 
     async def metadata(self) -> dict[str, Any]:
         """The issuer's authorization server metadata (RFC 8414 or OpenID discovery), kept
-        `KEYS_LIFESPAN_S`; its `issuer` must be the configured one (RFC 8414 §3.3). Raises TokenError."""
-        if self._metadata is not None and time.monotonic() - self._metadata_at < KEYS_LIFESPAN_S:
+        `KEYS_LIFESPAN_S`, then fetched again at most once per `refetch_interval` (the old document
+        stays in use while that fails); its `issuer` must be the configured one, exactly (RFC 8414
+        §3.3). Raises TokenError."""
+        now = time.monotonic()
+        if self._metadata is not None and (
+            now - self._metadata_at < KEYS_LIFESPAN_S
+            or now - self._metadata_tried < self.config.refetch_interval
+        ):
             return self._metadata
         issuer = self.config.issuer
         if not issuer:
             raise TokenError("no issuer is configured to discover metadata from")
+        self._metadata_tried = now
         failures = []
         for url in discovery_urls(issuer):
             try:
@@ -212,11 +218,16 @@ class AccessTokens:
             except TokenError as exc:
                 failures.append(str(exc))
                 continue
-            if str(document.get("issuer") or "").rstrip("/") != issuer.rstrip("/"):
-                failures.append(f"{url} names issuer {str(document.get('issuer'))[:200]!r}")
+            if document.get("issuer") != issuer:
+                failures.append(
+                    f"{redact_url(url)} names issuer {str(document.get('issuer'))[:200]!r}, not {issuer!r}"
+                )
                 continue
             self._metadata, self._metadata_at = document, time.monotonic()
             return document
+        if self._metadata is not None:
+            log.warning("auth_metadata_stale", reason="; ".join(failures))
+            return self._metadata
         raise TokenError("no metadata for the issuer: " + "; ".join(failures))
 
     # -- introspection (RFC 7662) --------------------------------------------------------------
@@ -230,17 +241,21 @@ class AccessTokens:
         cached = self._introspected.get(digest)
         if cached is not None and cached[1] > now:
             return cached[0]
-        endpoint = introspection.endpoint
-        if endpoint is None:
-            found = (await self.metadata()).get("introspection_endpoint")
-            if not isinstance(found, str) or not found:
-                raise TokenError("the authorization server's metadata names no introspection_endpoint")
-            endpoint = found
-        answer = await self._post_form(
-            endpoint,
-            {"token": token, "token_type_hint": "access_token"},
-            basic_auth(introspection.client_id, introspection.client_secret),
-        )
+        try:
+            endpoint = introspection.endpoint
+            if endpoint is None:
+                found = (await self.metadata()).get("introspection_endpoint")
+                if not isinstance(found, str) or not found:
+                    raise TokenError("the authorization server's metadata names no introspection_endpoint")
+                endpoint = found
+            answer = await self._post_form(
+                endpoint,
+                {"token": token, "token_type_hint": "access_token"},
+                basic_auth(introspection.client_id, introspection.client_secret),
+            )
+        except TokenError as exc:  # the cause is the operator's to read, not an anonymous client's
+            log.warning("auth_introspection_unavailable", reason=str(exc))
+            raise TokenError("the token cannot be checked now") from None
         if answer.get("active") is not True:
             raise TokenError("the token is not active")
         exp = answer.get("exp")
@@ -288,16 +303,27 @@ class AccessTokens:
                 **kwargs,
             ) as resp:
                 if resp.status != 200:
-                    raise TokenError(f"{method} {url}: HTTP {resp.status}")
+                    raise TokenError(f"{method} {redact_url(url)}: HTTP {resp.status}")
                 body = await resp.content.read(MAX_DOCUMENT_BYTES + 1)
             if len(body) > MAX_DOCUMENT_BYTES:
-                raise TokenError(f"{method} {url}: larger than {MAX_DOCUMENT_BYTES} bytes")
+                raise TokenError(f"{method} {redact_url(url)}: larger than {MAX_DOCUMENT_BYTES} bytes")
             document = json.loads(body)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
-            raise TokenError(f"{method} {url}: {exc.__class__.__name__}: {exc}") from None
+            raise TokenError(f"{method} {redact_url(url)}: {exc.__class__.__name__}") from None
         if not isinstance(document, dict):
-            raise TokenError(f"{method} {url}: not a JSON object")
+            raise TokenError(f"{method} {redact_url(url)}: not a JSON object")
         return document
+
+
+def load_jwks_file(name: str, base_dir: Path | None) -> jwt.PyJWKSet:
+    """The key set in the file `name` (relative to `base_dir`). Raises ConfigError naming the file."""
+    path = Path(name)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        return jwt.PyJWKSet.from_json(path.read_text())
+    except (OSError, ValueError, jwt.PyJWTError) as exc:
+        raise ConfigError(f"auth.jwt.jwks_file {path}: {exc.__class__.__name__}: {exc}") from None
 
 
 def basic_auth(client_id: str, client_secret: str) -> str:

@@ -17,7 +17,7 @@ from urllib.parse import quote_plus
 import aiohttp
 import structlog
 
-from proxy.config import UpstreamOAuth
+from proxy.config import UpstreamOAuth, redact_url
 from proxy.upstream.types import UpstreamError
 
 log = structlog.get_logger("proxy.upstream")
@@ -91,19 +91,20 @@ class ClientCredentials:
                     status = resp.status
                 answer = json.loads(body) if len(body) <= MAX_TOKEN_RESPONSE_BYTES else None
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                raise UpstreamError(
-                    f"upstream {self.server}: the proxy's token request to {self.config.token_url} failed: "
-                    f"{exc.__class__.__name__}"
-                ) from None
+                raise self._failed(f"the request failed: {exc.__class__.__name__}: {exc}") from None
             token = answer.get("access_token") if isinstance(answer, dict) else None
             if status != 200 or not isinstance(token, str) or not token:
                 error = answer.get("error") if isinstance(answer, dict) else None
-                raise UpstreamError(
-                    f"upstream {self.server}: the token endpoint {self.config.token_url} answered HTTP "
-                    f"{status}" + (f" ({str(error)[:100]})" if error else "")
-                )
+                raise self._failed(f"HTTP {status}" + (f" ({str(error)[:100]})" if error else ""))
             assert isinstance(answer, dict)
             lifetime = answer.get("expires_in")
             seconds = float(lifetime) if isinstance(lifetime, int | float) and lifetime > 0 else 3600.0
             self.token, self._expires_at = token, time.monotonic() + seconds
             log.info("upstream_token_fetched", server=self.server, expires_in_s=round(seconds))
+
+    def _failed(self, reason: str) -> UpstreamError:
+        """Log why the proxy has no token (in full) and the error for the request (the token URL
+        without credentials or query)."""
+        where = redact_url(self.config.token_url)
+        log.warning("upstream_token_failed", server=self.server, token_url=where, reason=reason[:300])
+        return UpstreamError(f"upstream {self.server}: the proxy could not get its token from {where}")

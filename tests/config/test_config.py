@@ -585,7 +585,7 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
     [
         ({"listen": {"public_url": "https://mcp.example.com/gateway"}}, "without a path"),
         ({"listen": {"public_url": "ftp://mcp.example.com"}}, "http:// or https://"),
-        ({"listen": {"public_url": "https://user:pw@mcp.example.com"}}, "must not carry credentials"),
+        ({"listen": {"public_url": "https://user:pw@mcp.example.com"}}, "must not carry a user"),
         ({"auth": {"mode": "bearer", "tokens": {}, "scopes": {"a": {"*": ["x"]}}}}, "mode bearer needs"),
         ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}, "scopes": {"nope": {"*": ["x"]}}}}, "nope"),
         (
@@ -593,6 +593,11 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
             "RFC 6749",
         ),
         ({"auth": {"mode": "jwt", "jwt": {}}}, "give `issuer`"),
+        ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i", "jwks_timeout": "0s"}}}, "more than 0 s"),
+        ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://u:SECRET@i"}}}, "must not carry a user"),
+        ({"auth": {"mode": "jwt", "jwt": {"issuer": "idp.example.com"}}}, "must be an http://"),
+        ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i", "algorithms": []}}}, "algorithms"),
+        ({"listen": {"public_url": "ftp://user:PUBSECRET@host"}}, "must not carry a user"),
         (
             {
                 "mcpServers": {
@@ -609,4 +614,5 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
 )
 def test_authorization_settings_are_checked(section: dict, expected: str):
     data = {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, **section}
-    assert expected in config_error(data)
+    message = config_error(data)
+    assert expected in message and "SECRET" not in message

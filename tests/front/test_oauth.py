@@ -350,6 +350,16 @@ async def test_insufficient_scope_is_a_403_a_client_can_step_up_from(
     other = auth_server.token("mallory", scope="mcp:use compute", resource=url)
     status, reply, _ = await post(url, body, other, **headers)  # another principal: not found, as ever
     assert status == 400 and reply["error"]["code"] == -32602
+    # Status pushes carry a task's result: listening to one needs the same scopes as reading it.
+    listen = {
+        "jsonrpc": "2.0",
+        "id": 10,
+        "method": "subscriptions/listen",
+        "params": {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)},
+    }
+    listen_headers = {"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": "subscriptions/listen"}
+    status, reply, challenge = await post(url, listen, narrow, **listen_headers)
+    assert status == 403 and 'error="insufficient_scope"' in challenge, reply
     # Listing shows the principal's own tasks: it needs the server's "*" scopes.
     listing = {"jsonrpc": "2.0", "id": 9, "method": "tasks/list", "params": {"_meta": envelope(TASKS_CAPS)}}
     list_headers = {"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": "tasks/list"}
@@ -416,6 +426,12 @@ async def test_opaque_tokens_are_introspected(
     # Accepted at /mcp (and so cached there), the token is still not one for another endpoint.
     other_endpoint = url.removesuffix("/mcp") + "/servers/legacy/mcp"
     assert (await post(other_endpoint, INITIALIZE, opaque))[0] == 401
+    # Introspection refused (the proxy's own credentials are wrong): a generic reason, no address.
+    wrong = await oauth_proxy(introspection={"client_id": "intro:spector", "client_secret": "wrong"})
+    token = auth_server.token("opaque-client", scope="mcp:use", resource=wrong)
+    status, body, challenge = await post(wrong, INITIALIZE, token)
+    assert status == 401 and "cannot be checked now" in challenge
+    assert auth_server.url not in challenge + json.dumps(body)
 
 
 # -- the proxy's own token toward an upstream --------------------------------------------------------
