@@ -147,13 +147,14 @@ class Child:
 class Killed:
     """One SIGKILL: `label` (e.g. `replica 2`), requests the killed process itself was serving
     (`at_process`, None when only the client's own count is known), its node id (the store's
-    owner name for it) and the ids of the unfinished tasks it owned when it died (read from the
-    store right after the kill, before any other node can take them over)."""
+    owner name for it) and the unfinished tasks it owned when it died (read from the store right
+    after the kill, before any other node can take them over): task id -> the call's label, when
+    the record keeps the call for a re-run (None otherwise)."""
 
     label: str
     at_process: int | None
     node: str
-    owned: set[str]
+    owned: dict[str, str | None]
 
 
 def counting_upstream(workdir: Path) -> tuple[Child, Path]:
@@ -176,16 +177,26 @@ def node_of(log: Path) -> str:
     return node
 
 
-def owned_by(store: Any, node: str) -> set[str]:
-    """Ids of the unfinished tasks `store` (a TaskStore, closed here) records as owned by `node`."""
+def owned_by(store: Any, node: str) -> dict[str, str | None]:
+    """The unfinished tasks `store` (a TaskStore, closed here) records as owned by `node`: task id ->
+    the `label` argument of its call, read from the call kept for a re-run (`on_restart: rerun`),
+    else None. A task whose handle never reached the client is known by its label only."""
 
-    async def read() -> set[str]:
+    async def read() -> dict[str, str | None]:
         try:
-            return {r.task_id for r in await asyncio.wait_for(store.live_tasks(), 10) if r.owner == node}
+            records = await asyncio.wait_for(store.live_tasks(), 10)
         finally:
             await store.close()
+        return {r.task_id: _label_of(r.rerun) for r in records if r.owner == node}
 
     return asyncio.run(read())
+
+
+def _label_of(rerun: dict[str, Any] | None) -> str | None:
+    """The `label` argument of a call kept for a re-run (`{method, params, capabilities}`)."""
+    params = (rerun or {}).get("params") or {}
+    label = (params.get("arguments") or {}).get("label") if isinstance(params, dict) else None
+    return label if isinstance(label, str) else None
 
 
 class Target(Protocol):
@@ -890,6 +901,10 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
             unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")
     task_of = {label: task_id for task_id, (_, label) in run.call_of.items()}
+    for killed in run.killed:  # a task whose handle a kill cut off is known by the call it keeps
+        for task_id, label in killed.owned.items():
+            if label is not None:
+                task_of.setdefault(label, task_id)
     doubles: list[str] = []
     double_kinds: Counter[str] = Counter()
     for label, n in sorted(starts.items()):
