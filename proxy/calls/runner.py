@@ -236,7 +236,7 @@ class CallRunner:
             raise JsonRpcError(exc.code, exc.message, exc.data, status=507) from None
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         if call.method == "tools/call":
-            metrics.CALLS.labels(self.name, call.tool, "detached").inc()
+            metrics.count_call(self.name, call.tool, "detached")
         structlog.contextvars.bind_contextvars(task_id=record.task_id)
         return create_task_result(record)
 
@@ -273,7 +273,7 @@ class CallRunner:
         self.parked.release(call)
         outcome = call.outcome.result()
         if call.method == "tools/call":
-            metrics.CALLS.labels(self.name, call.tool, "sync" if "result" in outcome else "error").inc()
+            metrics.count_call(self.name, call.tool, "sync" if "result" in outcome else "error")
         if "result" in outcome:
             return modern_result(call.method, outcome["result"])
         error = modern_error(outcome.get("error"))

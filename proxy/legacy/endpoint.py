@@ -18,7 +18,7 @@ from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
 from proxy.legacy.v1 import V1Front
 from proxy.protocol import jsonrpc
-from proxy.protocol.era import legacy_method_refusal
+from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, legacy_method_refusal
 from proxy.protocol.jsonrpc import INVALID_REQUEST, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
 from proxy.runtime import metrics
 
@@ -208,16 +208,19 @@ def observe(
 ) -> None:
     """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`,
     or `error` for an HTTP error status or a JSON-RPC error in a plain JSON reply; an SSE reply is
-    not read), upstream latency (s)."""
-    metrics.UPSTREAM_LATENCY.labels(server, method).observe(seconds)
+    not read, so its tool keeps the `other` label until a call of it is seen answered), upstream
+    latency (s; a method outside the legacy surface counts as `other`)."""
+    known = method in LEGACY_METHODS or method in LEGACY_TASK_METHODS  # a client may send any name
+    metrics.UPSTREAM_LATENCY.labels(server, method if known else metrics.OTHER).observe(seconds)
     if method == "tools/call":
         name = object_of(body.get("params")).get("name")
         tool = name if isinstance(name, str) else ""
         ok = response is not None and response.status < 400
+        answered = False  # known to be answered without an error (an SSE reply is not read)
         reply = getattr(response, "body", None)
         if ok and isinstance(reply, bytes) and reply[:1] == b"{":
             try:
-                ok = "error" not in jsonrpc.loads(reply)
+                ok = answered = "error" not in jsonrpc.loads(reply)
             except (ValueError, RecursionError):
                 pass
-        metrics.CALLS.labels(server, tool[:256], "sync" if ok else "error").inc()
+        metrics.count_call(server, tool, "sync" if ok else "error", answered=answered)

@@ -27,6 +27,7 @@ from proxy.legacy.v1_methods import V1_TASK_METHODS, V1TaskMethods
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
 from proxy.protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
+from proxy.runtime import metrics
 from proxy.runtime.fanout import Overflow
 from proxy.tasks.service import TaskService
 from proxy.tasks.types import TaskChange, TaskMessage, about
@@ -103,7 +104,9 @@ class V1Front:
     async def rewrite_reply(self, method: str | None, message: JsonObject) -> JsonObject:
         """The upstream's reply to `initialize` (adds `capabilities.tasks`) or `tools/list` (adds
         `execution.taskSupport` per tool); anything else, an error, or an upstream with tasks of
-        its own passes unchanged."""
+        its own passes unchanged. A `tools/list` reply names the tools that get metric labels."""
+        if method == "tools/list":
+            metrics.listed_tools(self.server, object_of(message.get("result")).get("tools"))
         if (
             method not in REWRITTEN_REPLIES
             or not isinstance(message.get("result"), dict)

@@ -38,6 +38,7 @@ from proxy.protocol.era import (
 )
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError
 from proxy.protocol.translate import modern_error, modern_result
+from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
 from proxy.tasks.service import TaskService
@@ -285,6 +286,8 @@ class ServerDispatcher:
             error = modern_error(reply["error"])
             raise JsonRpcError(error["code"], error["message"], error.get("data"))
         result = modern_result(method, reply["result"])
+        if method == "tools/list":
+            metrics.listed_tools(self.name, result.get("tools"))
         if method == "tools/list" and not params.get("cursor") and not result.get("nextCursor"):
             self.param_headers.remember(principal or "", result)
         return result

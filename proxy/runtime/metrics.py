@@ -64,6 +64,50 @@ REQUESTS = Counter(
 )
 
 
+MAX_TOOL_LABELS = 500  # distinct tool label values per server; more count as `other`
+OTHER = "other"
+_TOOL_LABELS: dict[str, set[str]] = {}  # server -> tool names that earned a label of their own
+
+
+def label_value(text: str, limit: int = 128) -> str:
+    """`text` fit for a label value: at most `limit` characters, and text that encodes as UTF-8
+    (a lone surrogate would make every later scrape fail)."""
+    return text[:limit].encode("utf-8", "replace").decode("utf-8")
+
+
+def tool_label(server: str, tool: str, *, ok: bool) -> str:
+    """The `tool` label of a call on `server`: the tool's name once the upstream listed it
+    (`listed_tools`) or a call of it was answered without an error (`ok`), else `other`, so that
+    names a client makes up (which the upstream refuses) add no series; at most `MAX_TOOL_LABELS`
+    names per server."""
+    known = _TOOL_LABELS.setdefault(server, set())
+    name = label_value(tool, 256)
+    if name in known:
+        return name
+    if ok and len(known) < MAX_TOOL_LABELS:
+        known.add(name)
+        return name
+    return OTHER
+
+
+def listed_tools(server: str, tools: object) -> None:
+    """The upstream of `server` listed `tools` (a `tools/list` result's list): their names get labels
+    of their own (up to `MAX_TOOL_LABELS`)."""
+    known = _TOOL_LABELS.setdefault(server, set())
+    for tool in tools if isinstance(tools, list) else []:
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if isinstance(name, str) and len(known) < MAX_TOOL_LABELS:
+            known.add(label_value(name, 256))
+
+
+def count_call(server: str, tool: str, outcome: str, *, answered: bool | None = None) -> None:
+    """Count one `tools/call` of `tool` on `server` by `outcome` (`sync`, `detached` or `error`).
+    `answered`: whether the call is known to have been answered without an error (default: the
+    outcome is not `error`); only such a call gives its tool a label of its own."""
+    ok = outcome != "error" if answered is None else answered
+    CALLS.labels(server, tool_label(server, tool, ok=ok), outcome).inc()
+
+
 @functools.lru_cache(maxsize=512)
 def request_counter(kind: str, status: int) -> Any:
     """The `REQUESTS` child for (kind, status), looked up once (a label lookup costs ~3 µs a request)."""
