@@ -133,12 +133,12 @@ def request_digest(method: str, name: Any, arguments: Any) -> str:
     canonical = json.dumps(
         {"m": method, "n": name, "a": arguments}, sort_keys=True, separators=(",", ":"), default=str
     )
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()  # lone surrogates too
 
 
 def principal_digest(principal: str) -> str:
     """A short hash of the principal (the token is signed, not encrypted)."""
-    return hashlib.sha256(principal.encode()).hexdigest()[:32]
+    return hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass
@@ -177,6 +177,8 @@ class ParkedCalls:
         if not isinstance(state, str):
             return None
         try:
+            if not state.isascii():  # a JWT is ASCII; anything else was not issued here
+                return None
             claims = jwt.decode(
                 state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]}
             )
@@ -220,6 +222,8 @@ class ParkedCalls:
         if not isinstance(state, str):
             raise JsonRpcError(INVALID_PARAMS, "requestState must be the string this server sent")
         try:
+            if not state.isascii():  # a JWT is ASCII (a lone surrogate would not even encode)
+                raise jwt.InvalidTokenError("not ASCII")
             claims = jwt.decode(
                 state, self._key, algorithms=["HS256"], options={"require": ["exp", "pid", "n"]}
             )

@@ -7,9 +7,12 @@ import sys
 
 from proxy.front.auth import hash_token
 
+MIN_TOKEN_LENGTH = 16  # a shorter token is guessable
+
 
 def run(argv: list[str]) -> int:
-    """Print the hash of the token `argv` gives (read from stdin without one); 2 for an empty token."""
+    """Print the hash of the token `argv` gives (read from stdin without one); 2 for a token shorter
+    than `MIN_TOKEN_LENGTH` characters."""
     if argv[:1] in (["-h"], ["--help"]):
         print(
             "usage: mcp-tasks-proxy hash-token [TOKEN]\n\n"
@@ -17,8 +20,12 @@ def run(argv: list[str]) -> int:
         )
         return 0
     token = argv[0] if argv else sys.stdin.readline().strip()
-    if not token:
-        print("mcp-tasks-proxy: hash-token needs a non-empty token (argument or stdin)", file=sys.stderr)
+    if len(token) < MIN_TOKEN_LENGTH:
+        print(
+            f"mcp-tasks-proxy: hash-token needs a token of at least {MIN_TOKEN_LENGTH} characters (argument "
+            "or stdin); `python -c 'import secrets; print(secrets.token_urlsafe(32))'` makes one",
+            file=sys.stderr,
+        )
         return 2
     print(hash_token(token))
     return 0

@@ -491,3 +491,25 @@ async def test_request_state_key_is_generated_once_beside_the_store(
     config.request_state.secret = "s" * 32
     _proxy = await serve(config)
     assert not (tmp_path / "other" / "request_state.key").exists()  # the configured secret is used
+
+
+async def test_a_lone_surrogate_in_request_state_or_arguments_is_an_error_not_a_500(
+    proxy: RunningProxy,
+) -> None:
+    """A `requestState` and arguments that do not encode as UTF-8 (a lone surrogate, a valid JSON
+    escape) get a JSON-RPC error, never a 500: the state is refused as not issued here (-32602)."""
+    client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+    try:
+        retry = {
+            "name": "confirm_delete",
+            "arguments": {"filename": "x"},
+            "inputResponses": {"k": ACCEPT},
+            "requestState": "\ud800",
+        }
+        reply = await client.request("tools/call", retry)
+        assert reply.status == 400 and reply.error["code"] == -32602, reply
+        # The arguments pass on as they came (the upstream's parser refuses them): an error, not a 500.
+        odd = await client.call("confirm_delete", {"filename": "\ud800"})
+        assert odd.status < 500 and "error" in odd.message, odd
+    finally:
+        await client.close()

@@ -6,6 +6,7 @@ Every process started here is stopped in a `finally`, even when an assertion fai
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import queue
@@ -484,14 +485,22 @@ def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
         cwd=ROOT,
     )
     assert empty.returncode == 2
-    hashed = subprocess.run(
+    short = subprocess.run(
         [sys.executable, "-m", "proxy", "hash-token", "s3cret"],
         capture_output=True,
         text=True,
         timeout=30,
         cwd=ROOT,
     )
-    assert hashed.stdout.strip() == "sha256:" + __import__("hashlib").sha256(b"s3cret").hexdigest()
+    assert short.returncode == 2 and "at least 16 characters" in short.stderr and not short.stdout
+    hashed = subprocess.run(
+        [sys.executable, "-m", "proxy", "hash-token", "s3cret-s3cret-s3cret"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert hashed.stdout.strip() == "sha256:" + hashlib.sha256(b"s3cret-s3cret-s3cret").hexdigest()
 
 
 def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_path):
