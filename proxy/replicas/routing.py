@@ -93,11 +93,15 @@ class EndpointRouter:
     ) -> web.StreamResponse | None:
         """A response when the request is served elsewhere or refused; None to serve it here."""
         request[ROUTER_KEY] = self
-        if request.method == "GET" or (isinstance(body, dict) and body.get("method") in STREAM_METHODS):
+        named = body.get("method") if isinstance(body, dict) else None
+        method = named if isinstance(named, str) else None  # an array or object is refused here as ever
+        if request.method == "GET" or method in STREAM_METHODS:
             self.replicas.track(stream=True)  # open until the client leaves: cut when this replica exits
         elif request.method == "POST":
             self.replicas.track(stream=False)  # a request that ends by itself (bounded): waited for on drain
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
+        if not sid.isascii():
+            return None  # no id of ours: this replica answers it (404), as one process would
         if self.replicas.forwarded(request):
             # Served here, except a cancel relayed by a third replica (the map names this replica
             # since it adopted the session) for a request the previous owner sent: one more hop, at most.
@@ -114,7 +118,6 @@ class EndpointRouter:
             return await self._session(request, sid, body, raw, principal)
         if body is None or not isinstance(body, dict):
             return None
-        method = body.get("method")
         if is_modern_request(request.headers, body):
             params = body.get("params")
             if method in MRTR_METHODS and isinstance(params, dict) and "requestState" in params:

@@ -101,6 +101,30 @@ def _node_of(cluster: Cluster, i: int) -> str:
 # -- any replica serves any task ----------------------------------------------------------------
 
 
+async def test_odd_methods_and_session_ids_get_the_answer_one_process_gives(cluster: Cluster) -> None:
+    """With replicas, a `method` that is an array or object is a 400 and a non-ASCII (not even
+    UTF-8) `Mcp-Session-Id` a 404, as from one process: routing never fails on them (it was a 500)."""
+    url = cluster.replica_urls[0] + WEB
+    async with aiohttp.ClientSession() as http:
+        for method in (["tools/call"], {"a": 1}):
+            body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {}}
+            async with http.post(url, json=body, headers=LEGACY_HEADERS) as resp:
+                assert resp.status == 400, await resp.text()
+    host, port = cluster.replica_urls[0].removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
+    writer.write(
+        b"POST " + WEB.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Accept: application/json, text/event-stream\r\nMcp-Session-Id: \xff\xfe-not-ours\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    await writer.wait_closed()
+    assert head.split()[1] == b"404", head
+
+
 async def test_poll_answer_and_cancel_through_other_replicas(
     cluster: Cluster, clients: list[ModernClient]
 ) -> None:
