@@ -19,7 +19,7 @@ from proxy.config import Config, ServerEntry
 from proxy.console import CONSOLE_KEY, ConsoleData, build_console
 from proxy.front.auth import Authenticator, auth_middleware
 from proxy.front.endpoint import ServerEndpoint
-from proxy.front.guards import default_allowed_hosts, host_guard
+from proxy.front.guards import default_allowed_hosts, expect_continue, host_guard
 from proxy.front.middleware import access_log, json_errors
 from proxy.front.resource import ProtectedResource
 from proxy.front.scopes import ScopeCheck
@@ -111,12 +111,16 @@ def build_app(config: Config) -> web.Application:
 
     servers = config.servers
     for name in servers:
-        app.router.add_route("*", f"/servers/{name}/mcp", endpoint_handler(name))
+        app.router.add_route(
+            "*", f"/servers/{name}/mcp", endpoint_handler(name), expect_handler=expect_continue
+        )
     if len(servers) == 1:
-        app.router.add_route("*", "/mcp", endpoint_handler(next(iter(servers))))
-    app.router.add_get("/healthz", _healthz)
-    app.router.add_get("/readyz", _readyz)
-    app.router.add_get("/metrics", metrics_handler)
+        app.router.add_route(
+            "*", "/mcp", endpoint_handler(next(iter(servers))), expect_handler=expect_continue
+        )
+    app.router.add_get("/healthz", _healthz, expect_handler=expect_continue)
+    app.router.add_get("/readyz", _readyz, expect_handler=expect_continue)
+    app.router.add_get("/metrics", metrics_handler, expect_handler=expect_continue)
     resource.add_routes(app)
     if config.replicas is not None:
         add_replica_routes(app)

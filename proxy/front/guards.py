@@ -1,4 +1,5 @@
-"""The DNS-rebinding guard: which `Host` and `Origin` values the proxy answers."""
+"""Guards before any handler: which `Host` and `Origin` values the proxy answers (DNS rebinding),
+and what an `Expect` header may ask."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import functools
 import ipaddress
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INVALID_REQUEST, JsonRpcError
@@ -65,3 +66,16 @@ def default_allowed_hosts(listen_host: str, public_url: str | None = None) -> se
     names = {"localhost", "127.0.0.1", "::1", "[::1]"}
     public_host = urlsplit(public_url).hostname if public_url else None
     return names | {public_host} if public_host else names
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The `Expect` handler of every route (aiohttp runs it before the middlewares): `100-continue`
+    is answered as aiohttp does; any other value gets HTTP 417 with a JSON-RPC error that does not
+    repeat the value (aiohttp's own answer quoted it, and bytes that are not UTF-8 made it a 500)."""
+    if request.version != HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the body proper has not started
+        return None
+    return _json_error(JsonRpcError(INVALID_REQUEST, "the only Expect value served is 100-continue"), 417)

@@ -298,3 +298,36 @@ async def test_legacy_client_meta_without_envelope_stays_on_the_legacy_path(prox
     assert (
         status == 400 and reply["error"]["code"] == -32600 and "session" in reply["error"]["message"].lower()
     ), reply
+
+
+async def test_an_expect_header_other_than_100_continue_is_a_417_never_a_500(proxy: RunningProxy) -> None:
+    """`Expect: 100-continue` still works (aiohttp's client sends it); any other value, bytes that
+    are not UTF-8 included, gets HTTP 417 with a JSON-RPC error that does not repeat it."""
+    body = (
+        b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+        b'"capabilities":{},"clientInfo":{"name":"t","version":"0"}}}'
+    )
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(proxy.url(), data=body, headers=headers, expect100=True) as resp,
+    ):
+        assert resp.status == 200
+    host, port = proxy.base.removeprefix("http://").split(":")
+    for value in (b"\xff\xfe", b"something-else"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nExpect: "
+            + value
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        await writer.wait_closed()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"417", head
+        assert json.loads(payload)["error"]["code"] == -32600 and value not in payload
