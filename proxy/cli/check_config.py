@@ -157,7 +157,9 @@ def describe(config: Config, source: str) -> str:
         if not entry.active:
             lines.append(f"- {name}: disabled")
             continue
-        upstream = entry.url if entry.url else "stdio: " + " ".join([entry.command or "", *entry.args])
+        upstream = (
+            redact_url(entry.url) if entry.url else "stdio: " + " ".join([entry.command or "", *entry.args])
+        )
         routes = f"{base}/servers/{name}/mcp" + (f" and {base}/mcp" if len(config.servers) == 1 else "")
         lines.append(f"- {name}: {upstream}")
         lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")

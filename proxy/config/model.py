@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from proxy.config.base import Duration
+from proxy.config.base import Duration, redact_url
 from proxy.config.base import Strict as _Strict
 from proxy.config.sections import (
     AuthConfig,
@@ -112,6 +112,15 @@ _CLIENT_ONLY_KEYS = (
 )
 
 
+def _has_credentials(url: str) -> bool:
+    """True when `url` names a user or password (`http://user:password@host/...`)."""
+    try:
+        parts = urlsplit(url)
+        return parts.username is not None or parts.password is not None
+    except ValueError:
+        return False
+
+
 class UpstreamOAuth(_Strict):
     """The proxy's own OAuth 2.1 client-credentials grant toward an upstream that wants a token
     (the client's token never goes upstream). `token_url` is the authorization server's token
@@ -194,13 +203,19 @@ class ServerEntry(_Strict):
         if self.url:
             parts = urlsplit(self.url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
+                raise ValueError(f"url {redact_url(self.url)!r} must be an http:// or https:// URL")
         if bool(self.url) == bool(self.command):
             raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
         if self.oauth is not None and not self.url:
             raise ValueError("`oauth` (the proxy's client credentials) is for an upstream `url`")
-        if self.oauth is not None and any(k.lower() == "authorization" for k in self.headers):
+        authorization = any(k.lower() == "authorization" for k in self.headers)
+        if self.oauth is not None and authorization:
             raise ValueError("give either `oauth` or an Authorization header, not both")
+        if self.url and (authorization or self.oauth is not None) and _has_credentials(self.url):
+            raise ValueError(
+                "the url carries a user and password and an Authorization header (or oauth) is given too: "
+                "an HTTP request can carry only one; keep one of them"
+            )
         kind = (self.type or self.transport or self.transportType or "").lower().replace("_", "-")
         if kind and kind not in _TRANSPORT_KINDS:
             raise ValueError(f"unknown transport {kind!r}; use stdio or http (streamable-http)")

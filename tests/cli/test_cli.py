@@ -553,3 +553,18 @@ def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_p
     assert checked.returncode == 2 and "a wildcard address other replicas cannot reach" in checked.stderr, (
         checked
     )
+
+
+def test_check_config_never_prints_a_password_in_an_upstream_url(tmp_path):
+    """A user and password in an upstream url are accepted (alone), never printed."""
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"mcpServers": {"a": {"url": "http://user:PW-SECRET@127.0.0.1:9/mcp"}}}))
+    checked = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert "http://127.0.0.1:9/mcp" in checked.stdout and "PW-SECRET" not in checked.stdout + checked.stderr

@@ -610,6 +610,11 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
             },
             "either `oauth` or an Authorization header",
         ),
+        (
+            {"mcpServers": {"a": {"url": "http://u:SECRET@h/mcp", "headers": {"Authorization": "Bearer x"}}}},
+            "an HTTP request can carry only one",
+        ),
+        ({"mcpServers": {"a": {"url": "ftp://u:SECRET@h/mcp"}}}, "must be an http:// or https:// URL"),
     ],
 )
 def test_authorization_settings_are_checked(section: dict, expected: str):
