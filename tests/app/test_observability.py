@@ -8,6 +8,7 @@ from pathlib import Path
 import aiohttp
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
+from support.v1_client import V1Client
 
 from proxy.config import config_from_data
 from proxy.runtime.logs import configure_logging
@@ -210,50 +211,23 @@ async def test_made_up_tool_names_add_no_series_and_never_break_metrics(
     `/metrics` still answers 200 and the `tool` label holds only the tools the upstream listed or
     answered, and `other`."""
     proxy = await serve(make_config(legacy_url, tmp_path / "store", name="labels"))
-    legacy = {
-        "Content-Type": "application/json",
-        "Accept": "application/json, text/event-stream",
-        "MCP-Protocol-Version": "2025-11-25",
-    }
-    async with aiohttp.ClientSession() as http:
-        init = {
-            "jsonrpc": "2.0",
-            "id": 0,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-11-25",
-                "capabilities": {},
-                "clientInfo": {"name": "t", "version": "0"},
-            },
-        }
-        async with http.post(proxy.url(), json=init, headers=legacy) as resp:
-            session = {**legacy, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
-        names = [f"made-up-{i}" for i in range(300)]
-        for i, name in enumerate(names):
-            call = {
-                "jsonrpc": "2.0",
-                "id": i + 1,
-                "method": "tools/call",
-                "params": {"name": name, "arguments": {}},
-            }
-            async with http.post(proxy.url(), json=call, headers=session) as resp:
-                assert resp.status < 500
-        surrogate = (
-            b'{"jsonrpc":"2.0","id":"s","method":"tools/call","params":{"name":"\\ud800","arguments":{}}}'
-        )
-        async with http.post(proxy.url(), data=surrogate, headers=session) as resp:
-            assert resp.status < 500
-        odd_method = b'{"jsonrpc":"2.0","id":"m","method":"no/such-\\ud800","params":{}}'
-        async with http.post(proxy.url(), data=odd_method, headers=session) as resp:
-            assert resp.status < 500
+    legacy = V1Client(proxy.url(), capabilities={})
+    try:
+        await legacy.initialize()
+        for i in range(300):
+            status, _, _ = await legacy.request("tools/call", {"name": f"made-up-{i}", "arguments": {}})
+            assert status < 500
+        status, _, _ = await legacy.request("tools/call", {"name": "\ud800", "arguments": {}})
+        assert status < 500
+        status, _, _ = await legacy.request("no/such-\ud800", {})
+        assert status < 500
         # A tool the upstream listed keeps its own label, though its SSE reply is not read.
-        listing = {"jsonrpc": "2.0", "id": "l", "method": "tools/list", "params": {}}
-        async with http.post(proxy.url(), json=listing, headers=session) as resp:
-            assert resp.status == 200 and "started_log" in await resp.text()
-        started = {"jsonrpc": "2.0", "id": "t", "method": "tools/call", "params": {"name": "started_log"}}
-        async with http.post(proxy.url(), json=started, headers=session) as resp:
-            assert resp.status == 200
-            await resp.read()
+        status, message, _ = await legacy.request("tools/list", {})
+        assert status == 200 and "started_log" in {tool["name"] for tool in message["result"]["tools"]}
+        status, _, _ = await legacy.request("tools/call", {"name": "started_log"})
+        assert status == 200
+    finally:
+        await legacy.close()
     client = ModernClient(proxy.url())
     try:
         assert (await client.call("greet", {"name": "m"})).result["content"][0]["text"] == "Hello, m!"
