@@ -256,8 +256,8 @@ class JwtConfig(_Strict):
     to the config file), `jwks_url`, or, with neither, the `jwks_uri` the `issuer` publishes (RFC 8414
     `/.well-known/oauth-authorization-server`, then OpenID discovery). `issuer` is checked when
     given; `audience` defaults to the resource URI of the endpoint a request came to (with
-    `listen.public_url`). The principal is the `principal_claim` claim (`client_id` when a
-    client-credentials token has none). `jwks_timeout` (s) bounds each metadata, JWKS or
+    `listen.public_url`). The principal is the `principal_claim` claim (`client:<client_id>` when
+    a client-credentials token has no `sub`). `jwks_timeout` (s) bounds each metadata, JWKS or
     introspection request; `refetch_interval` (s) is the least time between two JWKS fetches for an
     unknown `kid`. `leeway_s` (s) is the clock skew allowed on `exp`/`nbf`."""
 
