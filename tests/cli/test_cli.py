@@ -34,7 +34,11 @@ from proxy.tasks.model import now_ms
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 30, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """`mcp-tasks-proxy ARGS` from the checkout (`timeout` in s; `env` added to this environment;
+    `input` on stdin), its output as text."""
     return subprocess.run(
         [sys.executable, "-m", "proxy", *args],
         cwd=ROOT,
@@ -42,6 +46,7 @@ def run_cli(*args: str, timeout: float = 30, env: dict | None = None) -> subproc
         text=True,
         timeout=timeout,
         env={**os.environ, **(env or {})},
+        input=input,
     )
 
 
@@ -386,13 +391,7 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
     assert "- time: stdio: mcp-server-time" in out.stdout and "/servers/demo/mcp" in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("mcpServers:\n  a:\n    url: http://x/mcp\n    tasks: {tools: {t: {mode: sometimes}}}\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "proxy", "check-config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    out = run_cli("check-config", str(bad))
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
 
 
@@ -401,13 +400,7 @@ def test_check_config_refuses_a_stdio_command_not_on_the_path(tmp_path):
     config.write_text(
         "mcpServers:\n  gone:\n    command: no-such-mcp-server-xyz\n  rel:\n    command: ./missing.sh\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "proxy", "check-config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    out = run_cli("check-config", str(config))
     assert out.returncode == 2
     assert "mcpServers.gone.command: 'no-such-mcp-server-xyz' is not on the PATH" in out.stderr
     assert "mcpServers.rel.command: './missing.sh' is not an executable file" in out.stderr
@@ -429,13 +422,7 @@ def test_operator_tasks_command_lists_shows_and_cancels(tmp_path):
     )
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "proxy", "tasks", "--store", str(tmp_path / "store"), *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            cwd=ROOT,
-        )
+        return run_cli("tasks", "--store", str(tmp_path / "store"), *args)
 
     listing = run("list")
     assert (
@@ -468,38 +455,13 @@ def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
         [*base, "cancel", "-vNAuJ4MJ9dash"], capture_output=True, text=True, timeout=30, cwd=ROOT
     )
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
-    helped = subprocess.run(
-        [sys.executable, "-m", "proxy", "hash-token", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    helped = run_cli("hash-token", "--help")
     assert helped.returncode == 0 and helped.stdout.startswith("usage:")
-    empty = subprocess.run(
-        [sys.executable, "-m", "proxy", "hash-token"],
-        input="",
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    empty = run_cli("hash-token", input="")
     assert empty.returncode == 2
-    short = subprocess.run(
-        [sys.executable, "-m", "proxy", "hash-token", "s3cret"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    short = run_cli("hash-token", "s3cret")
     assert short.returncode == 2 and "at least 16 characters" in short.stderr and not short.stdout
-    hashed = subprocess.run(
-        [sys.executable, "-m", "proxy", "hash-token", "s3cret-s3cret-s3cret"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    hashed = run_cli("hash-token", "s3cret-s3cret-s3cret")
     assert hashed.stdout.strip() == "sha256:" + hashlib.sha256(b"s3cret-s3cret-s3cret").hexdigest()
 
 
@@ -512,44 +474,20 @@ def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_p
         "listen: {host: 0.0.0.0, port: 0}\nstore: {url: redis://127.0.0.1:1/0}\n"
         f"replicas: {{secret: {secret}}}\nmcpServers:\n  a: {{url: http://127.0.0.1:1/mcp}}\n"
     )
-    checked = subprocess.run(
-        [sys.executable, "-m", "proxy", "check-config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    checked = run_cli("check-config", str(config))
     assert checked.returncode == 2 and "replicas.advertise is needed" in checked.stderr, checked
-    served = subprocess.run(
-        [sys.executable, "-m", "proxy", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    served = run_cli("--config", str(config))
     assert (
         served.returncode == 2
         and "replicas.advertise is needed" in served.stderr
         and "Traceback" not in served.stderr
     ), served
     config.write_text(config.read_text().replace("secret:", "advertise: 'http://10.0.0.5:{port}', secret:"))
-    checked = subprocess.run(
-        [sys.executable, "-m", "proxy", "check-config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    checked = run_cli("check-config", str(config))
     assert checked.returncode == 0 and "advertised as http://10.0.0.5:0" in checked.stdout, checked
     # The shipped template `http://{host}:{port}` on a wildcard host is no address either.
     config.write_text(config.read_text().replace("http://10.0.0.5:{port}", "http://{host}:{port}"))
-    checked = subprocess.run(
-        [sys.executable, "-m", "proxy", "check-config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    checked = run_cli("check-config", str(config))
     assert checked.returncode == 2 and "a wildcard address other replicas cannot reach" in checked.stderr, (
         checked
     )
@@ -559,12 +497,6 @@ def test_check_config_never_prints_a_password_in_an_upstream_url(tmp_path):
     """A user and password in an upstream url are accepted (alone), never printed."""
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"mcpServers": {"a": {"url": "http://user:PW-SECRET@127.0.0.1:9/mcp"}}}))
-    checked = subprocess.run(
-        [sys.executable, "-m", "proxy", "check-config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-    )
+    checked = run_cli("check-config", str(config))
     assert checked.returncode == 0, checked.stderr
     assert "http://127.0.0.1:9/mcp" in checked.stdout and "PW-SECRET" not in checked.stdout + checked.stderr

@@ -26,6 +26,7 @@ from fastmcp import Client
 from mcp.client.auth import OAuthClientProvider
 from mcp.client.auth.extensions.client_credentials import ClientCredentialsOAuthProvider
 from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata
+from support.clients import LEGACY_INITIALIZE as INITIALIZE
 from support.clients import TASKS_CAPS, envelope
 from support.oauth import NODE, NODE_MODULES, AuthorizationServer, MemoryStorage
 from support.proxy import Serve
@@ -37,16 +38,6 @@ from proxy.config import Config, config_from_data
 from proxy.protocol.era import MODERN_VERSION
 
 SCOPES = {"legacy": {"*": ["mcp:use"], "slow_compute": ["mcp:use", "compute"]}}
-INITIALIZE = {
-    "jsonrpc": "2.0",
-    "id": 1,
-    "method": "initialize",
-    "params": {
-        "protocolVersion": "2025-11-25",
-        "capabilities": {},
-        "clientInfo": {"name": "t", "version": "0"},
-    },
-}
 
 
 def oauth_config(upstream: str, tmp_path: Path, issuer: str, port: int, **jwt: object) -> Config:

@@ -26,7 +26,7 @@ import pytest
 from fastmcp import Client
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from support.clients import ModernClient, Reply
+from support.clients import LEGACY_INITIALIZE, ModernClient, Reply
 from support.servers import ROOT
 from support.v1_client import V1Client
 
@@ -427,16 +427,7 @@ async def test_redis_outage_longer_than_the_lease_fails_no_live_replicas_tasks(
     cluster.redis.kill()
     # While the shared session map is unreadable a legacy session can be neither opened nor looked
     # up: 503 naming the store (a session other replicas could never find would break the client).
-    init = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        },
-    }
+    init = LEGACY_INITIALIZE
     headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     async with aiohttp.ClientSession() as http:
         async with http.post(cluster.replica_urls[0] + WEB, json=init, headers=headers) as resp:
@@ -750,16 +741,7 @@ async def test_draining_owner_keeps_its_legacy_question_while_another_replica_ad
 
 
 async def _open_legacy(http: aiohttp.ClientSession, url: str) -> str:
-    init = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        },
-    }
+    init = {**LEGACY_INITIALIZE, "id": 0}
     async with http.post(url, json=init, headers=LEGACY_HEADERS) as resp:
         assert resp.status == 200
         await resp.read()

@@ -21,6 +21,18 @@ from proxy.protocol.sse import iter_events
 TASKS_CAPS = {"extensions": {TASKS_EXTENSION: {}}}
 
 
+LEGACY_INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "0"},
+    },
+}  # a handshake-era `initialize` request (2025-11-25), as raw legacy tests send it
+
+
 def envelope(capabilities: dict | None = None, **extra: Any) -> dict:
     """A 2026-07-28 `_meta` envelope."""
     return {

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from support.clients import LEGACY_INITIALIZE as INIT
 from support.clients import ModernClient
 from support.proxy import Serve
 from support.servers import ROOT, ServerProcess
@@ -23,16 +24,6 @@ LEGACY_HEADERS = {
     "Content-Type": "application/json",
     "Accept": "application/json, text/event-stream",
     "MCP-Protocol-Version": "2025-11-25",
-}
-INIT = {
-    "jsonrpc": "2.0",
-    "id": 1,
-    "method": "initialize",
-    "params": {
-        "protocolVersion": "2025-11-25",
-        "capabilities": {},
-        "clientInfo": {"name": "t", "version": "0"},
-    },
 }
 SECRET = "upstream-api-key-do-not-leak"
 
