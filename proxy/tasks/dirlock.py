@@ -7,23 +7,24 @@ import fcntl
 import os
 
 from proxy.tasks.store import StoreLockedError
+from proxy.tasks.storedir import prepare_store_directory
 
 _HELD: dict[str, list[int]] = {}  # directory → [lock fd, holders in this process]
 
 
 def lock_directory(path: str) -> int:
-    """Take the exclusive serving lock of a store directory (created 0700 if missing); return its fd.
+    """Take the exclusive serving lock of a store directory (created 0700 if missing, and checked
+    first: `storedir.prepare_store_directory`); return its fd.
 
     Re-entrant within one process (each call needs one `unlock_directory`). Raises StoreLockedError,
-    naming the directory and the holder's pid, when another process holds it; OSError when the
-    directory cannot be created.
+    naming the directory and the holder's pid, when another process holds it; UnsafeStoreError for a
+    directory another user could change; OSError when the directory cannot be created.
     """
     key = os.path.realpath(path)
     if key in _HELD:
         _HELD[key][1] += 1
         return _HELD[key][0]
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
+    prepare_store_directory(path)
     fd = os.open(os.path.join(path, "proxy.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,6 +13,9 @@
   shared state, the same API as the Redis store's (`claim_once`, `put_blob`, `get_blob`,
   `session_*`), with diskcache expiry and written through the single writer (so a claim is atomic
   across this process's tasks).
+- Values are data, never code: `datadisk.DataDisk` writes JSON where diskcache would pickle, reads
+  what an older version pickled as plain data only, and the serving process converts those at
+  start. The directory is checked and made private first (`storedir.prepare_store_directory`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import diskcache
+import structlog
 
+from proxy.tasks.datadisk import DataDisk, StoredValueError, convert_pickled
 from proxy.tasks.dirlock import lock_directory, unlock_directory
 from proxy.tasks.model import (
     Change,
@@ -40,9 +45,11 @@ from proxy.tasks.model import (
     principal_key,
 )
 from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.tasks.storedir import prepare_store_directory
 
+log = structlog.get_logger("proxy.tasks")
 _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)
-_STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+_STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout, StoredValueError)
 _SEP = "\x1f"
 _REV_BASE = 10**13 - 1  # ms; reversed creation times sort newest first
 CHECKPOINT_EVERY_S = 1.0  # at most one WAL checkpoint (s apart), after writes, off the writer thread
@@ -77,15 +84,18 @@ class DiskcacheStore:
         self.durable = durable
         self._locked = False
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-            os.chmod(self.path, 0o700)
+            prepare_store_directory(self.path)
             if exclusive:
                 lock_directory(self.path)
                 self._locked = True
             umask = os.umask(0o077)  # cache.db and its -wal/-shm are created private (0600)
             try:
                 self._cache = diskcache.Cache(
-                    self.path, sqlite_synchronous=2 if durable else 1, eviction_policy="none", timeout=10
+                    self.path,
+                    disk=DataDisk,
+                    sqlite_synchronous=2 if durable else 1,
+                    eviction_policy="none",
+                    timeout=10,
                 )
             finally:
                 os.umask(umask)
@@ -111,6 +121,24 @@ class DiskcacheStore:
         if exclusive:
             for key in self._keys("node:"):
                 self._cache.delete(key)
+            self._convert_pickled()
+
+    def _convert_pickled(self) -> None:
+        """Rewrite the values an older version pickled as JSON (once: none are left after); delete
+        those that are not plain data, logging each key."""
+        try:
+            converted, refused = convert_pickled(self._cache, time.time())
+        except _STORE_ERRORS as exc:
+            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+        if converted:
+            log.info("store_values_converted", store=self.path, values=converted, to="json")
+        for key in refused:
+            log.error(
+                "store_value_refused",
+                store=self.path,
+                key=key[:80],
+                reason="a pickled value that is not plain data (deleted, never run)",
+            )
 
     # -- the writer ---------------------------------------------------------------------------
 
@@ -160,6 +188,8 @@ class DiskcacheStore:
                         results.append(op())
                     except _DOMAIN_ERRORS as exc:  # raised before the op wrote anything
                         results.append(exc)
+                    except StoredValueError as exc:  # a damaged value read before writing: this op only
+                        results.append(StoreUnavailableError(f"task store {self.path}: {exc}"))
         finally:
             if relaxed:
                 self._cache.reset("sqlite_synchronous", 2, update=False)
