@@ -6,8 +6,10 @@ default `Disk`, which pickles every value that is not a string, a number or byte
 - keys are strings (stored raw, as diskcache does);
 - strings, numbers and bytes are stored as diskcache stores them (raw in SQLite, or in a value file
   from 32 KiB on);
-- every other value (task records, session maps: dicts, lists, None, booleans) is JSON, marked with
-  mode `MODE_JSON` (5; diskcache's own modes are 0-4), in SQLite or in a value file the same way;
+- every other value (task records, session maps: dicts, lists, None, booleans) is JSON, in SQLite
+  or in a value file the same way: written by orjson and marked `MODE_JSON` (5; diskcache's own
+  modes are 0-4), or, for what orjson refuses (lone surrogates, integers past 64 bits, NaN), by
+  `json` and marked `MODE_JSON_STDLIB` (6), so the common read is one orjson call;
 - a value an older version pickled (mode 4) is read with `read_plain_pickle`, which refuses every
   global (class, function, module attribute): a record holds only dicts, lists, strings and numbers.
   `DiskcacheStore` rewrites those as JSON when it starts serving (`convert_pickled`);
@@ -31,7 +33,8 @@ import orjson
 
 from proxy.protocol import jsonrpc
 
-MODE_JSON = 5
+MODE_JSON = 5  # orjson wrote it: orjson reads it back
+MODE_JSON_STDLIB = 6  # json wrote it (what orjson refuses): read back with json's rules
 
 
 class StoredValueError(Exception):
@@ -55,19 +58,19 @@ def read_plain_pickle(data: bytes) -> Any:
         raise StoredValueError(f"a pickled value cannot be read ({exc.__class__.__name__})") from None
 
 
-def encode(value: Any) -> bytes:
-    """JSON bytes for a stored value (orjson; `json` for what orjson refuses: lone surrogates, integers
-    past 64 bits, NaN). Raises TypeError for values JSON cannot hold."""
+def encode(value: Any) -> tuple[int, bytes]:
+    """`(mode, JSON bytes)` for a stored value: orjson (`MODE_JSON`), or `json` for what orjson
+    refuses (`MODE_JSON_STDLIB`). Raises TypeError for values JSON cannot hold."""
     try:
-        return orjson.dumps(value)
+        return MODE_JSON, orjson.dumps(value)
     except TypeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+        return MODE_JSON_STDLIB, json.dumps(value, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> Any:
-    """The value `encode` wrote; raises StoredValueError for bytes that are not JSON."""
+def decode(mode: int, data: bytes) -> Any:
+    """The value `encode` wrote with `mode`; raises StoredValueError for bytes that are not JSON."""
     try:
-        return jsonrpc.loads(data)
+        return orjson.loads(data) if mode == MODE_JSON else jsonrpc.loads(data)
     except (ValueError, RecursionError) as exc:
         raise StoredValueError(f"a stored value is not valid JSON ({exc.__class__.__name__})") from None
 
@@ -94,8 +97,8 @@ class DataDisk(diskcache.Disk):
         if read or type(value) in (str, int, float, bytes):
             size, mode, filename, db_value = super().store(value, read, key)
         else:
-            size, _, filename, db_value = super().store(encode(value), False, key)
-            mode = MODE_JSON
+            mode, data = encode(value)
+            size, _, filename, db_value = super().store(data, False, key)
         if filename is not None:
             self._make_private(filename)
         return size, mode, filename, db_value
@@ -103,8 +106,8 @@ class DataDisk(diskcache.Disk):
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
         """The value of a Cache row. Raises StoredValueError for a refused pickle or damaged JSON,
         OSError when its value file cannot be read."""
-        if mode == MODE_JSON:
-            return decode(self._bytes(filename, value))
+        if mode in (MODE_JSON, MODE_JSON_STDLIB):
+            return decode(mode, self._bytes(filename, value))
         if mode == diskcache.core.MODE_PICKLE:
             return read_plain_pickle(self._bytes(filename, value))
         return super().fetch(mode, filename, value, read)

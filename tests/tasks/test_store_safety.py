@@ -15,7 +15,7 @@ import diskcache
 import pytest
 from support.records import make_record
 
-from proxy.tasks.datadisk import MODE_JSON
+from proxy.tasks.datadisk import MODE_JSON, MODE_JSON_STDLIB
 from proxy.tasks.diskcache_store import DiskcacheStore
 from proxy.tasks.store import StoreUnavailableError
 from proxy.tasks.storedir import UnsafeStoreError
@@ -90,10 +90,14 @@ async def test_values_are_json_in_sqlite_and_in_value_files(tmp_path: Path) -> N
     try:
         await store.create(make_record(task_id="small"))
         await store.create(make_record(task_id="large", outcome={"result": {"text": "x" * 100_000}}))
+        odd = {"result": {"text": "\ud800", "big": 2**70}}  # what orjson refuses: json writes it
+        await store.create(make_record(task_id="odd", outcome=odd))
+        assert (await store.get("odd")).outcome == odd  # type: ignore[union-attr]
     finally:
         await store.close()
     modes = _modes(tmp_path / "store")
     assert modes["task:small"] == MODE_JSON and modes["task:large"] == MODE_JSON
+    assert modes["task:odd"] == MODE_JSON_STDLIB
     files = list((tmp_path / "store").rglob("*.val"))
     assert len(files) == 1 and json.loads(files[0].read_bytes())["task_id"] == "large"
 
