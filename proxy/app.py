@@ -333,7 +333,9 @@ async def _readyz(request: web.Request) -> web.Response:
     problems = await asyncio.gather(*(pool.check(timeout_s=2.0) for pool in pools.values()))
     for name, problem in zip(pools, problems, strict=True):
         checks[f"upstream:{name}"] = problem or "ok"
-    ready = all(v == "ok" for v in checks.values())
+    # One broken server must not take the whole proxy out of a balancer: the others still serve.
+    serving = [problem is None for problem in problems]
+    ready = "drain" not in checks and checks["store"] == "ok" and (not serving or any(serving))
     replicas = request.app.get(REPLICAS_KEY)
     if replicas is not None and replicas.peer_problem:  # non-fatal: reported, the replica stays ready
         checks["replicas"] = replicas.peer_problem

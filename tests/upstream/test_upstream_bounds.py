@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -197,3 +198,25 @@ async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
         assert (await client.call("slow", {"seconds": 0.05})).result["content"][0]["text"] == "ok"
     finally:
         await client.close()
+
+
+async def test_readyz_stays_ready_while_one_of_two_servers_is_broken(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """The documented rule: 503 only when every server is broken (or the store, or a drain)."""
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}/mcp"
+    servers = {"good": {"url": legacy_url}, "dead": {"url": dead, "init_timeout": "1s"}}
+    config = config_from_data({"store": {"path": str(tmp_path / "store")}, "mcpServers": servers})
+    proxy = await serve(config)
+    status, body = await readyz(proxy.base)
+    assert status == 200 and body["ready"] is True, body
+    assert body["checks"]["upstream:good"] == "ok" and body["checks"]["upstream:dead"] != "ok"
+    await proxy.close()
+    only_dead = config_from_data(
+        {"store": {"path": str(tmp_path / "store2")}, "mcpServers": {"dead": servers["dead"]}}
+    )
+    proxy = await serve(only_dead)
+    status, body = await readyz(proxy.base)
+    assert status == 503 and body["ready"] is False and body["checks"]["upstream:dead"] != "ok"
