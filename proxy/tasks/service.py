@@ -376,7 +376,8 @@ class TaskService:
         """The record of `task_id` as `principal` may see it on `server`, ending it first if it is an orphan.
 
         Raises JsonRpcError -32602 for a missing, unknown, expired, foreign-principal or other-server
-        id (all alike), -32603 (HTTP 503) naming the store when it cannot be read.
+        id (all alike, in message and time: a foreign id's security event is logged after the
+        answer), -32603 (HTTP 503) naming the store when it cannot be read.
         """
         if not isinstance(task_id, str) or not task_id:
             raise JsonRpcError(INVALID_PARAMS, "params.taskId must be a non-empty string")
@@ -391,13 +392,10 @@ class TaskService:
                     INTERNAL_ERROR, str(exc), {"store": self.store.where}, status=503
                 ) from None
         if record is None or record.principal != principal or record.server != server:
-            if record is not None:
-                log.warning(
-                    "security_foreign_task_access",
-                    task_id=task_id,
-                    server=server,
-                    principal=principal_hash(principal),
-                )
+            if (
+                record is not None
+            ):  # logged after the answer is on its way: unknown and foreign ids take the same time
+                asyncio.get_running_loop().call_soon(_log_foreign_access, task_id, server, principal)
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
         mine = record.owner == self.node
         if not record.status.terminal and task_id not in self.live and (mine or self._leases.may_judge()):
@@ -548,3 +546,9 @@ class TaskService:
                 log.info(
                     "task_ended_elsewhere", task_id=task_id, status=record.status.value if record else "gone"
                 )
+
+
+def _log_foreign_access(task_id: str, server: str, principal: str) -> None:
+    log.warning(
+        "security_foreign_task_access", task_id=task_id, server=server, principal=principal_hash(principal)
+    )
