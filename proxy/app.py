@@ -13,11 +13,11 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from proxy.calls.mrtr import ParkedCalls, load_or_create_key, shared_key
+from proxy.calls.mrtr import ParkedCalls, derive_key, load_or_create_key, shared_key
 from proxy.calls.rerun import Rerunner
 from proxy.config import Config, ServerEntry
 from proxy.console import CONSOLE_KEY, ConsoleData, build_console
-from proxy.front.auth import Authenticator, auth_middleware
+from proxy.front.auth import Authenticator, auth_middleware, too_many_failures
 from proxy.front.endpoint import ServerEndpoint
 from proxy.front.guards import default_allowed_hosts, expect_continue, host_guard
 from proxy.front.middleware import access_log, json_errors
@@ -39,9 +39,9 @@ from proxy.replicas.internal import add_routes as add_replica_routes
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
-from proxy.tasks.model import new_node_id
+from proxy.tasks.model import new_node_id, use_principal_hash_key
 from proxy.tasks.open_store import open_store, rate_storage
-from proxy.tasks.rates import close_rate_storage
+from proxy.tasks.rates import FailedAttempts, close_rate_storage
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.service import RESTART_MESSAGE, TaskService
 from proxy.tasks.store import StoreUnavailableError, TaskStore
@@ -61,6 +61,7 @@ DRAIN_KEY = web.AppKey("drain", Drain)
 PARKED_KEY = web.AppKey("parked", ParkedCalls)
 REPLICAS_KEY = web.AppKey("replicas", Replicas)
 RESOURCE_KEY = web.AppKey("resource", ProtectedResource)  # the proxy as an OAuth protected resource
+THROTTLE_KEY = web.AppKey("throttle", FailedAttempts)  # wrong credentials per client address
 
 
 def build_app(config: Config) -> web.Application:
@@ -84,6 +85,7 @@ def build_app(config: Config) -> web.Application:
         resource=resource if config.listen.public_url is not None else None,
         replica_secret=config.replicas.secret if config.replicas is not None else None,
     )
+    throttle = FailedAttempts(config.limits.failed_auth)
     middlewares = [
         access_log(payloads=config.logging.log_payloads),
         json_errors(),
@@ -91,6 +93,8 @@ def build_app(config: Config) -> web.Application:
         auth_middleware(
             authenticator,
             resource,
+            throttle=throttle,
+            listen=config.listen,
             own_auth_prefix="/console" if config.console is not None else None,
             internal_prefix=REPLICA_PREFIX if config.replicas is not None else None,
         ),
@@ -100,6 +104,7 @@ def build_app(config: Config) -> web.Application:
     app[ENDPOINTS_KEY] = {}
     app[DRAIN_KEY] = Drain()
     app[RESOURCE_KEY] = resource
+    app[THROTTLE_KEY] = throttle
     app.cleanup_ctx.append(_lifecycle)
     app.on_cleanup.append(lambda _: authenticator.close())
 
@@ -127,7 +132,7 @@ def build_app(config: Config) -> web.Application:
         app.on_response_prepare.append(on_response_prepare)
     if config.console is not None:
         app.router.add_get("/console", _to_console)
-        app.add_subapp("/console/", build_console(config))
+        app.add_subapp("/console/", build_console(config, throttle))
     return app
 
 
@@ -146,6 +151,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         stack.push_async_callback(store.close)
         counters = rate_storage(config.store)
         stack.push_async_callback(close_rate_storage, counters)
+        app[THROTTLE_KEY].use_storage(counters)
         node = new_node_id()
         replicas = (
             Replicas(config, node=node, lease_s=config.store.lease, shared=store, url=advertised_url(config))
@@ -185,7 +191,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             rerun=Rerunner(config, pools),
             remote=replicas,
         )
-        parked = await _parked_calls(config, store, node)
+        key = await _deployment_key(config, store)
+        use_principal_hash_key(derive_key(key, "principal-hash"))
+        parked = _parked_calls(key, store, node)
         drain = app[DRAIN_KEY]
         for name, entry in config.servers.items():
             dispatcher = ServerDispatcher(
@@ -247,7 +255,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             )
         app[TASKS_KEY], app[POOLS_KEY], app[PARKED_KEY] = tasks, pools, parked
         if config.console is not None:
-            app[CONSOLE_KEY] = ConsoleData(tasks, pools)
+            app[CONSOLE_KEY] = ConsoleData(tasks, pools, cookie_key=derive_key(key, "console-cookie"))
         await tasks.start(restart_message=None if replicas else RESTART_MESSAGE)
         stack.push_async_callback(tasks.stop)
         if replicas is not None:
@@ -264,17 +272,26 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     log.info("proxy_stopped", node=node)
 
 
-async def _parked_calls(config: Config, store: TaskStore, node: str) -> ParkedCalls:
-    """The MRTR calls of this node, signed with the `request_state` key: kept beside a diskcache
-    store, shared through a Redis store (whose claims then make every state single-use across
-    replicas). Raises ConfigError for an unusable key, StoreUnavailableError."""
+async def _deployment_key(config: Config, store: TaskStore) -> bytes:
+    """The deployment's key: the `request_state` secret, else one generated once and kept beside a
+    diskcache store or shared through a Redis store. It signs MRTR `requestState`; the console cookie
+    key and the principal-hash key are derived from it (`mrtr.derive_key`). Raises ConfigError for an
+    unusable key, StoreUnavailableError."""
     if isinstance(store, RedisTaskStore):
         level, message = await store.persistence_report()
         (log.warning if level == "warning" else log.info)(
             "store_persistence", store=store.where, detail=message
         )
-        return ParkedCalls(await shared_key(store, config.request_state.secret), store, node=node)
-    return ParkedCalls(load_or_create_key(config.store.path, config.request_state.secret), node=node)
+        return await shared_key(store, config.request_state.secret)
+    return load_or_create_key(config.store.path, config.request_state.secret)
+
+
+def _parked_calls(key: bytes, store: TaskStore, node: str) -> ParkedCalls:
+    """The MRTR calls of this node, signed with `key`; a Redis store's claims make every state
+    single-use across replicas."""
+    if isinstance(store, RedisTaskStore):
+        return ParkedCalls(key, store, node=node)
+    return ParkedCalls(key, node=node)
 
 
 def http_pool(
@@ -344,20 +361,32 @@ async def _readyz(request: web.Request) -> web.Response:
 
 async def metrics_handler(request: web.Request) -> web.Response:
     """`/metrics` in the Prometheus text format; with `metrics.token` configured only for
-    `Authorization: Bearer <token>` (401 with a JSON-RPC error otherwise)."""
-    expected = request.app[CONFIG_KEY].metrics.token
+    `Authorization: Bearer <token>` (401 with a JSON-RPC error otherwise; wrong tokens count against
+    `limits.failed_auth`, 429 past it)."""
+    config = request.app[CONFIG_KEY]
+    expected = config.metrics.token
     if expected is not None:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        header = request.headers.get("Authorization")
+        throttle = request.app[THROTTLE_KEY]
+        address = config.listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
+        if header is not None and not throttle.known_good(header):
+            wait_s = await throttle.retry_after(address)
+            if wait_s is not None:
+                metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
+                return too_many_failures(wait_s, throttle.text)
+        scheme, _, token = (header or "").partition(" ")
+        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).hexdigest()
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             digest, expected.removeprefix("sha256:").lower()
         ):
             log.warning(
                 "security_auth_failed",
                 reason="metrics token missing or wrong",
-                remote=request.remote,
+                remote=address,
                 path=request.path,
             )
+            if header is not None:
+                await throttle.failed(address)
             body = {
                 "jsonrpc": "2.0",
                 "id": None,
@@ -369,6 +398,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
             return web.json_response(
                 body, status=401, headers={"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy metrics"'}
             )
+        throttle.remember_good(header or "")
     tasks = request.app[TASKS_KEY]
     try:
         metrics.STORE_TASKS.set(await tasks.store.count())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -66,6 +67,13 @@ async def shared_key(store: TaskStore, configured: str | None) -> bytes:
             f"request_state.secret"
         )
     return key
+
+
+def derive_key(key: bytes, purpose: str) -> bytes:
+    """A 32-byte key for one `purpose` (`console-cookie`, `principal-hash`) derived from the
+    deployment's `requestState` key by HMAC-SHA256, so each use has its own key and every replica
+    derives the same one."""
+    return hmac.new(key, b"mcp-tasks-proxy/" + purpose.encode(), hashlib.sha256).digest()
 
 
 def load_or_create_key(store_path: str, configured: str | None) -> bytes:

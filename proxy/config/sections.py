@@ -23,7 +23,8 @@ class ListenConfig(_Strict):
 
     `header_timeout` (s) bounds reading a request head and idle keep-alive connections,
     `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections;
-    `event_loop` picks the process's loop (`runtime.event_loop`).
+    `event_loop` picks the process's loop (`runtime.event_loop`). `trusted_proxies`: the load
+    balancers whose X-Forwarded-For / X-Forwarded-Proto are believed (none by default).
     """
 
     host: str = "127.0.0.1"
@@ -79,6 +80,12 @@ class ListenConfig(_Strict):
         description="the proxy's public base URL (https://host[:port], no path); an endpoint's OAuth "
         "resource URI is this plus its path. Never taken from a request's Host header",
     )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or CIDR networks of load balancers in front of the proxy: only from these "
+        "peers are X-Forwarded-For (the client address that credential throttling counts) and "
+        "X-Forwarded-Proto (a Secure console cookie) believed. Default: none, every header is ignored",
+    )
     event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
         "asyncio",
         description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it "
@@ -101,10 +108,59 @@ class ListenConfig(_Strict):
             )
         return value.rstrip("/")
 
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _trusted_proxies(cls, value: list[str]) -> list[str]:
+        for peer in value:
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies entry {peer!r} is not an IP address or CIDR network"
+                ) from None
+        return value
+
     @property
     def max_body_bytes(self) -> int:
         """`max_body` in bytes."""
         return self.max_body
+
+    def trusts_proxy(self, remote: str | None) -> bool:
+        """True when the peer address `remote` is one of `trusted_proxies`."""
+        return bool(self.trusted_proxies) and _in_networks(remote, self.trusted_proxies)
+
+    def client_address(self, remote: str | None, forwarded_for: str | None) -> str:
+        """The client's address: `remote` (the peer), or, when the peer is a trusted proxy, the
+        rightmost X-Forwarded-For entry that is not itself a trusted proxy (RFC 7239 §7.4's advice:
+        entries left of it may be forged by the client). `unknown` when there is neither."""
+        address = remote or "unknown"
+        if forwarded_for is None or not self.trusts_proxy(remote):
+            return address
+        for entry in reversed(forwarded_for.split(",")):
+            entry = entry.strip()
+            if not entry:
+                continue
+            if not _in_networks(entry, self.trusted_proxies):
+                return entry[:64]
+        return address
+
+    def via_https(self, remote: str | None, forwarded_proto: str | None, *, tls: bool) -> bool:
+        """True when the client's request came over HTTPS: this connection is TLS (`tls`), or a trusted
+        proxy says `X-Forwarded-Proto: https` (its last value)."""
+        if tls:
+            return True
+        if forwarded_proto is None or not self.trusts_proxy(remote):
+            return False
+        return forwarded_proto.rsplit(",", 1)[-1].strip().lower() == "https"
+
+
+def _in_networks(address: str | None, networks: list[str]) -> bool:
+    """True when `address` (an IP, a zone suffix allowed) lies in one of `networks` (IPs or CIDR)."""
+    try:
+        ip = ipaddress.ip_address((address or "").split("%")[0])
+    except ValueError:
+        return False
+    return any(ip in ipaddress.ip_network(network, strict=False) for network in networks)
 
 
 class ReplicasConfig(_Strict):
@@ -334,11 +390,7 @@ class TrustedHeaderConfig(_Strict):
         """True when a request from peer address `remote` may set the header."""
         if self.trusted_peers == "any":
             return True
-        try:
-            address = ipaddress.ip_address((remote or "").split("%")[0])
-        except ValueError:
-            return False
-        return any(address in ipaddress.ip_network(peer, strict=False) for peer in self.trusted_peers)
+        return _in_networks(remote, self.trusted_peers)
 
 
 class AuthConfig(_Strict):
@@ -396,7 +448,8 @@ class LimitsConfig(_Strict):
     `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
     bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
     largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
-    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window).
+    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window). `failed_auth`: wrong
+    credentials per client address in a moving window (HTTP 429 with `Retry-After` past it).
     """
 
     max_tasks_per_principal: int | None = Field(None, ge=1)
@@ -405,16 +458,23 @@ class LimitsConfig(_Strict):
     tasks_rate: str | None = Field(
         None, description="tasks/* calls per principal, like `20/second` or `600/minute`"
     )
+    failed_auth: str | None = Field(
+        "20/minute",
+        description="wrong credentials (client bearer and access tokens, console tokens and sign-ins, "
+        "the metrics token) one client address may present in a moving window, like `20/minute`; past "
+        "it every credential from that address gets HTTP 429 with Retry-After until the window "
+        "frees. Counted in the store's counters (shared by replicas on Redis). null: no limit",
+    )
 
     @model_validator(mode="after")
     def _rate(self) -> LimitsConfig:
-        if self.tasks_rate is not None:
-            try:
-                limits.parse(self.tasks_rate)
-            except ValueError:
-                raise ValueError(
-                    f"tasks_rate {self.tasks_rate!r} must look like `20/second` or `600/minute`"
-                ) from None
+        for name in ("tasks_rate", "failed_auth"):
+            rate = getattr(self, name)
+            if rate is not None:
+                try:
+                    limits.parse(rate)
+                except ValueError:
+                    raise ValueError(f"{name} {rate!r} must look like `20/second` or `600/minute`") from None
         return self
 
 
@@ -442,14 +502,21 @@ class ConsoleConfig(_Strict):
 
     `tokens` maps operator names to `sha256:<hex>` token hashes (`mcp-tasks-proxy hash-token`);
     a console token is accepted as `Authorization: Bearer <token>` or through the sign-in form,
-    which sets a session cookie lasting `session_ttl` (s). Console tokens are never client
-    principals, and client tokens (`auth.tokens`) never open the console.
+    which sets a session cookie lasting `session_ttl` (s). Sessions are kept in the task store, so
+    they survive a restart and hold on every replica; signing out ends one everywhere. The cookie is
+    Secure per `secure_cookie`. Console tokens are never client principals, and client tokens
+    (`auth.tokens`) never open the console.
     """
 
     tokens: dict[str, str] = Field(
         min_length=1, description="operator name: sha256:<hex> hash of its console token"
     )
     session_ttl: Duration = Field("8h", validate_default=True, description="how long a console sign-in lasts")
+    secure_cookie: bool | None = Field(
+        None,
+        description="mark the session cookie Secure: true always; unset (the default) when the sign-in "
+        "came over TLS, or through one of listen.trusted_proxies that sent X-Forwarded-Proto: https",
+    )
 
     @model_validator(mode="after")
     def _hashes(self) -> ConsoleConfig:

@@ -1,35 +1,55 @@
-"""Who may use the console: console tokens (bearer or sign-in form), sessions, CSRF protection.
+"""Who may use the console: console tokens (bearer or sign-in form), sessions, CSRF protection,
+and the throttle on wrong console credentials.
 
 - `Authorization: Bearer <console token>` works on every console request (scripts, tests). A
   wrong or client token is a 401; it never falls back to a session cookie.
-- People sign in at `POST /console/login` (form field or JSON key `token`); the session is an
-  encrypted, signed cookie (aiohttp-session's `EncryptedCookieStorage`, Fernet) that is
-  HttpOnly, SameSite=Strict, scoped to `/console/` and valid for `console.session_ttl`. Its key is
-  made at start-up, so a restart signs everyone out.
+- People sign in at `POST /console/login` (form field or JSON key `token`). The session lives in
+  the task store (`console:<sid>`, expiring after `console.session_ttl`), so it survives a restart
+  and holds on every replica, and signing out deletes it everywhere at once. The browser holds an
+  encrypted, signed cookie (Fernet) with the session id, the operator and the CSRF token; its key
+  is derived from the deployment's key (`ConsoleData.cookie_key`). It is HttpOnly,
+  SameSite=Strict, scoped to `/console/`, and Secure per `console.secure_cookie` (by default when
+  the sign-in came over TLS or a trusted proxy said `X-Forwarded-Proto: https`).
 - Mutating requests made with the cookie need the session's CSRF token in `X-CSRF-Token` (the
   page reads it from `GET /console/api/session`, which a cross-site page cannot read) and must
   come from the console's own origin (`Origin` and `Sec-Fetch-Site` checked when sent). The
   sign-in form is checked for the origin too.
+- Wrong console tokens (bearer or sign-in) count against `limits.failed_auth` per client address
+  (the same counters as client credentials): past it, 429 with `Retry-After`.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import json
 import math
-import os
 import secrets
-import time
 import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
 from aiohttp.web_exceptions import NotAppKeyWarning
-from aiohttp_session import Session, get_session, new_session, session_middleware
-from aiohttp_session.cookie_storage import EncryptedCookieStorage
+from aiohttp_session import (
+    AbstractStorage,
+    Session,
+    SessionData,
+    get_session,
+    new_session,
+    session_middleware,
+)
+from cryptography import fernet
+from cryptography.fernet import InvalidToken
 
-from proxy.config import ConsoleConfig
+from proxy.config import ConsoleConfig, ListenConfig
+from proxy.runtime import metrics
+from proxy.tasks.rates import FailedAttempts
+from proxy.tasks.service import TaskService
+from proxy.tasks.store import StoreUnavailableError
 
 log = structlog.get_logger("proxy.console")
 # aiohttp-session keeps its state under plain string keys of the request; aiohttp warns about each.
@@ -37,6 +57,7 @@ warnings.filterwarnings("ignore", category=NotAppKeyWarning, module="aiohttp_ses
 
 OPERATOR_KEY = web.RequestKey("console_operator", str)
 COOKIE_NAME = "mcp_tasks_proxy_console"
+SESSION_PREFIX = "console:"  # store keys of signed-in sessions (the store's small key-value map)
 CSRF_HEADER = "X-CSRF-Token"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PUBLIC_PATHS = frozenset({"/console/", "/console/login"})
@@ -59,45 +80,91 @@ def _utf8(text: str) -> bytes | None:
         return None
 
 
-class _CookieStorage(EncryptedCookieStorage):
-    """aiohttp-session's encrypted cookie, where a cookie that is not even UTF-8 is no session
-    (a new, empty one) rather than an error."""
+class ConsoleData:
+    """What the console reads and acts on, opened with the root application (its cleanup context
+    puts it under `CONSOLE_KEY`): the task service, the upstream pools by server name, and the
+    session cookie's key (32 bytes, the same on every replica and across restarts)."""
+
+    def __init__(self, tasks: TaskService, pools: Mapping[str, Any], *, cookie_key: bytes) -> None:
+        self.tasks = tasks
+        self.pools = pools
+        self.fernet = fernet.Fernet(base64.urlsafe_b64encode(cookie_key[:32]))
+
+
+CONSOLE_KEY = web.AppKey("console_data", ConsoleData)
+
+
+class _CookieStorage(AbstractStorage):
+    """The session cookie: JSON encrypted and signed with the deployment's Fernet key (read from
+    `CONSOLE_KEY` per request). A cookie that does not decrypt, or is not even UTF-8, is no session
+    (a new, empty one) rather than an error. `secure(request)` says whether to mark it Secure."""
+
+    def __init__(self, *, max_age: int, secure: Callable[[web.Request], bool]) -> None:
+        super().__init__(
+            cookie_name=COOKIE_NAME, max_age=max_age, path="/console/", httponly=True, samesite="Strict"
+        )
+        self._secure = secure
 
     async def load_session(self, request: web.Request) -> Session:
+        cookie = self.load_cookie(request)
+        if cookie is not None:
+            try:
+                text = request.config_dict[CONSOLE_KEY].fernet.decrypt(cookie.encode(), ttl=self.max_age)
+                data = json.loads(text)
+            except (InvalidToken, UnicodeError, ValueError, KeyError):
+                data = None
+            if isinstance(data, dict) and isinstance(data.get("session"), dict):
+                return Session(None, data=cast(SessionData, data), new=False, max_age=self.max_age)
+        return Session(None, data=None, new=True, max_age=self.max_age)
+
+    async def save_session(
+        self, request: web.Request, response: web.StreamResponse, session: Session
+    ) -> None:
+        params = self._cookie_params
+        self._cookie_params = {**params, "secure": self._secure(request)}
         try:
-            return await super().load_session(request)
-        except UnicodeError:
-            return Session(None, data=None, new=True, max_age=self.max_age)
-
-
-MAX_SESSIONS = 10_000  # signed-in sessions remembered (the oldest is signed out beyond that)
+            if session.empty:
+                self.save_cookie(response, "", max_age=session.max_age)
+                return
+            payload = json.dumps(self._get_session_data(session)).encode()
+            token = request.config_dict[CONSOLE_KEY].fernet.encrypt(payload).decode()
+            self.save_cookie(response, token, max_age=session.max_age)
+        finally:
+            self._cookie_params = params
 
 
 class ConsoleAccess:
-    """Checks console tokens against `console.tokens` (constant-time over every known hash), and
-    keeps the ids of the sessions signed in since start-up, so signing out revokes a session at once."""
+    """Checks console tokens against `config.tokens` (constant-time over every known hash), keeps
+    signed-in sessions in the task store (`console:<sid>`), and throttles wrong tokens per client
+    address with `throttle` (`listen` says which address that is, and whether a request came over
+    HTTPS)."""
 
-    def __init__(self, config: ConsoleConfig) -> None:
+    def __init__(self, config: ConsoleConfig, *, throttle: FailedAttempts, listen: ListenConfig) -> None:
         self._hashes = config.hashes()
         self.session_ttl_s = config.session_ttl
-        self.storage = _CookieStorage(
-            os.urandom(32),
-            cookie_name=COOKIE_NAME,
-            max_age=max(1, math.ceil(config.session_ttl)),
-            path="/console/",
-            httponly=True,
-            samesite="Strict",
-        )
-        self._sessions: dict[str, float] = {}  # session id → expiry (time.monotonic(), s)
+        self.throttle = throttle
+        self.listen = listen
+        self.secure_cookie = config.secure_cookie
+        self.storage = _CookieStorage(max_age=max(1, math.ceil(config.session_ttl)), secure=self._secure)
 
-    def session_alive(self, sid: object) -> bool:
-        """True while the session `sid` is signed in and within `session_ttl`."""
-        expiry = self._sessions.get(sid) if isinstance(sid, str) else None
-        if expiry is None or expiry < time.monotonic():
-            if isinstance(sid, str):
-                self._sessions.pop(sid, None)
+    def _secure(self, request: web.Request) -> bool:
+        if self.secure_cookie is not None:
+            return self.secure_cookie
+        return self.listen.via_https(
+            request.remote,
+            request.headers.get("X-Forwarded-Proto"),
+            tls=request.transport is not None and request.transport.get_extra_info("sslcontext") is not None,
+        )
+
+    def _address(self, request: web.Request) -> str:
+        return self.listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
+
+    async def session_alive(self, request: web.Request, sid: object) -> bool:
+        """True while the session `sid` is signed in (its store entry is there and unexpired).
+        Raises StoreUnavailableError."""
+        if not isinstance(sid, str) or not sid:
             return False
-        return True
+        return await _tasks(request).store.session_get(SESSION_PREFIX + sid) is not None
 
     def operator_for(self, token: str) -> str | None:
         """The operator name of a console token, or None (also for a token UTF-8 cannot carry)."""
@@ -122,27 +189,30 @@ class ConsoleAccess:
                 return await handler(request)
             header = request.headers.get("Authorization")
             if header is not None:
+                refused = await self._throttled(request, header)
+                if refused is not None:
+                    return refused
                 scheme, _, token = header.partition(" ")
                 operator = (
                     self.operator_for(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
                 )
                 if operator is None:
-                    log.warning(
-                        "security_auth_failed",
-                        reason="not a console token",
-                        remote=request.remote,
-                        path=request.path,
-                    )
+                    await self._failed(request, "not a console token")
                     return error(401, "authentication required: that is not a console token")
+                self.throttle.remember_good(header)
                 request[OPERATOR_KEY] = operator
                 return await handler(request)
             session = await get_session(request)
             operator = session.get("operator")
-            if (
-                not isinstance(operator, str)
-                or operator not in self._hashes.values()
-                or not self.session_alive(session.get("sid"))
-            ):
+            try:
+                alive = (
+                    isinstance(operator, str)
+                    and operator in self._hashes.values()
+                    and await self.session_alive(request, session.get("sid"))
+                )
+            except StoreUnavailableError:
+                return error(503, "sessions cannot be checked: the task store is unavailable")
+            if not alive or not isinstance(operator, str):
                 return error(
                     401, "authentication required: sign in, or send Authorization: Bearer <console token>"
                 )
@@ -150,7 +220,10 @@ class ConsoleAccess:
                 problem = cross_site(request) or _csrf_problem(request, session.get("csrf"))
                 if problem:
                     log.warning(
-                        "security_csrf_refused", reason=problem, remote=request.remote, path=request.path
+                        "security_csrf_refused",
+                        reason=problem,
+                        remote=self._address(request),
+                        path=request.path,
                     )
                     return error(403, problem)
             request[OPERATOR_KEY] = operator
@@ -158,8 +231,30 @@ class ConsoleAccess:
 
         return guard
 
+    async def _throttled(self, request: web.Request, credential: str) -> web.Response | None:
+        """429 with Retry-After when the request's address is past `limits.failed_auth` (a
+        credential that verified before is let through), else None."""
+        if self.throttle.known_good(credential):
+            return None
+        wait_s = await self.throttle.retry_after(self._address(request))
+        if wait_s is None:
+            return None
+        log.warning(
+            "security_auth_throttled", remote=self._address(request), path=request.path, retry_after_s=wait_s
+        )
+        metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
+        response = error(429, f"too many wrong console tokens from this address; retry after {wait_s} s")
+        response.headers["Retry-After"] = str(wait_s)
+        return response
+
+    async def _failed(self, request: web.Request, reason: str) -> None:
+        address = self._address(request)
+        log.warning("security_auth_failed", reason=reason, remote=address, path=request.path)
+        await self.throttle.failed(address)
+
     async def login(self, request: web.Request) -> web.Response:
-        """`POST /console/login` with `token` (form or JSON): a new session; 401 for a wrong token."""
+        """`POST /console/login` with `token` (form or JSON): a new session (kept in the store);
+        401 for a wrong token, 429 past `limits.failed_auth`, 503 when the store cannot keep it."""
         problem = cross_site(request)
         if problem:
             return error(403, problem)
@@ -177,29 +272,41 @@ class ConsoleAccess:
                 return error(400, "the body is not a form")
             value = form.get("token", "")
             token = value if isinstance(value, str) else ""
-        operator = self.operator_for(token.strip()) if isinstance(token, str) and token.strip() else None
+        token = token.strip() if isinstance(token, str) else ""
+        if token:
+            refused = await self._throttled(request, "Bearer " + token)
+            if refused is not None:
+                return refused
+        operator = self.operator_for(token) if token else None
         if operator is None:
-            log.warning(
-                "security_auth_failed",
-                reason="console sign-in with an unknown token",
-                remote=request.remote,
-                path=request.path,
-            )
+            if token:
+                await self._failed(request, "console sign-in with an unknown token")
             return error(401, "unknown console token")
+        self.throttle.remember_good("Bearer " + token)
+        sid = secrets.token_urlsafe(16)
+        try:
+            await _tasks(request).store.session_put(
+                SESSION_PREFIX + sid, {"operator": operator}, int(self.session_ttl_s * 1000)
+            )
+        except StoreUnavailableError:
+            return error(503, "cannot sign in: the task store is unavailable")
         session = await new_session(request)
         session["operator"] = operator
         session["csrf"] = secrets.token_urlsafe(32)
-        session["sid"] = sid = secrets.token_urlsafe(16)
-        self._sessions[sid] = time.monotonic() + self.session_ttl_s
-        if len(self._sessions) > MAX_SESSIONS:
-            del self._sessions[next(iter(self._sessions))]
-        log.info("console_sign_in", operator=operator, remote=request.remote)
+        session["sid"] = sid
+        log.info("console_sign_in", operator=operator, remote=self._address(request))
         return web.json_response({"operator": operator, "csrf": session["csrf"]})
 
     async def logout(self, request: web.Request) -> web.Response:
-        """`POST /console/logout`: end the session (the cookie is cleared)."""
+        """`POST /console/logout`: end the session everywhere (its store entry is deleted, so a copied
+        cookie stops working on every replica) and clear the cookie."""
         session = await get_session(request)
-        self._sessions.pop(str(session.get("sid")), None)  # revoked now, even if the cookie was copied
+        sid = session.get("sid")
+        if isinstance(sid, str) and sid:
+            try:
+                await _tasks(request).store.session_delete(SESSION_PREFIX + sid)
+            except StoreUnavailableError:
+                return error(503, "cannot sign out: the task store is unavailable")
         session.invalidate()
         return web.json_response({"signedOut": True})
 
@@ -244,3 +351,7 @@ def _csrf_problem(request: web.Request, expected: object) -> str | None:
     if not isinstance(expected, str) or not sent or not hmac.compare_digest(sent, expected.encode()):
         return f"missing or wrong {CSRF_HEADER} header (read it from GET /console/api/session)"
     return None
+
+
+def _tasks(request: web.Request) -> TaskService:
+    return request.config_dict[CONSOLE_KEY].tasks

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,11 @@ import structlog
 from aiohttp import web
 
 from proxy.config import Config
-from proxy.console.access import OPERATOR_KEY, ConsoleAccess, error
+from proxy.console.access import CONSOLE_KEY, OPERATOR_KEY, ConsoleAccess, error
 from proxy.console.events import ConsoleHub, TooManyStreamsError
 from proxy.console.views import detail, metrics_snapshot, row
 from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.rates import FailedAttempts
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
 
@@ -41,16 +41,6 @@ HUB_KEY = web.AppKey("console_hub", ConsoleHub)
 ACCESS_KEY = web.AppKey("console_access", ConsoleAccess)
 
 
-class ConsoleData:
-    """What the console reads and acts on, opened with the root application (its cleanup context
-    puts it under `CONSOLE_KEY`): the task service and the upstream pools by server name."""
-
-    def __init__(self, tasks: TaskService, pools: Mapping[str, Any]) -> None:
-        self.tasks = tasks
-        self.pools = pools
-
-
-CONSOLE_KEY = web.AppKey("console_data", ConsoleData)
 READY_CACHE_S = 5.0  # upstream readiness is probed at most this often (s) for the overview
 MAX_LIMIT = 200
 _HASH = re.compile(r"^[0-9a-f]{16}$")
@@ -64,13 +54,14 @@ _SECURITY_HEADERS = {
 }
 
 
-def build_console(config: Config) -> web.Application:
+def build_console(config: Config, throttle: FailedAttempts) -> web.Application:
     """The console as an aiohttp sub-application (mount it at `/console/`); `config.console` must be set.
+    Wrong console tokens count in `throttle` (`limits.failed_auth`, shared with client credentials).
 
     The root application must provide its `ConsoleData` under `CONSOLE_KEY` by the time requests arrive.
     """
     assert config.console is not None
-    access = ConsoleAccess(config.console)
+    access = ConsoleAccess(config.console, throttle=throttle, listen=config.listen)
     console = web.Application(middlewares=access.middlewares())
     hub = ConsoleHub()
     console[HUB_KEY] = hub

@@ -17,13 +17,15 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from proxy.config import AuthConfig
+from proxy.config import AuthConfig, ListenConfig
 from proxy.front.resource import METADATA_PREFIX, ProtectedResource
 from proxy.front.tokens import AccessTokens, TokenError
 from proxy.protocol import jsonrpc
-from proxy.protocol.jsonrpc import INVALID_REQUEST
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST
 from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER, SECRET_HEADER
+from proxy.runtime import metrics
 from proxy.tasks.model import ANONYMOUS, principal_hash
+from proxy.tasks.rates import FailedAttempts
 
 log = structlog.get_logger("proxy.front")
 
@@ -137,10 +139,40 @@ def _bearer(request: web.Request) -> str:
     return token.strip()
 
 
+def presented_credential(request: web.Request, mode: str) -> str | None:
+    """The credential a request presents, which a guesser could vary: a relayed principal header with
+    the replicas' secret it carries, or in modes `bearer` and `jwt` its `Authorization` value; None
+    when it presents none (a first request without a token is no guess)."""
+    relayed = request.headers.get(RELAYED_PRINCIPAL_HEADER)
+    if relayed is not None:
+        return f"{relayed}\x00{request.headers.get(SECRET_HEADER, '')}"
+    return request.headers.get("Authorization") if mode in ("bearer", "jwt") else None
+
+
+def too_many_failures(retry_after_s: int, rate: str | None) -> web.Response:
+    """HTTP 429 for an address past `limits.failed_auth`: a JSON-RPC error (-32603, `data.limit`
+    `failed_auth`, as every limit) and `Retry-After` (s)."""
+    message = (
+        f"limit failed_auth: too many wrong credentials from this address; retry after {retry_after_s} s"
+    )
+    body = jsonrpc.error_response(
+        None,
+        jsonrpc.error_object(INTERNAL_ERROR, message, {"limit": "failed_auth", "rate": rate}),
+    )
+    return web.Response(
+        status=429,
+        text=json.dumps(body),
+        content_type="application/json",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def auth_middleware(
     authenticator: Authenticator,
     resource: ProtectedResource,
     *,
+    throttle: FailedAttempts,
+    listen: ListenConfig,
     own_auth_prefix: str | None = None,
     internal_prefix: str | None = None,
 ):
@@ -152,7 +184,9 @@ def auth_middleware(
     console, `/console`) are left to their own authentication: no client principal is set there, so
     a client credential never opens them. So are paths under `internal_prefix` (the replicas'
     `/_replica`, which check the replicas' shared secret themselves). Failures are logged as
-    security events (without secrets).
+    security events (without secrets) and counted per client address (`listen.client_address`) in
+    `throttle`; an address past `limits.failed_auth` gets 429 with Retry-After before its
+    credential is looked at, unless that credential verified before.
     """
 
     @web.middleware
@@ -166,10 +200,20 @@ def auth_middleware(
             return await handler(request)
         if internal_prefix is not None and path.startswith(internal_prefix + "/"):
             return await handler(request)
+        credential = presented_credential(request, authenticator.mode)
+        address = listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
+        if credential is not None and not throttle.known_good(credential):
+            wait_s = await throttle.retry_after(address)
+            if wait_s is not None:
+                log.warning("security_auth_throttled", remote=address, path=path, retry_after_s=wait_s)
+                metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
+                return too_many_failures(wait_s, throttle.text)
         try:
             principal, scopes = await authenticator.identify(request)
         except (AuthError, TokenError) as exc:
-            log.warning("security_auth_failed", reason=str(exc), remote=request.remote, path=path)
+            log.warning("security_auth_failed", reason=str(exc), remote=address, path=path)
+            if credential is not None:
+                await throttle.failed(address)
             scheme = request.headers.get("Authorization", "").partition(" ")[0]
             sent_token = scheme.lower() == "bearer"  # another scheme carries no token (RFC 6750 §3.1)
             challenge = resource.challenge(
@@ -178,6 +222,8 @@ def auth_middleware(
                 description=str(exc) if sent_token and authenticator.mode == "jwt" else None,
             )
             return auth_refusal(401, f"authentication required: {exc}", challenge)
+        if credential is not None:
+            throttle.remember_good(credential)
         request[PRINCIPAL_KEY] = principal
         if scopes is not None:
             request[SCOPES_KEY] = scopes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import secrets
 import time
@@ -110,9 +111,30 @@ def _principal_key(principal: str) -> str:
     return hashlib.sha256(principal.encode()).hexdigest()[:32]
 
 
+_HASH_KEY = [secrets.token_bytes(32)]  # replaced at start by the deployment's (use_principal_hash_key)
+
+
+def use_principal_hash_key(key: bytes) -> None:
+    """Key `principal_hash` with `key` (derived from the deployment's key, the same on every
+    replica), so the hashes in logs and the console cannot be reversed by hashing guessed names."""
+    if key != _HASH_KEY[0]:
+        _HASH_KEY[0] = key
+        _principal_hash.cache_clear()
+
+
 def principal_hash(principal: str) -> str:
-    """A short stable hash of a principal for logs (16 hex characters)."""
-    return principal_key(principal)[:16]
+    """A short stable hash of a principal for logs and the console (16 hex characters): HMAC-SHA256
+    with the deployment's key (`use_principal_hash_key`), not a bare hash of the name."""
+    return _principal_hash(principal) if len(principal) <= 256 else _keyed(principal)
+
+
+@functools.lru_cache(maxsize=1024)  # one HMAC per principal, not per log line
+def _principal_hash(principal: str) -> str:
+    return _keyed(principal)
+
+
+def _keyed(principal: str) -> str:
+    return hmac.new(_HASH_KEY[0], principal.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:16]
 
 
 @dataclass(slots=True)  # slots: a live task keeps its record in memory (TaskService snapshots)

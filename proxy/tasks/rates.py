@@ -1,4 +1,5 @@
-"""The `tasks_rate` limit: tasks/* calls per principal in a moving window (the `limits` library).
+"""The `tasks_rate` limit (tasks/* calls per principal) and the `failed_auth` limit (wrong credentials
+per client address), each a moving window of the `limits` library.
 
 Counters live in the process (`limits`' memory storage) with the diskcache store, and in Redis
 (`limits`' async Redis storage on redis-py, keys under `<store prefix>limits`) with the Redis
@@ -8,6 +9,9 @@ store, so replicas share one count per principal.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
+import time
 
 import limits as limits_lib
 import structlog
@@ -71,3 +75,66 @@ class TaskRate:
             log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
             metrics.LIMIT_REJECTIONS.labels("tasks_rate").inc()
             raise limit_error("tasks_rate", f"more than {self.text} tasks/* calls", rate=self.text)
+
+
+GOOD_CREDENTIALS_KEPT = 10_000  # digests of credentials that verified, which skip the throttle check
+
+
+class FailedAttempts:
+    """The `failed_auth` limit: wrong credentials per client address in a moving window (`limits`).
+
+    `rate` is `N/minute`-style (None: no limit). Counters live in memory until `use_storage` gives
+    the store's (Redis: shared by replicas). Before a credential is verified, `retry_after` says
+    whether its address is over the limit; after a wrong one, `failed` counts it. A credential that
+    verified once (`remember_good`, kept as a SHA-256 digest, at most GOOD_CREDENTIALS_KEPT) skips the
+    check, so the hot path of a signed-in client costs no counter read. When the counters cannot be
+    reached the check lets the attempt through (logged): an unreachable store must not lock every
+    client out.
+    """
+
+    def __init__(self, rate: str | None) -> None:
+        self.text = rate
+        self._rate = limits_lib.parse(rate) if rate else None
+        self._limiter = MovingWindowRateLimiter(MemoryStorage()) if self._rate else None
+        self._good: dict[bytes, None] = {}
+
+    def use_storage(self, storage: Storage | None) -> None:
+        """Count in `storage` from now on (None: keep memory)."""
+        if self._rate is not None and storage is not None:
+            self._limiter = MovingWindowRateLimiter(storage)
+
+    def known_good(self, credential: str) -> bool:
+        """True when `credential` verified before (its check can be skipped)."""
+        return self._digest(credential) in self._good
+
+    def remember_good(self, credential: str) -> None:
+        """Remember that `credential` verified (the oldest is forgotten past GOOD_CREDENTIALS_KEPT)."""
+        self._good[self._digest(credential)] = None
+        if len(self._good) > GOOD_CREDENTIALS_KEPT:
+            del self._good[next(iter(self._good))]
+
+    async def retry_after(self, address: str) -> int | None:
+        """Seconds until `address` may present a credential again (at least 1), or None when it may now."""
+        if self._limiter is None or self._rate is None:
+            return None
+        try:
+            stats = await self._limiter.get_window_stats(self._rate, "auth", address)
+        except (StorageError, OSError) as exc:
+            log.warning("limit_unavailable", limit="failed_auth", reason=exc.__class__.__name__)
+            return None
+        if stats.remaining > 0:
+            return None
+        return max(1, math.ceil(stats.reset_time - time.time()))
+
+    async def failed(self, address: str) -> None:
+        """Count one wrong credential from `address`."""
+        if self._limiter is None or self._rate is None:
+            return
+        try:
+            await self._limiter.hit(self._rate, "auth", address)
+        except (StorageError, OSError) as exc:
+            log.warning("limit_unavailable", limit="failed_auth", reason=exc.__class__.__name__)
+
+    @staticmethod
+    def _digest(credential: str) -> bytes:
+        return hashlib.sha256(credential.encode("utf-8", "surrogatepass")).digest()

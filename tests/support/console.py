@@ -20,11 +20,12 @@ CONSOLE_TOKEN = "console-token-for-tests"
 CLIENT_TOKEN = "client-token-for-tests"
 
 
-def console_config(legacy_url: str, store: Path, **top: Any) -> Config:
-    """Two servers (`legacy`, `other`) on the fixture upstream, bearer client auth, a console."""
+def console_config(legacy_url: str, store: Path | dict[str, Any], **top: Any) -> Config:
+    """Two servers (`legacy`, `other`) on the fixture upstream, bearer client auth, a console;
+    `store` is the diskcache directory, or a whole `store` section (a Redis store)."""
     return config_from_data(
         {
-            "store": {"path": str(store), "durable": False},
+            "store": store if isinstance(store, dict) else {"path": str(store), "durable": False},
             "tasks": {"detach_after": "50ms", "ttl": "10m", "poll_interval": "100ms"},
             "auth": {"mode": "bearer", "tokens": {"ci": hash_token(CLIENT_TOKEN)}},
             "console": {"tokens": {"alice": hash_token(CONSOLE_TOKEN)}},
