@@ -45,6 +45,7 @@ from proxy.tasks.rates import FailedAttempts, close_rate_storage
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.service import RESTART_MESSAGE, TaskService
 from proxy.tasks.store import StoreUnavailableError, TaskStore
+from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http_pool import UpstreamPool
 from proxy.upstream.stdio import StdioCommand
@@ -159,7 +160,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             else None
         )
         http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
-        stack.push_async_callback(http.close)
+        stack.push_async_callback(http.close)  # token endpoints
+        upstream_http = {  # one pool per HTTP upstream, its idle connections expiring before the server's
+            name: UpstreamHttp(server=name, keepalive_s=entry.keepalive_timeout)
+            for name, entry in config.servers.items()
+            if entry.url
+        }
+        for client in upstream_http.values():
+            stack.push_async_callback(client.close)
         notifications = {
             name: Fanout[JsonObject](f"upstream notifications {name}") for name in config.servers
         }
@@ -175,7 +183,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         }
         pools: dict[str, Pool] = {
             name: children.get(name)
-            or http_pool(name, entry, http, notifications[name], credentials.get(name))
+            or http_pool(name, entry, upstream_http[name], notifications[name], credentials.get(name))
             for name, entry in config.servers.items()
         }
         for pool in pools.values():
@@ -230,7 +238,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                     name=name,
                     url=entry.url or "",
                     headers=entry.headers,
-                    http=http,
+                    http=upstream_http[name],
                     bounds=Bounds.from_entry(entry),
                     sessions=sessions,
                     streams=streams,
@@ -297,7 +305,7 @@ def _parked_calls(key: bytes, store: TaskStore, node: str) -> ParkedCalls:
 def http_pool(
     name: str,
     entry: ServerEntry,
-    http: aiohttp.ClientSession,
+    http: UpstreamHttp,
     notifications: Fanout[JsonObject],
     credentials: ClientCredentials | None,
 ) -> UpstreamPool:

@@ -148,8 +148,10 @@ class ServerEntry(_Strict):
     credentials). Stdio: `command`, `args`, `env` (added to the proxy's environment), `cwd`.
     `timeout` (s) is the hard limit of one upstream call (tools/call, prompts/get, resources/read);
     `request_timeout` (s) bounds every other upstream request (tools/list, …); `init_timeout` (s)
-    the `initialize` handshake; `connect_timeout` (s) a TCP connect (HTTP); `max_response_bytes`
-    the largest upstream reply (larger: a JSON-RPC error).
+    the `initialize` handshake; `connect_timeout` (s) a TCP connect (HTTP); `keepalive_timeout` (s)
+    how long an idle pooled connection to an HTTP upstream is kept (below the server's own keep-alive:
+    `upstream.connections`); `max_response_bytes` the largest upstream reply (larger: a JSON-RPC
+    error).
     Stdio only: `instances` children per capability set, `max_concurrency` requests in flight,
     `isolation: per_principal` for a child per principal (at most `max_children` at once, each
     stopped after `idle_timeout`, 10m by default then), `idle_timeout` (s) to stop an unused child,
@@ -176,6 +178,12 @@ class ServerEntry(_Strict):
     init_timeout: Duration = Field("30s", validate_default=True)
     request_timeout: Duration = Field("30s", validate_default=True)
     connect_timeout: Duration = Field("10s", validate_default=True)
+    keepalive_timeout: Duration = Field(
+        "4s",
+        validate_default=True,
+        description="HTTP: how long an idle connection to the upstream is kept for reuse; keep it below "
+        "the server's own keep-alive (uvicorn's is 5 s), or reused connections the server closed fail",
+    )
     max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_children: int = Field(
         32, ge=1, description="isolation per_principal: children running at once, across principals"
@@ -225,7 +233,7 @@ class ServerEntry(_Strict):
             raise ValueError("transport stdio needs `command`")
         if kind and kind != "stdio" and not self.url:
             raise ValueError(f"transport {kind} needs `url`")
-        for name in ("timeout", "init_timeout", "request_timeout", "connect_timeout"):
+        for name in ("timeout", "init_timeout", "request_timeout", "connect_timeout", "keepalive_timeout"):
             _positive(getattr(self, name), name)
         if self.isolation == "per_principal" and self.idle_timeout is None:
             self.idle_timeout = 600.0  # a child per principal must not outlive its principal's use of it

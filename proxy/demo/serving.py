@@ -106,10 +106,15 @@ class _Uvicorn(uvicorn.Server):
 
 
 async def serve_http(
-    server_factory: ServerFactory, host: str = "127.0.0.1", port: int = 0, **app_kwargs: Any
+    server_factory: ServerFactory,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    keep_alive_s: float = 5.0,
+    **app_kwargs: Any,
 ) -> None:
     """Serve over Streamable HTTP until cancelled; print `listening on URL` once accepting (`port` 0: any free
-    one)."""
+    one). `keep_alive_s` (s): how long an idle connection stays open (uvicorn's default, 5 s)."""
     # IPPROTO_TCP explicitly: asyncio then sets TCP_NODELAY (else
     # each SSE reply waits ~40 ms for a delayed ACK).
     sock = socket.socket(
@@ -120,7 +125,11 @@ async def serve_http(
     sock.listen(128)
     sock.setblocking(False)
     config = uvicorn.Config(
-        build_asgi_app(server_factory, **app_kwargs), log_level="warning", access_log=False, lifespan="on"
+        build_asgi_app(server_factory, **app_kwargs),
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # uvicorn takes fractions too
     )
     server = _Uvicorn(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -160,7 +169,8 @@ def run_cli(
     default_port: int = 0,
     app_kwargs: dict[str, Any] | None = None,
 ) -> None:
-    """Command line of a legacy server: `--host`, `--port` (0: a free one), `--stdio`, `--json-response`."""
+    """Command line of a legacy server: `--host`, `--port` (0: a free one), `--stdio`, `--json-response`,
+    `--keep-alive` (s)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=default_port, help="0 = pick a free port (printed)")
@@ -169,6 +179,12 @@ def run_cli(
         "--json-response",
         action="store_true",
         help="answer POSTs with JSON instead of SSE (no progress or elicitation)",
+    )
+    parser.add_argument(
+        "--keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle HTTP connection stays open (uvicorn: 5)",
     )
     args = parser.parse_args(argv)
     try:
@@ -181,6 +197,7 @@ def run_cli(
                     args.host,
                     args.port,
                     json_response=args.json_response,
+                    keep_alive_s=args.keep_alive,
                     **(app_kwargs or {}),
                 )
             )

@@ -32,6 +32,7 @@ from proxy.legacy.v1 import V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
+from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.types import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, Bounds, UpstreamError, read_body
 
@@ -74,7 +75,7 @@ class HttpRelay:
         name: str,
         url: str,
         headers: dict[str, str],
-        http: aiohttp.ClientSession,
+        http: UpstreamHttp,
         bounds: Bounds,
         sessions: LegacySessions,
         streams: StreamServer,

@@ -21,6 +21,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from proxy.protocol.jsonrpc import JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent, iter_events
+from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.pooling import drain_later, shed_headers
 from proxy.upstream.types import (
@@ -49,7 +50,7 @@ class UpstreamSession:
 
     def __init__(
         self,
-        http: aiohttp.ClientSession,
+        http: UpstreamHttp,
         url: str,
         *,
         server: str,

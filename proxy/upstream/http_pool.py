@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import aiohttp
 import structlog
 
 from proxy.protocol.jsonrpc import JsonObject
+from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http import UpstreamSession
 from proxy.upstream.types import Bounds, Session, caps_key, probe
@@ -27,7 +27,7 @@ class UpstreamPool:
 
     def __init__(
         self,
-        http: aiohttp.ClientSession,
+        http: UpstreamHttp,
         server: str,
         url: str,
         headers: dict[str, str],

@@ -1,0 +1,98 @@
+"""One HTTP upstream's connections: never hand out one the upstream has already closed.
+
+Most Python MCP servers run on uvicorn, which closes a keep-alive connection after 5 s idle. A pool
+that keeps idle connections longer reuses ones the server has closed or is closing: the request
+then fails with `ServerDisconnectedError` or a reset although the upstream never saw it, and the
+client gets "upstream unreachable" for a call that never ran. Two guards:
+
+1. Idle connections expire after the server's `keepalive_timeout` (s, default 4 s: below uvicorn's
+   5 s). aiohttp checks a connection's idle time when it hands it out, and our idle clock starts
+   after the server's (when the answer was read), so a connection is never older on our side than
+   on the server's.
+2. A POST that fails on a *reused* connection with a disconnect or a reset, within RESEND_WITHIN_S
+   of being sent and before any byte of an answer, is sent once more on a fresh connection (a
+   second pool that never keeps connections). A server that closes an idle connection never reads
+   what arrives on it, so the resend cannot run a call twice; a server that read the request and
+   died while running it fails later than that, and is not sent it again. GET and DELETE are
+   idempotent, and aiohttp resends those itself (RFC 9112 §9.3.1.1).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger("proxy.upstream")
+
+RESEND_WITHIN_S = 1.0  # a failure later than this (s) after sending may mean the server ran the request
+
+
+class _Attempt:
+    """Trace context of one request: whether aiohttp gave it a pooled (reused) connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: Any) -> None:
+    attempt = context.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+class UpstreamHttp:
+    """The HTTP client of one upstream server (`server` names it in logs): a pooled aiohttp
+    `ClientSession` whose idle connections live `keepalive_s` (s) at most, and a resend of a POST
+    that a stale pooled connection lost (see the module docstring). `get`, `delete` and `request`
+    take aiohttp's arguments and return what aiohttp returns; `close` closes both pools."""
+
+    def __init__(self, *, server: str, keepalive_s: float) -> None:
+        self.server = server
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_on_reuse)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
+            auto_decompress=True,
+            trace_configs=[trace],
+        )
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=True
+        )
+
+    async def request(self, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """`method` on `url` (aiohttp's keyword arguments); a POST lost on a stale pooled connection
+        is sent once more on a fresh one. Raises what aiohttp raises."""
+        if method != "POST":
+            return await self.session.request(method, url, **kwargs)
+        attempt = _Attempt()
+        sent = time.monotonic()
+        try:
+            return await self.session.request(method, url, trace_request_ctx=attempt, **kwargs)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not attempt.reused or time.monotonic() - sent > RESEND_WITHIN_S:
+                raise
+            log.info("upstream_resent", server=self.server, reason=exc.__class__.__name__)
+        return await self._fresh.request(method, url, **kwargs)
+
+    async def post(self, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """`request("POST", url, ...)`."""
+        return await self.request("POST", url, **kwargs)
+
+    def get(self, url: str, **kwargs: Any) -> Any:
+        """aiohttp's `get` on the pool (awaitable, or an async context manager)."""
+        return self.session.get(url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> Any:
+        """aiohttp's `delete` on the pool (awaitable, or an async context manager)."""
+        return self.session.delete(url, **kwargs)
+
+    async def close(self) -> None:
+        """Close both pools."""
+        await self.session.close()
+        await self._fresh.close()

@@ -1,0 +1,105 @@
+"""No false "upstream unreachable" behind a server that closes idle connections (issue "Reliability
+round 2", item 1): the SDK fixture on uvicorn with its keep-alive scaled down to 500 ms, rounds of 30
+concurrent calls with idle gaps around that keep-alive, through both eras. With the pool's idle
+connections expiring first (`keepalive_timeout` below the server's) no stale connection is handed
+out at all; with a pool that keeps them too long, the resend on a fresh connection saves every call."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+from support.clients import ModernClient
+from support.proxy import Serve, make_config
+from support.servers import ServerProcess
+from support.v1_client import V1Client
+
+ROUNDS = 10
+CONCURRENT = 30
+SERVER_KEEP_ALIVE_S = 0.5
+GAPS_S = [0.46, 0.5, 0.54, 0.48, 0.52]  # idle between rounds, around the server's keep-alive
+
+
+@pytest.fixture(scope="module")
+def short_keep_alive() -> Iterator[str]:
+    """The legacy fixture on uvicorn, closing connections idle for SERVER_KEEP_ALIVE_S."""
+    server = ServerProcess(
+        [
+            sys.executable,
+            "tests/fixtures/legacy_server.py",
+            "--port",
+            "0",
+            "--keep-alive",
+            str(SERVER_KEEP_ALIVE_S),
+        ]
+    )
+    yield server.url
+    server.stop()
+
+
+async def _rounds(call) -> list[str]:
+    """Failures (error messages) over ROUNDS rounds of CONCURRENT calls with idle gaps between."""
+    failures: list[str] = []
+    for n in range(ROUNDS):
+        replies = await asyncio.gather(*(call(f"r{n}c{i}") for i in range(CONCURRENT)))
+        failures += [failure for failure in replies if failure]
+        await asyncio.sleep(GAPS_S[n % len(GAPS_S)])
+    return failures
+
+
+async def _modern_rounds(url: str) -> list[str]:
+    client = ModernClient(url, capabilities={})
+
+    async def call(name: str) -> str:
+        reply = await client.call("greet", {"name": name})
+        error = reply.message.get("error")
+        return "" if error is None else str(error.get("message"))
+
+    try:
+        return await _rounds(call)
+    finally:
+        await client.close()
+
+
+async def _legacy_rounds(url: str) -> list[str]:
+    client = V1Client(url, capabilities={})
+    await client.initialize()
+
+    async def call(name: str) -> str:
+        status, reply, _ = await client.request("tools/call", {"name": "greet", "arguments": {"name": name}})
+        return "" if status == 200 and "error" not in reply else f"{status} {reply}"[:200]
+
+    try:
+        return await _rounds(call)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("era", ["modern", "legacy"])
+async def test_no_call_fails_when_idle_connections_expire_before_the_servers(
+    short_keep_alive: str, tmp_path: Path, serve: Serve, era: str
+) -> None:
+    proxy = await serve(
+        make_config(short_keep_alive, tmp_path / "store", server={"keepalive_timeout": "300ms"})
+    )
+    with capture_logs() as logs:
+        failures = await (_modern_rounds if era == "modern" else _legacy_rounds)(proxy.url())
+    assert failures == []
+    assert [e for e in logs if e["event"] == "upstream_resent"] == []  # no stale connection was handed out
+
+
+@pytest.mark.parametrize("era", ["modern", "legacy"])
+async def test_a_pool_that_keeps_connections_too_long_still_loses_no_call(
+    short_keep_alive: str, tmp_path: Path, serve: Serve, era: str
+) -> None:
+    proxy = await serve(
+        make_config(short_keep_alive, tmp_path / "store", server={"keepalive_timeout": "30s"})
+    )
+    with capture_logs() as logs:
+        failures = await (_modern_rounds if era == "modern" else _legacy_rounds)(proxy.url())
+    assert failures == []
+    assert any(e["event"] == "upstream_resent" for e in logs)  # the race happened, and the resend caught it
