@@ -12,8 +12,9 @@ client gets "upstream unreachable" for a call that never ran. Two guards:
 2. A POST that fails on a *reused* connection with a disconnect or a reset, within RESEND_WITHIN_S
    of being sent and before any byte of an answer, is sent once more on a fresh connection (a
    second pool that never keeps connections). A server that closes an idle connection never reads
-   what arrives on it, so the resend cannot run a call twice; a server that read the request and
-   died while running it fails later than that, and is not sent it again. GET and DELETE are
+   what arrives on it, so that resend does not run a call twice; the one case it could repeat is a
+   server that read the request and died within that first second on a reused connection. A
+   failure later than that, or on a fresh connection, is never resent. GET and DELETE are
    idempotent, and aiohttp resends those itself (RFC 9112 §9.3.1.1).
 """
 
