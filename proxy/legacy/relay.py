@@ -402,6 +402,12 @@ class HttpRelay:
                 if rewrite is not None:
                     message = await rewrite(message)
                 data = jsonrpc.dumps(message)
+            elif "error" in message and upstream.status >= 400 and message.get("id") != request_id:
+                # An HTTP refusal whose error carries a null or made-up id ("server-error", the SDK's
+                # "Missing session ID"): it answers this request, so the client gets it under its id
+                # and with the upstream's status, not a 200 it cannot match.
+                log.info("legacy_upstream_refused", server=self.name, status=upstream.status)
+                data = jsonrpc.dumps({**message, "id": request_id})
             elif message.get("id") is not None and message.get("id") != request_id:
                 log.warning(
                     "legacy_foreign_response_dropped",

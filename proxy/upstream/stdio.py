@@ -379,6 +379,9 @@ class StdioSession:
 
     async def _dispatch(self, msg: JsonObject) -> None:
         if jsonrpc.is_response(msg):
+            if msg["id"] is None and "error" in msg:
+                self._error_without_id(msg)
+                return
             if isinstance(msg["id"], bool) or not isinstance(msg["id"], (str, int)):
                 log.warning("upstream_response_bad_id", server=self.server)
                 return
@@ -404,6 +407,16 @@ class StdioSession:
                 await pending.handler(msg)
         if not targets and jsonrpc.is_notification(msg) and self.on_notification is not None:
             self.on_notification(msg)  # server-wide (list changes) with no request in flight
+
+    def _error_without_id(self, msg: JsonObject) -> None:
+        """An error with a null id (the child could not read a request's id): it answers the one
+        request waiting, if exactly one is; with several it cannot be placed and is logged."""
+        waiting = [(rid, p) for rid, p in self._pending.items() if not p.future.done()]
+        if len(waiting) == 1:
+            rid, pending = waiting[0]
+            pending.future.set_result({**msg, "id": rid})
+            return
+        log.warning("upstream_error_without_id", server=self.server, waiting=len(waiting))
 
     def _targets(self, msg: JsonObject) -> list[_Pending]:
         """Which waiting requests a message from the child belongs to.

@@ -1159,3 +1159,31 @@ async def test_a_cancelled_request_ends_the_same_way_on_both_upstream_kinds(
             entries = json.loads((await reply_of(log_resp))["result"]["content"][0]["text"])
     await proxy.stop()
     assert [e["reason"] for e in entries if e["label"] == label] == ["notifications/cancelled"]
+
+
+@pytest.mark.timeout(900)  # first run builds the mcp 1.26 venv
+async def test_an_upstream_refusal_with_a_made_up_id_keeps_its_status_and_error(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """`mcp` 1.26 answers a request without `Mcp-Session-Id` with HTTP 400 and an error whose id is
+    `"server-error"`: that is its answer to this request, so the client gets the 400 and the error
+    under its own id (not a 200 saying the reply was for another request)."""
+    python = python_venv(ROOT / ".venvs" / "mcp126", "mcp==1.26.0")
+    upstream = ServerProcess([str(python), "tests/fixtures/conformance_server_mcp1.py", "--port", "0"])
+    try:
+        proxy = await serve(make_config(upstream.url, tmp_path / "store"))
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            "MCP-Protocol-Version": "2025-06-18",
+        }
+        body = {"jsonrpc": "2.0", "id": 7, "method": "tools/list"}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(proxy.url(), json=body, headers=headers) as resp,
+        ):
+            status, answer = resp.status, await resp.json()
+    finally:
+        upstream.stop()
+    assert status == 400, (status, answer)
+    assert answer["id"] == 7 and "session" in answer["error"]["message"].lower(), answer

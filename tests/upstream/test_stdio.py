@@ -17,6 +17,7 @@ import pytest
 from support.clients import ModernClient
 from support.proxy import FIXTURE, Serve, stdio_config
 from support.servers import ROOT, ServerProcess
+from support.v1_client import V1Client
 
 from proxy.app import POOLS_KEY
 from proxy.config import config_from_data, load_config
@@ -403,3 +404,45 @@ async def test_per_principal_isolation_gives_each_principal_its_own_child(
     finally:
         await alice.close()
         await bob.close()
+
+
+NULL_ID_CHILD = """
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("method") == "initialize":
+        info = {"name": "n", "version": "0"}
+        result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}, "serverInfo": info}
+        out = {"jsonrpc": "2.0", "id": msg["id"], "result": result}
+    elif msg.get("method") == "tools/list":
+        tool = {"name": "x", "inputSchema": {"type": "object"}}
+        out = {"jsonrpc": "2.0", "id": msg["id"], "result": {"tools": [tool]}}
+    elif "id" in msg and "method" in msg:
+        out = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "cannot read that request"}}
+    else:
+        continue
+    print(json.dumps(out), flush=True)
+"""
+
+
+async def test_a_childs_error_with_a_null_id_answers_the_one_waiting_request(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """The stdio bridge as the relay: an error the child sends with a null id is its answer to the
+    request waiting (here the only one), at once, not a wait until `timeout`."""
+    config = stdio_config(
+        tmp_path, {"command": sys.executable, "args": ["-c", NULL_ID_CHILD], "timeout": "20s"}
+    )
+    proxy = await serve(config)
+    client = ModernClient(proxy.url(), capabilities={})
+    legacy = V1Client(proxy.url(), capabilities={})
+    try:
+        async with asyncio.timeout(5):
+            reply = await client.call("x")
+            await legacy.initialize()
+            status, answer, _ = await legacy.request("tools/call", {"name": "x", "arguments": {}})
+    finally:
+        await client.close()
+        await legacy.close()
+    assert reply.error["code"] == -32600 and "cannot read" in reply.error["message"]
+    assert status == 200 and answer["id"] == 1 and "cannot read" in answer["error"]["message"], answer
