@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -36,7 +37,6 @@ from proxy.tasks.model import (
     TaskRecord,
     TaskStatus,
     TerminalTaskError,
-    apply,
     new_node_id,
     new_task_id,
     now_ms,
@@ -306,8 +306,11 @@ class TaskService:
         """Record the call's outcome (the raw upstream answer, or the proxy's error) and release the call.
 
         `by` says what ended it, for the audit log (`upstream`, `timeout`, `input_timeout`). A write the
-        store refuses is retried with backoff for `outcome_retry_s`; after that the task reads as
-        `failed`, naming the store, and the write of that failure goes on in the background.
+        store refuses is retried with backoff for `outcome_retry_s`; after that the task goes on
+        reading `working`, its status message naming the store, while the write of this same outcome
+        goes on in the background. A terminal status is never shown before it is stored, so a task
+        reads the same forever once terminal: the outcome recorded first wins, after a restart too
+        (a restart before the write lands reads as the restart's failure, and nothing else ever did).
         """
         await self._end(task_id, outcome, status_message, by=by)
 
@@ -329,24 +332,21 @@ class TaskService:
             log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
         except StoreUnavailableError as exc:
             self.store_failed(exc)
-            message = f"the task store could not record this call's outcome ({exc})"
-            failed = Change(
-                status=TaskStatus.FAILED,
-                outcome=proxy_error(message, store=self.store.where),
-                status_message=message,
-                input_requests={},
+            message = (
+                f"the call has ended, but the task store cannot record its outcome yet ({exc}); it is "
+                "recorded as soon as the store takes writes again"
             )
             snapshot = self._snapshots.get(task_id)
             if snapshot is not None:
-                self._unwritten[task_id] = apply(snapshot, failed, at_ms=now_ms(), max_result_bytes=1 << 62)
+                self._unwritten[task_id] = replace(snapshot, status_message=message, input_requests={})
             log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
-            self._spawn(self._write_later(task_id, failed))
+            self._spawn(self._write_later(task_id, change))
         finally:
             self.release(task_id)
 
     async def _write_later(self, task_id: str, change: Change) -> None:
-        """Keep trying to write a failure the readers are already shown (waits ≤ 5 s apart); then
-        forget the in-memory copy."""
+        """Keep trying to write an outcome the store refused (waits ≤ 5 s apart) until it lands or
+        the task ended otherwise; then forget the in-memory copy readers were shown meanwhile."""
         try:
             async for attempt in AsyncRetrying(
                 wait=wait_exponential(multiplier=0.1, max=5.0),

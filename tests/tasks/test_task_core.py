@@ -168,11 +168,15 @@ async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
     try:
         ids = [(await client.call("quiet_compute", {"seconds": 0.6})).result["taskId"] for _ in range(2)]
         filler = _fill(small_tmpfs)
+        # The calls end while the store cannot write: never shown terminal before they are stored,
+        # they read `working`, naming the store, until their own outcome lands.
+        async with asyncio.timeout(10):
+            while proxy.app[TASKS_KEY].live:
+                await asyncio.sleep(0.05)
         for task_id in ids:
-            done = await client.wait_terminal(task_id, timeout=10)
-            assert done["status"] == "failed" and "store" in done["error"]["message"], done
-            assert done["error"]["data"]["store"] == str(small_tmpfs / "store")
-        assert proxy.app[TASKS_KEY].live == {}  # per-principal counts returned to zero
+            reading = (await client.get(task_id)).result
+            assert reading["status"] == "working" and "cannot record its outcome yet" in reading["statusMessage"]
+            assert str(small_tmpfs / "store") in reading["statusMessage"]
         # Started upstream, it cannot become a task: it stays attached and is answered synchronously
         # (never a 503, which a load balancer would send again).
         attached = await client.call("quiet_compute", {"seconds": 0.3})
@@ -195,12 +199,44 @@ async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
             and ready["checks"]["store"].startswith("failed")
             and "full" in ready["checks"]["store"]
         )
-        filler.unlink()  # space again: the failures already shown land in the store
+        filler.unlink()  # space again: the outcomes held back land in the store, as they were
         async with asyncio.timeout(10):
-            while [(await proxy.store.get(i)).status for i in ids] != [TaskStatus.FAILED] * 2:
+            while [(await proxy.store.get(i)).status for i in ids] != [TaskStatus.COMPLETED] * 2:
                 await asyncio.sleep(0.1)
+        for task_id in ids:
+            done = await client.wait_terminal(task_id, timeout=10)
+            assert done["result"]["content"][0]["text"] == "quietly computed after 0.6s", done
         async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
             assert resp.status == 200
+    finally:
+        await client.close()
+
+
+async def test_a_task_reads_one_terminal_state_across_a_restart_while_the_store_cannot_write(
+    legacy_url: str, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, serve: Serve
+) -> None:
+    """A call that ends while the store cannot write is not shown terminal; the proxy stops before
+    the write lands, so after the restart the task reads the restart's failure, the only terminal
+    state it ever showed (it used to read "could not record" first, then "restarted")."""
+    monkeypatch.setattr(diskcache_store, "CHECKPOINT_EVERY_S", 1e9)
+    config = make_config(legacy_url, small_tmpfs / "store", tasks={"detach_after": "50ms"})
+    config.store.write_retry = 0.2
+    proxy = await serve(config)
+    client = ModernClient(proxy.url())
+    try:
+        task_id = (await client.call("quiet_compute", {"seconds": 0.4})).result["taskId"]
+        filler = _fill(small_tmpfs)
+        async with asyncio.timeout(10):
+            while proxy.app[TASKS_KEY].live:
+                await asyncio.sleep(0.05)
+        assert (await client.get(task_id)).result["status"] == "working"
+        await proxy.close()  # the outcome held back goes with the process
+        filler.unlink()
+        proxy = await serve(config)
+        client.url = proxy.url()
+        done = await client.wait_terminal(task_id, timeout=10)
+        assert done["status"] == "failed" and "restart" in done["statusMessage"], done
+        assert (await client.get(task_id)).result == done
     finally:
         await client.close()
 
