@@ -271,6 +271,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             app[INTERNAL_KEY] = InternalEndpoints(replicas, tasks)
             await replicas.start()
             stack.push_async_callback(replicas.stop)
+        sweeper = asyncio.get_running_loop().create_task(
+            _expire_legacy_sessions(app, config.listen.legacy_session_idle)
+        )
+        stack.callback(sweeper.cancel)
         # Open each upstream session early (in the background) so the first call does not pay for initialize.
         warmups = [asyncio.get_running_loop().create_task(pool.check()) for pool in pools.values()]
         for warmup in warmups:
@@ -278,6 +282,19 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         log.info("proxy_started", servers=list(config.servers), store=store.where, node=node)
         yield
     log.info("proxy_stopped", node=node)
+
+
+async def _expire_legacy_sessions(app: web.Application, idle_s: float) -> None:
+    """Every quarter of `idle_s` (s; at most every 60 s): forget the legacy sessions of every
+    server that were idle for `idle_s` with nothing in flight, and DELETE their upstream sessions."""
+    every = min(60.0, max(0.05, idle_s / 4))
+    while True:
+        await asyncio.sleep(every)
+        for endpoint in list(app[ENDPOINTS_KEY].values()):
+            try:
+                await endpoint.legacy.expire_idle(idle_s)
+            except Exception:  # the sweep must outlive any one bad round
+                log.exception("legacy_session_expiry_failed", server=endpoint.name)
 
 
 async def _deployment_key(config: Config, store: TaskStore) -> bytes:

@@ -25,6 +25,7 @@ class ListenConfig(_Strict):
     `body_timeout` (s) reading a body (408 after it); `max_connections` caps open connections;
     `event_loop` picks the process's loop (`runtime.event_loop`). `trusted_proxies`: the load
     balancers whose X-Forwarded-For / X-Forwarded-Proto are believed (none by default).
+    `legacy_session_idle` (s): when an unused legacy session is forgotten.
     """
 
     host: str = "127.0.0.1"
@@ -59,6 +60,12 @@ class ListenConfig(_Strict):
         validate_default=True,
         description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on "
         "(other replicas serve their polls)",
+    )
+    legacy_session_idle: Duration = Field(
+        "1h",
+        validate_default=True,
+        description="a legacy (2025-06-18 / 2025-11-25) session nobody used for this long, with nothing in "
+        "flight, is forgotten and its upstream session DELETEd; a later request on it gets 404",
     )
     header_timeout: Duration = Field(
         "10s",
@@ -107,6 +114,13 @@ class ListenConfig(_Strict):
                 "/.well-known/oauth-protected-resource/<its path> (RFC 9728)"
             )
         return value.rstrip("/")
+
+    @field_validator("legacy_session_idle")
+    @classmethod
+    def _idle(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("legacy_session_idle must be longer than 0s")
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -224,6 +224,9 @@ class StdioChild:
         self.sessions.end(sid)
         return web.Response(status=200)
 
+    async def forget(self, session: LegacySession) -> None:
+        """Nothing upstream to end: the children are pooled for every session."""
+
 
 async def _quiet(send: Awaitable[None]) -> None:
     """Await a send to a child; one that fails (the child is gone) changes nothing for the client."""

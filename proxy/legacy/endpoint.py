@@ -47,6 +47,16 @@ class LegacyEndpoint:
         self.upstream = upstream
         self.v1 = v1
 
+    async def expire_idle(self, idle_s: float) -> int:
+        """Expire the sessions idle for `idle_s` (s) with nothing in flight and end their upstream side
+        (`LegacyUpstream.forget`, one at a time); returns how many."""
+        expired = self.sessions.expire_idle(idle_s)
+        for session in expired:
+            await self.upstream.forget(session)
+        if expired:
+            log.info("legacy_sessions_expired", server=self.name, count=len(expired), idle_s=idle_s)
+        return len(expired)
+
     async def handle(self, request: web.Request, *, body: Any, principal: str) -> web.StreamResponse:
         """Answer one legacy-era request of `principal` (`body`: the parsed POST body, None for GET
         and DELETE). A request outside the era's surface gets -32601 (HTTP 200); malformed JSON-RPC

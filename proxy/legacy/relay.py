@@ -145,6 +145,20 @@ class HttpRelay:
         """Relay DELETE; the proxy session ends when the upstream agrees."""
         return await self._forward(request, session, None, None, None, None)
 
+    async def forget(self, session: LegacySession) -> None:
+        """`DELETE` the upstream session of an expired proxy session (bounded by `request_timeout`;
+        a failure is logged: the upstream then expires it on its own, if it does)."""
+        if not session.upstream_id:
+            return
+        headers = {**self.headers, "Mcp-Session-Id": session.upstream_id}
+        try:
+            resp = await self._send("DELETE", b"", headers, self.bounds.request_timeout)
+            resp.release()
+        except _UPSTREAM_ERRORS as exc:
+            log.info(
+                "legacy_expired_delete_failed", server=self.name, reason=str(exc) or exc.__class__.__name__
+            )
+
     # -- one exchange with the upstream ---------------------------------------------------------
 
     def _upstream_headers(self, request: web.Request, session: LegacySession, method: str) -> dict[str, str]:

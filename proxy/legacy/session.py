@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,7 @@ class LegacySession:
     questions: dict[str, Question] = field(default_factory=dict)  # proxy id → an upstream question
     streams: dict[str, RelayStream] = field(default_factory=dict)  # token → a reply stream
     get_stream: RelayStream | None = None
+    last_used: float = field(default_factory=time.monotonic)  # time.monotonic() (s) of its last request
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     # -- the client's requests -----------------------------------------------------------------
@@ -248,7 +250,22 @@ class LegacySessions:
         if session is not None and session.principal != principal:
             log.warning("security_foreign_session_access", principal=principal_hash(principal))
             return None
+        if session is not None:
+            session.last_used = time.monotonic()
         return session
+
+    def expire_idle(self, idle_s: float) -> list[LegacySession]:
+        """Forget the sessions nobody used for `idle_s` (s) and that have nothing in flight (no
+        request, question or open stream), and return them (the caller ends their upstream side).
+        A later request with one of their ids gets the era's 404."""
+        deadline = time.monotonic() - idle_s
+        expired = [
+            sid for sid, session in self._sessions.items() if session.last_used <= deadline and session.idle()
+        ]
+        sessions = [self._sessions.pop(sid) for sid in expired]
+        for session in sessions:
+            session.end(self._ended("the session expired (listen.legacy_session_idle)"))
+        return sessions
 
     def sessionless(self, principal: str) -> LegacySession:
         """The id maps of `principal`'s traffic without a session (a session-less HTTP upstream):

@@ -67,6 +67,10 @@ class LegacyUpstream(Protocol):
     async def delete(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
         """End session `sid`."""
 
+    async def forget(self, session: LegacySession) -> None:
+        """End the upstream's side of a session the proxy expired (idle): HTTP sends `DELETE` for its
+        upstream session (bounded, failures logged); a stdio child has nothing to end."""
+
 
 def error_reply(request_id: Any, code: int, message: str, *, status: int = 200) -> web.Response:
     """A JSON-RPC error response under `request_id` with HTTP `status`."""

@@ -21,6 +21,7 @@ from support.clients import ModernClient
 from support.proxy import Serve, make_config, stdio_config
 from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, python_venv
 
+from proxy.app import ENDPOINTS_KEY
 from proxy.config import config_from_data
 from proxy.protocol.sse import iter_events
 from proxy.upstream.http import UpstreamSession
@@ -1187,3 +1188,53 @@ async def test_an_upstream_refusal_with_a_made_up_id_keeps_its_status_and_error(
         upstream.stop()
     assert status == 400, (status, answer)
     assert answer["id"] == 7 and "session" in answer["error"]["message"].lower(), answer
+
+
+async def test_idle_sessions_expire_and_their_upstream_sessions_are_deleted(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
+    """2,000 sessions opened and abandoned: after `legacy_session_idle` the proxy holds none of them,
+    each upstream session got its DELETE, and a request on one gets the era's 404; a session in use
+    stays."""
+    proxy = await serve(relay_config(upstream, tmp_path, legacy_session_idle="400ms"))
+    sessions = proxy.app[ENDPOINTS_KEY]["bad"].legacy.sessions
+    init = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": LEGACY,
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"},
+        },
+    }
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with aiohttp.ClientSession() as http:
+        gate = asyncio.Semaphore(50)
+
+        async def open_one() -> tuple[str, str | None]:
+            """(proxy session id, its upstream session id)."""
+            async with gate, http.post(proxy.url(), json=init, headers=headers) as resp:
+                assert resp.status == 200
+                sid = resp.headers["Mcp-Session-Id"]
+                return sid, sessions.describe(sid)[0]
+
+        opened = await asyncio.gather(*(open_one() for _ in range(2000)))
+        abandoned = [sid for sid, _ in opened]
+        upstream_ids = [upstream_id for _, upstream_id in opened[:20]]
+        kept, _ = await open_one()
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        in_use = {**headers, "Mcp-Session-Id": kept, "MCP-Protocol-Version": LEGACY}
+        async with asyncio.timeout(10):
+            while any(sessions.knows(sid) for sid in abandoned):
+                async with http.post(proxy.url(), json=ping, headers=in_use) as resp:
+                    assert resp.status == 200
+                await asyncio.sleep(0.1)
+        assert sessions.knows(kept)
+        gone = {**headers, "Mcp-Session-Id": abandoned[0], "MCP-Protocol-Version": LEGACY}
+        async with http.post(proxy.url(), json=ping, headers=gone) as resp:
+            assert resp.status == 404
+        for upstream_id in upstream_ids:
+            direct = {**headers, "Mcp-Session-Id": upstream_id, "MCP-Protocol-Version": LEGACY}
+            async with http.post(upstream, json=ping, headers=direct) as resp:
+                assert resp.status == 404  # deleted upstream
