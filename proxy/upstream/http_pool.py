@@ -11,7 +11,7 @@ from proxy.protocol.jsonrpc import JsonObject
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http import UpstreamSession
-from proxy.upstream.types import Bounds, Session, caps_key, probe
+from proxy.upstream.types import Bounds, Session, UpstreamError, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -43,38 +43,60 @@ class UpstreamPool:
         self.headers = headers
         self.bounds = bounds or Bounds()
         self._sessions: dict[str, UpstreamSession] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._opening: dict[str, asyncio.Task[UpstreamSession]] = {}  # the attempt callers share, by key
         self.on_notification = on_notification
 
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
         """The open session for `capabilities`, initializing it if needed (`principal` is not used:
-        HTTP sessions are shared). Raises UpstreamError."""
+        HTTP sessions are shared). Concurrent callers share one attempt, and each waits at most
+        `init_timeout` (s) from its own call, so a hung `initialize` never makes callers queue behind
+        each other's attempts. Raises UpstreamError."""
         key = caps_key(capabilities)
         existing = self._sessions.get(key)
         if existing is not None and not existing.closed and existing.broken is None:
             return existing
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            existing = self._sessions.get(key)
-            if existing is not None and not existing.closed and existing.broken is None:
-                return existing
-            # out of the pool before another call is put on it
-            if existing is not None and existing.broken is not None:
-                log.warning("upstream_session_broken", server=self.server, reason=existing.broken)
-                self.discard(existing)
-            session = UpstreamSession(
-                self.http,
-                self.url,
-                server=self.server,
-                headers=self.headers,
-                capabilities=capabilities,
-                bounds=self.bounds,
-                on_notification=self.on_notification,
-                credentials=self.credentials,
-            )
-            await session.open()
-            self._sessions[key] = session
-            return session
+        opening = self._opening.get(key)
+        if opening is None:
+            opening = asyncio.get_running_loop().create_task(self._open(key, capabilities))
+            self._opening[key] = opening
+            opening.add_done_callback(lambda done: self._opened(key, done))
+        try:
+            async with asyncio.timeout(self.bounds.init_timeout):
+                return await asyncio.shield(opening)
+        except TimeoutError:
+            raise UpstreamError(
+                f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s "
+                "(init_timeout)"
+            ) from None
+
+    async def _open(self, key: str, capabilities: JsonObject) -> UpstreamSession:
+        """The one attempt to open the session of `key` that concurrent callers share (bounded by
+        `init_timeout` inside `UpstreamSession.open`). Raises UpstreamError."""
+        existing = self._sessions.get(key)
+        if existing is not None and existing.broken is not None:  # out of the pool before another call
+            log.warning("upstream_session_broken", server=self.server, reason=existing.broken)
+            self.discard(existing)
+        session = UpstreamSession(
+            self.http,
+            self.url,
+            server=self.server,
+            headers=self.headers,
+            capabilities=capabilities,
+            bounds=self.bounds,
+            on_notification=self.on_notification,
+            credentials=self.credentials,
+        )
+        await session.open()
+        self._sessions[key] = session
+        return session
+
+    def _opened(self, key: str, done: asyncio.Task[UpstreamSession]) -> None:
+        """An attempt ended: the next caller after a failure starts a new one; a failure nobody
+        waited for any more is retrieved (never "exception was never retrieved")."""
+        if self._opening.get(key) is done:
+            del self._opening[key]
+        if not done.cancelled():
+            done.exception()
 
     async def check(self, timeout_s: float = 5.0) -> str | None:
         """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
@@ -90,6 +112,8 @@ class UpstreamPool:
             mine.retire()
 
     async def close(self) -> None:
-        """Close every session."""
+        """Close every session (and stop the attempts still opening one)."""
+        for opening in list(self._opening.values()):
+            opening.cancel()
         sessions, self._sessions = list(self._sessions.values()), {}
         await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)

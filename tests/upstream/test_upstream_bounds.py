@@ -220,3 +220,21 @@ async def test_readyz_stays_ready_while_one_of_two_servers_is_broken(
     proxy = await serve(only_dead)
     status, body = await readyz(proxy.base)
     assert status == 503 and body["ready"] is False and body["checks"]["upstream:dead"] != "ok"
+
+
+async def test_concurrent_callers_share_one_session_attempt_and_each_waits_init_timeout_at_most(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Behind an upstream that never answers `initialize` (init_timeout 300 ms), ten concurrent calls
+    all fail within about one init_timeout, not one after another (ten of them queued: 3 s)."""
+    proxy = await serve(hostile_config(hostile, tmp_path, "hang-init"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        started = time.monotonic()
+        replies = await asyncio.gather(*(client.call("ok") for _ in range(10)))
+        elapsed = time.monotonic() - started
+    finally:
+        await client.close()
+    for reply in replies:
+        assert "within 0.3 s (init_timeout)" in reply.error["message"], reply
+    assert elapsed < 1.5, elapsed
