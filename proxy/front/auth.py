@@ -93,7 +93,9 @@ class Authenticator:
         if relayed:
             if self.replica_secret is None:
                 raise AuthError(f"{RELAYED_PRINCIPAL_HEADER} is only accepted from another replica")
-            given = request.headers.get(SECRET_HEADER, "").encode()
+            given = request.headers.get(SECRET_HEADER, "").encode(
+                "utf-8", "surrogatepass"
+            )  # raw header bytes
             if (
                 len(relayed) != 1
                 or not relayed[0]
@@ -108,7 +110,7 @@ class Authenticator:
         token = _bearer(request)
         if self.mode == "bearer":
             # raw header bytes: no 500
-            digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+            digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
             for known, name in self._tokens.items():
                 if hmac.compare_digest(digest, known):
                     return name, None

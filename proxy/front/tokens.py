@@ -236,7 +236,7 @@ class AccessTokens:
         introspection = self.config.introspection
         assert introspection is not None
         # keyed by the audience too: a token good for one endpoint is not good for another
-        digest = hashlib.sha256(f"{audience}\n{token}".encode("utf-8", "surrogateescape")).hexdigest()
+        digest = hashlib.sha256(f"{audience}\n{token}".encode("utf-8", "surrogatepass")).hexdigest()
         now = time.time()
         cached = self._introspected.get(digest)
         if cached is not None and cached[1] > now:

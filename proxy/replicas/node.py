@@ -182,7 +182,9 @@ class Replicas:
     def authentic(self, request: web.Request) -> bool:
         """True when the request carries the shared secret (constant-time comparison)."""
         given = request.headers.get(SECRET_HEADER, "")
-        return hmac.compare_digest(given.encode(), self.secret.encode())
+        return hmac.compare_digest(
+            given.encode("utf-8", "surrogatepass"), self.secret.encode()
+        )  # raw bytes: no 500
 
     def forwarded(self, request: web.Request) -> bool:
         """True for a client request another replica relayed here (authentic: it is served here as is)."""

@@ -31,7 +31,6 @@ log = structlog.get_logger("proxy.replicas")
 MRTR_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
 # POSTs answered by a stream of open-ended length
 STREAM_METHODS = frozenset({"subscriptions/listen", "tasks/result"})
-ROUTER_KEY = "mcp_tasks_proxy.replica_router"
 SESSION_TTL_MS = 24 * 3600 * 1000  # a legacy session's map entry outlives any sane session
 
 
@@ -241,12 +240,15 @@ class EndpointRouter:
             log.warning("session_map_write_failed", reason=str(exc))
 
 
+ROUTER_KEY = web.RequestKey("replica_router", EndpointRouter)  # the router that saw the request
+
+
 async def on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
     """aiohttp signal, before a response's head goes out: a legacy session this replica just opened
     is written to the session map first (so the client's next request, wherever it lands, finds
     it), and one it ended (DELETE) is removed."""
     router = request.get(ROUTER_KEY)
-    if not isinstance(router, EndpointRouter) or response.status >= 300:
+    if router is None or response.status >= 300:
         return
     asked = (request.headers.get("Mcp-Session-Id") or "").strip()
     if asked:
