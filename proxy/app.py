@@ -366,9 +366,11 @@ async def _readyz(request: web.Request) -> web.Response:
     checks: dict[str, str] = {}
     if request.app[DRAIN_KEY].started:  # shutting down: a load balancer sends nothing new here
         checks["drain"] = "draining: this proxy is shutting down"
+    tasks = request.app[TASKS_KEY]
     try:
-        await asyncio.wait_for(request.app[TASKS_KEY].store.check_writable(), timeout=2.0)
-        checks["store"] = "ok"
+        await asyncio.wait_for(tasks.store.check_writable(), timeout=2.0)
+        read_problem = tasks.read_problem()
+        checks["store"] = "ok" if read_problem is None else f"failed: reads fail: {read_problem}"
     except (StoreUnavailableError, TimeoutError) as exc:
         checks["store"] = f"failed: {exc or 'no answer within 2 s'}"
     pools = request.app[POOLS_KEY]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Callable
@@ -44,10 +45,18 @@ from proxy.tasks.model import (
     now_ms,
     principal_key,
 )
-from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.tasks.store import (
+    DamagedStoreError,
+    Listener,
+    ListFilter,
+    StoreUnavailableError,
+    TaskNotFoundError,
+)
 from proxy.tasks.storedir import prepare_store_directory
 
 log = structlog.get_logger("proxy.tasks")
+STORE_ID_KEY = "store:id"  # this database's id, matched against STORE_ID_FILE at each serving start
+STORE_ID_FILE = "store.id"
 _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)
 _STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout, StoredValueError)
 _SEP = "\x1f"
@@ -88,6 +97,7 @@ class DiskcacheStore:
             if exclusive:
                 lock_directory(self.path)
                 self._locked = True
+            self._check_database_file()
             umask = os.umask(0o077)  # cache.db and its -wal/-shm are created private (0600)
             try:
                 self._cache = diskcache.Cache(
@@ -119,9 +129,79 @@ class DiskcacheStore:
         self._changed: dict[str, tuple[asyncio.Event, int]] = {}  # task → (wake-up event, waiters)
         self._listeners: list[Listener] = []
         if exclusive:
+            try:
+                self._check_damage()
+            except StoreUnavailableError:
+                self._close_now()
+                raise
             for key in self._keys("node:"):
                 self._cache.delete(key)
             self._convert_pickled()
+
+    def _check_database_file(self) -> None:
+        """Before SQLite opens it: a directory that held a store (its `store.id` file) with its
+        `cache.db` gone or empty is refused (DamagedStoreError), not opened as a new, empty store."""
+        marker = os.path.join(self.path, STORE_ID_FILE)
+        database = os.path.join(self.path, "cache.db")
+        if os.path.exists(marker) and (not os.path.exists(database) or os.path.getsize(database) == 0):
+            state = "empty" if os.path.exists(database) else "missing"
+            raise DamagedStoreError(
+                f"task store {self.path}: {database} is {state}, "
+                f"but this directory held a store ({STORE_ID_FILE}): its tasks would all be unknown. Restore "
+                f"cache.db (with its -wal file) from a backup, or, to start with an empty store on purpose, "
+                f"delete {marker} (and any cache.db-wal / cache.db-shm left beside it)"
+            )
+
+    def _check_damage(self) -> None:
+        """Refuse a damaged store before serving from it (raises DamagedStoreError naming the file
+        and how to recover): SQLite's `quick_check` must pass, and the database must be the one this
+        directory has held (its id in `cache.db` matches the `store.id` file beside it: an emptied,
+        deleted or swapped database would otherwise start as a new store, every task id unknown)."""
+        database = os.path.join(self.path, "cache.db")
+        try:
+            found = [row[0] for row in self._reader.execute("PRAGMA quick_check(5)").fetchall()]
+        except sqlite3.Error as exc:
+            found = [str(exc)]
+        if found != ["ok"]:
+            problems = "; ".join(found).replace("\n", "; ")[:300]
+            raise DamagedStoreError(
+                f"task store {self.path}: {database} is damaged (SQLite quick_check: {problems}). "
+                f"To recover: stop every proxy on it, copy the directory aside, then rebuild the database "
+                f"(`sqlite3 {database} .recover | sqlite3 recovered.db`, and put recovered.db in its place), "
+                "or move the directory away to start with an empty store (its tasks are lost)"
+            )
+        marker = os.path.join(self.path, STORE_ID_FILE)
+        kept = self._cache.get(STORE_ID_KEY)
+        try:
+            with open(marker, encoding="ascii") as file:
+                expected: str | None = file.read().strip()
+        except FileNotFoundError:
+            expected = None
+        if expected and kept != expected:
+            raise DamagedStoreError(
+                f"task store {self.path}: {database} is not the database this directory held (it was "
+                f"emptied, deleted or replaced: {STORE_ID_FILE} names store {expected}, the database "
+                f"{'none' if kept is None else kept}). Restore cache.db (with its -wal file) from a backup, "
+                f"or, to start with an empty store on purpose, delete {marker}"
+            )
+        if kept is None:
+            kept = secrets.token_hex(16)
+            self._cache.set(STORE_ID_KEY, kept)
+        if expected != kept:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, kept.encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _close_now(self) -> None:
+        """Close what `__init__` opened (before serving: no writer batch can be in flight)."""
+        self._executor.shutdown(wait=True)
+        self._checkpointer.shutdown(wait=True)
+        self._reader.close()
+        self._cache.close()
+        self._release_lock()
 
     def _convert_pickled(self) -> None:
         """Rewrite the values an older version pickled as JSON (once: none are left after); delete
@@ -253,8 +333,17 @@ class DiskcacheStore:
         try:
             data = self._cache.get("task:" + task_id)
         except _STORE_ERRORS as exc:
-            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+            raise self._read_error(exc) from exc
         return None if data is None else TaskRecord.from_dict(data)
+
+    def _read_error(self, exc: BaseException) -> StoreUnavailableError:
+        """A failed read as the error to raise: DamagedStoreError when the file itself is bad (SQLite
+        "malformed" and other database errors that are not about locking or I/O, a stored value
+        that cannot be decoded), else StoreUnavailableError."""
+        damaged = isinstance(exc, StoredValueError) or (
+            isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError)
+        )
+        return (DamagedStoreError if damaged else StoreUnavailableError)(f"task store {self.path}: {exc}")
 
     async def update(self, task_id: str, change: Change) -> TaskRecord:
         """See TaskStore.update."""
@@ -372,7 +461,7 @@ class DiskcacheStore:
         try:
             return self._cache.get(key)
         except _STORE_ERRORS as exc:
-            raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+            raise self._read_error(exc) from exc
 
     def add_remote_listener(self, listener: Listener) -> None:
         """See TaskStore.add_remote_listener: one process serves a diskcache store, so its own commits are

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -46,7 +47,7 @@ from proxy.tasks.model import (
     valid_task_id,
 )
 from proxy.tasks.rates import TaskRate
-from proxy.tasks.store import StoreUnavailableError, TaskNotFoundError, TaskStore
+from proxy.tasks.store import DamagedStoreError, StoreUnavailableError, TaskNotFoundError, TaskStore
 from proxy.tasks.types import LiveCall, RemoteOwner, Rerun, TaskChange, TaskEvent, TaskMessage
 
 log = structlog.get_logger("proxy.tasks")
@@ -57,6 +58,7 @@ LOST_MESSAGE = (
     "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; "
     "the upstream call was lost"
 )
+READ_FAILURE_SHOWN_S = 30.0  # how long (s) /readyz reports the store failed after a failed read
 _RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for the audit line)
 
 
@@ -97,6 +99,7 @@ class TaskService:
         self.remote = remote
         self.live: dict[str, LiveCall] = {}
         self.store_problem: str | None = None  # the last store failure, while it lasts
+        self._read_failure: tuple[float, str] | None = None  # (time.monotonic(), why) of the last failed read
         # Every change a store commits, this process's and (Redis) every replica's: status push.
         self.changes: Fanout[TaskEvent] = Fanout("task changes")
         self._leases = LeaseJudge(lease_s)  # when this node may judge other nodes' leases
@@ -148,6 +151,20 @@ class TaskService:
                 log.warning("store_unavailable", reason=str(exc))
             except Exception:  # the loop must outlive any one bad round
                 log.exception("task_maintenance_failed")
+
+    def read_failed(self, exc: BaseException) -> None:
+        """Note a read the store failed because its files are damaged (DamagedStoreError: a bad page,
+        a value that cannot be decoded): logged at error level, and `/readyz` reports the store failed
+        for READ_FAILURE_SHOWN_S (s) after the last such read. (A store that cannot be reached at all
+        fails `/readyz`'s own write probe instead.)"""
+        log.error("store_read_failed", store=self.store.where, reason=str(exc))
+        self._read_failure = (time.monotonic(), str(exc))
+
+    def read_problem(self) -> str | None:
+        """The last read failure of the store while it is recent (READ_FAILURE_SHOWN_S), else None."""
+        if self._read_failure is None or time.monotonic() - self._read_failure[0] > READ_FAILURE_SHOWN_S:
+            return None
+        return self._read_failure[1]
 
     def store_failed(self, exc: BaseException) -> None:
         """Note a store failure (shown on /readyz; other nodes' leases are not judged for a lease period)."""
@@ -388,6 +405,8 @@ class TaskService:
             try:
                 record = await self.store.get(task_id)
             except StoreUnavailableError as exc:
+                if isinstance(exc, DamagedStoreError):
+                    self.read_failed(exc)
                 raise JsonRpcError(
                     INTERNAL_ERROR, str(exc), {"store": self.store.where}, status=503
                 ) from None

@@ -33,6 +33,11 @@ class StoreUnavailableError(Exception):
     """
 
 
+class DamagedStoreError(StoreUnavailableError):
+    """The store's files are damaged, or its database is not the one its directory held; the message
+    names the file and how to recover. Raised at start, before anything is served from it."""
+
+
 class StoreLockedError(Exception):
     """Raised when another process already serves from this store directory (message names its pid)."""
 

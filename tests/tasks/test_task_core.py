@@ -175,7 +175,8 @@ async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
                 await asyncio.sleep(0.05)
         for task_id in ids:
             reading = (await client.get(task_id)).result
-            assert reading["status"] == "working" and "cannot record its outcome yet" in reading["statusMessage"]
+            assert reading["status"] == "working", reading
+            assert "cannot record its outcome yet" in reading["statusMessage"]
             assert str(small_tmpfs / "store") in reading["statusMessage"]
         # Started upstream, it cannot become a task: it stays attached and is answered synchronously
         # (never a 503, which a load balancer would send again).

@@ -1,0 +1,132 @@
+"""Damage to the embedded store shows (issue "Reliability round 2", item 6): an emptied, deleted or
+garbled database is refused at start with the file and the way to recover named, never served as a
+new empty store; a page that fails to read at run time turns `/readyz` to 503 naming the store and
+logs at error level."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from structlog.testing import capture_logs
+from support.clients import ModernClient
+from support.proxy import Serve, make_config
+from support.records import make_record
+
+from proxy.tasks.diskcache_store import STORE_ID_FILE, DiskcacheStore
+from proxy.tasks.model import TaskStatus, now_ms
+from proxy.tasks.store import DamagedStoreError
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = 3000
+
+
+async def _held_store(path: Path, records: int = 10) -> list[str]:
+    """A store that has served (opened exclusively) and holds `records` completed tasks (nothing a
+    restart rewrites); returns their ids."""
+    store = DiskcacheStore(path, exclusive=True, durable=False)
+    ids = [f"task-{n:05d}" for n in range(records)]
+    done = {"status": TaskStatus.COMPLETED, "outcome": {"result": {"content": []}}, "terminal_ms": now_ms()}
+    try:
+        await asyncio.gather(
+            *(
+                store.create(make_record(task_id=i, principal="anonymous", server="legacy", **done))
+                for i in ids
+            )
+        )
+    finally:
+        await store.close()
+    return ids
+
+
+def _checkpoint(path: Path) -> None:
+    """Move every committed page into cache.db (and empty the WAL), as a clean shutdown leaves it."""
+    with sqlite3.connect(path / "cache.db") as con:
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+@pytest.mark.parametrize("damage", ["emptied", "deleted", "replaced"])
+async def test_a_database_that_lost_its_tasks_is_refused_naming_the_fix(tmp_path: Path, damage: str) -> None:
+    store = tmp_path / "store"
+    await _held_store(store)
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
+        target = store / name
+        if damage == "emptied" and name == "cache.db":
+            target.write_bytes(b"")
+        elif target.exists() and damage in ("deleted", "replaced"):
+            target.unlink()
+    if damage == "replaced":
+        DiskcacheStore(tmp_path / "other", durable=False)._close_now()
+        (tmp_path / "other" / "cache.db").rename(store / "cache.db")
+    why = {
+        "emptied": "cache.db is empty, but this directory held a store",
+        "deleted": "cache.db is missing, but this directory held a store",
+        "replaced": "cache.db is not the database this directory held",
+    }[damage]
+    with pytest.raises(DamagedStoreError, match=f"{why}.*delete .*{STORE_ID_FILE}"):
+        DiskcacheStore(store, exclusive=True)
+    (store / STORE_ID_FILE).unlink()  # the operator's choice: start empty on purpose
+    if damage == "emptied":
+        (store / "cache.db").unlink()
+    DiskcacheStore(store, exclusive=True)._close_now()
+
+
+async def test_a_database_garbled_mid_file_is_refused_at_start(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    await _held_store(store, RECORDS)
+    _checkpoint(store)
+    database = store / "cache.db"
+    with open(database, "r+b") as file:
+        file.seek(database.stat().st_size // 2)
+        file.write(os.urandom(8192))
+    with pytest.raises(DamagedStoreError, match=r"cache.db is damaged \(SQLite quick_check.*\.recover"):
+        DiskcacheStore(store, exclusive=True)
+
+
+def test_serve_exits_naming_the_damaged_database(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    asyncio.run(_held_store(store))
+    (store / "cache.db").write_bytes(b"")
+    (store / "cache.db-wal").unlink(missing_ok=True)
+    config = tmp_path / "proxy.yaml"
+    config.write_text(
+        f"mcpServers:\n  demo:\n    command: 'true'\nstore:\n  path: {store}\nlisten:\n  port: 0\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1 and "cache.db is empty, but this directory held a store" in done.stderr, done
+
+
+async def test_a_page_that_fails_to_read_turns_readyz_to_503(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    store = tmp_path / "store"
+    ids = await _held_store(store, RECORDS)
+    _checkpoint(store)
+    proxy = await serve(make_config(legacy_url, store))
+    database = store / "cache.db"
+    with open(database, "r+b") as file:  # damage after the start-up check, as a failing disk would
+        file.seek(database.stat().st_size // 2)
+        file.write(os.urandom(8192))
+    client = ModernClient(proxy.url())
+    try:
+        with capture_logs() as logs:
+            statuses = [(await client.get(task_id)).status for task_id in ids]
+        assert 503 in statuses, sorted(set(statuses))
+        assert any(e["event"] == "store_read_failed" and e["log_level"] == "error" for e in logs)
+        async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
+            body = await resp.json()
+        assert resp.status == 503 and body["checks"]["store"].startswith("failed: reads fail"), body
+    finally:
+        await client.close()
