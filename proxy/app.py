@@ -198,6 +198,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             rate_storage=counters,
             rerun=Rerunner(config, pools),
             remote=replicas,
+            fence=isinstance(store, RedisTaskStore),
         )
         key = await _deployment_key(config, store)
         use_principal_hash_key(derive_key(key, "principal-hash"))

@@ -842,13 +842,25 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
     some killed process owned). Anything else (also `cancelled`, which nobody asked for, and sync
     JSON-RPC errors other than instant_error's) counts in `unexplained_failures`. A label started
     n > 1 times is n-1 `reruns` when its task was re-run by policy (at most once per kill it was
-    running at), else `double_runs`.
+    running at, and once more when it was running across the Redis restart: a replica that cannot
+    renew its lease stops such calls before the lease lapses, and they run again once the store is
+    back), else `double_runs`.
     """
     owned_at: dict[str, list[str]] = {}  # task id -> the killed nodes it was running on when each died
     for killed in run.killed:
         for task_id in killed.owned:
             owned_at.setdefault(task_id, []).append(killed.node)
     killed_at = {k.node: t for k, t in zip(run.killed, run.kill_times, strict=False)}
+    outage_at = run.extra_times.get("redis")
+    across_outage = (
+        {
+            task_id
+            for task_id, handed in run.handed.items()
+            if handed < outage_at and run.terminal_at.get(task_id, float("inf")) > outage_at
+        }
+        if outage_at is not None
+        else set()
+    )
     kinds: Counter[str] = Counter()
     out: dict[str, Any] = {
         "tasks_running_at_kills": sum(len(k.owned) for k in run.killed),
@@ -911,7 +923,11 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if n < 2 or label not in run.labels:
             continue
         task_id = task_of.get(label, "")
-        allowed = len(owned_at.get(task_id, ())) if rerun and run.labels[label] == "slow_compute" else 0
+        allowed = (
+            len(owned_at.get(task_id, ())) + (task_id in across_outage)
+            if rerun and run.labels[label] == "slow_compute"
+            else 0
+        )
         reruns = min(n - 1, allowed)
         out["reruns"] += reruns
         out["double_runs"] += n - 1 - reruns

@@ -58,6 +58,7 @@ LOST_MESSAGE = (
     "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; "
     "the upstream call was lost"
 )
+FENCE_AFTER = 5 / 6  # of a lease without renewal: stop this node's calls (a sixth before it lapses)
 READ_FAILURE_SHOWN_S = 30.0  # how long (s) /readyz reports the store failed after a failed read
 _RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for the audit line)
 
@@ -68,8 +69,11 @@ class TaskService:
     `lease_s` (s) is how long this node's lease lasts without renewal; it is renewed every third
     of it, and the orphan sweep (which also stops calls whose task an operator ended, and purges
     expired records) runs every half of it. `outcome_retry_s` (s) bounds the retries of an outcome
-    write the store refused; after that the task is shown `failed`, naming the store, while the
-    write goes on being retried in the background. Limits: `max_tasks_per_principal` (live tasks)
+    write the store refused; after that the task reads `working`, its message naming the store, while
+    the write goes on being retried in the background. `fence`: the store is shared with other
+    replicas, so a node that could not renew its lease for FENCE_AFTER of it stops its detached
+    calls that another replica would re-run, before the lease lapses (no call runs on two replicas
+    at once); off for a store one process serves. Limits: `max_tasks_per_principal` (live tasks)
     and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods), counted in
     `rate_storage` (a `limits.aio` storage; default in memory, Redis for replicas). `rerun` starts
     the call of a task configured `on_restart: rerun` again after its owner died (None: such tasks
@@ -88,6 +92,7 @@ class TaskService:
         rate_storage: Storage | None = None,
         rerun: Rerun | None = None,
         remote: RemoteOwner | None = None,
+        fence: bool = False,
     ) -> None:
         self.store = store
         self.node = node or new_node_id()
@@ -112,6 +117,9 @@ class TaskService:
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.fence = fence
+        # Fires FENCE_AFTER of a lease past the last renewal.
+        self._fence_timer: asyncio.TimerHandle | None = None
         store.add_listener(observe_transition)
         store.add_remote_listener(lambda before, record: self.changes.publish(TaskChange(before, record)))
 
@@ -122,6 +130,7 @@ class TaskService:
         `restart_message`, or naming the lost node when None), and start the lease/sweep loop.
         Returns (re-run, failed) counts of the first sweep."""
         await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+        self._renewed()
         self._leases.started(await store_instance(self.store))
         counts = await self.sweep(message=restart_message)
         self._loop_task = asyncio.get_running_loop().create_task(
@@ -139,6 +148,7 @@ class TaskService:
             try:
                 if tick % 2 == 0:
                     await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+                    self._renewed()
                     self._leases.renewed(await store_instance(self.store))
                 if tick % 3 == 0:
                     await self.sweep()
@@ -151,6 +161,59 @@ class TaskService:
                 log.warning("store_unavailable", reason=str(exc))
             except Exception:  # the loop must outlive any one bad round
                 log.exception("task_maintenance_failed")
+
+    def _renewed(self) -> None:
+        """The lease was just renewed: (re)arm the fence for FENCE_AFTER of a lease from now. A timer,
+        not the maintenance loop, so a renewal stuck in a store call cannot delay it."""
+        if not self.fence:
+            return
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        self._fence_timer = asyncio.get_running_loop().call_later(self.lease_s * FENCE_AFTER, self._fence_now)
+
+    def _fence_now(self) -> None:
+        """The fence timer fired: try one last renewal, bounded so that the fence still comes before
+        the lease lapses (the store may just be back), and fence if it fails."""
+        self._fence_timer = None
+        if not self._stopping:
+            self._spawn(self._renew_or_fence())
+
+    async def _renew_or_fence(self) -> None:
+        """One renewal within half the lease's last sixth (s), else the fence (`_fence_calls`)."""
+        try:
+            async with asyncio.timeout(self.lease_s * (1 - FENCE_AFTER) / 2):
+                await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+        except (StoreUnavailableError, TimeoutError):
+            self._fence_calls()
+        else:
+            self._renewed()
+
+    def _fence_calls(self) -> None:
+        """The lease was not renewed for FENCE_AFTER of it: before it lapses and another replica
+        re-runs them, stop the detached calls running here whose tool is configured `on_restart:
+        rerun` (upstream cancel; nothing is recorded: the task belongs to whoever takes it over).
+        Other calls go on: no replica re-runs them, and if the store was down for every replica
+        their outcome is still recorded; if another replica declared one lost, the sweep cancels it
+        as soon as this node reaches the store again (`_stop_calls_ended_elsewhere`)."""
+        if self._stopping:
+            return
+        stopped = [
+            (task_id, call)
+            for task_id, call in self.live.items()
+            if (snapshot := self._snapshots.get(task_id)) is not None and snapshot.rerun is not None
+        ]
+        if not stopped:
+            return
+        for task_id, call in stopped:
+            self.release(task_id)
+            call.ended_by = "fence"  # its outcome (the cancel) is never recorded: see _end
+            call.cancel("this replica could not renew its lease; another replica takes the task over")
+        log.error(
+            "replica_fenced",
+            node=self.node,
+            calls=len(stopped),
+            reason=f"the lease was not renewed for {self.lease_s * FENCE_AFTER:g} s",
+        )
 
     def read_failed(self, exc: BaseException) -> None:
         """Note a read the store failed because its files are damaged (DamagedStoreError: a bad page,
@@ -174,6 +237,8 @@ class TaskService:
     async def stop(self) -> None:
         """On shutdown: record `failed` for each detached call still running, cancel it, give the lease up."""
         self._stopping = True  # the loop also checks it: redis-py can swallow a cancel (redis/redis-py#2028)
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.wait({self._loop_task}, timeout=2.0)
@@ -332,6 +397,9 @@ class TaskService:
         await self._end(task_id, outcome, status_message, by=by)
 
     async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:
+        if by == "fence":  # stopped by the fence: the task belongs to whoever takes it over
+            log.info("late_outcome_discarded", task_id=task_id, reason="fenced", by=by)
+            return
         # A status message of None leaves the last progress text in place.
         keep_message = {} if status_message is None else {"status_message": status_message}
         change = Change(
@@ -547,16 +615,21 @@ class TaskService:
             return await self.store.get(record.task_id) or record
 
     async def _stop_calls_ended_elsewhere(self) -> None:
-        """Cancel the live calls of this node whose task another writer ended (the operator CLI's cancel)."""
+        """Cancel the live calls of this node whose task another writer ended (the operator CLI's
+        cancel) or another replica took over (this node's lease lapsed while it was cut off)."""
         for task_id, call in list(self.live.items()):
             if task_id in self._cancelling or task_id in self._creating:
                 continue  # being cancelled here, or its record is not committed yet
             record = await self.store.get(task_id)
-            if record is not None and not record.status.terminal:
+            if record is not None and not record.status.terminal and record.owner == self.node:
                 continue
             if self.live.get(task_id) is not call:
                 continue  # ended here meanwhile
             self.release(task_id)
+            if record is not None and not record.status.terminal:  # taken over by another replica
+                call.cancel("another replica took the task over")
+                log.warning("task_owned_elsewhere", task_id=task_id, owner=record.owner)
+                continue
             call.cancel("the task ended outside this proxy")
             if record is not None and record.status is TaskStatus.CANCELLED:
                 principal = principal_hash(record.principal)

@@ -14,9 +14,12 @@ from proxy.tasks.model import TaskRecord, TaskStatus
 
 
 class LiveCall(Protocol):
-    """What the service needs of a running call: who started it, how to answer and stop it."""
+    """What the service needs of a running call: who started it, how to answer and stop it, and
+    what ended it (`ended_by`, passed on to `TaskSink.finish`: upstream, timeout, input_timeout, or
+    fence, whose outcome is never recorded)."""
 
     principal: str
+    ended_by: str
 
     def answer(self, responses: JsonObject) -> list[str]:
         """Deliver input responses by key; returns the keys used."""

@@ -1,0 +1,125 @@
+"""Fencing (issue "Reliability round 2", item 3): a replica cut off from Redis past its lease stops
+its detached calls before its lease lapses, so when another replica re-runs them (`on_restart:
+rerun`) the call never runs on two replicas at once. The partition is a TCP relay between one
+replica and a real redis-server that the test pauses; the upstream counts its starts and cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from support.clients import ModernClient
+from support.proxy import Serve, make_config
+from support.redis_server import RedisServer
+
+from proxy.config import Config
+
+pytestmark = pytest.mark.redis
+
+LEASE = "1s"
+
+
+class PausableRelay:
+    """A TCP relay on a free loopback port to `host:port`; `pause()` holds every byte in both
+    directions (a network partition: nothing is refused, nothing arrives), `resume()` lets it on."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for pipe in self._pipes:
+            pipe.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        upstream_r, upstream_w = await asyncio.open_connection(*self.target)
+        for reader, writer in ((client_r, upstream_w), (upstream_r, client_w)):
+            pipe = asyncio.get_running_loop().create_task(self._pipe(reader, writer))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._open.wait()
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[PausableRelay, str]]:
+    host, port = redis_server.url.removeprefix("redis://").split("/")[0].split(":")
+    relay = PausableRelay(host, int(port))
+    relay_port = await relay.start()
+    try:
+        yield relay, redis_server.url.replace(f":{port}", f":{relay_port}")
+    finally:
+        await relay.close()
+
+
+def replica(legacy_url: str, tmp_path: Path, url: str, prefix: str) -> Config:
+    config = make_config(
+        legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}
+    )
+    data = {"url": url, "prefix": prefix, "timeout": "300ms", "lease": LEASE}
+    config.store = type(config.store).model_validate(data)
+    return config
+
+
+async def _log(client: ModernClient, tool: str, **arguments: object) -> object:
+    return json.loads((await client.call(tool, arguments)).result["content"][0]["text"])
+
+
+async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_reruns_them(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    label = f"fence-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        cut_off = await serve(replica(legacy_url, tmp_path / "a", relayed_url, redis_prefix))
+        survivor = await serve(replica(legacy_url, tmp_path / "b", redis_server.url, redis_prefix))
+        client = ModernClient(cut_off.url())
+        plain = ModernClient(survivor.url(), capabilities={})
+        try:
+            task_id = (await client.call("slow_compute", {"seconds": 3, "label": label})).result["taskId"]
+            relay.pause()  # the partition: the first replica can no longer renew its lease
+            async with asyncio.timeout(10):
+                while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
+                    await asyncio.sleep(0.05)
+            starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
+            cancels = [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+            relay.resume()
+            assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
+            client.url = survivor.url()
+            done = await client.wait_terminal(task_id, timeout=10)
+            assert (
+                done["status"] == "completed" and f"computed {label}" in done["result"]["content"][0]["text"]
+            )
+        finally:
+            await client.close()
+            await plain.close()
