@@ -398,7 +398,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
         throttle = request.app[THROTTLE_KEY]
         address = config.listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
         if header is not None and not throttle.known_good(header):
-            wait_s = await throttle.retry_after(address)
+            wait_s = await throttle.admit(address)
             if wait_s is not None:
                 metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
                 return too_many_failures(wait_s, throttle.text)
@@ -413,8 +413,6 @@ async def metrics_handler(request: web.Request) -> web.Response:
                 remote=address,
                 path=request.path,
             )
-            if header is not None:
-                await throttle.failed(address)
             body = {
                 "jsonrpc": "2.0",
                 "id": None,

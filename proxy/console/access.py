@@ -232,11 +232,11 @@ class ConsoleAccess:
         return guard
 
     async def _throttled(self, request: web.Request, credential: str) -> web.Response | None:
-        """429 with Retry-After when the request's address is past `limits.failed_auth` (a
-        credential that verified before is let through), else None."""
+        """Count the attempt (a credential that verified before is let through uncounted); 429 with
+        Retry-After when the request's address is past `limits.failed_auth`, else None."""
         if self.throttle.known_good(credential):
             return None
-        wait_s = await self.throttle.retry_after(self._address(request))
+        wait_s = await self.throttle.admit(self._address(request))
         if wait_s is None:
             return None
         log.warning(
@@ -248,9 +248,7 @@ class ConsoleAccess:
         return response
 
     async def _failed(self, request: web.Request, reason: str) -> None:
-        address = self._address(request)
-        log.warning("security_auth_failed", reason=reason, remote=address, path=request.path)
-        await self.throttle.failed(address)
+        log.warning("security_auth_failed", reason=reason, remote=self._address(request), path=request.path)
 
     async def login(self, request: web.Request) -> web.Response:
         """`POST /console/login` with `token` (form or JSON): a new session (kept in the store);

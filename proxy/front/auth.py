@@ -186,9 +186,9 @@ def auth_middleware(
     console, `/console`) are left to their own authentication: no client principal is set there, so
     a client credential never opens them. So are paths under `internal_prefix` (the replicas'
     `/_replica`, which check the replicas' shared secret themselves). Failures are logged as
-    security events (without secrets) and counted per client address (`listen.client_address`) in
-    `throttle`; an address past `limits.failed_auth` gets 429 with Retry-After before its
-    credential is looked at, unless that credential verified before.
+    security events (without secrets). Each credential that has not verified before counts as an
+    attempt of its client address (`listen.client_address`) in `throttle` before it is looked at;
+    an address past `limits.failed_auth` gets 429 with Retry-After.
     """
 
     @web.middleware
@@ -205,7 +205,7 @@ def auth_middleware(
         credential = presented_credential(request, authenticator.mode)
         address = listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
         if credential is not None and not throttle.known_good(credential):
-            wait_s = await throttle.retry_after(address)
+            wait_s = await throttle.admit(address)
             if wait_s is not None:
                 log.warning("security_auth_throttled", remote=address, path=path, retry_after_s=wait_s)
                 metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
@@ -214,8 +214,6 @@ def auth_middleware(
             principal, scopes = await authenticator.identify(request)
         except (AuthError, TokenError) as exc:
             log.warning("security_auth_failed", reason=str(exc), remote=address, path=path)
-            if credential is not None:
-                await throttle.failed(address)
             scheme = request.headers.get("Authorization", "").partition(" ")[0]
             sent_token = scheme.lower() == "bearer"  # another scheme carries no token (RFC 6750 §3.1)
             challenge = resource.challenge(

@@ -84,12 +84,13 @@ class FailedAttempts:
     """The `failed_auth` limit: wrong credentials per client address in a moving window (`limits`).
 
     `rate` is `N/minute`-style (None: no limit). Counters live in memory until `use_storage` gives
-    the store's (Redis: shared by replicas). Before a credential is verified, `retry_after` says
-    whether its address is over the limit; after a wrong one, `failed` counts it. A credential that
-    verified once (`remember_good`, kept as a SHA-256 digest, at most GOOD_CREDENTIALS_KEPT) skips the
-    check, so the hot path of a signed-in client costs no counter read. When the counters cannot be
-    reached the check lets the attempt through (logged): an unreachable store must not lock every
-    client out.
+    the store's (Redis: shared by replicas). Every credential not yet known good counts as an
+    attempt *before* it is verified (`admit`: one atomic hit of the counter), so requests sent in
+    parallel cannot get more verifications than the rate allows; only a credential that verified
+    once (`remember_good`, kept as a SHA-256 digest, at most GOOD_CREDENTIALS_KEPT, per process)
+    skips the counter, so the hot path of a signed-in client costs no counter write. When the
+    counters cannot be reached the attempt is let through (logged): an unreachable store must not
+    lock every client out.
     """
 
     def __init__(self, rate: str | None) -> None:
@@ -113,27 +114,19 @@ class FailedAttempts:
         if len(self._good) > GOOD_CREDENTIALS_KEPT:
             del self._good[next(iter(self._good))]
 
-    async def retry_after(self, address: str) -> int | None:
-        """Seconds until `address` may present a credential again (at least 1), or None when it may now."""
+    async def admit(self, address: str) -> int | None:
+        """Count one attempt of `address`; None when it may be verified, else the seconds until the
+        window lets it try again (at least 1)."""
         if self._limiter is None or self._rate is None:
             return None
         try:
+            if await self._limiter.hit(self._rate, "auth", address):
+                return None
             stats = await self._limiter.get_window_stats(self._rate, "auth", address)
         except (StorageError, OSError) as exc:
             log.warning("limit_unavailable", limit="failed_auth", reason=exc.__class__.__name__)
             return None
-        if stats.remaining > 0:
-            return None
         return max(1, math.ceil(stats.reset_time - time.time()))
-
-    async def failed(self, address: str) -> None:
-        """Count one wrong credential from `address`."""
-        if self._limiter is None or self._rate is None:
-            return
-        try:
-            await self._limiter.hit(self._rate, "auth", address)
-        except (StorageError, OSError) as exc:
-            log.warning("limit_unavailable", limit="failed_auth", reason=exc.__class__.__name__)
 
     @staticmethod
     def _digest(credential: str) -> bytes:

@@ -5,6 +5,7 @@ is Secure when the request came over HTTPS, wrong credentials are throttled per 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,19 @@ async def test_the_principal_hash_is_keyed(legacy_url: str, tmp_path: Path, serv
     await serve(console_config(legacy_url, tmp_path / "store"))
     assert principal_hash(CLIENT_TOKEN) != hashlib.sha256(CLIENT_TOKEN.encode()).hexdigest()[:16]
     assert principal_hash("ci") != hashlib.sha256(b"ci").hexdigest()[:16]
+
+
+@pytest.mark.redis
+async def test_wrong_credentials_sent_in_parallel_get_no_more_checks_than_the_limit(
+    legacy_url: str, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Each unverified credential counts before it is checked, so 100 at once get 20 checks (401)
+    and 80 refusals (429), for client bearer tokens and console sign-ins alike (counters in Redis,
+    where every count is a round trip the requests interleave around)."""
+    store = {"url": redis_server.url, "prefix": redis_prefix, "timeout": "2s", "lease": "2s"}
+    proxy = await serve(console_config(legacy_url, store, listen=LOOPBACK))
+    async with aiohttp.ClientSession() as http:
+        sign_ins = await asyncio.gather(*(_wrong_sign_in(http, proxy, n, "192.0.2.20") for n in range(100)))
+        clients = await asyncio.gather(*(_wrong_client_bearer(http, proxy, n) for n in range(100)))
+    for statuses in (sign_ins, clients):
+        assert sorted(statuses) == [401] * 20 + [429] * 80, statuses
