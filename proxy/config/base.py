@@ -57,7 +57,7 @@ def redact_url(url: str) -> str:
         host = parts.hostname or ""
         port = f":{parts.port}" if parts.port else ""
     except ValueError:
-        return "redis://<unparseable url>"
+        return "<unparseable url>"
     if ":" in host:
         host = f"[{host}]"
     return f"{parts.scheme}://{host}{port}{parts.path}"
@@ -70,3 +70,20 @@ def url_password(url: str) -> str | None:
     except ValueError:
         return None
     return unquote(password) if password else None
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` (http, https, redis or rediss) cannot be connected to, or None: a host that is
+    missing or holds whitespace, a port that is not a number in 1-65535. The text never holds the
+    URL's credentials."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "its port is not a number in 1-65535"
+    host = parts.hostname or ""
+    if not host or any(c.isspace() for c in host) or any(c.isspace() for c in parts.netloc):
+        return "it has no host, or whitespace in it"
+    if port is not None and not 1 <= port <= 65535:
+        return "its port is not a number in 1-65535"
+    return None

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from proxy.config.base import Duration, redact_url
+from proxy.config.base import Duration, redact_url, url_problem
 from proxy.config.base import Strict as _Strict
 from proxy.config.sections import (
     AuthConfig,
@@ -212,6 +212,8 @@ class ServerEntry(_Strict):
             parts = urlsplit(self.url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"url {redact_url(self.url)!r} must be an http:// or https:// URL")
+            if problem := url_problem(self.url):
+                raise ValueError(f"url {redact_url(self.url)!r} cannot be used: {problem}")
         if bool(self.url) == bool(self.command):
             raise ValueError("give either `url` (Streamable HTTP) or `command` (stdio), exactly one")
         if self.oauth is not None and not self.url:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import limits
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from proxy.config.base import Duration, redact_url
+from proxy.config.base import Duration, redact_url, url_problem
 from proxy.config.base import Strict as _Strict
 
 
@@ -266,6 +266,8 @@ class StoreConfig(_Strict):
             raise ValueError("store.url is not a valid URL (redis://host:port/db)") from None
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:
             raise ValueError("store.url must be redis://host[:port][/db] or rediss://host[:port][/db]")
+        if problem := url_problem(self.url):
+            raise ValueError(f"store.url {redact_url(self.url)!r} cannot be used: {problem}")
         if parts.path.strip("/") and not parts.path.strip("/").isdigit():
             raise ValueError("store.url: the path must be a database number (redis://host:port/0)")
         return self
@@ -301,6 +303,8 @@ def http_url(value: str, name: str) -> str:
         raise ValueError(f"{name} must not carry a user or password in the URL")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{name} {redact_url(value)!r} must be an http:// or https:// URL")
+    if problem := url_problem(value):
+        raise ValueError(f"{name} {redact_url(value)!r} cannot be used: {problem}")
     return value
 
 

@@ -34,7 +34,14 @@ from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_F
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
-from proxy.upstream.types import MAX_RESUME_ATTEMPTS, MAX_RETRY_WAIT_S, Bounds, UpstreamError, read_body
+from proxy.upstream.types import (
+    MAX_RESUME_ATTEMPTS,
+    MAX_RETRY_WAIT_S,
+    Bounds,
+    UpstreamError,
+    error_text,
+    read_body,
+)
 
 log = structlog.get_logger("proxy.legacy")
 
@@ -245,9 +252,7 @@ class HttpRelay:
             upstream = await opening
         except _UPSTREAM_ERRORS as exc:
             timed_out = isinstance(exc, TimeoutError)
-            reason = (
-                f"no answer within {bound:g} s ({key})" if timed_out else f"{exc.__class__.__name__}: {exc}"
-            )
+            reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
             return _upstream_error(
                 request_id, f"upstream {self.name} unreachable: {reason}", 504 if timed_out else 502
             )
@@ -346,11 +351,7 @@ class HttpRelay:
                 raise
             except _UPSTREAM_ERRORS as exc:
                 timed_out = isinstance(exc, TimeoutError)
-                reason = (
-                    f"no answer within {bound:g} s ({key})"
-                    if timed_out
-                    else f"{exc.__class__.__name__}: {exc}"
-                )
+                reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
                 error = {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"}
                 stream.append_message(jsonrpc.error_response(request_id, error))
                 stream.close()

@@ -34,6 +34,7 @@ from proxy.upstream.types import (
     SessionBrokenError,
     SessionExpiredError,
     UpstreamError,
+    error_text,
     read_body,
 )
 
@@ -443,9 +444,7 @@ class UpstreamSession:
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             )
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(
-                f"upstream {self.server} unreachable: {exc.__class__.__name__}: {exc}"
-            ) from exc
+            raise UpstreamError(f"upstream {self.server} unreachable: {error_text(exc, self.url)}") from exc
 
     async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
         """A GET resuming the session's stream after `last_event_id`; None when refused."""

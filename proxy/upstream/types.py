@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
+from proxy.config.base import redact_url, url_password
 from proxy.protocol.jsonrpc import JsonObject, RequestId
 
 # Called with every message that arrives on a request's stream before its response:
@@ -222,3 +223,12 @@ async def read_body(resp: aiohttp.ClientResponse, limit: int, server: str) -> by
     except (aiohttp.ClientError, OSError) as exc:
         raise UpstreamError(f"upstream {server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
     return bytes(body)
+
+
+def error_text(exc: BaseException, url: str) -> str:
+    """`Class: message` of a connection error toward `url`, with the URL's user and password taken
+    out (aiohttp quotes the whole URL in some errors, e.g. an invalid one)."""
+    text = f"{exc.__class__.__name__}: {exc}"
+    text = text.replace(url, redact_url(url))
+    password = url_password(url)
+    return text.replace(password, "***") if password else text

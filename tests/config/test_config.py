@@ -621,3 +621,28 @@ def test_authorization_settings_are_checked(section: dict, expected: str):
     data = {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, **section}
     message = config_error(data)
     assert expected in message and "SECRET" not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://alice:S3cretPassw0rd@127.0.0.1:99999/mcp",
+        "http://alice:S3cretPassw0rd@127.0.0.1:65536/mcp",
+        "http://alice:S3cretPassw0rd@127.0.0.1:abc/mcp",
+        "http://alice:S3cretPassw0rd@127.0.0.1:0/mcp",
+        "http://alice:S3cretPassw0rd@/mcp",
+        "http://alice:S3cretPassw0rd@exa mple.com/mcp",
+    ],
+)
+def test_an_upstream_url_that_cannot_be_connected_to_is_refused_without_its_password(url: str) -> None:
+    """Such a URL used to pass and then fail at run time with aiohttp's error quoting it whole,
+    password included, on the unauthenticated /readyz, in client errors and in the console."""
+    message = config_error({"mcpServers": {"a": {"url": url}}})
+    assert "cannot be used" in message or "must be an http" in message or "not a URL" in message, message
+    assert "S3cretPassw0rd" not in message
+    store = {
+        "mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}},
+        "store": {"url": url.replace("http", "redis", 1)},
+    }
+    message = config_error(store)
+    assert "store.url" in message and "S3cretPassw0rd" not in message, message
