@@ -93,7 +93,7 @@ class DiskcacheStore:
         self.durable = durable
         self._locked = False
         try:
-            prepare_store_directory(self.path)
+            self.path = prepare_store_directory(self.path)  # the real path: a swapped link cannot redirect it
             if exclusive:
                 lock_directory(self.path)
                 self._locked = True

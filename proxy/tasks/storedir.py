@@ -9,7 +9,9 @@ the store is opened (the serving lock included):
   not writable by group or others;
 - each parent, walking up, must be owned by the proxy's user or root and not writable by group or
   others, up to the first root-owned directory or sticky directory (`/tmp`), where the walk stops;
-- a directory that passes has its mode narrowed to 0700 (group and others lose read access too).
+- a directory that passes has its mode narrowed to 0700 (group and others lose read access too);
+- when `store.path` goes through a symbolic link, the parents of the link are checked too, and the
+  store is opened at the real path (a link swapped later changes nothing).
 
 Anything else raises UnsafeStoreError, naming the path, what is wrong and the fix.
 """
@@ -38,6 +40,8 @@ def prepare_store_directory(path: str | os.PathLike[str]) -> str:
     _make_private(wanted)
     real = os.path.realpath(wanted)
     _check_parents(os.path.dirname(real))
+    if real != wanted:  # a symbolic link on the way: whoever can change it can swap the store
+        _check_parents(os.path.dirname(wanted))
     _check_own(real, os.lstat(real))
     os.chmod(real, 0o700)
     for root, dirs, files in os.walk(real):

@@ -193,3 +193,20 @@ asyncio.run(main())
     assert len(seen) > 8  # directories, the database, value files, the lock, the key
     loose = {str(p): oct(p.stat().st_mode & 0o777) for p in seen if p.stat().st_mode & 0o077}
     assert loose == {}
+
+
+def test_a_store_path_through_a_link_in_an_unsafe_directory_is_refused(tmp_path: Path) -> None:
+    """The link's own directory is checked too: whoever can write there could swap the link."""
+    (tmp_path / "safe").mkdir(mode=0o700)
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o777)
+    (tmp_path / "open" / "store").symlink_to(tmp_path / "safe")
+    with pytest.raises(UnsafeStoreError, match="parent directory .*open is writable by group or others"):
+        DiskcacheStore(tmp_path / "open" / "store", exclusive=True)
+    (tmp_path / "open").chmod(0o755)
+    store = DiskcacheStore(tmp_path / "open" / "store", exclusive=True)
+    try:
+        assert store.path == str(tmp_path / "safe")  # opened at the real path: a later swap changes nothing
+        assert store.where == str(tmp_path / "open" / "store")
+    finally:
+        store._close_now()
