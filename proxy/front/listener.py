@@ -119,7 +119,31 @@ class JsonErrorRequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        """The error response for a request that failed below the app; `status` as aiohttp decided."""
+        """The error response for a request that failed below the app; `status` as aiohttp decided.
+        An `Expect` value aiohttp's own handler cannot even quote (bytes that are not UTF-8, on a
+        route without the proxy's `guards.expect_continue`: the console, metadata, an unknown path)
+        gets 417 with a JSON-RPC error, not a 500."""
+        expect = request.headers.get("Expect")
+        if (
+            status >= 500
+            and isinstance(exc, UnicodeError)
+            and expect is not None
+            and expect.lower() != "100-continue"
+        ):
+            log.info(
+                "bad_http_request",
+                status=417,
+                reason="an Expect value other than 100-continue",
+                remote=request.remote,
+            )
+            body = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {"code": -32600, "message": "the only Expect value served is 100-continue"},
+            }
+            response = web.json_response(body, status=417)
+            response.force_close()
+            return response
         if status >= 500:
             return super().handle_error(request, status, exc, message)
         reason = " ".join(str(getattr(exc, "message", None) or exc or message or "bad request").split())[:300]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
 from support.clients import ModernClient, envelope
-from support.proxy import RunningProxy
+from support.console import console_config
+from support.proxy import RunningProxy, running_proxy
 
 BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
@@ -331,3 +333,26 @@ async def test_an_expect_header_other_than_100_continue_is_a_417_never_a_500(pro
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.split()[1] == b"417", head
         assert json.loads(payload)["error"]["code"] == -32600 and value not in payload
+
+
+async def test_a_non_utf8_expect_header_is_a_417_on_every_path(legacy_url: str, tmp_path: Path) -> None:
+    """Served the way the command line serves (`front.listener`): the console, the resource
+    metadata and an unknown path, which have aiohttp's own Expect handler, answer 417 too."""
+    config = console_config(legacy_url, tmp_path / "store", listen={"public_url": "http://127.0.0.1:1"})
+    async with running_proxy(config) as proxy:
+        host, port = proxy.base.removeprefix("http://").split(":")
+        for path in ("/console/", "/console/login", "/.well-known/oauth-protected-resource", "/nope"):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+                + b"Expect: \xff\xfe\r\nConnection: close\r\n\r\n"
+            )
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            await writer.wait_closed()
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert head.split()[1] == b"417", (path, head)
+            assert json.loads(payload)["error"]["code"] == -32600
+        async with aiohttp.ClientSession() as http, http.get(proxy.base + "/metrics") as resp:
+            assert resp.status == 200
