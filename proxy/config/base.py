@@ -3,6 +3,7 @@ and URLs without their credentials (for messages, logs, /readyz and the console)
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Any
 from urllib.parse import unquote, urlsplit
@@ -86,4 +87,38 @@ def url_problem(url: str) -> str | None:
         return "it has no host, or whitespace in it"
     if port is not None and not 1 <= port <= 65535:
         return "its port is not a number in 1-65535"
+    return None
+
+
+# Tokens anyone would guess first: every one of one or two printable ASCII characters, and the
+# words people type when they try things out. A config holds only hashes, so these are what a
+# config can still be checked against (`hash-token` refuses anything under MIN_TOKEN_LENGTH).
+MIN_TOKEN_LENGTH = 16
+_GUESSED = (
+    "test testing password passw0rd secret changeme admin root token demo example hello qwerty "
+    "letmein default guest user 1234 12345 123456 12345678 123456789 abc123 foo bar foobar"
+).split()
+_PRINTABLE = [chr(c) for c in range(33, 127)]
+_WEAK_DIGESTS = frozenset(
+    hashlib.sha256(token.encode()).hexdigest()
+    for token in (*_GUESSED, *_PRINTABLE, *(a + b for a in _PRINTABLE for b in _PRINTABLE))
+)
+
+
+def weak_token_hash(digest: str) -> bool:
+    """True when `digest` (`sha256:<hex>`) is the hash of a token anyone would guess: one or two
+    characters, or a word like `test` or `password`."""
+    return digest.removeprefix("sha256:").lower() in _WEAK_DIGESTS
+
+
+def token_hash_problem(name: str, digest: str) -> str | None:
+    """Why `digest` cannot be the config form of token `name`, or None: not `sha256:<64 hex>`
+    (the token itself, most likely), or the hash of a token anyone would guess."""
+    if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
+        return f"{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
+    if weak_token_hash(digest):
+        return (
+            f"{name} is the hash of a token anyone would guess (one or two characters, or a word like "
+            f"`test`); make one of {MIN_TOKEN_LENGTH}+ random characters: mcp-tasks-proxy hash-token"
+        )
     return None

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import limits
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from proxy.config.base import Duration, redact_url, url_problem
+from proxy.config.base import Duration, redact_url, token_hash_problem, url_problem
 from proxy.config.base import Strict as _Strict
 
 
@@ -438,10 +438,8 @@ class AuthConfig(_Strict):
             if not self.tokens:
                 raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")
             for name, digest in self.tokens.items():
-                if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
-                    raise ValueError(
-                        f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
-                    )
+                if problem := token_hash_problem(f"tokens.{name}", digest):
+                    raise ValueError(problem)
         if self.mode == "jwt" and self.jwt is None:
             raise ValueError("mode jwt needs a `jwt` section")
         if self.scopes and self.mode != "jwt":
@@ -466,8 +464,8 @@ class LimitsConfig(_Strict):
     `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
     bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
     largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
-    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window). `failed_auth`: wrong
-    credentials per client address in a moving window (HTTP 429 with `Retry-After` past it).
+    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window). `failed_auth`:
+    credentials checked per client address in a moving window (HTTP 429 with `Retry-After` past it).
     """
 
     max_tasks_per_principal: int | None = Field(None, ge=1)
@@ -478,10 +476,11 @@ class LimitsConfig(_Strict):
     )
     failed_auth: str | None = Field(
         "20/minute",
-        description="wrong credentials (client bearer and access tokens, console tokens and sign-ins, "
-        "the metrics token) one client address may present in a moving window, like `20/minute`; past "
-        "it every credential from that address gets HTTP 429 with Retry-After until the window "
-        "frees. Counted in the store's counters (shared by replicas on Redis). null: no limit",
+        description="credentials (client bearer and access tokens, console tokens and sign-ins, the "
+        "metrics token) one client address may have checked in a moving window, like `20/minute`; each "
+        "not yet seen to verify counts before it is checked; past the rate every such credential from "
+        "that address gets HTTP 429 with Retry-After until the window frees. Counted in the store's "
+        "counters (shared by replicas on Redis). null: no limit",
     )
 
     @model_validator(mode="after")
@@ -509,10 +508,14 @@ class MetricsConfig(_Strict):
     (a `sha256:<hex>` hash, as `mcp-tasks-proxy hash-token` prints) it needs `Authorization: Bearer
     <token>`."""
 
-    token: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")
+    token: str | None = None
 
-
-_TOKEN_HASH = r"^sha256:[0-9a-fA-F]{64}$"
+    @field_validator("token")
+    @classmethod
+    def _token(cls, value: str | None) -> str | None:
+        if value is not None and (problem := token_hash_problem("token", value)):
+            raise ValueError(problem)
+        return value
 
 
 class ConsoleConfig(_Strict):
@@ -539,10 +542,8 @@ class ConsoleConfig(_Strict):
     @model_validator(mode="after")
     def _hashes(self) -> ConsoleConfig:
         for name, digest in self.tokens.items():
-            if not re.fullmatch(_TOKEN_HASH, digest):
-                raise ValueError(
-                    f"tokens.{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
-                )
+            if problem := token_hash_problem(f"tokens.{name}", digest):
+                raise ValueError(problem)
         if self.session_ttl <= 0:
             raise ValueError("session_ttl must be longer than 0s")
         return self

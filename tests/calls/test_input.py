@@ -448,14 +448,26 @@ async def test_request_state_is_bound_to_principal_and_server(
     config = config_from_data(
         {
             "store": {"path": str(tmp_path / "store"), "durable": False},
-            "auth": {"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}},
+            "auth": {
+                "mode": "bearer",
+                "tokens": {
+                    "alice": hash_token("alice-token-for-tests"),
+                    "bob": hash_token("bob-token-for-tests"),
+                },
+            },
             "mcpServers": {"x": {"url": legacy_url}, "y": {"url": legacy_url}},
         }
     )
     proxy = await serve(config)
-    alice = AuthClient(proxy.url("x"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
-    bob = AuthClient(proxy.url("x"), {"Authorization": "Bearer b"}, capabilities={"elicitation": {}})
-    alice_on_y = AuthClient(proxy.url("y"), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
+    alice = AuthClient(
+        proxy.url("x"), {"Authorization": "Bearer alice-token-for-tests"}, capabilities={"elicitation": {}}
+    )
+    bob = AuthClient(
+        proxy.url("x"), {"Authorization": "Bearer bob-token-for-tests"}, capabilities={"elicitation": {}}
+    )
+    alice_on_y = AuthClient(
+        proxy.url("y"), {"Authorization": "Bearer alice-token-for-tests"}, capabilities={"elicitation": {}}
+    )
     try:
         args = {"filename": "owned.txt"}
         first = (await alice.call("confirm_delete", args)).result

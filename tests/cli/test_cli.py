@@ -463,6 +463,8 @@ def test_task_ids_that_look_like_options_and_hash_token_edge_cases(tmp_path):
     assert short.returncode == 2 and "at least 16 characters" in short.stderr and not short.stdout
     hashed = run_cli("hash-token", "s3cret-s3cret-s3cret")
     assert hashed.stdout.strip() == "sha256:" + hashlib.sha256(b"s3cret-s3cret-s3cret").hexdigest()
+    padded = run_cli("hash-token", input=" s3cret-s3cret-s3cret\n")  # a client's header loses the space
+    assert padded.returncode == 2 and "whitespace" in padded.stderr and not padded.stdout
 
 
 def test_a_replica_on_a_wildcard_host_without_advertise_is_refused_cleanly(tmp_path):

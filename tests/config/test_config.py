@@ -13,6 +13,7 @@ import pytest
 
 from proxy.app import build_app
 from proxy.config import Config, ConfigError, ToolMode, config_from_data, load_config, parse_duration
+from proxy.front.auth import hash_token
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "config"
@@ -646,3 +647,16 @@ def test_an_upstream_url_that_cannot_be_connected_to_is_refused_without_its_pass
     }
     message = config_error(store)
     assert "store.url" in message and "S3cretPassw0rd" not in message, message
+
+
+@pytest.mark.parametrize("token", ["test", "a", "Zq", "password"])
+@pytest.mark.parametrize("where", ["auth", "console", "metrics"])
+def test_the_hash_of_a_token_anyone_would_guess_is_refused(token: str, where: str) -> None:
+    digest = hash_token(token)
+    section = {
+        "auth": {"auth": {"mode": "bearer", "tokens": {"ci": digest}}},
+        "console": {"console": {"tokens": {"alice": digest}}},
+        "metrics": {"metrics": {"token": digest}},
+    }[where]
+    message = config_error({"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, **section})
+    assert "a token anyone would guess" in message and "hash-token" in message, message

@@ -563,7 +563,9 @@ def test_console_config_refuses_plain_tokens_and_client_tokens() -> None:
         )
     assert config_from_data(base).console is None
     assert (
-        config_from_data({**base, "console": {"tokens": {"alice": hash_token("a")}}}).console.session_ttl
+        config_from_data(
+            {**base, "console": {"tokens": {"alice": hash_token("alice-token-for-tests")}}}
+        ).console.session_ttl
         == 8 * 3600
     )
 

@@ -380,12 +380,22 @@ async def test_per_principal_isolation_gives_each_principal_its_own_child(
 
     config = stdio_config(tmp_path, server={"isolation": "per_principal"})
     config.auth = type(config.auth).model_validate(
-        {"mode": "bearer", "tokens": {"alice": hash_token("a"), "bob": hash_token("b")}}
+        {
+            "mode": "bearer",
+            "tokens": {
+                "alice": hash_token("alice-token-for-tests"),
+                "bob": hash_token("bob-token-for-tests"),
+            },
+        }
     )
     proxy = await serve(config)
     pool = proxy.app[POOLS_KEY]["fx"]
-    alice = AuthClient(proxy.url(), {"Authorization": "Bearer a"}, capabilities={"elicitation": {}})
-    bob = AuthClient(proxy.url(), {"Authorization": "Bearer b"}, capabilities={"elicitation": {}})
+    alice = AuthClient(
+        proxy.url(), {"Authorization": "Bearer alice-token-for-tests"}, capabilities={"elicitation": {}}
+    )
+    bob = AuthClient(
+        proxy.url(), {"Authorization": "Bearer bob-token-for-tests"}, capabilities={"elicitation": {}}
+    )
     try:
         slow = asyncio.create_task(alice.call("slow_compute", {"seconds": 1.5, "label": "alice-work"}))
         await asyncio.sleep(0.2)
