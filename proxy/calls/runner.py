@@ -273,7 +273,12 @@ class CallRunner:
         self.parked.release(call)
         outcome = call.outcome.result()
         if call.method == "tools/call":
-            metrics.count_call(self.name, call.tool, "sync" if "result" in outcome else "error")
+            metrics.count_call(
+                self.name,
+                call.tool,
+                "sync" if "result" in outcome else "error",
+                answered=metrics.succeeded(outcome),
+            )
         if "result" in outcome:
             return modern_result(call.method, outcome["result"])
         error = modern_error(outcome.get("error"))

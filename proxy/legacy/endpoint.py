@@ -226,11 +226,14 @@ def observe(
         name = object_of(body.get("params")).get("name")
         tool = name if isinstance(name, str) else ""
         ok = response is not None and response.status < 400
-        answered = False  # known to be answered without an error (an SSE reply is not read)
+        answered = False  # known to have got a result that is not an error (an SSE reply is not read)
         reply = getattr(response, "body", None)
         if ok and isinstance(reply, bytes) and reply[:1] == b"{":
             try:
-                ok = answered = "error" not in jsonrpc.loads(reply)
+                message = jsonrpc.loads(reply)
             except (ValueError, RecursionError):
-                pass
+                message = None
+            if isinstance(message, dict):
+                ok = "error" not in message
+                answered = metrics.succeeded(message)
         metrics.count_call(server, tool, "sync" if ok else "error", answered=answered)

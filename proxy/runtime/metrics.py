@@ -77,9 +77,9 @@ def label_value(text: str, limit: int = 128) -> str:
 
 def tool_label(server: str, tool: str, *, ok: bool) -> str:
     """The `tool` label of a call on `server`: the tool's name once the upstream listed it
-    (`listed_tools`) or a call of it was answered without an error (`ok`), else `other`, so that
-    names a client makes up (which the upstream refuses) add no series; at most `MAX_TOOL_LABELS`
-    names per server."""
+    (`listed_tools`) or a call of it got a result that is not an error (`ok`: no JSON-RPC error and
+    no `isError`, which is how most SDKs answer a tool they do not have), else `other`, so that
+    names a client makes up add no series; at most `MAX_TOOL_LABELS` names per server."""
     known = _TOOL_LABELS.setdefault(server, set())
     name = label_value(tool, 256)
     if name in known:
@@ -100,12 +100,20 @@ def listed_tools(server: str, tools: object) -> None:
             known.add(label_value(name, 256))
 
 
-def count_call(server: str, tool: str, outcome: str, *, answered: bool | None = None) -> None:
+def count_call(server: str, tool: str, outcome: str, *, answered: bool = False) -> None:
     """Count one `tools/call` of `tool` on `server` by `outcome` (`sync`, `detached` or `error`).
-    `answered`: whether the call is known to have been answered without an error (default: the
-    outcome is not `error`); only such a call gives its tool a label of its own."""
-    ok = outcome != "error" if answered is None else answered
-    CALLS.labels(server, tool_label(server, tool, ok=ok), outcome).inc()
+    `answered`: whether the call is known to have got a result that is not an error (`succeeded`);
+    only such a call, or the upstream's listing, gives its tool a label of its own."""
+    CALLS.labels(server, tool_label(server, tool, ok=answered), outcome).inc()
+
+
+def succeeded(reply: object) -> bool:
+    """True for a JSON-RPC answer (or a `{"result": …}` outcome) whose result is not an error:
+    neither a JSON-RPC error nor a result with `isError: true`."""
+    if not isinstance(reply, dict) or "error" in reply:
+        return False
+    result = reply.get("result")
+    return isinstance(result, dict) and result.get("isError") is not True
 
 
 @functools.lru_cache(maxsize=512)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -241,3 +242,48 @@ async def test_made_up_tool_names_add_no_series_and_never_break_metrics(
         if line.startswith("mcp_tasks_proxy_calls_total{") and 'server="labels"' in line
     }
     assert tools == {"greet", "started_log", "other"}, tools
+
+
+IS_ERROR_CHILD = """
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    method = msg.get("method")
+    if method == "initialize":
+        info = {"name": "n", "version": "0"}
+        result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}, "serverInfo": info}
+    elif method == "tools/list":
+        result = {"tools": [{"name": "real", "inputSchema": {"type": "object"}}]}
+    elif method == "tools/call":
+        name = msg["params"]["name"]
+        result = {"content": [{"type": "text", "text": name}], "isError": name != "real"}
+    else:
+        continue
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
+"""
+
+
+async def test_tools_an_upstream_answers_with_is_error_add_no_series(tmp_path: Path, serve: Serve) -> None:
+    """Most SDKs answer a tool they do not have with an `isError` result, not a JSON-RPC error: 600
+    such names still add no series, and the listed tool keeps its label (it used to be crowded out)."""
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"is_error": {"command": sys.executable, "args": ["-c", IS_ERROR_CHILD]}},
+        }
+    )
+    proxy = await serve(config)
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        for i in range(600):
+            assert (await client.call(f"junk-{i}")).result["isError"] is True
+        assert (await client.call("real")).result["isError"] is False
+    finally:
+        await client.close()
+    text = await scrape(proxy.base)
+    tools = {
+        line.split('tool="', 1)[1].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith("mcp_tasks_proxy_calls_total{") and 'server="is_error"' in line
+    }
+    assert tools == {"real", "other"}, sorted(tools)[:10]
