@@ -322,6 +322,7 @@ class DiskcacheStore:
                 raise ValueError(f"task {record.task_id} already exists")
             for key in self._index_keys(record):
                 self._cache.set(key, 1, expire=self._expire_s(record))
+            self._cache.set("own:" + record.task_id, _owner(record), expire=self._expire_s(record))
             if not record.status.terminal:
                 self._cache.set("live:" + record.task_id, record.owner)
 
@@ -335,6 +336,21 @@ class DiskcacheStore:
         except _STORE_ERRORS as exc:
             raise self._read_error(exc) from exc
         return None if data is None else TaskRecord.from_dict(data)
+
+    async def get_for(self, task_id: str, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
+        """See TaskStore.get_for: the small `own:` entry answers for another principal's task
+        (records stored before it existed are read whole)."""
+        try:
+            owner = self._cache.get("own:" + task_id)
+        except _STORE_ERRORS as exc:
+            raise self._read_error(exc) from exc
+        if owner is not None and owner != f"{principal_key(principal)}{_SEP}{server}":  # _owner's form
+            return None, True
+        record = await self.get(task_id)
+        if record is None:
+            return None, False
+        mine = record.principal == principal and record.server == server
+        return (record, False) if mine else (None, True)
 
     def _read_error(self, exc: BaseException) -> StoreUnavailableError:
         """A failed read as the error to raise: DamagedStoreError when the file itself is bad (SQLite
@@ -358,7 +374,7 @@ class DiskcacheStore:
             expire = self._expire_s(new)
             self._cache.set("task:" + task_id, new.to_dict(), expire=expire)
             if new.status.terminal:
-                for key in self._index_keys(new):
+                for key in (*self._index_keys(new), "own:" + task_id):
                     self._cache.touch(key, expire=expire)
                 self._cache.delete("live:" + task_id)
             elif new.owner != record.owner:
@@ -573,6 +589,11 @@ class DiskcacheStore:
         if self._locked:
             unlock_directory(self.path)
             self._locked = False
+
+
+def _owner(record: TaskRecord) -> str:
+    """The `own:` entry of a record: who may read it, without reading it."""
+    return f"{principal_key(record.principal)}{_SEP}{record.server}"
 
 
 def _matches(record: TaskRecord, where: ListFilter) -> bool:

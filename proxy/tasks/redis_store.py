@@ -175,6 +175,14 @@ class RedisTaskStore:
         found = await self._read(task_id)
         return None if found is None else found[0]
 
+    async def get_for(self, task_id: str, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
+        """See TaskStore.get_for (here the whole record is read: one round trip either way)."""
+        record = await self.get(task_id)
+        if record is None:
+            return None, False
+        mine = record.principal == principal and record.server == server
+        return (record, False) if mine else (None, True)
+
     async def update(self, task_id: str, change: Change) -> TaskRecord:
         """See TaskStore.update. Raises StoreUnavailableError after CAS_ATTEMPTS lost races."""
         for _ in range(CAS_ATTEMPTS):

@@ -469,19 +469,20 @@ class TaskService:
         if not valid_task_id(task_id):  # no id of ours looks like that
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id[:64]!r}")
         record = self._unwritten.get(task_id)
-        if record is None:
+        foreign = False
+        if record is not None and (record.principal != principal or record.server != server):
+            record, foreign = None, True
+        elif record is None:
             try:
-                record = await self.store.get(task_id)
+                record, foreign = await self.store.get_for(task_id, principal, server)
             except StoreUnavailableError as exc:
                 if isinstance(exc, DamagedStoreError):
                     self.read_failed(exc)
                 raise JsonRpcError(
                     INTERNAL_ERROR, str(exc), {"store": self.store.where}, status=503
                 ) from None
-        if record is None or record.principal != principal or record.server != server:
-            if (
-                record is not None
-            ):  # logged after the answer is on its way: unknown and foreign ids take the same time
+        if record is None:
+            if foreign:  # logged after the answer is on its way: unknown and foreign ids take the same time
                 asyncio.get_running_loop().call_soon(_log_foreign_access, task_id, server, principal)
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
         mine = record.owner == self.node

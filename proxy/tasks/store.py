@@ -68,6 +68,11 @@ class TaskStore(Protocol):
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when unknown or expired."""
 
+    async def get_for(self, task_id: str, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
+        """(the record when it belongs to `principal` on `server`, else None; whether it exists but
+        is someone else's), in about the time of an unknown id: a store that can tell the owner
+        without reading the whole record does so (diskcache keeps a small `own:` entry beside it)."""
+
     async def update(self, task_id: str, change: Change) -> TaskRecord:
         """Apply `change` atomically (two writers never both win a transition); return the new record.
 

@@ -130,3 +130,21 @@ async def test_a_page_that_fails_to_read_turns_readyz_to_503(
         assert resp.status == 503 and body["checks"]["store"].startswith("failed: reads fail"), body
     finally:
         await client.close()
+
+
+async def test_another_principals_task_is_refused_without_reading_its_record(tmp_path: Path) -> None:
+    """The small `own:` entry answers for someone else's task, so a foreign id costs what an unknown
+    one does, whatever the record's size: here the record itself is unreadable, and only its owner
+    finds out."""
+    store = DiskcacheStore(tmp_path / "store", durable=False)
+    try:
+        await store.create(make_record(task_id="theirs", principal="p", server="s"))
+        with sqlite3.connect(tmp_path / "store" / "cache.db") as con:
+            con.execute("UPDATE Cache SET value = ? WHERE key = 'task:theirs'", (b"not json",))
+        assert await store.get_for("theirs", "someone-else", "s") == (None, True)
+        assert await store.get_for("theirs", "p", "other-server") == (None, True)
+        assert await store.get_for("unknown", "p", "s") == (None, False)
+        with pytest.raises(DamagedStoreError):
+            await store.get_for("theirs", "p", "s")
+    finally:
+        await store.close()
