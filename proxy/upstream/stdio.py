@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import structlog
 
 from proxy import __version__
@@ -215,6 +216,12 @@ class StdioSession:
         if proc is None or proc.stdin is None or proc.returncode is not None or self.exited.is_set():
             raise UpstreamError(self._gone_message())
         data = jsonrpc.dumps(message) + b"\n"
+        if b"\\ud" in data and _lone_surrogate(message):
+            # The child could not read the line and would never answer: refuse now, not at the timeout.
+            raise UpstreamError(
+                f"upstream {self.server} (stdio) cannot be sent a string holding a lone surrogate "
+                "(\\ud800-\\udfff without its pair): it is not Unicode text"
+            )
         async with self._write_lock:
             try:
                 proc.stdin.write(data)
@@ -457,3 +464,13 @@ class StdioSession:
     async def _quiet(self, coro: Any) -> None:
         with contextlib.suppress(UpstreamError):
             await coro
+
+
+def _lone_surrogate(message: JsonObject) -> bool:
+    """True when a string in `message` holds a lone surrogate (orjson, which writes UTF-8, refuses
+    exactly those; its other refusals, integers past 64 bits and the like, are not this)."""
+    try:
+        orjson.dumps(message)
+    except TypeError as exc:
+        return "surrogates not allowed" in str(exc)
+    return False

@@ -456,3 +456,25 @@ async def test_a_childs_error_with_a_null_id_answers_the_one_waiting_request(
         await legacy.close()
     assert reply.error["code"] == -32600 and "cannot read" in reply.error["message"]
     assert status == 200 and answer["id"] == 1 and "cannot read" in answer["error"]["message"], answer
+
+
+async def test_a_lone_surrogate_for_a_stdio_child_is_refused_at_once(tmp_path: Path, serve: Serve) -> None:
+    """A stdio child cannot read a line with a lone surrogate and never answers it: the proxy refuses
+    such a request at once, both eras, instead of waiting for the call's `timeout`."""
+    proxy = await serve(stdio_config(tmp_path, {"timeout": "30s", "request_timeout": "30s"}))
+    client = ModernClient(proxy.url(), capabilities={})
+    legacy = V1Client(proxy.url(), capabilities={})
+    try:
+        async with asyncio.timeout(5):
+            reply = await client.call("greet", {"name": "\ud800"})
+            await legacy.initialize()
+            status, answer, _ = await legacy.request(
+                "tools/call", {"name": "greet", "arguments": {"name": "\udfff"}}
+            )
+            fine = await client.call("greet", {"name": "\U0001f600"})  # a pair is text: it passes
+    finally:
+        await client.close()
+        await legacy.close()
+    assert "lone surrogate" in reply.error["message"], reply.message
+    assert "lone surrogate" in answer["error"]["message"], answer
+    assert fine.result["content"][0]["text"] == "Hello, \U0001f600!"
