@@ -47,15 +47,38 @@ class _PlainUnpickler(pickle.Unpickler):
         raise StoredValueError(f"a pickled value names {module[:60]}.{name[:60]}; only plain data is read")
 
 
+MAX_PICKLED_ITEMS = 1_000_000  # values (shared ones counted each time) one old pickle may hold
+MAX_PICKLED_DEPTH = 128  # nesting levels one old pickle may hold
+
+
 def read_plain_pickle(data: bytes) -> Any:
     """The dicts, lists, tuples, strings, numbers, bytes, booleans and None in a pickle; raises
-    StoredValueError when it names any global or is damaged."""
+    StoredValueError when it names any global, is damaged, or is a bomb of plain data (a list
+    holding itself, or shared lists nested into billions of items once written out: more than
+    MAX_PICKLED_ITEMS items or MAX_PICKLED_DEPTH levels)."""
     try:
-        return _PlainUnpickler(io.BytesIO(data)).load()
+        value = _PlainUnpickler(io.BytesIO(data)).load()
     except StoredValueError:
         raise
     except Exception as exc:  # pickle raises many kinds for damaged input; none may escape as a 500
         raise StoredValueError(f"a pickled value cannot be read ({exc.__class__.__name__})") from None
+    _check_bounded(value)
+    return value
+
+
+def _check_bounded(value: Any) -> None:
+    """Walk `value` as JSON would write it, counting every item; StoredValueError past the bounds."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    items = 0
+    while stack:
+        item, depth = stack.pop()
+        items += 1
+        if items > MAX_PICKLED_ITEMS or depth > MAX_PICKLED_DEPTH:
+            raise StoredValueError("a pickled value is too large or too deep once written out; not read")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((v, depth + 1) for v in item)
 
 
 def encode(value: Any) -> tuple[int, bytes]:

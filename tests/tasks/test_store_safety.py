@@ -35,6 +35,14 @@ class Planted:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _bomb() -> list:
+    """Plain data that is tiny pickled and 2**40 items once written out: shared lists nested 40 deep."""
+    bomb: list = []
+    for _ in range(40):
+        bomb = [bomb, bomb]
+    return bomb
+
+
 def _plant(path: Path, marker: Path) -> dict:
     """An older store (diskcache's default pickling Disk) holding one record an earlier version wrote
     and one `task:` entry an attacker planted. Returns the old record's dict."""
@@ -43,6 +51,7 @@ def _plant(path: Path, marker: Path) -> dict:
     try:
         cache.set("task:old-task", old)
         cache.set("task:evil", Planted(marker))
+        cache.set("task:bomb", _bomb())
         cache.set("session:s1", {"owner": "n1"}, expire=3600)
     finally:
         cache.close()
@@ -63,13 +72,14 @@ async def test_a_planted_pickle_never_runs_and_old_records_become_json(tmp_path:
         assert await store.get("old-task") is not None
         assert (await store.get("old-task")).to_dict() == old  # type: ignore[union-attr]
         assert await store.get("evil") is None  # refused and deleted at start
+        assert await store.get("bomb") is None  # plain data, but never written out whole
         assert await store.session_get("s1") == {"owner": "n1"}
     finally:
         await store.close()
     assert not marker.exists()
     modes = _modes(tmp_path / "store")
     assert modes["task:old-task"] == MODE_JSON and modes["session:s1"] == MODE_JSON
-    assert "task:evil" not in modes
+    assert "task:evil" not in modes and "task:bomb" not in modes
 
 
 async def test_a_shared_reader_refuses_a_planted_pickle_without_running_it(tmp_path: Path) -> None:
