@@ -141,6 +141,7 @@ class ConsoleAccess:
 
     def __init__(self, config: ConsoleConfig, *, throttle: FailedAttempts, listen: ListenConfig) -> None:
         self._hashes = config.hashes()
+        self._by_prefix = {digest[:16]: name for digest, name in self._hashes.items()}  # a session's token
         self.session_ttl_s = config.session_ttl
         self.throttle = throttle
         self.listen = listen
@@ -159,15 +160,25 @@ class ConsoleAccess:
     def _address(self, request: web.Request) -> str:
         return self.listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
 
-    async def session_alive(self, request: web.Request, sid: object) -> bool:
-        """True while the session `sid` is signed in (its store entry is there and unexpired).
-        Raises StoreUnavailableError."""
+    async def session_alive(self, request: web.Request, sid: object, operator: str) -> bool:
+        """True while the session `sid` of `operator` is signed in: its store entry is there and
+        unexpired, and the console token it signed in with is still in the config (rotating a
+        token ends its sessions). Raises StoreUnavailableError."""
         if not isinstance(sid, str) or not sid:
             return False
-        return await _tasks(request).store.session_get(SESSION_PREFIX + sid) is not None
+        entry = await _tasks(request).store.session_get(SESSION_PREFIX + sid)
+        if entry is None or entry.get("operator") != operator:
+            return False
+        token = entry.get("token")
+        return isinstance(token, str) and self._by_prefix.get(token) == operator
 
     def operator_for(self, token: str) -> str | None:
         """The operator name of a console token, or None (also for a token UTF-8 cannot carry)."""
+        found = self._match(token)
+        return None if found is None else found[0]
+
+    def _match(self, token: str) -> tuple[str, str] | None:
+        """(operator, the first 16 hex digits of the token's hash) of a console token, or None."""
         raw = _utf8(token)
         if raw is None:
             return None
@@ -175,7 +186,7 @@ class ConsoleAccess:
         found = None
         for known, name in self._hashes.items():
             if hmac.compare_digest(digest, known):
-                found = name
+                found = (name, known[:16])
         return found
 
     def middlewares(self) -> list:
@@ -208,7 +219,7 @@ class ConsoleAccess:
                 alive = (
                     isinstance(operator, str)
                     and operator in self._hashes.values()
-                    and await self.session_alive(request, session.get("sid"))
+                    and await self.session_alive(request, session.get("sid"), operator)
                 )
             except StoreUnavailableError:
                 return error(503, "sessions cannot be checked: the task store is unavailable")
@@ -275,16 +286,19 @@ class ConsoleAccess:
             refused = await self._throttled(request, "Bearer " + token)
             if refused is not None:
                 return refused
-        operator = self.operator_for(token) if token else None
-        if operator is None:
+        found = self._match(token) if token else None
+        if found is None:
             if token:
                 await self._failed(request, "console sign-in with an unknown token")
             return error(401, "unknown console token")
+        operator, token_id = found
         self.throttle.remember_good("Bearer " + token)
         sid = secrets.token_urlsafe(16)
         try:
             await _tasks(request).store.session_put(
-                SESSION_PREFIX + sid, {"operator": operator}, int(self.session_ttl_s * 1000)
+                SESSION_PREFIX + sid,
+                {"operator": operator, "token": token_id},
+                int(self.session_ttl_s * 1000),
             )
         except StoreUnavailableError:
             return error(503, "cannot sign in: the task store is unavailable")

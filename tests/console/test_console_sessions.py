@@ -18,6 +18,7 @@ from support.proxy import RunningProxy, Serve
 from support.redis_server import RedisServer
 
 from proxy.config import Config
+from proxy.front.auth import hash_token
 from proxy.tasks.model import principal_hash
 
 COOKIE = "mcp_tasks_proxy_console"
@@ -200,3 +201,17 @@ async def test_wrong_credentials_sent_in_parallel_get_no_more_checks_than_the_li
         clients = await asyncio.gather(*(_wrong_client_bearer(http, proxy, n) for n in range(100)))
     for statuses in (sign_ins, clients):
         assert sorted(statuses) == [401] * 20 + [429] * 80, statuses
+
+
+async def test_rotating_a_console_token_ends_the_sessions_it_opened(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    first = await serve(console_config(legacy_url, tmp_path / "store"))
+    status, _, cookie = await sign_in(first)
+    assert status == 200
+    await first.close()
+    rotated = console_config(legacy_url, tmp_path / "store")
+    assert rotated.console is not None
+    rotated.console.tokens = {"alice": hash_token("a-new-console-token-after-a-leak")}
+    second = await serve(rotated)
+    assert await session_status(second, cookie) == 401
