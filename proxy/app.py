@@ -370,7 +370,7 @@ async def _readyz(request: web.Request) -> web.Response:
     tasks = request.app[TASKS_KEY]
     try:
         await asyncio.wait_for(tasks.store.check_writable(), timeout=2.0)
-        read_problem = tasks.read_problem()
+        read_problem = tasks.store.damage or tasks.read_problem()
         checks["store"] = "ok" if read_problem is None else f"failed: reads fail: {read_problem}"
     except (StoreUnavailableError, TimeoutError) as exc:
         checks["store"] = f"failed: {exc or 'no answer within 2 s'}"

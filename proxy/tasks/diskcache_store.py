@@ -57,6 +57,8 @@ from proxy.tasks.storedir import prepare_store_directory
 log = structlog.get_logger("proxy.tasks")
 STORE_ID_KEY = "store:id"  # this database's id, matched against STORE_ID_FILE at each serving start
 STORE_ID_FILE = "store.id"
+FORMAT_KEY = "store:format"  # "json" once the values an older version pickled are converted
+QUICK_CHECK_AT_START_BYTES = 64 * 1024 * 1024  # larger databases are checked in the background
 _DOMAIN_ERRORS = (TerminalTaskError, TaskNotFoundError, ConflictError, ValueError)
 _STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout, StoredValueError)
 _SEP = "\x1f"
@@ -91,6 +93,7 @@ class DiskcacheStore:
         self.path = self.where = os.fspath(path)
         self.max_result_bytes = max_result_bytes
         self.durable = durable
+        self.damage: str | None = None  # what the background integrity check found, if anything
         self._locked = False
         try:
             self.path = prepare_store_directory(self.path)  # the real path: a swapped link cannot redirect it
@@ -156,20 +159,16 @@ class DiskcacheStore:
         """Refuse a damaged store before serving from it (raises DamagedStoreError naming the file
         and how to recover): SQLite's `quick_check` must pass, and the database must be the one this
         directory has held (its id in `cache.db` matches the `store.id` file beside it: an emptied,
-        deleted or swapped database would otherwise start as a new store, every task id unknown)."""
+        deleted or swapped database would otherwise start as a new store, every task id unknown).
+        A database over QUICK_CHECK_AT_START_BYTES is checked in the background instead (reading a
+        1,000,000-task database from a cold disk takes seconds): what it finds is `damage`."""
         database = os.path.join(self.path, "cache.db")
-        try:
-            found = [row[0] for row in self._reader.execute("PRAGMA quick_check(5)").fetchall()]
-        except sqlite3.Error as exc:
-            found = [str(exc)]
-        if found != ["ok"]:
-            problems = "; ".join(found).replace("\n", "; ")[:300]
-            raise DamagedStoreError(
-                f"task store {self.path}: {database} is damaged (SQLite quick_check: {problems}). "
-                f"To recover: stop every proxy on it, copy the directory aside, then rebuild the database "
-                f"(`sqlite3 {database} .recover | sqlite3 recovered.db`, and put recovered.db in its place), "
-                "or move the directory away to start with an empty store (its tasks are lost)"
-            )
+        if os.path.getsize(database) <= QUICK_CHECK_AT_START_BYTES:
+            problem = self._quick_check(self._reader)
+            if problem is not None:
+                raise DamagedStoreError(problem)
+        else:
+            self._checkpointer.submit(self._check_in_background)
         marker = os.path.join(self.path, STORE_ID_FILE)
         kept = self._cache.get(STORE_ID_KEY)
         try:
@@ -195,6 +194,32 @@ class DiskcacheStore:
             finally:
                 os.close(fd)
 
+    def _quick_check(self, connection: sqlite3.Connection) -> str | None:
+        """SQLite's `quick_check` on `connection`: None when it passes, else the message naming the
+        database and how to recover."""
+        database = os.path.join(self.path, "cache.db")
+        try:
+            found = [row[0] for row in connection.execute("PRAGMA quick_check(5)").fetchall()]
+        except sqlite3.Error as exc:
+            found = [str(exc)]
+        if found == ["ok"]:
+            return None
+        problems = "; ".join(found).replace("\n", "; ")[:300]
+        return (
+            f"task store {self.path}: {database} is damaged (SQLite quick_check: {problems}). "
+            f"To recover: stop every proxy on it, copy the directory aside, then rebuild the database "
+            f"(`sqlite3 {database} .recover | sqlite3 recovered.db`, and put recovered.db in its place), "
+            "or move the directory away to start with an empty store (its tasks are lost)"
+        )
+
+    def _check_in_background(self) -> None:
+        """The start-up check of a large database, on the checkpoint thread: damage found is kept in
+        `damage` (`/readyz` fails naming it) and logged at error level."""
+        problem = self._quick_check(self._reader_for_checkpoint())
+        if problem is not None:
+            self.damage = problem
+            log.error("store_damaged", store=self.path, reason=problem)
+
     def _close_now(self) -> None:
         """Close what `__init__` opened (before serving: no writer batch can be in flight)."""
         self._executor.shutdown(wait=True)
@@ -207,7 +232,10 @@ class DiskcacheStore:
         """Rewrite the values an older version pickled as JSON (once: none are left after); delete
         those that are not plain data, logging each key."""
         try:
+            if self._cache.get(FORMAT_KEY) == "json":
+                return  # converted once: every value since is JSON (no scan of the table at each start)
             converted, refused = convert_pickled(self._cache, time.time())
+            self._cache.set(FORMAT_KEY, "json")
         except _STORE_ERRORS as exc:
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
         if converted:

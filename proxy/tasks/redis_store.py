@@ -64,6 +64,7 @@ class RedisTaskStore:
         max_connections: int = 64,
     ) -> None:
         self.where = redact_url(url)
+        self.damage: str | None = None  # Redis has no files of ours to check
         self._password = url_password(url)
         self.max_result_bytes = max_result_bytes
         self.keys = RedisKeys(prefix)

@@ -61,6 +61,7 @@ class TaskStore(Protocol):
     """
 
     where: str  # a human name of the store for messages: a directory or a redis URL
+    damage: str | None  # damage found in the store's files since it opened (shown on /readyz), or None
 
     async def create(self, record: TaskRecord) -> None:
         """Commit a new record before returning. Raises ValueError if the id already exists."""

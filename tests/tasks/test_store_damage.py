@@ -19,6 +19,7 @@ from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.records import make_record
 
+from proxy.tasks import diskcache_store
 from proxy.tasks.diskcache_store import STORE_ID_FILE, DiskcacheStore
 from proxy.tasks.model import TaskStatus, now_ms
 from proxy.tasks.store import DamagedStoreError
@@ -146,5 +147,29 @@ async def test_another_principals_task_is_refused_without_reading_its_record(tmp
         assert await store.get_for("unknown", "p", "s") == (None, False)
         with pytest.raises(DamagedStoreError):
             await store.get_for("theirs", "p", "s")
+    finally:
+        await store.close()
+
+
+async def test_a_large_damaged_database_is_checked_in_the_background_and_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past QUICK_CHECK_AT_START_BYTES the check would make start-up slow (seconds on a cold disk
+    for a million tasks), so it runs after start: the damage then shows as `store.damage` (which
+    `/readyz` reports) instead of refusing the start."""
+    monkeypatch.setattr(diskcache_store, "QUICK_CHECK_AT_START_BYTES", 0)
+    store_dir = tmp_path / "store"
+    await _held_store(store_dir, RECORDS)
+    _checkpoint(store_dir)
+    database = store_dir / "cache.db"
+    with open(database, "r+b") as file:
+        file.seek(database.stat().st_size // 2)
+        file.write(os.urandom(8192))
+    store = DiskcacheStore(store_dir, exclusive=True)
+    try:
+        async with asyncio.timeout(10):
+            while store.damage is None:
+                await asyncio.sleep(0.02)
+        assert "is damaged (SQLite quick_check" in store.damage
     finally:
         await store.close()
