@@ -51,6 +51,11 @@ STORE_TASKS = Gauge(
     "mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until purged)"
 )
 STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
+UPSTREAM_RESENT = Counter(
+    "mcp_tasks_proxy_upstream_resent_total",
+    "POSTs sent once more on a fresh connection after a reused one was found closed by the upstream",
+    ["server"],
+)
 LIMIT_REJECTIONS = Counter(
     "mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"]
 )

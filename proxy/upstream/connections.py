@@ -27,6 +27,8 @@ from typing import Any
 import aiohttp
 import structlog
 
+from proxy.runtime import metrics
+
 log = structlog.get_logger("proxy.upstream")
 
 RESEND_WITHIN_S = 1.0  # a failure later than this (s) after sending may mean the server ran the request
@@ -79,6 +81,7 @@ class UpstreamHttp:
             if not attempt.reused or time.monotonic() - sent > RESEND_WITHIN_S:
                 raise
             log.info("upstream_resent", server=self.server, reason=exc.__class__.__name__)
+            metrics.UPSTREAM_RESENT.labels(self.server).inc()
         return await self._fresh.request(method, url, **kwargs)
 
     async def post(self, url: str, **kwargs: Any) -> aiohttp.ClientResponse:

@@ -156,7 +156,7 @@ async def test_without_a_public_url_nothing_is_discoverable(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
     config = oauth_config(
-        legacy_url, tmp_path, "https://idp.example.com", 0, audience="https://mcp.example.com"
+        legacy_url, tmp_path, "https://idp.example.com", free_port(), audience="https://mcp.example.com"
     )
     config.listen.public_url = None
     proxy = await serve(config)
