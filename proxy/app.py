@@ -396,7 +396,9 @@ async def metrics_handler(request: web.Request) -> web.Response:
     if expected is not None:
         header = request.headers.get("Authorization")
         throttle = request.app[THROTTLE_KEY]
-        address = config.listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
+        address = config.listen.client_address(
+            request.remote, ",".join(request.headers.getall("X-Forwarded-For", []))
+        )
         if header is not None and not throttle.known_good(header):
             wait_s = await throttle.admit(address)
             if wait_s is not None:

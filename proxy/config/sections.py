@@ -146,16 +146,22 @@ class ListenConfig(_Strict):
     def client_address(self, remote: str | None, forwarded_for: str | None) -> str:
         """The client's address: `remote` (the peer), or, when the peer is a trusted proxy, the
         rightmost X-Forwarded-For entry that is not itself a trusted proxy (RFC 7239 §7.4's advice:
-        entries left of it may be forged by the client). `unknown` when there is neither."""
+        entries left of it may be forged by the client). `forwarded_for` is every X-Forwarded-For
+        line joined with commas, in order (a balancer adds a line of its own after the client's); an
+        entry that is not an IP address ends the walk at the peer. `unknown` without a peer address."""
         address = remote or "unknown"
-        if forwarded_for is None or not self.trusts_proxy(remote):
+        if not forwarded_for or not self.trusts_proxy(remote):
             return address
         for entry in reversed(forwarded_for.split(",")):
             entry = entry.strip()
             if not entry:
                 continue
+            try:
+                ipaddress.ip_address(entry)
+            except ValueError:
+                return address  # not an address: nothing left of it can be believed
             if not _in_networks(entry, self.trusted_proxies):
-                return entry[:64]
+                return entry
         return address
 
     def via_https(self, remote: str | None, forwarded_proto: str | None, *, tls: bool) -> bool:
@@ -489,9 +495,11 @@ class LimitsConfig(_Strict):
             rate = getattr(self, name)
             if rate is not None:
                 try:
-                    limits.parse(rate)
+                    amount = limits.parse(rate).amount
                 except ValueError:
                     raise ValueError(f"{name} {rate!r} must look like `20/second` or `600/minute`") from None
+                if amount < 1:
+                    raise ValueError(f"{name} {rate!r} allows nothing; write null to turn the limit off")
         return self
 
 

@@ -153,12 +153,14 @@ class ConsoleAccess:
             return self.secure_cookie
         return self.listen.via_https(
             request.remote,
-            request.headers.get("X-Forwarded-Proto"),
+            ",".join(request.headers.getall("X-Forwarded-Proto", [])) or None,
             tls=request.transport is not None and request.transport.get_extra_info("sslcontext") is not None,
         )
 
     def _address(self, request: web.Request) -> str:
-        return self.listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
+        return self.listen.client_address(
+            request.remote, ",".join(request.headers.getall("X-Forwarded-For", []))
+        )
 
     async def session_alive(self, request: web.Request, sid: object, operator: str) -> bool:
         """True while the session `sid` of `operator` is signed in: its store entry is there and

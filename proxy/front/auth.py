@@ -203,7 +203,9 @@ def auth_middleware(
         if internal_prefix is not None and path.startswith(internal_prefix + "/"):
             return await handler(request)
         credential = presented_credential(request, authenticator.mode)
-        address = listen.client_address(request.remote, request.headers.get("X-Forwarded-For"))
+        address = listen.client_address(
+            request.remote, ",".join(request.headers.getall("X-Forwarded-For", []))
+        )
         if credential is not None and not throttle.known_good(credential):
             wait_s = await throttle.admit(address)
             if wait_s is not None:

@@ -660,3 +660,10 @@ def test_the_hash_of_a_token_anyone_would_guess_is_refused(token: str, where: st
     }[where]
     message = config_error({"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, **section})
     assert "a token anyone would guess" in message and "hash-token" in message, message
+
+
+def test_a_rate_that_allows_nothing_is_refused() -> None:
+    message = config_error(
+        {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {"failed_auth": "0/minute"}}
+    )
+    assert "allows nothing" in message and "null" in message

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 from support.clients import ModernClient
 from support.console import CLIENT_TOKEN, CONSOLE_TOKEN, client_for, console_config
 from support.proxy import RunningProxy, Serve
@@ -215,3 +216,20 @@ async def test_rotating_a_console_token_ends_the_sessions_it_opened(
     rotated.console.tokens = {"alice": hash_token("a-new-console-token-after-a-leak")}
     second = await serve(rotated)
     assert await session_status(second, cookie) == 401
+
+
+async def test_a_forged_forwarded_for_line_before_the_balancers_does_not_escape_the_limit(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """HAProxy's `option forwardfor` adds its own X-Forwarded-For line after the client's: the
+    client's forged first line must not pick the address that is counted."""
+    proxy = await serve(console_config(legacy_url, tmp_path / "store", listen=LOOPBACK))
+    statuses = []
+    async with aiohttp.ClientSession() as http:
+        for n in range(25):
+            headers = CIMultiDict([("X-Forwarded-For", f"10.66.{n}.1"), ("X-Forwarded-For", "192.0.2.50")])
+            async with http.post(
+                proxy.base + "/console/login", data={"token": f"guess-{n}"}, headers=headers
+            ) as resp:
+                statuses.append(resp.status)
+    assert statuses == [401] * 20 + [429] * 5, statuses
