@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import resource
 import socket
 import time
@@ -107,6 +108,9 @@ class _Refuse(asyncio.Protocol):
             _Refuse.lingering -= 1
 
 
+_QUOTED = re.compile(r"""b?'[^']*'?|b?"[^"]*"?""")  # quoted request bytes in aiohttp's parse errors
+
+
 class JsonErrorRequestHandler(RequestHandler):
     """aiohttp's connection handler, but a request it cannot parse (a broken request line or
     header, a `Content-Encoding` it cannot decode) is answered with a JSON-RPC error, not a text
@@ -146,7 +150,9 @@ class JsonErrorRequestHandler(RequestHandler):
             return response
         if status >= 500:
             return super().handle_error(request, status, exc, message)
-        reason = " ".join(str(getattr(exc, "message", None) or exc or message or "bad request").split())[:300]
+        reason = " ".join(str(getattr(exc, "message", None) or exc or message or "bad request").split())
+        # aiohttp quotes the bytes it choked on (a header line: maybe a token): never log or echo them
+        reason = _QUOTED.sub("<…>", reason)[:300]
         log.info("bad_http_request", status=status, reason=reason, remote=request.remote)
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent; cannot send the error")

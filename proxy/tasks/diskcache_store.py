@@ -118,6 +118,18 @@ class DiskcacheStore:
             self._reader = sqlite3.connect(
                 os.path.join(self.path, "cache.db"), timeout=10, check_same_thread=False, isolation_level=None
             )
+            self._inode = os.stat(os.path.join(self.path, "cache.db")).st_ino
+        except sqlite3.DatabaseError as exc:
+            self._release_lock()
+            if isinstance(exc, sqlite3.OperationalError):
+                raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
+            database = os.path.join(self.path, "cache.db")
+            raise DamagedStoreError(
+                f"task store {self.path}: {database} cannot be opened ({exc}). To recover: stop every "
+                f"proxy on it, copy the directory aside, then rebuild the database (`sqlite3 {database} "
+                ".recover | sqlite3 recovered.db`), or move the directory away to start with an empty "
+                "store (its tasks are lost)"
+            ) from exc
         except _STORE_ERRORS as exc:
             self._release_lock()
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
@@ -579,7 +591,18 @@ class DiskcacheStore:
             raise StoreUnavailableError(f"task store {self.path}: {exc}") from exc
 
     async def check_writable(self) -> None:
-        """See TaskStore.check_writable."""
+        """See TaskStore.check_writable; also fails when `cache.db` was deleted or replaced under the
+        running proxy (writes would go to a file nobody will open again)."""
+        try:
+            inode = os.stat(os.path.join(self.path, "cache.db")).st_ino
+        except OSError:
+            inode = None
+        if inode != self._inode:
+            raise StoreUnavailableError(
+                f"task store {self.path}: cache.db was deleted or replaced while the proxy ran; what it "
+                "writes now is lost at the next start. Restart the proxy (it then refuses the store and "
+                "names the way to recover)"
+            )
         await self._write(lambda: (self._cache.set("probe:", now_ms()), self._cache.delete("probe:")))
 
     async def count(self) -> int:

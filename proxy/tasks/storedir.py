@@ -37,11 +37,21 @@ def prepare_store_directory(path: str | os.PathLike[str]) -> str:
     or read.
     """
     wanted = os.path.abspath(os.fspath(path))
+    if os.path.exists(wanted) and not os.path.isdir(wanted):
+        raise UnsafeStoreError(
+            f"task store {wanted}: not a directory; store.path names the store's directory"
+        )
     _make_private(wanted)
     real = os.path.realpath(wanted)
     _check_parents(os.path.dirname(real))
     if real != wanted:  # a symbolic link on the way: whoever can change it can swap the store
         _check_parents(os.path.dirname(wanted))
+        link = os.lstat(wanted)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+            raise UnsafeStoreError(
+                f"task store {wanted}: a symbolic link owned by uid {link.st_uid}, who can point it "
+                "elsewhere before the next start. Fix: point store.path at the directory itself"
+            )
     _check_own(real, os.lstat(real))
     os.chmod(real, 0o700)
     for root, dirs, files in os.walk(real):

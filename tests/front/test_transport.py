@@ -356,3 +356,22 @@ async def test_a_non_utf8_expect_header_is_a_417_on_every_path(legacy_url: str, 
             assert json.loads(payload)["error"]["code"] == -32600
         async with aiohttp.ClientSession() as http, http.get(proxy.base + "/metrics") as resp:
             assert resp.status == 200
+
+
+async def test_an_oversized_header_is_a_400_that_never_echoes_its_bytes(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """aiohttp quotes the line it could not read; that may be a token, so neither the answer nor the
+    log line repeats it."""
+    async with running_proxy(console_config(legacy_url, tmp_path / "store")) as proxy:
+        host, port = proxy.base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        token = b"SECRET" * 4000
+        writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token + b"\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        await writer.wait_closed()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"400", head
+    assert b"SECRET" not in payload and b"Bearer" not in payload, payload

@@ -6,6 +6,7 @@ logs at error level."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from proxy.app import TASKS_KEY
 from proxy.tasks import diskcache_store
 from proxy.tasks.diskcache_store import STORE_ID_FILE, DiskcacheStore
 from proxy.tasks.model import TaskStatus, now_ms
-from proxy.tasks.store import DamagedStoreError
+from proxy.tasks.store import DamagedStoreError, StoreUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 3000
@@ -171,3 +172,29 @@ async def test_a_large_damaged_database_is_checked_in_the_background_and_shows(
         assert "is damaged (SQLite quick_check" in store.damage
     finally:
         await store.close()
+
+
+async def test_a_database_deleted_under_the_running_proxy_turns_readyz_to_503(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
+        (tmp_path / "store" / name).unlink(missing_ok=True)
+    async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
+        body = await resp.json()
+    assert resp.status == 503 and "cache.db was deleted or replaced" in body["checks"]["store"], body
+
+
+def test_a_file_that_is_not_a_database_or_not_a_directory_is_named_with_the_fix(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / "cache.db").write_bytes(os.urandom(8192))
+    with pytest.raises(
+        DamagedStoreError, match=r"cache.db cannot be opened \(file is not a database\).*\.recover"
+    ):
+        DiskcacheStore(store, exclusive=True)
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(
+        StoreUnavailableError, match="not a directory; store.path names the store's directory"
+    ):
+        DiskcacheStore(tmp_path / "plain", exclusive=True)

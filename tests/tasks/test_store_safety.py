@@ -220,3 +220,12 @@ def test_a_store_path_through_a_link_in_an_unsafe_directory_is_refused(tmp_path:
         assert store.where == str(tmp_path / "open" / "store")
     finally:
         store._close_now()
+
+
+@as_root
+def test_a_store_path_that_is_a_link_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "safe").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "safe")
+    os.lchown(tmp_path / "link", NOBODY, NOBODY)
+    with pytest.raises(UnsafeStoreError, match=f"a symbolic link owned by uid {NOBODY}"):
+        DiskcacheStore(tmp_path / "link", exclusive=True)

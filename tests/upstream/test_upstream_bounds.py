@@ -238,3 +238,20 @@ async def test_concurrent_callers_share_one_session_attempt_and_each_waits_init_
     for reply in replies:
         assert "within 0.3 s (init_timeout)" in reply.error["message"], reply
     assert elapsed < 1.5, elapsed
+
+
+async def test_readyz_answers_within_a_balancers_check_timeout_behind_a_hung_upstream(
+    hostile: str, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Each check is bounded (1.5 s) so `/readyz` answers before HAProxy's `timeout check 2s` would
+    mark the replica down for one stuck server (init_timeout here: 3 s)."""
+    servers = {
+        "good": {"url": legacy_url},
+        "stuck": {"url": f"{hostile}/hang-init/mcp", "init_timeout": "3s"},
+    }
+    proxy = await serve(config_from_data({"store": {"path": str(tmp_path / "store")}, "mcpServers": servers}))
+    started = time.monotonic()
+    status, body = await readyz(proxy.base)
+    waited = time.monotonic() - started
+    assert status == 200 and body["checks"]["upstream:stuck"] != "ok", body
+    assert waited < 1.9, waited
