@@ -27,7 +27,7 @@ import json
 import math
 import secrets
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -323,6 +323,23 @@ class ConsoleAccess:
                 return error(503, "cannot sign out: the task store is unavailable")
         session.invalidate()
         return web.json_response({"signedOut": True})
+
+    def signed_in_check(self, request: web.Request) -> Callable[[], Awaitable[bool]] | None:
+        """For a long stream: whether the request's session is still signed in (asked again while the
+        stream lasts; the store being unreachable counts as yes). None for a bearer request: its token
+        was checked, and the config does not change under a running proxy."""
+        if request.headers.get("Authorization") is not None:
+            return None
+        operator = request[OPERATOR_KEY]
+
+        async def check() -> bool:
+            session = await get_session(request)
+            try:
+                return await self.session_alive(request, session.get("sid"), operator)
+            except StoreUnavailableError:
+                return True
+
+        return check
 
     @staticmethod
     async def csrf_token(request: web.Request) -> str | None:

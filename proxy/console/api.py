@@ -86,7 +86,12 @@ def build_console(config: Config, throttle: FailedAttempts) -> web.Application:
 
     async def events(request: web.Request) -> web.StreamResponse:
         try:
-            return await hub.stream(request, _tasks(request).changes, keepalive_s=keepalive_s)
+            return await hub.stream(
+                request,
+                _tasks(request).changes,
+                keepalive_s=keepalive_s,
+                signed_in=access.signed_in_check(request),
+            )
         except TooManyStreamsError as exc:
             return error(503, str(exc))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -25,6 +25,7 @@ from proxy.tasks.types import TaskChange, TaskEvent
 log = structlog.get_logger("proxy.console")
 
 MAX_STREAMS = 64  # open console streams at most (more: 503)
+SESSION_RECHECK_S = 2.0  # how often (s) a session's stream asks whether it is still signed in
 WRITE_TIMEOUT_S = 30.0  # a reader that takes longer than this (s) to accept one write loses its stream
 RESYNC: dict[str, Any] = {"event": "resync"}
 CLOSE: dict[str, Any] = {"event": "close"}
@@ -62,13 +63,23 @@ class ConsoleHub:
             subscription.offer(CLOSE)
 
     async def stream(
-        self, request: web.Request, changes: Fanout[TaskEvent], *, keepalive_s: float
+        self,
+        request: web.Request,
+        changes: Fanout[TaskEvent],
+        *,
+        keepalive_s: float,
+        signed_in: Callable[[], Awaitable[bool]] | None = None,
     ) -> web.StreamResponse:
         """Serve `text/event-stream`: `ready` once, then `task` (a list row plus `previousStatus`)
         per change and `resync` after an overflow (the fan-out's `OVERFLOW`); a `: keepalive` comment every
-        `keepalive_s` (s).
+        `keepalive_s` (s). `signed_in` (for a session, not a bearer token) is asked again at most
+        every SESSION_RECHECK_S (s), before anything is sent: once it says no (signed out, expired,
+        token rotated), the stream ends.
         Every wait is bounded: a write the reader does not take within WRITE_TIMEOUT_S ends the stream.
         Raises TooManyStreamsError past MAX_STREAMS."""
+        loop = asyncio.get_running_loop()
+        checked = sent = loop.time()
+        wait_s = keepalive_s if signed_in is None else min(keepalive_s, SESSION_RECHECK_S)
         with self.subscribe(changes) as subscription:
             response = web.StreamResponse(headers={**SSE_HEADERS, "Cache-Control": "no-store"})
             await response.prepare(request)
@@ -76,13 +87,23 @@ class ConsoleHub:
                 await _send(response, b"retry: 2000\n\n" + _event({"event": "ready", "data": {}}))
                 while not self.closed:
                     try:
-                        item = await asyncio.wait_for(subscription.get(), timeout=keepalive_s)
+                        item = await asyncio.wait_for(subscription.get(), timeout=wait_s)
                     except TimeoutError:
-                        await _send(response, b": keepalive\n\n")
+                        item = None
+                    if signed_in is not None and loop.time() - checked >= SESSION_RECHECK_S:
+                        checked = loop.time()
+                        if not await signed_in():
+                            log.info("console_stream_ended", reason="the session ended")
+                            break
+                    if item is None:
+                        if loop.time() - sent >= keepalive_s:
+                            await _send(response, b": keepalive\n\n")
+                            sent = loop.time()
                         continue
                     if item is CLOSE:
                         break
                     await _send(response, _event(_message(item) if isinstance(item, TaskChange) else RESYNC))
+                    sent = loop.time()
             except TimeoutError:
                 reason = f"the reader took more than {WRITE_TIMEOUT_S:g} s to accept a write"
                 log.info("console_stream_dropped", reason=reason)

@@ -233,3 +233,20 @@ async def test_a_forged_forwarded_for_line_before_the_balancers_does_not_escape_
             ) as resp:
                 statuses.append(resp.status)
     assert statuses == [401] * 20 + [429] * 5, statuses
+
+
+async def test_an_open_event_stream_ends_when_its_session_signs_out(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(console_config(legacy_url, tmp_path / "store", listen={"sse_keepalive": "100ms"}))
+    status, _, cookie = await sign_in(proxy)
+    assert status == 200
+    headers = {"Cookie": f"{COOKIE}={cookie}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.base + "/console/api/events", headers=headers) as stream:
+            assert stream.status == 200
+            await stream.content.readuntil(b"event: ready")
+            assert await sign_out(proxy, cookie) == 200
+            async with asyncio.timeout(5):  # SESSION_RECHECK_S (2 s) at most, then the stream ends
+                while await stream.content.readany():
+                    pass
