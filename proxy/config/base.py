@@ -115,6 +115,8 @@ def token_hash_problem(name: str, digest: str) -> str | None:
     """Why `digest` cannot be the config form of token `name`, or None: not `sha256:<64 hex>`
     (the token itself, most likely), or the hash of a token anyone would guess."""
     if not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", digest):
+        if digest.startswith("sha256:"):
+            return f"{name} must be `sha256:` and 64 hex digits (mcp-tasks-proxy hash-token prints one)"
         return f"{name} must be a hash `sha256:<64 hex digits>`, not the token itself"
     if weak_token_hash(digest):
         return (

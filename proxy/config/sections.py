@@ -174,6 +174,19 @@ class ListenConfig(_Strict):
         return forwarded_proto.rsplit(",", 1)[-1].strip().lower() == "https"
 
 
+def _no_shared_hashes(tokens: dict[str, str]) -> None:
+    """ValueError when two names share one token hash (one token, two identities: which one wins is
+    an accident)."""
+    seen: dict[str, str] = {}
+    for name, digest in tokens.items():
+        key = digest.lower()
+        if key in seen:
+            raise ValueError(
+                f"tokens.{seen[key]} and tokens.{name} have the same hash: give each its own token"
+            )
+        seen[key] = name
+
+
 def _in_networks(address: str | None, networks: list[str]) -> bool:
     """True when `address` (an IP, a zone suffix allowed) lies in one of `networks` (IPs or CIDR)."""
     try:
@@ -446,6 +459,7 @@ class AuthConfig(_Strict):
             for name, digest in self.tokens.items():
                 if problem := token_hash_problem(f"tokens.{name}", digest):
                     raise ValueError(problem)
+            _no_shared_hashes(self.tokens)
         if self.mode == "jwt" and self.jwt is None:
             raise ValueError("mode jwt needs a `jwt` section")
         if self.scopes and self.mode != "jwt":
@@ -552,6 +566,7 @@ class ConsoleConfig(_Strict):
         for name, digest in self.tokens.items():
             if problem := token_hash_problem(f"tokens.{name}", digest):
                 raise ValueError(problem)
+        _no_shared_hashes(self.tokens)
         if self.session_ttl <= 0:
             raise ValueError("session_ttl must be longer than 0s")
         return self

@@ -190,8 +190,8 @@ class DiskcacheStore:
             expected = None
         if expected and kept != expected:
             raise DamagedStoreError(
-                f"task store {self.path}: {database} is not the database this directory held (it was "
-                f"emptied, deleted or replaced: {STORE_ID_FILE} names store {expected}, the database "
+                f"task store {self.path}: {database} is not the database this directory held, or "
+                f"{STORE_ID_FILE} was changed ({STORE_ID_FILE} names store {expected[:40]!r}, the database "
                 f"{'none' if kept is None else kept}). Restore cache.db (with its -wal file) from a backup, "
                 f"or, to start with an empty store on purpose, delete {marker}"
             )

@@ -667,3 +667,15 @@ def test_a_rate_that_allows_nothing_is_refused() -> None:
         {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {"failed_auth": "0/minute"}}
     )
     assert "allows nothing" in message and "null" in message
+
+
+def test_two_names_with_one_token_hash_are_refused() -> None:
+    digest = hash_token("one-token-shared-by-two-names")
+    server = {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}}
+    for section in (
+        {"auth": {"mode": "bearer", "tokens": {"ci": digest, "bot": digest}}},
+        {"console": {"tokens": {"alice": digest, "bob": digest.upper().replace("SHA256", "sha256")}}},
+    ):
+        assert "have the same hash" in config_error({**server, **section})
+    message = config_error({**server, "metrics": {"token": "sha256:test"}})
+    assert "must be `sha256:` and 64 hex digits" in message
