@@ -61,6 +61,16 @@ class Subscription(Generic[T]):
             if self.overflows == 1:
                 log.warning("fanout_overflow", fanout=self.name, dropped=dropped)
 
+    def missed(self) -> None:
+        """Something meant for this subscriber was lost upstream of the fan-out: queue one
+        `OVERFLOW` marker after what is waiting, so the reader resyncs."""
+        try:
+            self._queue.put_nowait(OVERFLOW)
+        except asyncio.QueueFull:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._queue.put_nowait(OVERFLOW)
+
     async def get(self) -> T | Overflow:
         """The next item, waiting for one (unbounded: callers bound the wait)."""
         return await self._queue.get()
@@ -110,6 +120,15 @@ class Fanout(Generic[T]):
                     subscription.offer(item)
             except Exception:
                 log.exception("fanout_filter_failed", fanout=self.name)
+
+    def gap(self) -> None:
+        """Items may have been lost before they reached this fan-out (a change feed was down):
+        every subscription gets one `OVERFLOW` marker, so each reader resyncs. Listeners are not
+        called (they see items only)."""
+        for subscription in list(self._subscribers):
+            subscription.missed()
+        if self._subscribers:
+            log.info("fanout_gap", fanout=self.name, subscriptions=len(self._subscribers))
 
     @contextlib.contextmanager
     def subscribe(

@@ -519,6 +519,10 @@ class DiskcacheStore:
         except _STORE_ERRORS as exc:
             raise self._read_error(exc) from exc
 
+    def add_gap_listener(self, listener: Callable[[], None]) -> None:
+        """See TaskStore.add_gap_listener: never called (one process serves this store, and its own
+        commits are delivered in the process)."""
+
     def add_remote_listener(self, listener: Listener) -> None:
         """See TaskStore.add_remote_listener: one process serves a diskcache store, so its own commits are
         all."""

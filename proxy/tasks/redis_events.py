@@ -13,7 +13,9 @@ and:
   bytes; larger ones are read, and may then be newer than the change).
 
 Messages published while the connection is down are lost: waiters fall back to re-reading the
-record every POLL_S seconds, and listeners miss those changes.
+record every POLL_S seconds, and the *gap* listeners (`RedisTaskStore.add_gap_listener`) are called
+once the connection is back, so that every stream built on the listeners resyncs (re-reads what it
+shows) instead of missing those changes for good.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ChangeFeed:
         self._fetch = fetch
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self.listeners: list[Listener] = []
+        self.gap_listeners: list[Callable[[], None]] = []  # called after a reconnection: changes were missed
         self._task: asyncio.Task[None] | None = None
         self._fetches: set[asyncio.Task[None]] = set()
         self.subscribed = asyncio.Event()  # set while the pub/sub connection listens
@@ -138,6 +141,11 @@ class ChangeFeed:
                 if self._down_logged:
                     log.info("task_changes_resubscribed")
                     self._down_logged = False
+                    for listener in self.gap_listeners:
+                        try:
+                            listener()
+                        except Exception:  # a listener must never stop the reader
+                            log.exception("task_gap_listener_failed")
                 while not self._closed:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=READ_S)
                     if message is not None and message.get("type") == "message":

@@ -24,7 +24,7 @@ import base64
 import contextlib
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -114,6 +114,12 @@ class RedisTaskStore:
         `redis_events`. Other replicas' changes arrive a pub/sub hop later; a record too large to
         travel in the message is read, so it may already be newer than the change."""
         self.feed.listeners.append(listener)
+        self.feed.ensure_running()
+
+    def add_gap_listener(self, listener: Callable[[], None]) -> None:
+        """See TaskStore.add_gap_listener: called when the pub/sub connection is back after a drop
+        (other replicas' changes meanwhile were not delivered)."""
+        self.feed.gap_listeners.append(listener)
         self.feed.ensure_running()
 
     def _committed(self, before: TaskStatus | None, record: TaskRecord) -> None:

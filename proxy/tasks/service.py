@@ -122,6 +122,7 @@ class TaskService:
         self._fence_timer: asyncio.TimerHandle | None = None
         store.add_listener(observe_transition)
         store.add_remote_listener(lambda before, record: self.changes.publish(TaskChange(before, record)))
+        store.add_gap_listener(self.changes.gap)  # a feed outage: every status stream resyncs
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -123,6 +123,10 @@ class TaskStore(Protocol):
         """Call `listener(previous status, or None on create; new record)` after each change this
         store object commits (in this process; for metrics and logs: never counted twice)."""
 
+    def add_gap_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever changes of other processes may have been missed (a shared
+        store's change feed was down and is back), so readers can resync."""
+
     def add_remote_listener(self, listener: Listener) -> None:
         """Call `listener(previous status or None; record)` for the changes every process serving
         this store commits (all replicas on a Redis store; this process alone on diskcache), for

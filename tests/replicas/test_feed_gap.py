@@ -1,0 +1,39 @@
+"""Change feeds that survive a Redis outage (issue "Reliability round 2", item 2): messages published
+while a replica's pub/sub connection was down are lost, so once it is back every stream built on
+the feed resyncs: a console stream gets `resync` (the page reloads its list), a
+`subscriptions/listen` stream re-sends the status of its tasks. A real redis-server of the test's
+own is killed and restarted under open streams."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support.console import CONSOLE_TOKEN, console_config
+from support.proxy import Serve
+from support.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+
+async def test_a_console_stream_resyncs_after_redis_comes_back(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    redis = RedisServer(tmp_path / "redis", appendonly=False).start()
+    try:
+        store = {"url": redis.url, "prefix": "gap:", "timeout": "500ms", "lease": "5s"}
+        proxy = await serve(console_config(legacy_url, store, listen={"sse_keepalive": "200ms"}))
+        headers = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(proxy.base + "/console/api/events", headers=headers) as stream:
+                await stream.content.readuntil(b"event: ready")
+                port = redis.port
+                redis.kill()
+                await asyncio.sleep(1.5)  # the feed notices (its reads time out) and retries
+                await asyncio.to_thread(redis.start, port=port)
+                async with asyncio.timeout(15):
+                    await stream.content.readuntil(b"event: resync")
+    finally:
+        redis.stop()
