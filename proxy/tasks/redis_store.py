@@ -49,8 +49,8 @@ class RedisTaskStore:
     `url`: `redis://[[user]:password@]host[:port][/db]` or `rediss://` (TLS). `prefix`: the start
     of every key (several proxies may share a Redis under different prefixes). `timeout_s` (s):
     bound on connecting, on each reply, and on waiting for one of `max_connections` pooled
-    connections; a call that fails on a connection error is tried once more, so one call takes
-    at most about twice `timeout_s`. `max_result_bytes` feeds `model.apply`. Raises
+    connections, and on each call in all (`guard`: a call that fails on a connection error is tried
+    once more within that bound). `max_result_bytes` feeds `model.apply`. Raises
     StoreUnavailableError for a URL redis-py cannot use; connecting happens at the first call.
     """
 
@@ -67,6 +67,7 @@ class RedisTaskStore:
         self.damage: str | None = None  # Redis has no files of ours to check
         self._password = url_password(url)
         self.max_result_bytes = max_result_bytes
+        self.timeout_s = timeout_s
         self.keys = RedisKeys(prefix)
         try:
             self._pool = BlockingConnectionPool.from_url(
@@ -98,11 +99,19 @@ class RedisTaskStore:
 
     @contextlib.asynccontextmanager
     async def guard(self) -> AsyncIterator[None]:
-        """Turn Redis and socket errors inside the block into StoreUnavailableError naming the store."""
+        """Bound the block by `timeout_s` (s) in all (a pooled connection, the command, its one
+        retry), and turn Redis and socket errors inside it, and the bound, into
+        StoreUnavailableError naming the store: a replica cut off from Redis answers 503 in that
+        time, not after each layer's own timeout in turn."""
         try:
-            yield
+            async with asyncio.timeout(self.timeout_s):
+                yield
         except (RedisError, OSError) as exc:
             raise StoreUnavailableError(self._message(exc)) from None
+        except TimeoutError:
+            raise StoreUnavailableError(
+                f"task store {self.where}: no answer within {self.timeout_s:g} s (store.timeout)"
+            ) from None
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(previous status or None on create, record)` after each change this store commits."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -87,7 +88,7 @@ def replica(legacy_url: str, tmp_path: Path, url: str, prefix: str) -> Config:
     config = make_config(
         legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}
     )
-    data = {"url": url, "prefix": prefix, "timeout": "300ms", "lease": LEASE}
+    data = {"url": url, "prefix": prefix, "timeout": "500ms", "lease": LEASE}
     config.store = type(config.store).model_validate(data)
     return config
 
@@ -108,6 +109,10 @@ async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_rerun
         try:
             task_id = (await client.call("slow_compute", {"seconds": 3, "label": label})).result["taskId"]
             relay.pause()  # the partition: the first replica can no longer renew its lease
+            started = time.monotonic()
+            through_cut_off = await client.get(task_id)
+            waited = time.monotonic() - started
+            assert through_cut_off.status == 503 and waited < 0.8, waited  # store.timeout 500 ms, in all
             async with asyncio.timeout(10):
                 while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
                     await asyncio.sleep(0.05)
