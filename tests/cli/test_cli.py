@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from support.clients import ModernClient
 from support.records import make_record, seed_store
+from support.servers import run_cli
 
 from proxy import __version__
 from proxy.protocol.era import (
@@ -32,22 +33,6 @@ from proxy.protocol.era import (
 from proxy.tasks.model import now_ms
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_cli(
-    *args: str, timeout: float = 30, env: dict | None = None, input: str | None = None
-) -> subprocess.CompletedProcess:
-    """`mcp-tasks-proxy ARGS` from the checkout (`timeout` in s; `env` added to this environment;
-    `input` on stdin), its output as text."""
-    return subprocess.run(
-        [sys.executable, "-m", "proxy", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        input=input,
-    )
 
 
 # --- config errors ------------------------------------------------------------------------------

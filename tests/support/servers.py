@@ -121,3 +121,30 @@ FIXTURE_STDIO = {
     "command": sys.executable,
     "args": [str(ROOT / "tests" / "fixtures" / "legacy_server.py"), "--stdio"],
 }
+
+
+def run_cli(
+    *args: str, timeout: float = 30, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """`mcp-tasks-proxy ARGS` from the checkout (`timeout` in s; `env` added to this environment;
+    `input` on stdin), its output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        input=input,
+    )
+
+
+def serve_on_store(store: Path, config_dir: Path) -> subprocess.CompletedProcess:
+    """Start the proxy from the command line on a minimal config (written to `config_dir`) whose
+    store is the directory `store`, as an operator would: for tests of what a start refuses (a
+    start that is not refused would serve: bounded by 30 s)."""
+    config = config_dir / "proxy.yaml"
+    config.write_text(
+        f"mcpServers:\n  demo:\n    command: 'true'\nstore:\n  path: {store}\nlisten:\n  port: 0\n"
+    )
+    return run_cli("--config", str(config))

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +15,7 @@ import pytest
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.records import make_record
+from support.servers import serve_on_store
 
 from proxy.app import TASKS_KEY
 from proxy.tasks import diskcache_store
@@ -24,7 +23,6 @@ from proxy.tasks.diskcache_store import STORE_ID_FILE, DiskcacheStore
 from proxy.tasks.model import TaskStatus, now_ms
 from proxy.tasks.store import DamagedStoreError, StoreUnavailableError
 
-ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 3000
 
 
@@ -50,6 +48,13 @@ def _checkpoint(path: Path) -> None:
     """Move every committed page into cache.db (and empty the WAL), as a clean shutdown leaves it."""
     with sqlite3.connect(path / "cache.db") as con:
         con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def _garble(database: Path) -> None:
+    """Overwrite 8 KiB in the middle of `database` with pages no reader can parse."""
+    with open(database, "r+b") as file:
+        file.seek(database.stat().st_size // 2)
+        file.write(b"\xff" * 8192)
 
 
 @pytest.mark.parametrize("damage", ["emptied", "deleted", "replaced"])
@@ -82,10 +87,7 @@ async def test_a_database_garbled_mid_file_is_refused_at_start(tmp_path: Path) -
     store = tmp_path / "store"
     await _held_store(store, RECORDS)
     _checkpoint(store)
-    database = store / "cache.db"
-    with open(database, "r+b") as file:
-        file.seek(database.stat().st_size // 2)
-        file.write(b"\xff" * 8192)  # pages no reader can parse
+    _garble(store / "cache.db")
     with pytest.raises(DamagedStoreError, match=r"cache.db is damaged \(SQLite quick_check.*\.recover"):
         DiskcacheStore(store, exclusive=True)
 
@@ -95,17 +97,7 @@ def test_serve_exits_naming_the_damaged_database(tmp_path: Path) -> None:
     asyncio.run(_held_store(store))
     (store / "cache.db").write_bytes(b"")
     (store / "cache.db-wal").unlink(missing_ok=True)
-    config = tmp_path / "proxy.yaml"
-    config.write_text(
-        f"mcpServers:\n  demo:\n    command: 'true'\nstore:\n  path: {store}\nlisten:\n  port: 0\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "proxy", "--config", str(config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    done = serve_on_store(store, tmp_path)
     assert done.returncode == 1 and "cache.db is empty, but this directory held a store" in done.stderr, done
 
 
@@ -116,10 +108,7 @@ async def test_a_page_that_fails_to_read_turns_readyz_to_503(
     ids = await _held_store(store, RECORDS)
     _checkpoint(store)
     proxy = await serve(make_config(legacy_url, store))
-    database = store / "cache.db"
-    with open(database, "r+b") as file:  # damage after the start-up check, as a failing disk would
-        file.seek(database.stat().st_size // 2)
-        file.write(b"\xff" * 8192)  # pages no reader can parse
+    _garble(store / "cache.db")  # damage after the start-up check, as a failing disk would
     client = ModernClient(proxy.url())
     try:
         statuses = [(await client.get(task_id)).status for task_id in ids]
@@ -160,10 +149,7 @@ async def test_a_large_damaged_database_is_checked_in_the_background_and_shows(
     store_dir = tmp_path / "store"
     await _held_store(store_dir, RECORDS)
     _checkpoint(store_dir)
-    database = store_dir / "cache.db"
-    with open(database, "r+b") as file:
-        file.seek(database.stat().st_size // 2)
-        file.write(b"\xff" * 8192)  # pages no reader can parse
+    _garble(store_dir / "cache.db")
     store = DiskcacheStore(store_dir, exclusive=True)
     try:
         async with asyncio.timeout(10):

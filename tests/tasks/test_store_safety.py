@@ -14,6 +14,7 @@ from pathlib import Path
 import diskcache
 import pytest
 from support.records import make_record
+from support.servers import serve_on_store
 
 from proxy.tasks.datadisk import MODE_JSON, MODE_JSON_STDLIB
 from proxy.tasks.diskcache_store import DiskcacheStore
@@ -163,18 +164,7 @@ def test_a_parent_owned_by_another_user_is_refused(tmp_path: Path) -> None:
 def test_serve_refuses_an_unsafe_store_and_names_the_fix(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     (tmp_path / "store").chmod(0o777)
-    config = tmp_path / "proxy.yaml"
-    config.write_text(
-        "mcpServers:\n  demo:\n    command: 'true'\n"
-        f"store:\n  path: {tmp_path / 'store'}\nlisten:\n  port: 0\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "proxy", "--config", str(config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    done = serve_on_store(tmp_path / "store", tmp_path)
     assert done.returncode == 1, done
     assert "writable by group or others (mode 0777)" in done.stderr and "chmod go-w" in done.stderr
 
