@@ -397,14 +397,9 @@ async def metrics_handler(request: web.Request) -> web.Response:
     if expected is not None:
         header = request.headers.get("Authorization")
         throttle = request.app[THROTTLE_KEY]
-        address = config.listen.client_address(
-            request.remote, ",".join(request.headers.getall("X-Forwarded-For", []))
-        )
-        if header is not None and not throttle.known_good(header):
-            wait_s = await throttle.admit(address)
-            if wait_s is not None:
-                metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
-                return too_many_failures(wait_s, throttle.text)
+        address = config.listen.client_address(request.remote, request.headers.getall("X-Forwarded-For", []))
+        if header is not None and (wait_s := await throttle.admit(header, address, path=request.path)):
+            return too_many_failures(wait_s, throttle.text)
         scheme, _, token = (header or "").partition(" ")
         digest = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).hexdigest()
         if scheme.lower() != "bearer" or not hmac.compare_digest(

@@ -143,16 +143,16 @@ class ListenConfig(_Strict):
         """True when the peer address `remote` is one of `trusted_proxies`."""
         return bool(self.trusted_proxies) and _in_networks(remote, self.trusted_proxies)
 
-    def client_address(self, remote: str | None, forwarded_for: str | None) -> str:
+    def client_address(self, remote: str | None, forwarded_for: list[str]) -> str:
         """The client's address: `remote` (the peer), or, when the peer is a trusted proxy, the
         rightmost X-Forwarded-For entry that is not itself a trusted proxy (RFC 7239 §7.4's advice:
         entries left of it may be forged by the client). `forwarded_for` is every X-Forwarded-For
-        line joined with commas, in order (a balancer adds a line of its own after the client's); an
+        line, in order (a balancer adds a line of its own after the client's); an
         entry that is not an IP address ends the walk at the peer. `unknown` without a peer address."""
         address = remote or "unknown"
         if not forwarded_for or not self.trusts_proxy(remote):
             return address
-        for entry in reversed(forwarded_for.split(",")):
+        for entry in reversed(",".join(forwarded_for).split(",")):
             entry = entry.strip()
             if not entry:
                 continue

@@ -46,7 +46,6 @@ from cryptography import fernet
 from cryptography.fernet import InvalidToken
 
 from proxy.config import ConsoleConfig, ListenConfig
-from proxy.runtime import metrics
 from proxy.tasks.rates import FailedAttempts
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError
@@ -158,9 +157,7 @@ class ConsoleAccess:
         )
 
     def _address(self, request: web.Request) -> str:
-        return self.listen.client_address(
-            request.remote, ",".join(request.headers.getall("X-Forwarded-For", []))
-        )
+        return self.listen.client_address(request.remote, request.headers.getall("X-Forwarded-For", []))
 
     async def session_alive(self, request: web.Request, sid: object, operator: str) -> bool:
         """True while the session `sid` of `operator` is signed in: its store entry is there and
@@ -210,7 +207,7 @@ class ConsoleAccess:
                     self.operator_for(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
                 )
                 if operator is None:
-                    await self._failed(request, "not a console token")
+                    self._failed(request, "not a console token")
                     return error(401, "authentication required: that is not a console token")
                 self.throttle.remember_good(header)
                 request[OPERATOR_KEY] = operator
@@ -245,22 +242,16 @@ class ConsoleAccess:
         return guard
 
     async def _throttled(self, request: web.Request, credential: str) -> web.Response | None:
-        """Count the attempt (a credential that verified before is let through uncounted); 429 with
-        Retry-After when the request's address is past `limits.failed_auth`, else None."""
-        if self.throttle.known_good(credential):
-            return None
-        wait_s = await self.throttle.admit(self._address(request))
+        """Count the attempt (`FailedAttempts.admit`); 429 with Retry-After when the request's
+        address is past `limits.failed_auth`, else None."""
+        wait_s = await self.throttle.admit(credential, self._address(request), path=request.path)
         if wait_s is None:
             return None
-        log.warning(
-            "security_auth_throttled", remote=self._address(request), path=request.path, retry_after_s=wait_s
-        )
-        metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
         response = error(429, f"too many wrong console tokens from this address; retry after {wait_s} s")
         response.headers["Retry-After"] = str(wait_s)
         return response
 
-    async def _failed(self, request: web.Request, reason: str) -> None:
+    def _failed(self, request: web.Request, reason: str) -> None:
         log.warning("security_auth_failed", reason=reason, remote=self._address(request), path=request.path)
 
     async def login(self, request: web.Request) -> web.Response:
@@ -291,7 +282,7 @@ class ConsoleAccess:
         found = self._match(token) if token else None
         if found is None:
             if token:
-                await self._failed(request, "console sign-in with an unknown token")
+                self._failed(request, "console sign-in with an unknown token")
             return error(401, "unknown console token")
         operator, token_id = found
         self.throttle.remember_good("Bearer " + token)

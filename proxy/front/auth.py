@@ -23,7 +23,6 @@ from proxy.front.tokens import AccessTokens, TokenError
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST
 from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER, SECRET_HEADER
-from proxy.runtime import metrics
 from proxy.tasks.model import ANONYMOUS, principal_hash
 from proxy.tasks.rates import FailedAttempts
 
@@ -203,15 +202,9 @@ def auth_middleware(
         if internal_prefix is not None and path.startswith(internal_prefix + "/"):
             return await handler(request)
         credential = presented_credential(request, authenticator.mode)
-        address = listen.client_address(
-            request.remote, ",".join(request.headers.getall("X-Forwarded-For", []))
-        )
-        if credential is not None and not throttle.known_good(credential):
-            wait_s = await throttle.admit(address)
-            if wait_s is not None:
-                log.warning("security_auth_throttled", remote=address, path=path, retry_after_s=wait_s)
-                metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
-                return too_many_failures(wait_s, throttle.text)
+        address = listen.client_address(request.remote, request.headers.getall("X-Forwarded-For", []))
+        if credential is not None and (wait_s := await throttle.admit(credential, address, path=path)):
+            return too_many_failures(wait_s, throttle.text)
         try:
             principal, scopes = await authenticator.identify(request)
         except (AuthError, TokenError) as exc:

@@ -114,10 +114,12 @@ class FailedAttempts:
         if len(self._good) > GOOD_CREDENTIALS_KEPT:
             del self._good[next(iter(self._good))]
 
-    async def admit(self, address: str) -> int | None:
-        """Count one attempt of `address`; None when it may be verified, else the seconds until the
-        window lets it try again (at least 1)."""
-        if self._limiter is None or self._rate is None:
+    async def admit(self, credential: str, address: str, *, path: str) -> int | None:
+        """Before `credential` from `address` is checked: None when it may be (it verified before, or
+        the attempt fits the rate: it is counted), else the seconds until the window lets this
+        address try again (at least 1; logged as `security_auth_throttled` with `path`, and counted
+        in the limit rejections)."""
+        if self._limiter is None or self._rate is None or self.known_good(credential):
             return None
         try:
             if await self._limiter.hit(self._rate, "auth", address):
@@ -126,7 +128,10 @@ class FailedAttempts:
         except (StorageError, OSError) as exc:
             log.warning("limit_unavailable", limit="failed_auth", reason=exc.__class__.__name__)
             return None
-        return max(1, math.ceil(stats.reset_time - time.time()))
+        wait_s = max(1, math.ceil(stats.reset_time - time.time()))
+        log.warning("security_auth_throttled", remote=address, path=path, retry_after_s=wait_s)
+        metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
+        return wait_s
 
     @staticmethod
     def _digest(credential: str) -> bytes:
