@@ -51,6 +51,7 @@ from proxy.tasks.store import (
     ListFilter,
     StoreUnavailableError,
     TaskNotFoundError,
+    owned_by,
 )
 from proxy.tasks.storedir import prepare_store_directory
 
@@ -96,10 +97,13 @@ class DiskcacheStore:
         self.damage: str | None = None  # what the background integrity check found, if anything
         self._locked = False
         try:
-            self.path = prepare_store_directory(self.path)  # the real path: a swapped link cannot redirect it
-            if exclusive:
+            if exclusive:  # the lock prepares the directory first (once per process: serve took it already)
                 lock_directory(self.path)
                 self._locked = True
+                self.path = os.path.realpath(self.path)
+            else:
+                self.path = prepare_store_directory(self.path)
+            # the real path from here on: a swapped link cannot redirect the store
             self._check_database_file()
             umask = os.umask(0o077)  # cache.db and its -wal/-shm are created private (0600)
             try:
@@ -233,7 +237,8 @@ class DiskcacheStore:
             log.error("store_damaged", store=self.path, reason=problem)
 
     def _close_now(self) -> None:
-        """Close what `__init__` opened (before serving: no writer batch can be in flight)."""
+        """Close the threads, connections and lock (from `close`, or from `__init__` when it refuses
+        the store: no writer batch can be in flight then)."""
         self._executor.shutdown(wait=True)
         self._checkpointer.shutdown(wait=True)
         self._reader.close()
@@ -362,7 +367,11 @@ class DiskcacheStore:
                 raise ValueError(f"task {record.task_id} already exists")
             for key in self._index_keys(record):
                 self._cache.set(key, 1, expire=self._expire_s(record))
-            self._cache.set("own:" + record.task_id, _owner(record), expire=self._expire_s(record))
+            self._cache.set(
+                "own:" + record.task_id,
+                _owner(record.principal, record.server),
+                expire=self._expire_s(record),
+            )
             if not record.status.terminal:
                 self._cache.set("live:" + record.task_id, record.owner)
 
@@ -384,13 +393,9 @@ class DiskcacheStore:
             owner = self._cache.get("own:" + task_id)
         except _STORE_ERRORS as exc:
             raise self._read_error(exc) from exc
-        if owner is not None and owner != f"{principal_key(principal)}{_SEP}{server}":  # _owner's form
+        if owner is not None and owner != _owner(principal, server):
             return None, True
-        record = await self.get(task_id)
-        if record is None:
-            return None, False
-        mine = record.principal == principal and record.server == server
-        return (record, False) if mine else (None, True)
+        return owned_by(await self.get(task_id), principal, server)
 
     def _read_error(self, exc: BaseException) -> StoreUnavailableError:
         """A failed read as the error to raise: DamagedStoreError when the file itself is bad (SQLite
@@ -634,11 +639,7 @@ class DiskcacheStore:
             await asyncio.gather(self._checkpoint, return_exceptions=True)
         if self._checkpoint_con is not None:
             self._checkpointer.submit(self._checkpoint_con.close).result()
-        self._checkpointer.shutdown(wait=True)
-        self._executor.shutdown(wait=True)
-        self._reader.close()
-        self._cache.close()
-        self._release_lock()
+        self._close_now()
 
     def _release_lock(self) -> None:
         if self._locked:
@@ -646,9 +647,9 @@ class DiskcacheStore:
             self._locked = False
 
 
-def _owner(record: TaskRecord) -> str:
-    """The `own:` entry of a record: who may read it, without reading it."""
-    return f"{principal_key(record.principal)}{_SEP}{record.server}"
+def _owner(principal: str, server: str) -> str:
+    """The `own:` entry of a record of `principal` on `server`: who may read it, without reading it."""
+    return f"{principal_key(principal)}{_SEP}{server}"
 
 
 def _matches(record: TaskRecord, where: ListFilter) -> bool:

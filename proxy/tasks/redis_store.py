@@ -36,7 +36,7 @@ from proxy.config.base import redact_url, url_password
 from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, principal_key
 from proxy.tasks.redis_events import POLL_S, ChangeFeed
 from proxy.tasks.redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message
-from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError
+from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError, owned_by
 
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
 CAS_ATTEMPTS = 100  # compare-and-set rounds one change may take under contention before giving up
@@ -193,11 +193,7 @@ class RedisTaskStore:
 
     async def get_for(self, task_id: str, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
         """See TaskStore.get_for (here the whole record is read: one round trip either way)."""
-        record = await self.get(task_id)
-        if record is None:
-            return None, False
-        mine = record.principal == principal and record.server == server
-        return (record, False) if mine else (None, True)
+        return owned_by(await self.get(task_id), principal, server)
 
     async def update(self, task_id: str, change: Change) -> TaskRecord:
         """See TaskStore.update. Raises StoreUnavailableError after CAS_ATTEMPTS lost races."""

@@ -33,6 +33,16 @@ class StoreUnavailableError(Exception):
     """
 
 
+def owned_by(record: TaskRecord | None, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
+    """`TaskStore.get_for`'s answer for a record read whole: (the record when it is `principal`'s on
+    `server`, else None; whether it exists but is someone else's)."""
+    if record is None:
+        return None, False
+    if record.principal == principal and record.server == server:
+        return record, False
+    return None, True
+
+
 class DamagedStoreError(StoreUnavailableError):
     """The store's files are damaged, or its database is not the one its directory held; the message
     names the file and how to recover. Raised at start, before anything is served from it."""
