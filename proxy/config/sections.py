@@ -6,6 +6,7 @@ wait a section configures is a duration with a unit; every default is the safe o
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from typing import Literal
@@ -193,7 +194,12 @@ def _in_networks(address: str | None, networks: list[str]) -> bool:
         ip = ipaddress.ip_address((address or "").split("%")[0])
     except ValueError:
         return False
-    return any(ip in ipaddress.ip_network(network, strict=False) for network in networks)
+    return any(ip in _network(network) for network in networks)
+
+
+@functools.lru_cache(maxsize=256)  # configured networks, parsed once, not per request
+def _network(network: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    return ipaddress.ip_network(network, strict=False)
 
 
 class ReplicasConfig(_Strict):

@@ -214,15 +214,13 @@ class ConsoleAccess:
                 return await handler(request)
             session = await get_session(request)
             operator = session.get("operator")
-            try:
-                alive = (
-                    isinstance(operator, str)
-                    and operator in self._hashes.values()
-                    and await self.session_alive(request, session.get("sid"), operator)
-                )
+            if not isinstance(operator, str):
+                operator = ""
+            try:  # session_alive also checks the operator's token is still configured
+                alive = await self.session_alive(request, session.get("sid"), operator)
             except StoreUnavailableError:
                 return error(503, "sessions cannot be checked: the task store is unavailable")
-            if not alive or not isinstance(operator, str):
+            if not alive:
                 return error(
                     401, "authentication required: sign in, or send Authorization: Bearer <console token>"
                 )

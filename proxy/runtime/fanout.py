@@ -54,9 +54,7 @@ class Subscription(Generic[T]):
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
             dropped = self._queue.qsize() + 1
-            while not self._queue.empty():
-                self._queue.get_nowait()
-            self._queue.put_nowait(OVERFLOW)
+            self._replace_with_overflow()
             self.overflows += 1
             if self.overflows == 1:
                 log.warning("fanout_overflow", fanout=self.name, dropped=dropped)
@@ -67,9 +65,13 @@ class Subscription(Generic[T]):
         try:
             self._queue.put_nowait(OVERFLOW)
         except asyncio.QueueFull:
-            while not self._queue.empty():
-                self._queue.get_nowait()
-            self._queue.put_nowait(OVERFLOW)
+            self._replace_with_overflow()
+
+    def _replace_with_overflow(self) -> None:
+        """Drop everything waiting; leave one `OVERFLOW` marker in its place."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(OVERFLOW)
 
     async def get(self) -> T | Overflow:
         """The next item, waiting for one (unbounded: callers bound the wait)."""

@@ -74,7 +74,7 @@ OTHER = "other"
 _TOOL_LABELS: dict[str, set[str]] = {}  # server -> tool names that earned a label of their own
 
 
-def label_value(text: str, limit: int = 128) -> str:
+def label_value(text: str, limit: int = 256) -> str:
     """`text` fit for a label value: at most `limit` characters, and text that encodes as UTF-8
     (a lone surrogate would make every later scrape fail)."""
     return text[:limit].encode("utf-8", "replace").decode("utf-8")
@@ -86,7 +86,7 @@ def tool_label(server: str, tool: str, *, ok: bool) -> str:
     no `isError`, which is how most SDKs answer a tool they do not have), else `other`, so that
     names a client makes up add no series; at most `MAX_TOOL_LABELS` names per server."""
     known = _TOOL_LABELS.setdefault(server, set())
-    name = label_value(tool, 256)
+    name = label_value(tool)
     if name in known:
         return name
     if ok and len(known) < MAX_TOOL_LABELS:
@@ -102,7 +102,7 @@ def listed_tools(server: str, tools: object) -> None:
     for tool in tools if isinstance(tools, list) else []:
         name = tool.get("name") if isinstance(tool, dict) else None
         if isinstance(name, str) and len(known) < MAX_TOOL_LABELS:
-            known.add(label_value(name, 256))
+            known.add(label_value(name))
 
 
 def count_call(server: str, tool: str, outcome: str, *, answered: bool = False) -> None:
