@@ -236,12 +236,17 @@ async def test_made_up_tool_names_add_no_series_and_never_break_metrics(
     finally:
         await client.close()
     text = await scrape(proxy.base)
-    tools = {
+    tools = tool_labels(text, "labels")
+    assert tools == {"greet", "started_log", "other"}, tools
+
+
+def tool_labels(text: str, server: str) -> set[str]:
+    """The `tool` label values of `calls_total` for `server` in a `/metrics` page."""
+    return {
         line.split('tool="', 1)[1].split('"', 1)[0]
         for line in text.splitlines()
-        if line.startswith("mcp_tasks_proxy_calls_total{") and 'server="labels"' in line
+        if line.startswith("mcp_tasks_proxy_calls_total{") and f'server="{server}"' in line
     }
-    assert tools == {"greet", "started_log", "other"}, tools
 
 
 IS_ERROR_CHILD = """
@@ -281,9 +286,5 @@ async def test_tools_an_upstream_answers_with_is_error_add_no_series(tmp_path: P
     finally:
         await client.close()
     text = await scrape(proxy.base)
-    tools = {
-        line.split('tool="', 1)[1].split('"', 1)[0]
-        for line in text.splitlines()
-        if line.startswith("mcp_tasks_proxy_calls_total{") and 'server="is_error"' in line
-    }
+    tools = tool_labels(text, "is_error")
     assert tools == {"real", "other"}, sorted(tools)[:10]

@@ -302,6 +302,22 @@ async def test_legacy_client_meta_without_envelope_stays_on_the_legacy_path(prox
     ), reply
 
 
+async def raw_exchange(base: str, request: bytes) -> tuple[bytes, bytes]:
+    """Send `request` as raw bytes (what aiohttp's client will not build) to the proxy at `base`
+    and read until it closes (10 s at most): (status line and headers, body)."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return head, payload
+
+
 async def test_an_expect_header_other_than_100_continue_is_a_417_never_a_500(proxy: RunningProxy) -> None:
     """`Expect: 100-continue` still works (aiohttp's client sends it); any other value, bytes that
     are not UTF-8 included, gets HTTP 417 with a JSON-RPC error that does not repeat it."""
@@ -315,22 +331,16 @@ async def test_an_expect_header_other_than_100_continue_is_a_417_never_a_500(pro
         http.post(proxy.url(), data=body, headers=headers, expect100=True) as resp,
     ):
         assert resp.status == 200
-    host, port = proxy.base.removeprefix("http://").split(":")
     for value in (b"\xff\xfe", b"something-else"):
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(
+        head, payload = await raw_exchange(
+            proxy.base,
             b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nExpect: "
             + value
             + b"\r\nContent-Length: "
             + str(len(body)).encode()
             + b"\r\nConnection: close\r\n\r\n"
-            + body
+            + body,
         )
-        await writer.drain()
-        answer = await asyncio.wait_for(reader.read(), 10)
-        writer.close()
-        await writer.wait_closed()
-        head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.split()[1] == b"417", head
         assert json.loads(payload)["error"]["code"] == -32600 and value not in payload
 
@@ -340,18 +350,12 @@ async def test_a_non_utf8_expect_header_is_a_417_on_every_path(legacy_url: str, 
     metadata and an unknown path, which have aiohttp's own Expect handler, answer 417 too."""
     config = console_config(legacy_url, tmp_path / "store", listen={"public_url": "http://127.0.0.1:1"})
     async with running_proxy(config) as proxy:
-        host, port = proxy.base.removeprefix("http://").split(":")
         for path in ("/console/", "/console/login", "/.well-known/oauth-protected-resource", "/nope"):
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(
+            head, payload = await raw_exchange(
+                proxy.base,
                 f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
-                + b"Expect: \xff\xfe\r\nConnection: close\r\n\r\n"
+                + b"Expect: \xff\xfe\r\nConnection: close\r\n\r\n",
             )
-            await writer.drain()
-            answer = await asyncio.wait_for(reader.read(), 10)
-            writer.close()
-            await writer.wait_closed()
-            head, _, payload = answer.partition(b"\r\n\r\n")
             assert head.split()[1] == b"417", (path, head)
             assert json.loads(payload)["error"]["code"] == -32600
         async with aiohttp.ClientSession() as http, http.get(proxy.base + "/metrics") as resp:
@@ -364,14 +368,10 @@ async def test_an_oversized_header_is_a_400_that_never_echoes_its_bytes(
     """aiohttp quotes the line it could not read; that may be a token, so neither the answer nor the
     log line repeats it."""
     async with running_proxy(console_config(legacy_url, tmp_path / "store")) as proxy:
-        host, port = proxy.base.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
         token = b"SECRET" * 4000
-        writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token + b"\r\n\r\n")
-        await writer.drain()
-        answer = await asyncio.wait_for(reader.read(), 10)
-        writer.close()
-        await writer.wait_closed()
-    head, _, payload = answer.partition(b"\r\n\r\n")
+        head, payload = await raw_exchange(
+            proxy.base,
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token + b"\r\n\r\n",
+        )
     assert head.split()[1] == b"400", head
     assert b"SECRET" not in payload and b"Bearer" not in payload, payload
