@@ -17,6 +17,7 @@ import pytest
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
+from support.relay import TcpRelay
 
 from proxy.config import Config
 
@@ -25,58 +26,10 @@ pytestmark = pytest.mark.redis
 LEASE = "1s"
 
 
-class PausableRelay:
-    """A TCP relay on a free loopback port to `host:port`; `pause()` holds every byte in both
-    directions (a network partition: nothing is refused, nothing arrives), `resume()` lets it on."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self._open = asyncio.Event()
-        self._open.set()
-        self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self._server.sockets[0].getsockname()[1]
-
-    def pause(self) -> None:
-        self._open.clear()
-
-    def resume(self) -> None:
-        self._open.set()
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for pipe in self._pipes:
-            pipe.cancel()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        upstream_r, upstream_w = await asyncio.open_connection(*self.target)
-        for reader, writer in ((client_r, upstream_w), (upstream_r, client_w)):
-            pipe = asyncio.get_running_loop().create_task(self._pipe(reader, writer))
-            self._pipes.add(pipe)
-            pipe.add_done_callback(self._pipes.discard)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                await self._open.wait()
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-
 @contextlib.asynccontextmanager
-async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[PausableRelay, str]]:
+async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, str]]:
     host, port = redis_server.url.removeprefix("redis://").split("/")[0].split(":")
-    relay = PausableRelay(host, int(port))
+    relay = TcpRelay(host, int(port))
     relay_port = await relay.start()
     try:
         yield relay, redis_server.url.replace(f":{port}", f":{relay_port}")
