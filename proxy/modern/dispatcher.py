@@ -20,7 +20,7 @@ from proxy.calls.mrtr import ParkedCalls
 from proxy.calls.runner import CallRunner, require_tasks_for
 from proxy.calls.types import Reply
 from proxy.calls.upstream_tasks import UpstreamTasks
-from proxy.config import Config, ToolMode
+from proxy.config import Config, ResolvedPolicy, ToolMode
 from proxy.modern.listen import listen
 from proxy.modern.param_headers import ParamHeaderIndex
 from proxy.modern.task_methods import TaskMethods
@@ -45,6 +45,8 @@ from proxy.tasks.service import TaskService
 from proxy.upstream.types import Pool, Session, SessionExpiredError, UpstreamError, with_session
 
 log = structlog.get_logger("proxy.modern")
+
+MIN_LOOKUP_WAIT_S = 0.001  # even past detach_after, a cached lookup (s) gets to answer
 
 Handler = Callable[[ModernRequest], Awaitable[JsonObject]]
 
@@ -77,6 +79,7 @@ class ServerDispatcher:
         self.notifications = notifications
         self.keepalive_s = keepalive_s
         self.param_headers = ParamHeaderIndex(name)
+        self._lookups_left: set[asyncio.Future[Any]] = set()  # `_lookups` that outlasted detach_after
         self.task_methods = TaskMethods(tasks, name)
         self.upstream_tasks = UpstreamTasks(name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s)
         self.calls = CallRunner(
@@ -191,25 +194,23 @@ class ServerDispatcher:
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise require_tasks_for(tool)
-        names = await self.param_headers.names(
-            tool, principal, lambda page: self.forward("tools/list", page, envelope, principal)
-        )
+        lookups = asyncio.ensure_future(self._lookups(tool, params, policy, envelope, principal))
+        if envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN:
+            names, support = await self._by_detach(lookups, arrived + policy.detach_after, tool)
+        else:
+            names, support = await lookups
         if names:
             check_param_headers(reply.headers, params.get("arguments"), names)
-        if "requestState" not in params and policy.mode is not ToolMode.FORBIDDEN:
+        if support == "required" or (support == "optional" and envelope.declares_tasks):
             # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
-            support = await self.upstream_tasks.support(
-                tool, upstream_capabilities(envelope.capabilities), principal
+            return await self.upstream_tasks.call(
+                params,
+                envelope,
+                principal=principal,
+                reply=reply,
+                policy=policy,
+                as_task=envelope.declares_tasks,
             )
-            if support == "required" or (support == "optional" and envelope.declares_tasks):
-                return await self.upstream_tasks.call(
-                    params,
-                    envelope,
-                    principal=principal,
-                    reply=reply,
-                    policy=policy,
-                    as_task=envelope.declares_tasks,
-                )
         if policy.mode is ToolMode.REQUIRED:
             self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
         return await self.calls.run(
@@ -222,6 +223,45 @@ class ServerDispatcher:
             policy=policy,
             arrived=arrived,
         )
+
+    async def _lookups(
+        self, tool: str, params: JsonObject, policy: ResolvedPolicy, envelope: Envelope, principal: str
+    ) -> tuple[dict[str, str], str | None]:
+        """What a `tools/call` needs before it starts: `{argument: Mcp-Param header name}` of `tool`
+        (from the upstream's `tools/list`) and the upstream's own `taskSupport` for it (None: the
+        upstream has no tasks for it, or the call resumes a `requestState` or is `mode: forbidden`).
+        Both wait on the upstream session (its `init_timeout`) and `tools/list` (`request_timeout`)
+        the first time; later calls read them cached."""
+        names = await self.param_headers.names(
+            tool, principal, lambda page: self.forward("tools/list", page, envelope, principal)
+        )
+        support = None
+        if "requestState" not in params and policy.mode is not ToolMode.FORBIDDEN:
+            support = await self.upstream_tasks.support(
+                tool, upstream_capabilities(envelope.capabilities), principal
+            )
+        return names, support
+
+    async def _by_detach(
+        self, lookups: asyncio.Future[tuple[dict[str, str], str | None]], deadline: float, tool: str
+    ) -> tuple[dict[str, str], str | None]:
+        """The `_lookups` of a task-capable call, waited for until `deadline` (loop time, s: the
+        request's arrival plus `detach_after`) at most, so the handle comes on time whatever the
+        upstream makes them wait. Past it the call starts without them (no `Mcp-Param` check, the
+        proxy's own task) and they go on in the background, cached for later calls."""
+        left = deadline - asyncio.get_running_loop().time()
+        done, _ = await asyncio.wait({lookups}, timeout=max(MIN_LOOKUP_WAIT_S, left))
+        if done:
+            return lookups.result()
+        self._lookups_left.add(lookups)
+        lookups.add_done_callback(self._lookup_settled)
+        log.info("call_lookups_overdue", server=self.name, tool=tool, reason="detach_after passed first")
+        return {}, None
+
+    def _lookup_settled(self, lookups: asyncio.Future[Any]) -> None:
+        self._lookups_left.discard(lookups)
+        if not lookups.cancelled():
+            lookups.exception()  # retrieved: a failed lookup was logged where it failed
 
     async def _prompt(self, request: ModernRequest) -> JsonObject:
         return await self._read(request, "name")

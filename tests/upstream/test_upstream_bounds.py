@@ -255,3 +255,30 @@ async def test_readyz_answers_within_a_balancers_check_timeout_behind_a_hung_ups
     waited = time.monotonic() - started
     assert status == 200 and body["checks"]["upstream:stuck"] != "ok", body
     assert waited < 1.9, waited
+
+
+@pytest.mark.parametrize("mode", ["hang-list", "hang-init"])
+async def test_a_task_capable_call_gets_its_handle_at_detach_after_whatever_the_proxy_waits_on(
+    hostile: str, tmp_path: Path, serve: Serve, mode: str
+) -> None:
+    """`detach_after` 150 ms counts from the request's arrival, through the `tools/list` lookup of the
+    `Mcp-Param` headers (hang-list: it waits request_timeout, 1 s) and the session start (hang-init:
+    init_timeout, 1 s): the handle comes long before either bound, and the task records the
+    upstream's later failure (hang-init) or the call's result (hang-list)."""
+    config = hostile_config(hostile, tmp_path, mode, init_timeout="1s", request_timeout="1s")
+    config.tasks.detach_after = 0.15
+    proxy = await serve(config)
+    client = ModernClient(proxy.url())
+    try:
+        started = time.monotonic()
+        reply = await client.call("slow", {"seconds": 0.5})
+        waited = time.monotonic() - started
+        assert reply.result.get("resultType") == "task" or "taskId" in reply.result, reply.message
+        assert waited < 0.7, waited
+        done = await client.wait_terminal(reply.result["taskId"], timeout=5)
+    finally:
+        await client.close()
+    if mode == "hang-init":
+        assert done["status"] == "failed" and "init_timeout" in json.dumps(done), done
+    else:
+        assert done["status"] == "completed", done
