@@ -12,10 +12,13 @@ from aiohttp import web
 
 from proxy.legacy.replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions
-from proxy.protocol.sse import SSE_HEADERS
+from proxy.protocol.jsonrpc import JsonObject
+from proxy.protocol.sse import SSE_HEADERS, SseEvent, encode_message
 
 log = structlog.get_logger("proxy.legacy")
 
+PRIMING = SseEvent("message", "", None, None)  # an event with an id and empty data (SDKs skip it)
+PRIMING_VERSION = "2025-11-25"  # the first revision whose clients expect priming events (SEP-1699)
 LINGER_S = 60.0  # how long (s) a stream no client reads keeps its buffer (and a GET stream its pump)
 
 
@@ -71,14 +74,23 @@ class StreamServer:
         *,
         status: int = 200,
         headers: dict[str, str] | None = None,
+        notice: JsonObject | None = None,
     ) -> web.StreamResponse:
         """Write `stream` to the client from event `after` on (keepalives included) until it ends,
-        is cut, or the client leaves; the stream itself goes on either way."""
+        is cut, or the client leaves; the stream itself goes on either way. A POST reply of a
+        2025-11-25 session starts with a priming event when nothing else came first. `notice` (a
+        JSON-RPC notification) goes first, without an id: it is not part of the stream."""
         response = web.StreamResponse(status=status, headers={**(headers or {}), **SSE_HEADERS})
+        if stream.kind == "post" and stream.last_seq == 0 and session.version >= PRIMING_VERSION:
+            # A priming event (SEP-1699): an id before anything else, so a reply that has said
+            # nothing yet can be resumed with Last-Event-ID if the connection drops.
+            stream.append(PRIMING)
         stream.attached += 1
         ticket = stream.take_over()  # a connection still writing this stream ends: no event on two
         try:
             await response.prepare(request)
+            if notice is not None:
+                await response.write(encode_message(notice))
             async for frame in stream.frames(after, self.keepalive_s, ticket):
                 await response.write(frame)
             await response.write_eof()

@@ -56,6 +56,11 @@ UPSTREAM_RESENT = Counter(
     "POSTs sent once more on a fresh connection after a reused one was found closed by the upstream",
     ["server"],
 )
+LEGACY_REPLAY_GAPS = Counter(
+    "mcp_tasks_proxy_legacy_replay_gaps_total",
+    "legacy resumptions (Last-Event-ID) that came after events had left the replay buffer",
+    ["server"],
+)
 LIMIT_REJECTIONS = Counter(
     "mcp_tasks_proxy_limit_rejections_total", "requests refused by a configured limit", ["limit"]
 )

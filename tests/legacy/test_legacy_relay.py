@@ -108,6 +108,13 @@ async def read_events(resp: aiohttp.ClientResponse) -> list:
     return [event async for event in iter_events(resp.content.iter_any())]
 
 
+async def next_message(events: AsyncIterator[Any]) -> dict:
+    """The next JSON-RPC message of an SSE stream (events without data, like the priming one, skipped)."""
+    while not (event := await anext(events)).data:
+        pass
+    return json.loads(event.data)
+
+
 async def reply_of(resp: aiohttp.ClientResponse) -> dict:
     """The JSON-RPC reply of a request, JSON or SSE (a reply slower than `sse_keepalive` comes on SSE)."""
     if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -155,7 +162,7 @@ async def test_own_event_ids_scoped_to_session_and_stream(proxy_url: str) -> Non
     assert all(i not in ("1", "2") for stream in ids for i in stream)  # never the upstream's reused ids
     tokens = {i.rpartition(":")[0] for stream in ids for i in stream}
     assert len(tokens) == 3  # one token per stream, none shared between sessions
-    assert [i.rpartition(":")[2] for i in ids[0]] == ["1", "2"]
+    assert [i.rpartition(":")[2] for i in ids[0]] == ["1", "2", "3"]  # the priming event, then the two
 
 
 async def test_server_requests_get_proxy_ids_and_one_answer_each(upstream: str, proxy_url: str) -> None:
@@ -168,7 +175,7 @@ async def test_server_requests_get_proxy_ids_and_one_answer_each(upstream: str, 
         async def ask(client: Legacy, answer: str) -> tuple[str, dict]:
             async with client.call(5, "ask") as resp:
                 it = iter_events(resp.content.iter_any())
-                question = json.loads((await anext(it)).data)
+                question = await next_message(it)
                 assert question["method"] == "elicitation/create" and question["id"] != 0
                 reply = {
                     "jsonrpc": "2.0",
@@ -225,13 +232,10 @@ async def test_polling_upstream_resumed_through_the_proxys_ids(proxy_url: str) -
         client = await Legacy(proxy_url, http).open()
         async with client.call(9, "poll") as resp:
             events = await asyncio.wait_for(read_events(resp), 5)  # cut like the upstream cut it
-        assert (
-            len(events) == 1
-            and events[0].data == ""
-            and events[0].retry == 50
-            and ":" in (events[0].id or "")
-        )
-        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": events[0].id})
+        # the proxy's priming event, then the upstream's (its `retry` passes on)
+        assert [(e.data, e.retry) for e in events] == [("", None), ("", 50)]
+        assert ":" in (events[-1].id or "")
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": events[-1].id})
         async with http.get(proxy_url, headers=headers) as resp:
             assert resp.status == 200
             rest = await asyncio.wait_for(read_events(resp), 5)
@@ -243,14 +247,16 @@ async def test_resume_after_client_disconnect_without_upstream_event_store(proxy
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open()
         resp = await client.call(3, "sse_echo", ms=200).__aenter__()
-        first = await anext(iter_events(resp.content.iter_any()))
+        events = iter_events(resp.content.iter_any())
+        while not (first := await anext(events)).data:  # the priming event comes first
+            pass
         resp.close()  # the connection is gone; the call goes on in the proxy
         await asyncio.sleep(0.4)
         headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first.id})
         async with http.get(proxy_url, headers=headers) as again:
             rest = await asyncio.wait_for(read_events(again), 5)
     assert [json.loads(e.data).get("id") for e in rest] == [3]
-    assert rest[0].id.rpartition(":")[2] == "2"
+    assert rest[0].id.rpartition(":")[2] == "3"
 
 
 async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str, proxy_url: str) -> None:
@@ -350,7 +356,11 @@ async def test_replay_buffer_is_bounded_and_a_new_get_reuses_the_live_upstream_s
         await asyncio.sleep(0.2)
         headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first_id})
         async with http.get(proxy.url(), headers=headers) as again:
-            assert [n for _, n in await messages(again, 2)] == [4, 5]  # only the last replay_events are kept
+            notice, *kept = await messages(again, 3)
+            assert [n for _, n in kept] == [4, 5]  # only the last replay_events are kept
+            # and the resumption opens with an error naming what is lost (no id: not part of the stream)
+            assert notice[0] is None and notice[1]["error"] == "replay_gap", notice
+            assert notice[1]["lostEvents"] == 2 and "replay buffer" in notice[1]["message"]
         async with http.get(proxy.url(), headers=client.headers(Accept="text/event-stream")) as fresh:
             assert fresh.status == 200
             await push(6)
@@ -583,7 +593,8 @@ async def test_stdio_bridge_keeps_a_silent_call_alive(tmp_path: Path, serve: Ser
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             raw = await resp.read()
     await proxy.stop()
-    assert raw.startswith(b": keepalive") and raw.count(b": keepalive") >= 3
+    # a priming event (an id, no data: SEP-1699) once the reply turns to SSE, then keepalives
+    assert raw.startswith(b"event: message\nid: ") and raw.count(b": keepalive") >= 3
     final = json.loads(
         [e for e in raw.decode().split("\n\n") if e.startswith("event: message")][-1].split("data: ", 1)[1]
     )
@@ -860,7 +871,11 @@ async def test_slow_json_upstream_reply_switches_to_sse_with_keepalives(proxy_ur
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
             text = await resp.text()
         assert text.count(": keepalive") >= 2, text
-        data = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+        data = [
+            json.loads(line[5:])
+            for line in text.splitlines()
+            if line.startswith("data:") and line[5:].strip()
+        ]
         assert data == [
             {
                 "jsonrpc": "2.0",
@@ -930,9 +945,9 @@ async def test_an_upstream_withdrawn_question_reaches_the_client_under_its_proxy
         client = await Legacy(proxy_url, http).open({"elicitation": {}})
         async with client.call(6, "ask", withdraw_ms=100) as resp:
             it = iter_events(resp.content.iter_any())
-            question = json.loads((await anext(it)).data)
-            cancel = json.loads((await anext(it)).data)
-            final = json.loads((await anext(it)).data)
+            question = await next_message(it)
+            cancel = await next_message(it)
+            final = await next_message(it)
         assert question["method"] == "elicitation/create"
         assert (
             cancel["method"] == "notifications/cancelled" and cancel["params"]["requestId"] == question["id"]
@@ -1238,3 +1253,19 @@ async def test_idle_sessions_expire_and_their_upstream_sessions_are_deleted(
             direct = {**headers, "Mcp-Session-Id": upstream_id, "MCP-Protocol-Version": LEGACY}
             async with http.post(upstream, json=ping, headers=direct) as resp:
                 assert resp.status == 404  # deleted upstream
+
+
+async def test_a_silent_call_whose_connection_drops_is_resumed_from_the_priming_event(proxy_url: str) -> None:
+    """A reply that says nothing before its client's connection drops (here a JSON upstream slower than
+    `sse_keepalive`): the proxy's priming event gave it an id, so the client resumes and gets the answer."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        resp = await client.call(8, "slow_json", ms=400).__aenter__()
+        priming = await anext(iter_events(resp.content.iter_any()))
+        resp.close()  # the connection drops before any message
+        assert priming.data == "" and ":" in (priming.id or ""), priming
+        headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": priming.id})
+        async with http.get(proxy_url, headers=headers) as again:
+            assert again.status == 200
+            rest = [e for e in await asyncio.wait_for(read_events(again), 5) if e.data]
+    assert [json.loads(e.data)["id"] for e in rest] == [8]
