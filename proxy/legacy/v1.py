@@ -26,9 +26,17 @@ from proxy.config import Config, ToolMode
 from proxy.legacy.v1_methods import V1_TASK_METHODS, V1TaskMethods
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
-from proxy.protocol.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, JsonObject, JsonRpcError, object_of
+from proxy.protocol.jsonrpc import (
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
+    JsonObject,
+    JsonRpcError,
+    RequestId,
+    object_of,
+)
 from proxy.runtime import metrics
 from proxy.runtime.fanout import Overflow
+from proxy.tasks.model import TaskRecord
 from proxy.tasks.service import TaskService
 from proxy.tasks.types import TaskChange, TaskMessage, about
 from proxy.tasks.wire_v1 import (
@@ -143,27 +151,55 @@ class V1Front:
         self, emit: Callable[[JsonObject], None], principal: str, session: str = ""
     ) -> Coroutine[Any, Any, None] | None:
         """A pump that emits `notifications/tasks/status` for each status change of `principal`'s
-        tasks on this server (and their progress, unless a `tasks/result` stream carries it) onto
-        a session's standalone GET stream (`emit`), until it is cancelled; None when the upstream
-        has tasks of its own (its stream is left alone). Without client authentication only the
-        tasks client session `session` created are carried."""
+        tasks on this server (and their progress and questions, unless a `tasks/result` stream
+        carries them) onto a session's standalone GET stream (`emit`), until it is cancelled; None
+        when the upstream has tasks of its own (its stream is left alone). Without client
+        authentication only the tasks client session `session` created are carried.
+
+        A question (elicitation, sampling, roots) goes out once, with the related-task `_meta`, for
+        clients that poll `tasks/get` and call `tasks/result` only at the end (the ext-tasks
+        client): the client answers it with a POSTed response under its proxy id."""
         if self._upstream_tasks:
             return None
 
         async def pump() -> None:
-            with self.tasks.changes.subscribe(about(principal, self.server)) as sub:
-                while True:
-                    item = await sub.get()
-                    if isinstance(item, Overflow):
-                        continue  # status pushes are advice: the client polls tasks/get for the rest
-                    if self.shared_principal and self._origin.get(item.task_id) != session:
-                        continue
-                    if isinstance(item, TaskChange) and item.before is not item.record.status:
-                        emit(status_notification(item.record))
-                    elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
-                        emit(item.message)  # progress: the v1 token lives as long as the task
+            asked: dict[str, list[RequestId]] = {}  # task id → proxy ids of questions this stream asked
+            try:
+                with self.tasks.changes.subscribe(about(principal, self.server)) as sub:
+                    while True:
+                        item = await sub.get()
+                        if isinstance(item, Overflow):
+                            continue  # status pushes are advice: the client polls tasks/get for the rest
+                        if self.shared_principal and self._origin.get(item.task_id) != session:
+                            continue
+                        if isinstance(item, TaskChange):
+                            if item.before is not item.record.status:
+                                emit(status_notification(item.record))
+                            self._ask_on_get(item.record, principal, emit, asked)
+                        elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
+                            emit(item.message)  # progress: the v1 token lives as long as the task
+            finally:
+                self.methods.withdraw([proxy_id for ids in asked.values() for proxy_id in ids])
 
         return pump()
+
+    def _ask_on_get(
+        self,
+        record: TaskRecord,
+        principal: str,
+        emit: Callable[[JsonObject], None],
+        asked: dict[str, list[RequestId]],
+    ) -> None:
+        """Emit `record`'s questions no stream carries yet (none while a `tasks/result` stream waits
+        on the task: it asks them), noting their proxy ids in `asked`; a terminal task's are withdrawn."""
+        if record.status.terminal:
+            self.methods.withdraw(asked.pop(record.task_id, []))
+            return
+        if self.methods.watched(record.task_id):
+            return
+        for proxy_id, question in self.methods.ask(record, principal):
+            asked.setdefault(record.task_id, []).append(proxy_id)
+            emit(question)
 
     # -- what the proxy answers itself -------------------------------------------------------
 

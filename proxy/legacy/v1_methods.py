@@ -31,7 +31,14 @@ from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
 from proxy.tasks.types import TaskChange, TaskEvent, TaskMessage, about
-from proxy.tasks.wire_v1 import status_notification, task_outcome_v1, v1_status, v1_task, with_related_task
+from proxy.tasks.wire_v1 import (
+    question_request,
+    status_notification,
+    task_outcome_v1,
+    v1_status,
+    v1_task,
+    with_related_task,
+)
 
 LIST_PAGE = 50  # tasks per tasks/list page
 V1_TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
@@ -69,6 +76,7 @@ class V1TaskMethods:
         self.server = server
         self.keepalive_s = keepalive_s
         self.questions: dict[RequestId, tuple[str, str, str]] = {}
+        self._offered: dict[tuple[str, str], RequestId] = {}  # (task id, input key) → its proxy id
         self._watched: collections.Counter[str] = collections.Counter()  # task id → open tasks/result streams
 
     @contextlib.contextmanager
@@ -81,6 +89,28 @@ class V1TaskMethods:
             self._watched[task_id] -= 1
             if self._watched[task_id] <= 0:
                 del self._watched[task_id]
+
+    def ask(self, record: TaskRecord, principal: str) -> list[tuple[RequestId, JsonObject]]:
+        """`(proxy id, JSON-RPC request)` of each of `record`'s questions that no open stream carries
+        yet (a `tasks/result` stream or a session's GET stream: each question goes out once), now
+        awaiting its answer under that proxy id. The stream that sends them `withdraw`s them when it
+        ends, so a later stream asks again whatever was not answered."""
+        asked: list[tuple[RequestId, JsonObject]] = []
+        for key, question in record.input_requests.items():
+            if (record.task_id, key) in self._offered:
+                continue
+            proxy_id = "mtp-" + secrets.token_urlsafe(9)
+            self.questions[proxy_id] = (record.task_id, key, principal)
+            self._offered[(record.task_id, key)] = proxy_id
+            asked.append((proxy_id, question_request(proxy_id, key, question, record.task_id)))
+        return asked
+
+    def withdraw(self, proxy_ids: list[RequestId]) -> None:
+        """Forget questions `ask` handed out whose stream ended (answered ones are gone already)."""
+        for proxy_id in proxy_ids:
+            target = self.questions.pop(proxy_id, None)
+            if target is not None:
+                self._offered.pop((target[0], target[1]), None)
 
     def watched(self, task_id: str) -> bool:
         """True while a `tasks/result` stream carries `task_id`'s progress (the session's GET stream
@@ -154,6 +184,7 @@ class V1TaskMethods:
             return False
         task_id, key, _ = target
         self.questions.pop(body["id"], None)
+        self._offered.pop((task_id, key), None)
         try:
             record = await self.tasks.lookup(task_id, principal=principal, server=self.server)
         except JsonRpcError:
@@ -182,7 +213,6 @@ class V1TaskMethods:
         task_id = record.task_id
         sse = _Sse(request)
         minted: list[RequestId] = []
-        asked: set[str] = set()
         final: JsonObject | None = None
         waited = False
         try:
@@ -191,14 +221,9 @@ class V1TaskMethods:
                 self.watching(task_id),
             ):
                 while not record.status.terminal:
-                    for key, question in record.input_requests.items():
-                        if key not in asked:
-                            asked.add(key)
-                            proxy_id = "mtp-" + secrets.token_urlsafe(9)
-                            self.questions[proxy_id] = (task_id, key, principal)
-                            minted.append(proxy_id)
-                            message = jsonrpc.request(proxy_id, question["method"], question.get("params"))
-                            await sse.write(encode_message(with_related_task(message, task_id)))
+                    for proxy_id, question in self.ask(record, principal):
+                        minted.append(proxy_id)
+                        await sse.write(encode_message(question))
                     record = await self._wait(sse, sub, record)
                     waited = True
                 await self._relay(sse, sub, [], record.task_id)  # what was pushed while the last read ran
@@ -212,8 +237,7 @@ class V1TaskMethods:
         except (ConnectionResetError, aiohttp.ClientConnectionError):
             return sse.stream or web.Response(status=499)  # the client went away; the task goes on
         finally:
-            for minted_id in minted:
-                self.questions.pop(minted_id, None)
+            self.withdraw(minted)
         if final is None:
             result, error = task_outcome_v1(record)
             final = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.protocol.era import META_RELATED_TASK
-from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, notification
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, RequestId, notification, request
 from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.wire_v2 import wire_task
 
@@ -58,6 +58,17 @@ def with_related_task(message: JsonObject, task_id: str) -> JsonObject:
     params = dict(message.get("params") or {})
     params["_meta"] = {**(params.get("_meta") or {}), META_RELATED_TASK: related_task_meta(task_id)}
     return {**message, "params": params}
+
+
+def question_request(proxy_id: RequestId, key: str, question: JsonObject, task_id: str) -> JsonObject:
+    """A task's stored question (`{method, params}`, the 2026-07-28 `inputRequests` value under
+    `key`) as the v1 client gets it: a JSON-RPC request under the proxy's `proxy_id`, with the
+    related-task key in `params._meta`. A URL-mode elicitation carries `elicitationId` (2025-11-25
+    client/elicitation requires it; the stored value has none), which is the input `key`."""
+    params = dict(question.get("params") or {})
+    if question["method"] == "elicitation/create" and params.get("mode") == "url":
+        params.setdefault("elicitationId", key)
+    return with_related_task(request(proxy_id, question["method"], params), task_id)
 
 
 def task_outcome_v1(record: TaskRecord) -> tuple[JsonObject | None, JsonObject | None]:
