@@ -28,7 +28,7 @@ from proxy.legacy.replay import RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question, same_id
 from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import Rewrite, error_reply
-from proxy.legacy.v1 import V1Front, client_capabilities
+from proxy.legacy.v1 import V1_TASKS_VERSION, V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
@@ -142,11 +142,28 @@ class HttpRelay:
     async def reopen_get(
         self, request: web.Request, session: LegacySession, stream: RelayStream, sid: str
     ) -> None:
-        """A new upstream GET feeds the standalone `stream` again (nothing when the upstream refuses one)."""
+        """A new upstream GET feeds the standalone `stream` again; when the upstream refuses one, the
+        v1 status notifications alone do (`_status_only`), or nothing."""
         upstream = await self._open_get(self._upstream_headers(request, session, "GET"))
         if upstream is not None:
             self.streams.reopen(session, stream)
             stream.feed(self._pump_get(session, stream, upstream, sid), f"legacy GET relay {self.name}")
+            return
+        if await self._status_only(session, sid):
+            self.streams.reopen(session, stream)
+            self._feed_status(session, stream, sid)
+
+    async def _status_only(self, session: LegacySession, sid: str) -> bool:
+        """Whether the proxy serves the standalone stream of a session whose upstream offers none
+        (405) with the v1 status notifications alone: a 2025-11-25 session, in front of an upstream
+        without tasks of its own."""
+        return bool(sid) and session.version >= V1_TASKS_VERSION and not await self.v1.upstream_has_tasks()
+
+    def _feed_status(self, session: LegacySession, stream: RelayStream, sid: str) -> None:
+        """The v1 status notifications (and questions) of the session's principal feed `stream`."""
+        feeding = self.v1.status_feed(stream.append_message, session.principal, sid)
+        if feeding is not None:
+            stream.feed(feeding, f"v1 status push {self.name}")
 
     async def delete(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
         """Relay DELETE; the proxy session ends when the upstream agrees."""
@@ -256,6 +273,11 @@ class HttpRelay:
             return _upstream_error(
                 request_id, f"upstream {self.name} unreachable: {reason}", 504 if timed_out else 502
             )
+        if request.method == "GET" and upstream.status == 405 and await self._status_only(session, sid):
+            upstream.release()  # no GET stream upstream: the proxy's carries the v1 status alone
+            stream = self.streams.open(session, "get")
+            self._feed_status(session, stream, sid)
+            return await self.streams.serve(request, session, stream, headers={"Mcp-Session-Id": sid})
         if 300 <= upstream.status < 400:
             upstream.release()
             message = (

@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from support.clients import AuthClient, ModernClient, envelope
 from support.proxy import RunningProxy, Serve, make_config, with_auth
+from support.servers import ROOT, ServerProcess
 from support.v1_client import V1Client
 
 from proxy.front.auth import hash_token
 from proxy.protocol.sse import iter_events
+from proxy.tasks.wire_v1 import question_request
 
 RELATED = "io.modelcontextprotocol/related-task"
 
@@ -423,3 +426,50 @@ def test_one_record_renders_per_dialect() -> None:
         "taskSupport": "required",
     }
     assert tool_with_task_support({"name": "t"}, "optional")["execution"] == {"taskSupport": "optional"}
+
+
+def test_a_url_mode_question_reaches_a_v1_client_with_an_elicitation_id() -> None:
+    """2025-11-25 requires `elicitationId` on a URL-mode elicitation; the stored question has none
+    (the 2026-07-28 shape), so the v1 client gets the input key; a form question gets none."""
+    url_mode = {
+        "method": "elicitation/create",
+        "params": {"mode": "url", "message": "Sign in", "url": "https://x"},
+    }
+    asked = question_request("mtp-1", "in_abc", url_mode, "task-1")
+    assert asked["id"] == "mtp-1" and asked["params"]["elicitationId"] == "in_abc"
+    assert asked["params"]["_meta"]["io.modelcontextprotocol/related-task"] == {"taskId": "task-1"}
+    form = {"method": "elicitation/create", "params": {"message": "Sure?", "requestedSchema": {}}}
+    assert "elicitationId" not in question_request("mtp-2", "in_def", form, "task-1")["params"]
+
+
+async def test_a_v1_session_gets_its_status_stream_when_the_upstream_has_no_get_stream(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """An upstream that answers GET with 405: a 2025-11-25 session's GET still opens a stream, the
+    proxy's own, carrying its v1 tasks' `notifications/tasks/status`."""
+    upstream = ServerProcess(
+        [sys.executable, str(ROOT / "tests" / "fixtures" / "hostile_upstream.py"), "--port", "0"]
+    )
+    try:
+        proxy = await serve(make_config(f"{upstream.url}/ok/mcp", tmp_path / "store"))
+        client = V1Client(proxy.url())
+        try:
+            await client.initialize()
+            headers = {**client._headers(), "Accept": "text/event-stream"}
+            async with client.http.get(proxy.url(), headers=headers) as stream:
+                assert stream.status == 200 and stream.headers["Content-Type"].startswith("text/event-stream")
+                task = await client.call_as_task("slow", {"seconds": 0.2})
+                statuses = []
+                async with asyncio.timeout(5):
+                    async for event in iter_events(stream.content.iter_any()):
+                        message = json.loads(event.data) if event.data else {}
+                        if message.get("method") == "notifications/tasks/status":
+                            assert message["params"]["taskId"] == task["taskId"]
+                            statuses.append(message["params"]["status"])
+                            if statuses[-1] == "completed":
+                                break
+            assert statuses[-1] == "completed", statuses
+        finally:
+            await client.close()
+    finally:
+        upstream.stop()
