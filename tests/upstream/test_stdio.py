@@ -478,3 +478,26 @@ async def test_a_lone_surrogate_for_a_stdio_child_is_refused_at_once(tmp_path: P
     assert "lone surrogate" in reply.error["message"], reply.message
     assert "lone surrogate" in answer["error"]["message"], answer
     assert fine.result["content"][0]["text"] == "Hello, \U0001f600!"
+
+
+async def test_a_task_capable_call_queued_behind_max_concurrency_gets_its_handle_at_detach_after(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """`detach_after` (100 ms) counts from the request's arrival while it waits for a
+    `max_concurrency` slot: the handle comes long before the slot frees (1 s), and the call runs after."""
+    proxy = await serve(stdio_config(tmp_path, server={"max_concurrency": 1}))
+    plain = ModernClient(proxy.url(), capabilities={})
+    tasks = ModernClient(proxy.url())
+    try:
+        holding = asyncio.ensure_future(plain.call("slow_compute", {"seconds": 1, "label": "holder"}))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        queued = await tasks.call("slow_compute", {"seconds": 0.1, "label": "queued"})
+        waited = time.monotonic() - started
+        assert "taskId" in queued.result and waited < 0.6, (waited, queued.message)
+        done = await tasks.wait_terminal(queued.result["taskId"], timeout=10)
+        assert done["status"] == "completed" and "computed queued" in json.dumps(done)
+        await holding
+    finally:
+        await plain.close()
+        await tasks.close()
