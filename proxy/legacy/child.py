@@ -215,7 +215,7 @@ class StdioChild:
 
     def _feed_status(self, session: LegacySession, stream: RelayStream, sid: str) -> None:
         """The v1 status notifications of the session's principal feed its standalone `stream`."""
-        feeding = self.v1.status_feed(stream.append_message, session.principal, sid)
+        feeding = self.v1.status_feed(stream, session.principal, sid)
         if feeding is not None:
             stream.feed(feeding, f"v1 status push {self.name}")
 

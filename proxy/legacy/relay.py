@@ -161,7 +161,7 @@ class HttpRelay:
 
     def _feed_status(self, session: LegacySession, stream: RelayStream, sid: str) -> None:
         """The v1 status notifications (and questions) of the session's principal feed `stream`."""
-        feeding = self.v1.status_feed(stream.append_message, session.principal, sid)
+        feeding = self.v1.status_feed(stream, session.principal, sid)
         if feeding is not None:
             stream.feed(feeding, f"v1 status push {self.name}")
 
@@ -684,7 +684,7 @@ class HttpRelay:
     ) -> None:
         """Read the upstream's standalone GET stream into `stream` (with the v1 status notifications
         of the session's principal) until the upstream ends it or no client reads it any more."""
-        feeding = self.v1.status_feed(stream.append_message, session.principal, sid) if sid else None
+        feeding = self.v1.status_feed(stream, session.principal, sid) if sid else None
         status = (
             asyncio.get_running_loop().create_task(feeding, name=f"v1 status push {self.name}")
             if feeding

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from proxy.calls.call import Call
 from proxy.config import Config, ToolMode
+from proxy.legacy.replay import RelayStream
 from proxy.legacy.v1_methods import V1_TASK_METHODS, V1TaskMethods
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
@@ -148,17 +149,18 @@ class V1Front:
         return rewrite
 
     def status_feed(
-        self, emit: Callable[[JsonObject], None], principal: str, session: str = ""
+        self, stream: RelayStream, principal: str, session: str = ""
     ) -> Coroutine[Any, Any, None] | None:
         """A pump that emits `notifications/tasks/status` for each status change of `principal`'s
         tasks on this server (and their progress and questions, unless a `tasks/result` stream
-        carries them) onto a session's standalone GET stream (`emit`), until it is cancelled; None
+        carries them) onto a session's standalone GET `stream`, until it is cancelled; None
         when the upstream has tasks of its own (its stream is left alone). Without client
         authentication only the tasks client session `session` created are carried.
 
-        A question (elicitation, sampling, roots) goes out once, with the related-task `_meta`, for
-        clients that poll `tasks/get` and call `tasks/result` only at the end (the ext-tasks
-        client): the client answers it with a POSTed response under its proxy id."""
+        A question (elicitation, sampling, roots) goes out once, with the related-task `_meta`, while
+        a client reads the stream, for clients that poll `tasks/get` and call `tasks/result` only at
+        the end (the ext-tasks client): the client answers it with a POSTed response under its
+        proxy id."""
         if self._upstream_tasks:
             return None
 
@@ -174,10 +176,11 @@ class V1Front:
                             continue
                         if isinstance(item, TaskChange):
                             if item.before is not item.record.status:
-                                emit(status_notification(item.record))
-                            self._ask_on_get(item.record, principal, emit, asked)
+                                stream.append_message(status_notification(item.record))
+                            self._ask_on_get(item.record, principal, stream, asked)
                         elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
-                            emit(item.message)  # progress: the v1 token lives as long as the task
+                            # progress: the v1 token lives as long as the task
+                            stream.append_message(item.message)
             finally:
                 self.methods.withdraw([proxy_id for ids in asked.values() for proxy_id in ids])
 
@@ -187,19 +190,20 @@ class V1Front:
         self,
         record: TaskRecord,
         principal: str,
-        emit: Callable[[JsonObject], None],
+        stream: RelayStream,
         asked: dict[str, list[RequestId]],
     ) -> None:
-        """Emit `record`'s questions no stream carries yet (none while a `tasks/result` stream waits
-        on the task: it asks them), noting their proxy ids in `asked`; a terminal task's are withdrawn."""
+        """Put `record`'s questions no stream carries yet on `stream` while a client reads it (none
+        while a `tasks/result` stream waits on the task: it asks them), noting their proxy ids in
+        `asked`; a terminal task's are withdrawn."""
         if record.status.terminal:
             self.methods.withdraw(asked.pop(record.task_id, []))
             return
-        if self.methods.watched(record.task_id):
+        if self.methods.watched(record.task_id) or not stream.attached:
             return
         for proxy_id, question in self.methods.ask(record, principal):
             asked.setdefault(record.task_id, []).append(proxy_id)
-            emit(question)
+            stream.append_message(question)
 
     # -- what the proxy answers itself -------------------------------------------------------
 
