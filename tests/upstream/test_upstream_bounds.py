@@ -61,7 +61,9 @@ async def legacy_post(url: str, body: dict, headers: dict | None = None) -> tupl
         async with http.post(url, json=body, headers={**LEGACY_HEADERS, **(headers or {})}) as resp:
             text = await resp.text()
             if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+                data = [
+                    line[6:] for line in text.splitlines() if line.startswith("data: ") and line[6:].strip()
+                ]
                 return resp.status, json.loads(data[-1])
             return resp.status, json.loads(text)
 
@@ -165,7 +167,7 @@ async def test_oversized_upstream_replies_are_errors_in_both_eras(
                     events = [
                         json.loads(line[5:])
                         for line in (await resp.text()).splitlines()
-                        if line.startswith("data:")
+                        if line.startswith("data:") and line[5:].strip()  # not the priming event
                     ]
                     answer = [e for e in events if e.get("id") == 2]
                     assert len(answer) == 1 and answer[0]["error"]["code"] == -32603, events
