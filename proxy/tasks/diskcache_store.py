@@ -359,8 +359,9 @@ class DiskcacheStore:
             f"ia:{rev}{_SEP}{record.task_id}",
         )
 
-    async def create(self, record: TaskRecord) -> None:
-        """See TaskStore.create."""
+    async def create(self, record: TaskRecord, *, max_live: int | None = None) -> None:
+        """See TaskStore.create. `max_live` is not counted here: the one process serving this
+        directory (an exclusive lock) counts its principals' live tasks itself (`TaskService`)."""
 
         def op() -> None:
             if not self._cache.add("task:" + record.task_id, record.to_dict(), expire=self._expire_s(record)):

@@ -9,6 +9,12 @@ Every key starts with the configured prefix P (default `mcp-tasks-proxy:`):
   `10**13 - 1 - created_ms`, so member order is newest first. Principal and server keys are
   SHA-256 prefixes (`model.principal_key`).
 - `P live` hash: task id → owner node of every non-terminal task (the orphan sweep).
+- `P live:p:<principal key>` set: the ids of one principal's non-terminal tasks, kept with `live`
+  by the same scripts (SADD on a create or a non-terminal change, so tasks an older version made
+  join at their next change; SREM when a task turns terminal or is purged). Its SCARD is what
+  `limits.max_tasks_per_principal` caps, checked by the create script itself. A create at the cap
+  first drops members whose record is gone or no longer in `live` (a key lost outside these
+  scripts), so the count cannot drift up.
 - `P exp` sorted set: score the expiry (epoch ms) of each terminal task with a retention,
   member `<principal key>\\x1f<server key>\\x1f<rev>\\x1f<id>`: `purge_expired` drops the index
   entries of records Redis has expired.
@@ -60,6 +66,10 @@ class RedisKeys:
         """The index of one principal's tasks (`pkey` = `principal_key(principal)`)."""
         return f"{self.prefix}idx:p:{pkey}"
 
+    def live_of(self, pkey: str) -> str:
+        """The set of one principal's non-terminal task ids (`pkey` = `principal_key(principal)`)."""
+        return f"{self.prefix}live:p:{pkey}"
+
     def by_server(self, pkey: str, skey: str) -> str:
         """The index of one principal's tasks on one server (`skey` = `principal_key(server)`)."""
         return f"{self.prefix}idx:ps:{pkey}:{skey}"
@@ -108,11 +118,26 @@ def change_message(origin: str, before: str | None, record: TaskRecord, data: st
 
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if ARGV[5] ~= '' and ARGV[11] ~= '' then
+  local cap = tonumber(ARGV[11])
+  if redis.call('SCARD', KEYS[7]) >= cap then
+    for _, id in ipairs(redis.call('SMEMBERS', KEYS[7])) do
+      if redis.call('HEXISTS', KEYS[5], id) == 0 or redis.call('EXISTS', ARGV[12] .. 'task:' .. id) == 0 then
+        redis.call('SREM', KEYS[7], id)
+      end
+    end
+    local live = redis.call('SCARD', KEYS[7])
+    if live >= cap then return -live end
+  end
+end
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 'v', ARGV[2])
 redis.call('ZADD', KEYS[2], 0, ARGV[3])
 redis.call('ZADD', KEYS[3], 0, ARGV[3])
 redis.call('ZADD', KEYS[4], 0, ARGV[3])
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[5], ARGV[4], ARGV[5]) end
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[4], ARGV[5])
+  redis.call('SADD', KEYS[7], ARGV[4])
+end
 if ARGV[6] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[6])
   redis.call('ZADD', KEYS[6], ARGV[8], ARGV[7])
@@ -120,9 +145,11 @@ end
 redis.call('PUBLISH', ARGV[9], ARGV[10])
 return 1
 """
-"""KEYS: task, idx:all, idx:p, idx:ps, live, exp. ARGV: record JSON, version, index member, task
-id, owner (or '' when terminal), ttl ms (or ''), exp member, exp score (epoch ms), channel,
-message. Returns 0 when the id exists (nothing written), 1 when created."""
+"""KEYS: task, idx:all, idx:p, idx:ps, live, exp, live:p. ARGV: record JSON, version, index member,
+task id, owner (or '' when terminal), ttl ms (or ''), exp member, exp score (epoch ms), channel,
+message, max live tasks of the principal (or '': no cap), key prefix. Returns 1 when created, 0
+when the id exists, -n when the record is live and its principal already has n >= the cap live
+tasks (nothing written either way). At the cap it reads every member of live:p (O(cap))."""
 
 UPDATE = """
 local v = redis.call('HGET', KEYS[1], 'v')
@@ -131,8 +158,10 @@ if v ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'd', ARGV[2], 'v', ARGV[3])
 if ARGV[5] == '' then
   redis.call('HDEL', KEYS[2], ARGV[4])
+  redis.call('SREM', KEYS[4], ARGV[4])
 else
   redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+  redis.call('SADD', KEYS[4], ARGV[4])
 end
 if ARGV[6] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[6])
@@ -141,7 +170,7 @@ end
 redis.call('PUBLISH', ARGV[9], ARGV[10])
 return 1
 """
-"""KEYS: task, live, exp. ARGV: expected version, record JSON, new version, task id, owner (or ''
+"""KEYS: task, live, exp, live:p. ARGV: expected version, record JSON, new version, task id, owner (or ''
 when terminal), ttl ms (or ''), exp member, exp score, channel, message. Returns -1 when the
 record is gone, 0 when another writer changed it first (nothing written), 1 when committed."""
 
@@ -156,10 +185,11 @@ for _, m in ipairs(items) do
     redis.call('ZREM', ARGV[3] .. 'idx:ps:' .. pk .. ':' .. sk, member)
     redis.call('DEL', ARGV[3] .. 'task:' .. id)
     redis.call('HDEL', KEYS[3], id)
+    redis.call('SREM', ARGV[3] .. 'live:p:' .. pk, id)
   end
   redis.call('ZREM', KEYS[1], m)
 end
 return #items
 """
 """KEYS: exp, idx:all, live. ARGV: now (epoch ms), batch size, key prefix. Forgets up to a batch
-of records whose retention ended (record and index entries); returns how many."""
+of records whose retention ended (record, index and live entries); returns how many."""

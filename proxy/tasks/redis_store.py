@@ -4,10 +4,12 @@ Many proxy processes (replicas) serve from one Redis: there is no directory lock
 a node with its own lease. Key layout and the atomic Lua scripts are in `redis_keys.py`; change
 events (waits, changes of other replicas) in `redis_events.py`.
 
-- A create or a change is one Lua script: the record, its indexes, the `live` entry, the expiry
-  entry and the change message are written together. A change reads the record, applies
-  `model.apply` here, and commits only if the version it read is still stored (compare and set,
-  retried a bounded number of times), so two writers never both win a transition.
+- A create or a change is one Lua script: the record, its indexes, the `live` entries (the
+  orphan sweep's, and the principal's set that `limits.max_tasks_per_principal` counts across
+  replicas: a create past the cap is refused in that same step), the expiry entry and the change
+  message are written together. A change reads the record, applies `model.apply` here, and
+  commits only if the version it read is still stored (compare and set, retried a bounded number
+  of times), so two writers never both win a transition.
 - Retention: a running task's record has no TTL; once terminal its key gets a TTL ending at
   `terminal_ms + ttl_ms`; `purge_expired` drops index entries of expired records.
 - Durability is Redis's: a write is acknowledged once Redis has it in memory and, with
@@ -36,7 +38,14 @@ from proxy.config.base import redact_url, url_password
 from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, principal_key
 from proxy.tasks.redis_events import POLL_S, ChangeFeed
 from proxy.tasks.redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message
-from proxy.tasks.store import Listener, ListFilter, StoreUnavailableError, TaskNotFoundError, owned_by
+from proxy.tasks.store import (
+    Listener,
+    ListFilter,
+    LiveLimitError,
+    StoreUnavailableError,
+    TaskNotFoundError,
+    owned_by,
+)
 
 LIST_SCAN_LIMIT = 5000  # index entries one listing call may read while filtering (then it returns a cursor)
 CAS_ATTEMPTS = 100  # compare-and-set rounds one change may take under contention before giving up
@@ -145,8 +154,10 @@ class RedisTaskStore:
             return "", "", ""
         return str(max(1, expires - now_ms())), self.keys.expiry_member(record), str(expires)
 
-    async def create(self, record: TaskRecord) -> None:
-        """See TaskStore.create."""
+    async def create(self, record: TaskRecord, *, max_live: int | None = None) -> None:
+        """See TaskStore.create: `max_live` is checked against the principal's `live:p` set (every
+        replica's live tasks) inside the create script. Raises ValueError (the id exists),
+        LiveLimitError (the principal has `max_live` live tasks), StoreUnavailableError."""
         data = json.dumps(record.to_dict(), separators=(",", ":"))
         member, by_principal, by_server = self.keys.record_keys(record)
         ttl, exp_member, exp_score = self._retention(record)
@@ -161,6 +172,7 @@ class RedisTaskStore:
                     by_server,
                     self.keys.live,
                     self.keys.expiring,
+                    self.keys.live_of(principal_key(record.principal)),
                 ],
                 args=[
                     data,
@@ -173,10 +185,14 @@ class RedisTaskStore:
                     exp_score,
                     self.keys.changes,
                     message,
+                    "" if max_live is None else max_live,
+                    self.keys.prefix,
                 ],
             )
-        if not created:
+        if created == 0:
             raise ValueError(f"task {record.task_id} already exists")
+        if created < 0:
+            raise LiveLimitError(record.principal, -int(created), max_live or 0)
         self._committed(None, record)
 
     async def _read(self, task_id: str) -> tuple[TaskRecord, bytes | str] | None:
@@ -209,7 +225,12 @@ class RedisTaskStore:
             message = change_message(self.feed.origin, record.status.value, new, data)
             async with self.guard():
                 done = await self._update(
-                    keys=[self.keys.task(task_id), self.keys.live, self.keys.expiring],
+                    keys=[
+                        self.keys.task(task_id),
+                        self.keys.live,
+                        self.keys.expiring,
+                        self.keys.live_of(principal_key(record.principal)),
+                    ],
                     args=[
                         version,
                         data,

@@ -47,7 +47,13 @@ from proxy.tasks.model import (
     valid_task_id,
 )
 from proxy.tasks.rates import TaskRate
-from proxy.tasks.store import DamagedStoreError, StoreUnavailableError, TaskNotFoundError, TaskStore
+from proxy.tasks.store import (
+    DamagedStoreError,
+    LiveLimitError,
+    StoreUnavailableError,
+    TaskNotFoundError,
+    TaskStore,
+)
 from proxy.tasks.types import LiveCall, RemoteOwner, Rerun, TaskChange, TaskEvent, TaskMessage
 
 log = structlog.get_logger("proxy.tasks")
@@ -73,7 +79,8 @@ class TaskService:
     the write goes on being retried in the background. `fence`: the store is shared with other
     replicas, so a node that could not renew its lease for FENCE_AFTER of it stops its detached
     calls that another replica would re-run, before the lease lapses (no call runs on two replicas
-    at once); off for a store one process serves. Limits: `max_tasks_per_principal` (live tasks)
+    at once); off for a store one process serves. Limits: `max_tasks_per_principal` (live tasks:
+    of every replica on a shared store, which checks it as it commits a task; see `detach`)
     and `tasks_rate` (`N/second`-style, per principal, for tasks/* methods), counted in
     `rate_storage` (a `limits.aio` storage; default in memory, Redis for replicas). `rerun` starts
     the call of a task configured `on_restart: rerun` again after its owner died (None: such tasks
@@ -259,14 +266,24 @@ class TaskService:
     # -- creation ----------------------------------------------------------------------------
 
     def check_capacity(self, principal: str) -> None:
-        """Raise a limit error (HTTP 429) when `principal` has `max_tasks_per_principal` live tasks."""
+        """Raise a limit error (HTTP 429) when `principal` has `max_tasks_per_principal` live calls on
+        this node: the early refusal, before anything reaches the upstream (no store round trip).
+        On a store one process serves that is every live task; on a shared store other replicas'
+        tasks count too, and `detach` (the store's create) is the atomic check across them all."""
         cap = self.max_tasks_per_principal
-        if cap is not None and sum(1 for c in self.live.values() if c.principal == principal) >= cap:
-            log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
-            metrics.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
-            raise limit_error(
-                "max_tasks_per_principal", f"this principal already has {cap} running tasks", max=cap
-            )
+        if cap is not None:
+            live = sum(1 for c in self.live.values() if c.principal == principal)
+            if live >= cap:
+                raise self._over_capacity(principal, live, cap)
+
+    def _over_capacity(self, principal: str, live: int, cap: int) -> JsonRpcError:
+        """The `max_tasks_per_principal` refusal (HTTP 429) of `principal` with `live` live tasks,
+        logged (`limit_refused`) and counted (`LIMIT_REJECTIONS`)."""
+        log.warning("limit_refused", limit="max_tasks_per_principal", principal=principal_hash(principal))
+        metrics.LIMIT_REJECTIONS.labels("max_tasks_per_principal").inc()
+        return limit_error(
+            "max_tasks_per_principal", f"this principal already has {live} running tasks", max=cap
+        )
 
     async def detach(
         self,
@@ -285,7 +302,10 @@ class TaskService:
         The record is committed before this returns (the caller then sends the handle). `ttl_s` (s)
         is the retention after the task ends; `rerun` (`{method, params, capabilities}`) is kept for
         tools re-run after their owner died. Raises a limit error (HTTP 429) for
-        `max_tasks_per_principal`, or JsonRpcError -32603 naming the store when it cannot write.
+        `max_tasks_per_principal` (this node's calls, then, on a shared store, the principal's live
+        tasks on every replica, counted by the store as it commits: two replicas creating the last
+        allowed task at once never both succeed), or JsonRpcError -32603 naming the store when it
+        cannot write.
         """
         self.check_capacity(call.principal)
         record = TaskRecord(
@@ -305,7 +325,10 @@ class TaskService:
         self._snapshots[record.task_id] = record
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
         try:
-            await self.store.create(record)
+            await self.store.create(record, max_live=self.max_tasks_per_principal)
+        except LiveLimitError as exc:
+            self.release(record.task_id)
+            raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
         except StoreUnavailableError as exc:
             self.release(record.task_id)
             self.store_failed(exc)

@@ -26,6 +26,17 @@ class TaskNotFoundError(KeyError):
     """Raised when a task id is unknown or expired."""
 
 
+class LiveLimitError(Exception):
+    """Raised by `TaskStore.create` when the principal already has `max_live` live (non-terminal)
+    tasks in the store (nothing written); `live` is how many it has, `max_live` the cap."""
+
+    def __init__(self, principal: str, live: int, max_live: int) -> None:
+        super().__init__(f"this principal already has {live} running tasks (at most {max_live})")
+        self.principal = principal
+        self.live = live
+        self.max_live = max_live
+
+
 class StoreUnavailableError(Exception):
     """Raised when the store cannot read or write (disk full, read-only, I/O error, server down).
 
@@ -73,8 +84,14 @@ class TaskStore(Protocol):
     where: str  # a human name of the store for messages: a directory or a redis URL
     damage: str | None  # damage found in the store's files since it opened (shown on /readyz), or None
 
-    async def create(self, record: TaskRecord) -> None:
-        """Commit a new record before returning. Raises ValueError if the id already exists."""
+    async def create(self, record: TaskRecord, *, max_live: int | None = None) -> None:
+        """Commit a new record before returning. Raises ValueError if the id already exists.
+
+        `max_live`: a store several processes create in (Redis) commits a non-terminal record only
+        while its principal has fewer live tasks than that, counted in the store across them all,
+        in the same atomic step (two creates racing for the last place never both win), else raises
+        LiveLimitError. A store one process serves (diskcache, an exclusive lock) leaves the count
+        to that process (`TaskService` counts its calls) and ignores it."""
 
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when unknown or expired."""
