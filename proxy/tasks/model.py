@@ -234,7 +234,9 @@ class Change:
     """One change to a record, applied atomically by the store through `apply`.
 
     Fields left `_UNSET` stay as they are. `expect_owner`, when set, makes the change conditional
-    on the record's owner (a node that lost its lease cannot write over the one that took over).
+    on the record's owner (a node that lost its lease cannot write over the one that took over);
+    `expect_version` on the record's version (a take-over of an orphan: two nodes that read the same
+    orphan never both win it, even when the owner stays the same).
     """
 
     status: TaskStatus | None = None
@@ -243,6 +245,7 @@ class Change:
     input_requests: Any = _UNSET
     owner: Any = _UNSET
     expect_owner: str | None = None
+    expect_version: int | None = None
 
     @property
     def progress_only(self) -> bool:
@@ -264,12 +267,14 @@ def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: i
     naming the limit (the task fails); reaching a terminal status clears `input_requests` and
     `rerun` and sets `terminal_ms`; `last_updated_ms` never goes back; `version` grows by one; a
     status change is appended to `history` (bounded, see `with_transition`). Raises ConflictError when
-    `expect_owner` does not match.
+    `expect_owner` or `expect_version` does not match.
     """
     if record.status.terminal:
         raise TerminalTaskError(f"task {record.task_id} is {record.status.value}; it can no longer change")
     if change.expect_owner is not None and record.owner != change.expect_owner:
         raise ConflictError(f"task {record.task_id} is owned by {record.owner}, not {change.expect_owner}")
+    if change.expect_version is not None and record.version != change.expect_version:
+        raise ConflictError(f"task {record.task_id} changed (version {record.version}) since it was read")
     status, message, outcome = change.status, change.status_message, change.outcome
     if isinstance(outcome, dict) and "result" in outcome:
         size = len(json.dumps(outcome["result"], separators=(",", ":")))

@@ -424,15 +424,14 @@ class TaskService:
         if by == "fence":  # stopped by the fence: the task belongs to whoever takes it over
             log.info("late_outcome_discarded", task_id=task_id, reason="fenced", by=by)
             return
-        # A status message of None leaves the last progress text in place.
-        keep_message = {} if status_message is None else {"status_message": status_message}
         change = Change(
             status=outcome_status(outcome),
             outcome=outcome,
             input_requests={},
             expect_owner=self.node,
-            **keep_message,
         )
+        if status_message is not None:  # None leaves the last progress text in place
+            change = replace(change, status_message=status_message)
         try:
             record = await self._retrying(lambda: self.store.update(task_id, change))
             principal = principal_hash(record.principal)
@@ -616,6 +615,7 @@ class TaskService:
                         input_requests={},
                         owner=self.node,
                         expect_owner=record.owner,
+                        expect_version=record.version,
                     ),
                 )
                 call = self.rerun(owned, self)  # only once this node owns it: never sent twice
@@ -634,6 +634,7 @@ class TaskService:
                     outcome=proxy_error(message),
                     input_requests={},
                     expect_owner=record.owner,
+                    expect_version=record.version,
                 ),
             )
         except (TerminalTaskError, TaskNotFoundError, ConflictError):

@@ -102,6 +102,30 @@ async def test_two_writers_never_both_win_a_transition(store: TaskStore) -> None
         assert (await store.get(f"r{i}")).status is winners[0].status
 
 
+async def test_an_orphan_taken_over_by_its_own_node_and_another_is_won_once(store: TaskStore) -> None:
+    """A node whose lease lapsed while cut off finds its own orphan (owner unchanged: itself) as
+    another node does: both take it over from the version they read (`expect_version`), and one
+    wins, so the call is re-run once (a condition on the owner alone let both win)."""
+    for i in range(10):
+        await store.create(make_record(task_id=f"own{i}", owner="cut-off"))
+        read = await store.get(f"own{i}")
+        changes = (
+            Change(
+                status=TaskStatus.WORKING,
+                status_message="re-run",
+                owner=node,
+                expect_owner="cut-off",
+                expect_version=read.version,
+            )
+            for node in ("cut-off", "node-b")
+        )
+        results = await asyncio.gather(
+            *(store.update(f"own{i}", change) for change in changes), return_exceptions=True
+        )
+        winners = [r for r in results if isinstance(r, TaskRecord)]
+        assert len(winners) == 1 and sum(isinstance(r, ConflictError) for r in results) == 1, results
+
+
 async def test_conditional_change_on_owner(store: TaskStore) -> None:
     await store.create(make_record(task_id="o", owner="node-a"))
     with pytest.raises(ConflictError):
