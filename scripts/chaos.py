@@ -3,10 +3,13 @@
     python scripts/chaos.py [--calls 200] [--kills 4] [--seed N] [--rerun]     # one proxy process
     python scripts/chaos.py --replicas 3 [--calls 300] [--kills 6] [--seed N] [--rerun]
                                                   # N replicas, HAProxy, Redis
+    ... [--keepalive 0.5]            # either mode: an upstream closing idle connections (below)
+    ... --replicas 3 --partition     # a replica cut off from Redis past its lease (below)
+    ... --damage                     # one process: a damaged store must be refused at start (below)
 
 Upstream: the legacy fixture server through scripts/chaos_upstream.py, which records each call's
-`label` as the call starts (every call of the load carries its own). `--rerun` configures
-slow_compute `on_restart: rerun` (replicas: MCP_RERUN_POLICY, read by config/replicas.yaml).
+`label` as each run of it starts and ends (every call of the load carries its own). `--rerun`
+configures slow_compute `on_restart: rerun` (replicas: MCP_RERUN_POLICY, read by config/replicas.yaml).
 Single process: the upstream and the proxy (a subprocess, durable store in a temp
 folder). Replicas: scripts/cluster.py starts redis-server (appendonly yes, appendfsync always), N
 replicas of one config on it, and HAProxy in front; every request goes through HAProxy.
@@ -21,6 +24,31 @@ a kill. The killed process is restarted after a moment (replicas: a random repli
 others keep serving). Replica mode also restarts redis-server once (SIGKILL, then again on the same
 port and data dir: the AOF brings back what was committed).
 
+Cases (flags; each adds its checks and report fields, the checks below hold as well):
+- `--keepalive S` (s, e.g. 0.5): the upstream closes connections idle S (uvicorn's keep-alive), and
+  the proxy reaches it through a relay (tests/support/relay.py) that closes a reused connection
+  idle KEEPALIVE_RELAY_IDLE * S as a request arrives on it, unforwarded: the race of a pool handing
+  out a connection the server is closing, made certain (the proxy's pool keeps idle connections
+  `keepalive_timeout`, 4 s by default: longer than S). The load comes in bursts of --concurrency
+  calls, each burst followed (once answered) by an idle gap of 0.9-1.1 S. Checked: no call failed
+  with "upstream ... unreachable", connections were closed as requests arrived, and the proxy
+  re-sent POSTs on fresh connections (its `upstream_resent` log lines, counted across restarts).
+- `--partition` (replica mode): replica CUT_OFF reaches Redis through a relay in this process, and
+  slow_compute calls last up to 3 leases (`--lease`); just before the Redis restart, once that
+  replica runs a call with at least a lease left (waiting up to 15 s), the relay holds every byte
+  both ways for `--partition-s` (default PARTITION_LEASES leases) and then lets them on. The
+  replica keeps serving HTTP meanwhile. It must stop its calls that
+  another replica may re-run (on_restart: rerun) before its lease lapses: the upstream's start and
+  end times of each run show whether two runs of one call ever overlapped (`overlapping_runs`, in
+  every mode). Its tasks at the cut (read from Redis directly), and those whose call it ran while
+  cut off and could record only once back (its log's task_created, see cut_off_created), may end
+  lost (explained: `failed_partition_lost`) or be re-run once.
+- `--damage` (single process): after each kill, with the proxy down, the store is copied aside
+  and damaged (DAMAGE_KINDS in turn, see damage_store: cache.db emptied, deleted, or pages garbled);
+  a proxy started on it (on a port of its own) must exit non-zero naming cache.db instead of
+  serving; if it comes up, the ids seen completed are asked of it (`damaged_served_unknown_ids`).
+  The copy then goes back and the proxy restarts on it, so the other checks cover the restored store.
+
 Checks (exit status 1 on any violation):
 - `unknown_ids`: a handed-out task id that a tasks/get ever answered with -32602 (unknown);
 - `lost_results`: a task seen `completed` that later reads otherwise, or with a different result;
@@ -31,14 +59,27 @@ Checks (exit status 1 on any violation):
   failing_job / instant_error texts) and the loss of a SIGKILLed process (`failed_replica_lost`):
   the error names the node (`(node X) was lost`; single process: "the proxy restarted ...") and
   the task was among that node's unfinished tasks in the store right after X was killed (each
-  replica's node id comes from its log's `replica_started` line). Split by kind in `unexplained`
+  replica's node id comes from its log's `replica_started` line), or of a replica cut off from
+  Redis (`failed_partition_lost`: X the cut-off node, the task running there across the
+  partition, see --partition). Split by kind in `unexplained`
   (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
 - `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
-  (`reruns`: with --rerun, a slow_compute task re-run at most once per kill it was running at);
+  (`reruns`: with --rerun, a slow_compute task re-run at most once per kill or partition it was
+  running at);
   split in `double_runs_by` by the task the client was handed: no_task_handed (the call's answer
   never came), task_never_at_a_kill (e.g. a request HAProxy re-sent after a cut or a 503: the
-  handed task is the second replica's), task_at_a_kill (ran again without a re-run policy);
+  handed task is the second replica's), task_at_a_kill (ran again without a re-run policy),
+  task_at_a_partition (run by the cut-off replica across a partition, and more than once again);
 - with --rerun: `lost_despite_rerun` (a slow_compute task failed as lost) and no re-run at all;
+- `overlapping_runs`: a call two of whose upstream runs overlapped in time (running twice at once),
+  unless its task was running at a kill (a SIGKILLed process cannot stop its upstream call);
+- `upstream_unreachable`: a call or task that failed because the upstream was "unreachable" (also
+  counted in unexplained_failures: the chaos run never stops the upstream);
+- --keepalive: no connection closed as a request arrived, or no POST re-sent (the race never ran);
+- --partition: no partition, one not longer than the lease, no call at the cut-off replica
+  outlasting the lease at the cut, or (with --rerun) no call fenced by the cut-off replica;
+- --damage: `damaged_starts_served` (a proxy came up on a damaged store), `damaged_starts_unclear`
+  (it exited 0 or without naming cache.db, or hung), or no damaged start tried;
 - no completed result seen before the first kill, or no kill landing with requests in flight.
 Not violations: requests cut by a kill or refused while a process is down (`transport_errors`,
 split by call/poll and cut / refused / no_backend (HAProxy's own 503: no replica up) / timeouts /
@@ -58,8 +99,18 @@ tasks_running_at_kills, failed_replica_lost, failed_expected, unexplained_failur
 (+ unexplained{kind: n} and samples), labels_started, double_runs (+ samples), reruns,
 rerun_completed, lost_despite_rerun, violations[...]; in replica mode also
 requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
-handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked).
-Loopback only; every process it starts is stopped.
+handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked);
+always failed_partition_lost, overlapping_runs (+ samples, overlapping_runs_by{task_at_a_partition,
+other}), upstream_unreachable. With --keepalive: keepalive_s (s), idle_gaps,
+upstream_closed_on_request (the relay's closes), upstream_resent (the proxy's resends, from its
+logs). With --partition: lease_s (s), partitions, partition_s (s,
+measured), tasks_running_at_partition (the cut-off node's unfinished tasks at the cut),
+tasks_past_lease_at_partition (those with a lease or more of their call left),
+tasks_created_after_partition, fenced_calls (calls the cut-off replica's `replica_fenced` log lines
+stopped during the partition). With --damage: damaged_starts, damaged_starts_refused (exit non-zero,
+stderr naming cache.db), damaged_starts_served, damaged_starts_unclear, damaged_served_unknown_ids,
+damage_kinds_refused, damage_samples (what each start printed last).
+Loopback only; every process it starts is stopped (relays run on a thread of this process).
 """
 
 from __future__ import annotations
@@ -67,13 +118,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import importlib.util
 import io
 import json
+import math
 import os
 import queue
 import random
 import re
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -81,6 +136,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -143,13 +199,152 @@ class Child:
                 self.proc.wait()
 
 
+class RelayLoop:
+    """tests/support/relay.py's TcpRelays on an event loop of their own (a daemon thread), so that the
+    blocking Target methods (run in threads) can pause and resume them and read their counts."""
+
+    def __init__(self) -> None:
+        spec = importlib.util.spec_from_file_location(
+            "mcp_tasks_proxy_relay", ROOT / "tests" / "support" / "relay.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self._relay_class = module.TcpRelay
+        self.loop = asyncio.new_event_loop()
+        # A relayed connection whose target refuses it (redis-server down for its restart) is closed
+        # by asyncio after it reports the error: expected here, not worth a traceback.
+        self.loop.set_exception_handler(lambda loop, context: None)
+        self.relays: list[Any] = []
+        self._thread = threading.Thread(target=self.loop.run_forever, name="chaos-relays", daemon=True)
+        self._thread.start()
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def relay(self, host: str, port: int, *, close_idle_s: float | None = None) -> tuple[Any, int]:
+        """A new TcpRelay to `host:port` (`close_idle_s`, s: see TcpRelay) and its loopback port."""
+
+        async def start() -> tuple[Any, int]:
+            relay = self._relay_class(host, port, close_idle_s=close_idle_s)
+            return relay, await relay.start()
+
+        relay, relay_port = self._run(start())
+        self.relays.append(relay)
+        return relay, relay_port
+
+    def pause(self, relay: Any) -> None:
+        """Hold every byte through `relay` from now on (returns once that holds)."""
+
+        async def pause() -> None:
+            relay.pause()
+
+        self._run(pause())
+
+    def resume(self, relay: Any) -> None:
+        async def resume() -> None:
+            relay.resume()
+
+        self._run(resume())
+
+    def stop(self) -> None:
+        """Close every relay and end the thread."""
+
+        async def close() -> None:
+            for relay in self.relays:
+                relay.resume()
+                await relay.close()
+
+        try:
+            self._run(close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+
+
+def relayed_url(url: str, relay_port: int) -> str:
+    """`url` (http://host:port/... or redis://host:port/...) with its port replaced by `relay_port`."""
+    scheme, rest = url.split("://", 1)
+    address, _, path = rest.partition("/")
+    return f"{scheme}://{address.rsplit(':', 1)[0]}:{relay_port}/{path}"
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """(host, port) of `url` (scheme://host:port/...)."""
+    host, port = url.split("://", 1)[1].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
+def seconds_of(duration: str) -> float:
+    """`500ms`, `1s`, `1.5s` or `2` (s) in seconds."""
+    text = duration.strip()
+    if text.endswith("ms"):
+        return float(text[:-2]) / 1000
+    return float(text.removesuffix("s"))
+
+
+@dataclass
+class UpstreamRuns:
+    """What the upstream recorded (scripts/chaos_upstream.py): label -> the (start, end) wall-clock
+    times (s) of each run of that call, end `math.inf` for a run that never ended."""
+
+    runs: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> UpstreamRuns:
+        starts: dict[tuple[str, str], float] = {}
+        ends: dict[tuple[str, str], float] = {}
+        text = path.read_text(errors="replace") if path.exists() else ""
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 4 and parts[2] in ("start", "end"):
+                (starts if parts[2] == "start" else ends)[(parts[0], parts[1])] = float(parts[3])
+        out = cls()
+        for (label, run), start in sorted(starts.items(), key=lambda item: item[1]):
+            out.runs.setdefault(label, []).append((start, ends.get((label, run), math.inf)))
+        return out
+
+    def starts(self) -> Counter[str]:
+        """label -> how often the upstream started it."""
+        return Counter({label: len(runs) for label, runs in self.runs.items()})
+
+    def overlapping(self, label: str) -> bool:
+        """True when two runs of `label` were running at the same moment."""
+        latest_end = -math.inf
+        for start, end in self.runs.get(label, ()):  # sorted by start
+            if start < latest_end:
+                return True
+            latest_end = max(latest_end, end)
+        return False
+
+
+def log_events(logs: list[Path], event: str, window: tuple[float, float] | None = None) -> list[dict]:
+    """The entries of the JSON-lines `logs` whose event is `event`; with `window` (wall-clock start,
+    end, s) only those logged then."""
+    found: list[dict] = []
+    for log in logs:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for line in text.splitlines():
+            if f'"{event}"' not in line:
+                continue
+            try:
+                entry = json.loads(line)
+                at = datetime.fromisoformat(entry["timestamp"]).timestamp() if window else 0.0
+            except (ValueError, KeyError, TypeError):
+                continue
+            if entry.get("event") == event and (window is None or window[0] <= at <= window[1]):
+                found.append(entry)
+    return found
+
+
 @dataclass
 class Killed:
     """One SIGKILL: `label` (e.g. `replica 2`), requests the killed process itself was serving
     (`at_process`, None when only the client's own count is known), its node id (the store's
     owner name for it) and the unfinished tasks it owned when it died (read from the store right
-    after the kill, before any other node can take them over): task id -> the call's label, when
-    the record keeps the call for a re-run (None otherwise)."""
+    after the kill, before any other node can take them over; replicas: also just before it):
+    task id -> the call's label, when the record keeps the call for a re-run (None otherwise)."""
 
     label: str
     at_process: int | None
@@ -157,12 +352,41 @@ class Killed:
     owned: dict[str, str | None]
 
 
-def counting_upstream(workdir: Path) -> tuple[Child, Path]:
-    """The legacy fixture server, recording every call's `label` as it starts
-    (scripts/chaos_upstream.py); returns it and the file of start lines."""
+def counting_upstream(workdir: Path, keep_alive_s: float | None = None) -> tuple[Child, Path]:
+    """The legacy fixture server, recording every call's `label` as it starts and ends
+    (scripts/chaos_upstream.py; `keep_alive_s`: uvicorn closes a connection idle that long, s);
+    returns it and the file of start and end lines."""
     starts = workdir / "starts.log"
     env = {**os.environ, "MCP_CHAOS_STARTS": str(starts)}
-    return Child([sys.executable, "scripts/chaos_upstream.py", "--port", "0"], env=env), starts
+    argv = [sys.executable, "scripts/chaos_upstream.py", "--port", "0"]
+    if keep_alive_s is not None:
+        argv += ["--keep-alive", str(keep_alive_s)]
+    return Child(argv, env=env), starts
+
+
+class UpstreamRelay:
+    """With --keepalive: the upstream on a short keep-alive, reached through a relay that closes a
+    reused connection idle for KEEPALIVE_RELAY_IDLE of that keep-alive as a request arrives on it
+    (the request is never forwarded): the race of a pool handing out a connection the server is
+    closing, made certain. `url` is what the proxy is given; `closed_on_request` counts those closes."""
+
+    def __init__(self, upstream: Child, keep_alive_s: float) -> None:
+        self.relays = RelayLoop()
+        try:
+            host, port = host_port(upstream.url)
+            idle_s = KEEPALIVE_RELAY_IDLE * keep_alive_s
+            self.relay, relay_port = self.relays.relay(host, port, close_idle_s=idle_s)
+        except BaseException:
+            self.relays.stop()
+            raise
+        self.url = relayed_url(upstream.url, relay_port)
+
+    @property
+    def closed_on_request(self) -> int:
+        return int(self.relay.closed_idle)
+
+    def stop(self) -> None:
+        self.relays.stop()
 
 
 def node_of(log: Path) -> str:
@@ -199,11 +423,53 @@ def _label_of(rerun: dict[str, Any] | None) -> str | None:
     return label if isinstance(label, str) else None
 
 
+@dataclass
+class Partition:
+    """One partition (--partition): replica `label`'s link to Redis held from `paused_at` to
+    `resumed_at` (monotonic, s; `wall`: the same two moments in wall-clock time, s), its node id, and
+    the unfinished tasks that node owned when the link was cut (read from Redis directly: task id ->
+    the call's label when the record keeps the call for a re-run, like Killed.owned)."""
+
+    label: str
+    node: str
+    owned: dict[str, str | None]
+    paused_at: float
+    resumed_at: float
+    wall: tuple[float, float]
+    # Tasks whose call the cut-off replica was running while cut off but could record only once
+    # back (see cut_off_created): task id -> label.
+    created_after: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def held(self) -> dict[str, str | None]:
+        """Every task the cut-off node ran across the partition: `owned` and `created_after`."""
+        return {**self.created_after, **self.owned}
+
+
+def cut_off_created(run: Run, partition: Partition, log: Path) -> dict[str, str | None]:
+    """Tasks the cut-off replica created (`task_created` in its `log`) from the cut until 10 s after
+    the resume (s; its Redis calls give up after store.timeout, 5 s), whose call the client sent before
+    the resume and was handed after the cut: calls that replica ran while cut off and could record
+    only once back. Another replica may re-run such a task once (the fence stops the first run
+    before) or end it as lost. Task id -> the call's label."""
+    window = (partition.wall[0], partition.wall[1] + 10.0)
+    created = {entry.get("task_id") for entry in log_events([log], "task_created", window)}
+    return {
+        task_id: run.call_of[task_id][1]
+        for task_id in created
+        if isinstance(task_id, str)
+        and task_id in run.handed
+        and run.sent[task_id] < partition.resumed_at
+        and run.handed[task_id] > partition.paused_at
+    }
+
+
 class Target(Protocol):
     """What the chaos loop drives: one URL, and processes behind it to kill and bring back."""
 
     url: str
-    starts: Path  # the upstream's start lines (one `label` per call start)
+    starts: Path  # the upstream's start and end lines (scripts/chaos_upstream.py)
+    upstream_relay: UpstreamRelay | None  # --keepalive: the relay in front of the upstream
 
     def kill(self, rng: random.Random) -> Killed:
         """SIGKILL one serving process now (blocking; runs in a thread) and say what died."""
@@ -212,43 +478,122 @@ class Target(Protocol):
         """Start again what the last kill() stopped (blocking; runs in a thread)."""
 
     def extra_chaos(self) -> list[str]:
-        """Labels of the other events this target can run (e.g. `redis`)."""
+        """Labels of the other events this target can run (e.g. `redis`, `partition`)."""
 
-    def extra(self, name: str, down_s: float) -> None:
-        """Run one extra event (blocking; runs in a thread), e.g. restart redis-server."""
+    def extra(self, name: str, down_s: float) -> Partition | None:
+        """Run one extra event for `down_s` s (blocking; runs in a thread), e.g. restart redis-server;
+        a partition says what it cut off."""
+
+    def logs(self) -> list[Path]:
+        """The proxy processes' logs (JSON lines, appended across restarts)."""
 
     def stop(self) -> None:
         """Stop every process this target started."""
 
 
+def damage_store(store: Path, kind: str) -> None:
+    """Damage the diskcache store directory `store` (no process has it open), as a failing disk or a
+    slip of the hand would. `emptied`: cache.db truncated to 0 bytes, its -wal and -shm removed;
+    `deleted`: cache.db, -wal and -shm removed; `garbled`: the WAL checkpointed into cache.db (as a
+    clean shutdown leaves it), then every page from the middle of cache.db to its end overwritten with
+    0xff. (Not here: garbled bytes in cache.db-wal. SQLite reads a WAL frame whose checksum fails as
+    the end of the log, so the commits after it vanish without an error: no start-up check sees it.)"""
+    database = store / "cache.db"
+    if kind in ("emptied", "deleted"):
+        for name in ("cache.db-wal", "cache.db-shm"):
+            (store / name).unlink(missing_ok=True)
+        if kind == "emptied":
+            database.write_bytes(b"")
+        else:
+            database.unlink()
+    elif kind == "garbled":
+        con = sqlite3.connect(database)
+        try:  # closed before the garbling: nothing of SQLite's writes after it
+            page = int(con.execute("PRAGMA page_size").fetchone()[0])
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            con.close()
+        size = database.stat().st_size
+        start = max(page, (size // 2) // page * page)  # page 1 (the header) stays: a database, damaged
+        with open(database, "r+b") as file:
+            file.seek(start)
+            file.write(b"\xff" * (size - start))
+    else:
+        raise ValueError(kind)
+
+
+def attempt_start(argv: list[str], log: Path, timeout_s: float) -> tuple[subprocess.Popen[str], str, bool]:
+    """Start `argv` (a proxy that should refuse to start), stderr to `log`, and wait until it exits or
+    prints `listening on URL` (bounded: `timeout_s` s, then it is killed). Returns the process, the
+    URL it listens on ("" when it did not come up; it is then reaped) and whether it was killed for
+    doing neither in time. A process that came up is left running: the caller stops it."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True
+        )
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = proc.stdout
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = lines.get(timeout=max(0.001, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()  # neither refused nor serving in time
+            proc.wait(timeout=10)
+            return proc, "", True
+        if not line:
+            break
+        if line.startswith("listening on "):
+            return proc, line.strip().removeprefix("listening on "), False
+    proc.wait(timeout=10)
+    return proc, "", False
+
+
 class SingleProxy:
     """The legacy fixture server and one proxy process on a durable disk store."""
 
-    def __init__(self, workdir: Path, rerun: bool = False) -> None:
-        self.upstream, self.starts = counting_upstream(workdir)
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        keep_alive = args.keepalive or None
+        self.upstream, self.starts = counting_upstream(workdir, keep_alive)
+        self.upstream_relay: UpstreamRelay | None = None
         self.store_path = workdir / "store"
-        config = workdir / "proxy.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "store": {"path": str(workdir / "store")},
-                    "tasks": {"detach_after": "100ms", "ttl": "1h", "poll_interval": "100ms"},
-                    "mcpServers": {
-                        "fx": {
-                            "url": self.upstream.url,
-                            "tasks": {
-                                "tools": {"slow_compute": {"on_restart": "rerun" if rerun else "fail"}}
-                            },
-                        }
-                    },
-                }
-            )
-        )
-        self.argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
-        self.log = workdir / "proxy.log"
+        self.workdir = workdir
         try:
+            if keep_alive:
+                self.upstream_relay = UpstreamRelay(self.upstream, keep_alive)
+            config = workdir / "proxy.json"
+            config.write_text(
+                json.dumps(
+                    {
+                        "store": {"path": str(workdir / "store")},
+                        "tasks": {"detach_after": "100ms", "ttl": "1h", "poll_interval": "100ms"},
+                        "mcpServers": {
+                            "fx": {
+                                "url": self.upstream_relay.url if self.upstream_relay else self.upstream.url,
+                                "tasks": {
+                                    "tools": {
+                                        "slow_compute": {"on_restart": "rerun" if args.rerun else "fail"}
+                                    }
+                                },
+                            }
+                        },
+                    }
+                )
+            )
+            self.argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
+            self.log = workdir / "proxy.log"
             self.proxy: Child | None = Child(self.argv, self.log)
         except BaseException:
+            if self.upstream_relay is not None:
+                self.upstream_relay.stop()
             self.upstream.stop()  # no process outlives a failed start
             raise
         self.url = self.proxy.url
@@ -264,6 +609,45 @@ class SingleProxy:
         # The client's outstanding requests are all at this process (at_process None).
         return Killed("proxy", None, node, owned_by(DiskcacheStore(self.store_path, exclusive=False), node))
 
+    def damaged_start(self, kind: str, task_ids: list[str], timeout_s: float) -> dict[str, Any]:
+        """With the proxy down (after kill()): copy the store aside, damage it (`kind`, see
+        damage_store), start a proxy on it on a port of its own (no client request reaches it) and see
+        whether it refuses, then put the copy back. Returns {kind, exit (None: it came up), timed_out
+        (it neither came up nor exited within `timeout_s` s: killed), names_file (its stderr names
+        cache.db), message (its last stderr line), refused (it exited non-zero in time naming cache.db),
+        served (it came up: then `unknown_ids`, how many of `task_ids`, each seen completed before, it
+        answered unknown or not completed)}."""
+        backup = self.workdir / "store-before-damage"
+        shutil.copytree(self.store_path, backup, symlinks=True)
+        database = os.path.join(os.path.realpath(self.store_path), "cache.db")
+        log = self.workdir / f"damaged-start-{kind}.log"
+        out: dict[str, Any] = {"kind": kind, "served": False, "unknown_ids": 0}
+        proc: subprocess.Popen[str] | None = None
+        try:
+            damage_store(self.store_path, kind)
+            proc, url, timed_out = attempt_start([*self.argv[:-1], "0"], log, timeout_s)
+            text = log.read_text(errors="replace")
+            lines = [line for line in text.splitlines() if line.strip()]
+            out["exit"] = None if url else proc.returncode
+            out["timed_out"] = timed_out
+            out["names_file"] = database in text
+            out["message"] = (lines[-1] if lines else "")[:400]
+            out["refused"] = not url and not timed_out and proc.returncode != 0 and out["names_file"]
+            if url:
+                out["served"] = True
+                out["unknown_ids"] = asyncio.run(_unknown_on(url, task_ids[:50]))
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            shutil.rmtree(self.store_path)
+            backup.rename(self.store_path)
+        return out
+
     def revive(self) -> None:
         # The same port, so the client's URL stays valid (a restarted service keeps its address).
         argv = [*self.argv[:-1], self.port]
@@ -278,46 +662,109 @@ class SingleProxy:
     def extra_chaos(self) -> list[str]:
         return []
 
-    def extra(self, name: str, down_s: float) -> None:
+    def extra(self, name: str, down_s: float) -> Partition | None:
         raise ValueError(name)
 
+    def logs(self) -> list[Path]:
+        return [self.log]
+
     def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-        self.upstream.stop()
+        try:
+            if self.proxy is not None:
+                self.proxy.stop()
+        finally:
+            if self.upstream_relay is not None:
+                self.upstream_relay.stop()
+            self.upstream.stop()
+
+
+async def _unknown_on(url: str, task_ids: list[str]) -> int:
+    """How many of `task_ids` (each seen completed) the proxy at `url` answers unknown or not completed."""
+    unknown = 0
+    async with aiohttp.ClientSession() as http:
+        for task_id in task_ids:
+            try:
+                reply = await rpc(http, url, "tasks/get", {"taskId": task_id}, task_id, 10)
+            except Transport:
+                continue
+            if (reply.get("result") or {}).get("status") != "completed":
+                unknown += 1
+    return unknown
+
+
+def partitionable_cluster(relays: RelayLoop, cut_off: int, **kwargs: Any) -> Any:
+    """A scripts/cluster.py Cluster (`kwargs`) whose replica `cut_off` reaches Redis through a pausable
+    relay on `relays` (made once redis-server runs; its port stays the same across the Redis
+    restart): `.redis_relay`."""
+    from cluster import Cluster
+
+    class PartitionableCluster(Cluster):
+        redis_relay: Any = None
+        redis_relay_url = ""
+
+        def _spawn(self, i: int) -> None:
+            if i != cut_off:
+                super()._spawn(i)
+                return
+            if self.redis_relay is None:
+                host, port = host_port(self.redis.url)
+                self.redis_relay, relay_port = relays.relay(host, port)
+                self.redis_relay_url = relayed_url(self.redis.url, relay_port)
+            env, self.env = self.env, {**self.env, "MCP_REDIS_URL": self.redis_relay_url}
+            try:
+                super()._spawn(i)
+            finally:
+                self.env = env
+
+    return PartitionableCluster(**kwargs)
 
 
 class Replicas:
     """N replicas of config/replicas.yaml behind HAProxy on an AOF Redis (scripts/cluster.py), the
-    legacy fixture server as upstream `web`; every request goes through HAProxy."""
+    legacy fixture server as upstream `web`; every request goes through HAProxy. With --partition,
+    replica CUT_OFF reaches Redis through a relay that `extra("partition")` pauses."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        from cluster import Cluster, _redis_server_class
+        from cluster import _redis_server_class
 
-        self.upstream, self.starts = counting_upstream(workdir)
-        (workdir / "cluster").mkdir()  # Cluster writes its logs there but does not create a given dir
-        self.cluster = Cluster(
-            upstream_url=self.upstream.url,
-            replicas=args.replicas,
-            workdir=workdir / "cluster",
-            check_inter="100ms",
-            settings={
-                "MCP_LEASE": args.lease,
-                "MCP_DETACH_AFTER": "100ms",
-                "MCP_POLL_INTERVAL": "100ms",
-                "MCP_STDIO_DISABLED": "true",
-                "MCP_DRAIN_TIMEOUT": "1s",
-                "MCP_DRAIN_DETACHED": "1s",
-                "MCP_RERUN_POLICY": "rerun" if args.rerun else "fail",
-            },
-        )
-        # Persistence on: every write on disk (AOF, fsync per write) before Redis acknowledges it.
-        self.redis = _redis_server_class()(workdir / "redis", appendonly=True, appendfsync="always")
-        self.cluster.redis = self.redis
+        keep_alive = args.keepalive or None
+        self.upstream, self.starts = counting_upstream(workdir, keep_alive)
+        self.upstream_relay: UpstreamRelay | None = None
+        self.relays: RelayLoop | None = None
+        self.cut_off = CUT_OFF if args.partition else -1
         try:
+            if keep_alive:
+                self.upstream_relay = UpstreamRelay(self.upstream, keep_alive)
+            if args.partition:
+                self.relays = RelayLoop()
+            (workdir / "cluster").mkdir()  # Cluster writes its logs there but does not create a given dir
+            options: dict[str, Any] = {
+                "upstream_url": self.upstream_relay.url if self.upstream_relay else self.upstream.url,
+                "replicas": args.replicas,
+                "workdir": workdir / "cluster",
+                "check_inter": "100ms",
+                "settings": {
+                    "MCP_LEASE": args.lease,
+                    "MCP_DETACH_AFTER": "100ms",
+                    "MCP_POLL_INTERVAL": "100ms",
+                    "MCP_STDIO_DISABLED": "true",
+                    "MCP_DRAIN_TIMEOUT": "1s",
+                    "MCP_DRAIN_DETACHED": "1s",
+                    "MCP_RERUN_POLICY": "rerun" if args.rerun else "fail",
+                },
+            }
+            if self.relays is not None:
+                self.cluster = partitionable_cluster(self.relays, self.cut_off, **options)
+            else:
+                from cluster import Cluster
+
+                self.cluster = Cluster(**options)
+            # Persistence on: every write on disk (AOF, fsync per write) before Redis acknowledges it.
+            self.redis = _redis_server_class()(workdir / "redis", appendonly=True, appendfsync="always")
+            self.cluster.redis = self.redis
             self.cluster.start()
         except BaseException:
-            self.upstream.stop()
+            self._stop_helpers()
             raise
         self.url = f"{self.cluster.url}/servers/web/mcp"
         self.killed = -1
@@ -337,8 +784,6 @@ class Replicas:
         }
 
     def kill(self, rng: random.Random) -> Killed:
-        from proxy.tasks.redis_store import RedisTaskStore
-
         # A random replica among those serving requests right now
         # (waiting up to 2 s for one; any replica when none is).
         deadline = time.monotonic() + 2
@@ -349,29 +794,72 @@ class Replicas:
                 break
             time.sleep(0.005)
         self.killed = rng.choice(busy) if busy else rng.randrange(self.cluster.n)
-        self.cluster.kill(self.killed)
         node = node_of(self.cluster.log_path(self.killed))
-        # Read at once: the others take its tasks over only once its lease (--lease) has lapsed.
-        owned = owned_by(RedisTaskStore(self.redis.url, timeout_s=2.0), node)
+        # Read just before and at once after: the others take its tasks over once its lease (--lease)
+        # has lapsed, and on a loaded machine the read after the kill may come that late.
+        before = self.owned(node)
+        self.cluster.kill(self.killed)
+        owned = {**before, **self.owned(node)}
         return Killed(f"replica {self.killed}", load.get(self.killed, 0), node, owned)
+
+    def owned(self, node: str) -> dict[str, str | None]:
+        """The unfinished tasks Redis records as owned by `node` (read directly, never through a relay)."""
+        from proxy.tasks.redis_store import RedisTaskStore
+
+        return owned_by(RedisTaskStore(self.redis.url, timeout_s=2.0), node)
+
+    def cut_off_owned(self) -> tuple[str, dict[str, str | None]]:
+        """--partition: the node id the cut-off replica runs as now, and its unfinished tasks."""
+        node = node_of(self.cluster.log_path(self.cut_off))
+        return node, self.owned(node)
 
     def revive(self) -> None:
         self.cluster.restart(self.killed)
 
     def extra_chaos(self) -> list[str]:
-        return ["redis"]
+        # The partition first: after the Redis restart the other replicas judge leases again only
+        # once they renewed their own for a lease (LeaseJudge), which would delay the takeover.
+        return ["partition", "redis"] if self.cut_off >= 0 else ["redis"]
 
-    def extra(self, name: str, down_s: float) -> None:
-        port = self.redis.port
-        self.redis.kill()  # SIGKILL: what the AOF holds is all that comes back
-        time.sleep(down_s)
-        self.redis.start(port=port)  # same port and data dir; returns once it answers PING
+    def extra(self, name: str, down_s: float) -> Partition | None:
+        if name == "redis":
+            port = self.redis.port
+            self.redis.kill()  # SIGKILL: what the AOF holds is all that comes back
+            time.sleep(down_s)
+            self.redis.start(port=port)  # same port and data dir; returns once it answers PING
+            return None
+        if name != "partition" or self.relays is None:
+            raise ValueError(name)
+        # The cut-off replica keeps serving HTTP (and its upstream calls) but reaches Redis no more:
+        # nothing it sends arrives, nothing is refused, until resume.
+        relay = self.cluster.redis_relay
+        node = node_of(self.cluster.log_path(self.cut_off))
+        self.relays.pause(relay)
+        paused_at, wall_from = time.monotonic(), time.time()
+        try:
+            owned = self.owned(node)
+            time.sleep(max(0.0, down_s - (time.monotonic() - paused_at)))
+        finally:
+            self.relays.resume(relay)
+        resumed_at, wall_to = time.monotonic(), time.time()
+        return Partition(f"replica {self.cut_off}", node, owned, paused_at, resumed_at, (wall_from, wall_to))
+
+    def logs(self) -> list[Path]:
+        return [self.cluster.log_path(i) for i in range(self.cluster.n)]
+
+    def _stop_helpers(self) -> None:
+        try:
+            for helper in (self.relays, self.upstream_relay):
+                if helper is not None:
+                    helper.stop()
+        finally:
+            self.upstream.stop()
 
     def stop(self) -> None:
         try:
             self.cluster.stop()
         finally:
-            self.upstream.stop()
+            self._stop_helpers()
 
 
 # tool -> its own error text
@@ -380,11 +868,16 @@ EXPECTED_FAILURE = {
     "instant_error": "instant_error exploded",
 }
 LOST = re.compile(r"\(node ([0-9a-f]+)\) was lost|the proxy restarted while this call was running")
+UNREACHABLE = re.compile(r"upstream \S+ unreachable")  # the proxy's error when the upstream request failed
+CUT_OFF = 0  # --partition: the replica whose link to Redis is cut
+KEEPALIVE_RELAY_IDLE = 0.4  # --keepalive: the relay closes a connection idle this share of the keep-alive
+DAMAGE_KINDS = ("emptied", "deleted", "garbled")  # --damage: one per kill, in turn (see damage_store)
+PARTITION_LEASES = 2.5  # --partition: how long the link is cut, in leases (unless --partition-s)
 
 
-def mixed_call(i: int, rng: random.Random) -> tuple[str, dict]:
-    """Call i of the mixed load: sync result, sync JSON-RPC error, a task failing, slow tasks. Every
-    call carries its own `label` (the upstream records each start of it)."""
+def mixed_call(i: int, rng: random.Random, slow_max_s: float = 1.5) -> tuple[str, dict]:
+    """Call i of the mixed load: sync result, sync JSON-RPC error, a task failing, slow tasks (0.15 s
+    to `slow_max_s` s). Every call carries its own `label` (the upstream records each run of it)."""
     kind = i % 6
     if kind == 0:
         return "greet", {"name": f"n{i}", "label": f"g{i}"}
@@ -392,7 +885,7 @@ def mixed_call(i: int, rng: random.Random) -> tuple[str, dict]:
         return "failing_job", {"label": f"f{i}"}
     if kind == 2:
         return "instant_error", {"label": f"e{i}"}
-    return "slow_compute", {"seconds": round(rng.uniform(0.15, 1.5), 2), "label": f"c{i}"}
+    return "slow_compute", {"seconds": round(rng.uniform(0.15, slow_max_s), 2), "label": f"c{i}"}
 
 
 @dataclass
@@ -403,6 +896,10 @@ class Run:
     call_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # task id -> (tool, label)
     labels: dict[str, str] = field(default_factory=dict)  # label of every call sent -> tool
     killed: list[Killed] = field(default_factory=list)
+    partitions: list[Partition] = field(default_factory=list)
+    damaged_starts: list[dict[str, Any]] = field(default_factory=list)  # SingleProxy.damaged_start's
+    seconds: dict[str, float] = field(default_factory=dict)  # slow_compute label -> its `seconds`
+    sent: dict[str, float] = field(default_factory=dict)  # task id -> monotonic time its call was sent
     # (tool, error) of sync JSON-RPC errors
     sync_failures: list[tuple[str, dict]] = field(default_factory=list)
     completed: dict[str, Any] = field(default_factory=dict)  # task id -> result first seen
@@ -430,6 +927,8 @@ class Run:
             "calls_in_flight_at_kills": 0,
             "polls_in_flight_at_kills": 0,
             "redis_restarts": 0,
+            "idle_gaps": 0,
+            "tasks_past_lease_at_partition": 0,
         }
     )
     transport: dict[str, int] = field(
@@ -549,6 +1048,9 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     """Drive load, polls and kills against `target`; return the report (see the module docstring)."""
     rng = random.Random(args.seed)
     run = Run()
+    lease_s = seconds_of(args.lease)
+    # --partition: slow calls up to 3 leases long, so some outlast the lease at the cut-off replica
+    slow_max_s = max(1.5, 3 * lease_s) if args.partition else 1.5
     stop_polling = asyncio.Event()
     kills_done = asyncio.Event()
     call_budget = asyncio.Semaphore(args.concurrency)
@@ -557,10 +1059,12 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     async with aiohttp.ClientSession(connector=connector) as http:
 
         async def one_call(i: int) -> None:
-            tool, arguments = mixed_call(i, rng)
+            tool, arguments = mixed_call(i, rng, slow_max_s)
             run.labels[arguments["label"]] = tool
+            if "seconds" in arguments:
+                run.seconds[arguments["label"]] = arguments["seconds"]
             run.counts["calls"] += 1
-            run.inflight_calls[i] = time.monotonic()
+            run.inflight_calls[i] = sent = time.monotonic()
             try:
                 reply = await rpc(
                     http,
@@ -579,6 +1083,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             result = reply.get("result") or {}
             if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
                 run.handed[result["taskId"]] = time.monotonic()
+                run.sent[result["taskId"]] = sent
                 run.call_of[result["taskId"]] = (tool, arguments["label"])
             elif "error" in reply:
                 if reply["_http"] == 503:
@@ -589,8 +1094,23 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             else:
                 run.counts["sync_results"] += 1
 
+        async def bursts() -> None:
+            # --keepalive: --concurrency calls at once, then (once they answered) a pause of 0.9 to 1.1
+            # times the upstream's keep-alive, so the proxy's pooled connections sit idle about as long
+            # as the upstream keeps them; at least --calls calls, and on until the last kill.
+            i = 0
+            while i < args.calls or not kills_done.is_set():
+                burst = [asyncio.create_task(one_call(i + n + 1)) for n in range(args.concurrency)]
+                i += args.concurrency
+                await asyncio.wait(burst, timeout=args.request_timeout + 5)
+                run.counts["idle_gaps"] += 1
+                await asyncio.sleep(rng.uniform(0.9, 1.1) * args.keepalive)
+
         async def load() -> None:
             # At least --calls calls, and on until the last kill (so every kill has calls to cut).
+            if args.keepalive:
+                await bursts()
+                return
             pending: set[asyncio.Task[None]] = set()
 
             def done(task: asyncio.Task[None]) -> None:
@@ -673,6 +1193,55 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             finally:
                 kills_done.set()
 
+        async def past_lease_at_cut_off() -> int:
+            # --partition: tasks the cut-off replica runs now whose call has a lease (s) or more left,
+            # by its `seconds` (it started upstream about detach_after, 100 ms, before it was handed).
+            assert isinstance(target, Replicas)
+            _, owned = await asyncio.to_thread(target.cut_off_owned)
+            now = time.monotonic()
+            return sum(
+                1
+                for task_id in owned
+                if run.call_of.get(task_id, ("", ""))[0] == "slow_compute"
+                and task_id in run.handed
+                and run.handed[task_id] - 0.1 + run.seconds.get(run.call_of[task_id][1], 0.0) - now >= lease_s
+            )
+
+        async def partition() -> None:
+            # Only once the cut-off replica runs a call that outlasts the lease (waiting up to 15 s):
+            # the fence must come while it runs.
+            deadline = time.monotonic() + 15
+            while not (past := await past_lease_at_cut_off()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            run.counts["tasks_past_lease_at_partition"] = past
+            down_s = args.partition_s or PARTITION_LEASES * lease_s
+            print(
+                f"partition of replica {CUT_OFF} from Redis for {down_s:g} s with {past} of its calls "
+                f"outlasting the lease ({len(run.inflight_calls)} calls of the client in flight)",
+                file=sys.stderr,
+                flush=True,
+            )
+            cut = await asyncio.to_thread(target.extra, "partition", down_s)
+            assert cut is not None
+            run.partitions.append(cut)
+
+        async def damaged_start(k: int) -> None:
+            # --damage: the store damaged while the proxy is down; its start must be refused.
+            assert isinstance(target, SingleProxy)
+            kind = args.damage_kinds[k % len(args.damage_kinds)]
+            result = await asyncio.to_thread(target.damaged_start, kind, sorted(run.completed), 30.0)
+            run.damaged_starts.append(result)
+            print(
+                f"damaged store ({kind}): "
+                + (
+                    f"the proxy came up on it, {result['unknown_ids']} seen-completed tasks unknown there"
+                    if result["served"]
+                    else f"start refused, exit {result['exit']}: {result['message'][:160]}"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+
         async def kills() -> None:
             extras = target.extra_chaos()
             extra_after = rng.randrange(1, max(2, args.kills)) if extras else -1  # between two kills
@@ -705,12 +1274,17 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
+                if args.damage:
+                    await damaged_start(k)
                 await asyncio.sleep(rng.uniform(0.1, 0.5))
                 await asyncio.to_thread(target.revive)
                 if k + 1 == extra_after:
                     for name in extras:
                         await asyncio.sleep(rng.uniform(0.2, 0.8))
                         await wait_for(calls_reached_server, 10)
+                        if name == "partition":
+                            await partition()
+                            continue
                         print(
                             f"{name} restart with {len(run.inflight_calls)} calls in flight",
                             file=sys.stderr,
@@ -760,9 +1334,11 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             if status not in TERMINAL:
                 not_terminal.append(task_id)
 
+    for p in run.partitions:
+        p.created_after = cut_off_created(run, p, target.logs()[CUT_OFF])
     first_kill = run.kill_times[0] if run.kill_times else float("inf")
     last_kill = run.kill_times[-1] if run.kill_times else float("-inf")
-    starts = Counter(target.starts.read_text().split()) if target.starts.exists() else Counter()
+    upstream_runs = UpstreamRuns.read(target.starts)
     report: dict[str, Any] = {
         "mode": getattr(args, "mode", "single"),
         "seed": args.seed,
@@ -792,8 +1368,38 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         "terminal_changed": len(run.changed),
         "not_terminal": len(not_terminal),
         "final": statuses,
-        **explain(run, finals, starts, args.rerun),
+        **explain(run, finals, upstream_runs, args.rerun),
     }
+    if args.keepalive:
+        assert target.upstream_relay is not None
+        report["keepalive_s"] = args.keepalive
+        report["idle_gaps"] = run.counts["idle_gaps"]
+        report["upstream_closed_on_request"] = target.upstream_relay.closed_on_request
+        report["upstream_resent"] = len(log_events(target.logs(), "upstream_resent"))
+    if args.partition:
+        report["lease_s"] = lease_s
+        report["partitions"] = len(run.partitions)
+        report["partition_s"] = round(sum(p.resumed_at - p.paused_at for p in run.partitions), 3)
+        report["tasks_running_at_partition"] = sum(len(p.owned) for p in run.partitions)
+        report["tasks_past_lease_at_partition"] = run.counts["tasks_past_lease_at_partition"]
+        cut_off_log = target.logs()[CUT_OFF : CUT_OFF + 1]
+        report["tasks_created_after_partition"] = sum(len(p.created_after) for p in run.partitions)
+        report["fenced_calls"] = sum(
+            int(entry.get("calls", 0))
+            for p in run.partitions
+            for entry in log_events(cut_off_log, "replica_fenced", p.wall)
+        )
+    if args.damage:
+        tried = run.damaged_starts
+        report["damaged_starts"] = len(tried)
+        report["damaged_starts_refused"] = sum(1 for d in tried if d["refused"])
+        report["damaged_starts_served"] = sum(1 for d in tried if d["served"])
+        report["damaged_starts_unclear"] = (
+            len(tried) - report["damaged_starts_refused"] - report["damaged_starts_served"]
+        )
+        report["damaged_served_unknown_ids"] = sum(d["unknown_ids"] for d in tried)
+        report["damage_kinds_refused"] = sorted({d["kind"] for d in tried if d["refused"]})
+        report["damage_samples"] = [f"{d['kind']}: {d['message'][:300]}" for d in tried[:4]]
     if run.counts["redis_restarts"]:
         report["redis_restarts"] = run.counts["redis_restarts"]
         at = run.extra_times["redis"]
@@ -808,9 +1414,29 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
             "not_terminal",
             "unexplained_failures",
             "double_runs",
+            "overlapping_runs",
+            "upstream_unreachable",
         )
         if report[k]
     ]
+    if args.keepalive and not report["upstream_closed_on_request"]:
+        violations.append("--keepalive, but no upstream connection was closed as a request arrived")
+    if args.keepalive and not report["upstream_resent"]:
+        violations.append("--keepalive, but no upstream POST was resent")
+    if args.partition and not report["partitions"]:
+        violations.append("--partition, but no partition happened")
+    if report.get("partitions") and report["partition_s"] <= lease_s:
+        violations.append("the partition did not outlast the lease")
+    if report.get("partitions") and not report["tasks_past_lease_at_partition"]:
+        violations.append("no call at the cut-off replica outlasted the lease when the partition began")
+    if report.get("partitions") and args.rerun and not report["fenced_calls"]:
+        violations.append("--partition --rerun, but the cut-off replica fenced no call")
+    if args.damage and not report["damaged_starts"]:
+        violations.append("--damage, but no damaged start was tried")
+    if args.damage and report["damaged_starts_served"]:
+        violations.append("damaged_starts_served")
+    if args.damage and report["damaged_starts_unclear"]:
+        violations.append("damaged_starts_unclear")
     if args.rerun and report["lost_despite_rerun"]:
         violations.append("lost_despite_rerun")
     if args.rerun and args.kills and report["reruns"] == 0:
@@ -831,26 +1457,40 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     return report
 
 
-def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool) -> dict[str, Any]:
-    """Why each task that did not complete ended so, and how often the upstream started each call.
+def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) -> dict[str, Any]:
+    """Why each task that did not complete ended so, and how often and when the upstream ran each call.
 
-    `finals`: task id -> its last tasks/get result; `starts`: label -> starts the upstream recorded;
+    `finals`: task id -> its last tasks/get result; `runs`: what the upstream recorded of each call;
     `rerun`: slow_compute runs `on_restart: rerun`. A `failed` task is explained when its error is
     its tool's own (`failed_expected`) or names the loss of a process that was SIGKILLed while the
     task was running there (`failed_replica_lost`: a `(node X) was lost` error with X killed and the
     task among X's unfinished tasks at that kill, or the single proxy's restart error for a task
-    some killed process owned). Anything else (also `cancelled`, which nobody asked for, and sync
-    JSON-RPC errors other than instant_error's) counts in `unexplained_failures`. A label started
-    n > 1 times is n-1 `reruns` when its task was re-run by policy (at most once per kill it was
-    running at, and once more when it was running across the Redis restart: a replica that cannot
-    renew its lease stops such calls before the lease lapses, and they run again once the store is
-    back), else `double_runs`.
+    some killed process owned), or of a replica cut off from Redis past its lease while the task was
+    running there (`failed_partition_lost`: X the cut-off node, the task among its unfinished tasks
+    when the link was cut, or one whose call it ran while cut off: Partition.created_after).
+    Anything else (also `cancelled`, which nobody asked for, and sync JSON-RPC errors other than
+    instant_error's) counts in `unexplained_failures`; those whose error says the upstream was
+    unreachable also count in `upstream_unreachable`. A label started n > 1
+    times is n-1 `reruns` when its task was re-run by policy (at most once per kill or partition it
+    was running at, and once more when it was running across the Redis restart: a replica that
+    cannot renew its lease stops such calls before the lease lapses, and they run again once the
+    store is back), else `double_runs`. A label two of whose runs overlapped in time counts in
+    `overlapping_runs` (one call running twice at once), unless its task was running at a kill: a
+    SIGKILLed process cannot stop its upstream call, which may go on while another re-runs it. Both
+    are split by the task the client was handed (`double_runs_by`, `overlapping_runs_by`), a task
+    the cut-off replica ran across a partition (`task_at_a_partition`) apart.
     """
-    owned_at: dict[str, list[str]] = {}  # task id -> the killed nodes it was running on when each died
-    for killed in run.killed:
-        for task_id in killed.owned:
-            owned_at.setdefault(task_id, []).append(killed.node)
+    holds = [(k.node, k.owned) for k in run.killed] + [(p.node, p.held) for p in run.partitions]
+    owned_at: dict[str, list[str]] = {}  # task id -> the nodes it was running on at each kill/partition
+    for node, held in holds:
+        for task_id in held:
+            owned_at.setdefault(task_id, []).append(node)
+    at_kills = {task_id for killed in run.killed for task_id in killed.owned}
+    at_partitions = {(task_id, p.node) for p in run.partitions for task_id in p.held}
+    partitioned = {task_id for task_id, _ in at_partitions} - at_kills
     killed_at = {k.node: t for k, t in zip(run.killed, run.kill_times, strict=False)}
+    for p in run.partitions:
+        killed_at.setdefault(p.node, p.paused_at)
     outage_at = run.extra_times.get("redis")
     across_outage = (
         {
@@ -865,18 +1505,23 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
     out: dict[str, Any] = {
         "tasks_running_at_kills": sum(len(k.owned) for k in run.killed),
         "failed_replica_lost": 0,
+        "failed_partition_lost": 0,
         "failed_expected": 0,
         "unexplained_failures": 0,
+        "upstream_unreachable": 0,
         "double_runs": 0,
         "reruns": 0,
         "rerun_completed": 0,
         "lost_despite_rerun": 0,
+        "overlapping_runs": 0,
     }
     samples: list[str] = []
 
     def unexplained(kind: str, msg: str) -> None:
         kinds[kind] += 1
         out["unexplained_failures"] += 1
+        if UNREACHABLE.search(msg):
+            out["upstream_unreachable"] += 1
         if kinds[kind] <= 2:  # two of each kind
             samples.append(msg[:400])
 
@@ -890,7 +1535,10 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if lost:
             node = lost.group(1)
             if task_id in owned_at and (node is None or node in owned_at[task_id]):
-                out["failed_replica_lost"] += 1
+                if node is not None and (task_id, node) in at_partitions:
+                    out["failed_partition_lost"] += 1
+                else:
+                    out["failed_replica_lost"] += 1
                 if rerun and tool == "slow_compute":
                     out["lost_despite_rerun"] += 1
                 continue
@@ -902,8 +1550,8 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
                 kind = "lost_but_not_running_at_the_kill"
             unexplained(
                 kind,
-                f"{task_id} {tool} {label}: {kind} (killed nodes {sorted(killed_at)}, running at "
-                f"{owned_at.get(task_id, [])}): {text[:200]}",
+                f"{task_id} {tool} {label}: {kind} (killed or cut-off nodes {sorted(killed_at)}, running "
+                f"at {owned_at.get(task_id, [])}): {text[:200]}",
             )
         elif status == "failed" and tool in EXPECTED_FAILURE and EXPECTED_FAILURE[tool] in text:
             out["failed_expected"] += 1
@@ -913,12 +1561,15 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
             unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")
     task_of = {label: task_id for task_id, (_, label) in run.call_of.items()}
-    for killed in run.killed:  # a task whose handle a kill cut off is known by the call it keeps
-        for task_id, label in killed.owned.items():
+    for _, held in holds:  # a task whose handle was cut off is known by the call it keeps
+        for task_id, label in held.items():
             if label is not None:
                 task_of.setdefault(label, task_id)
     doubles: list[str] = []
     double_kinds: Counter[str] = Counter()
+    overlaps: list[str] = []
+    overlap_kinds: Counter[str] = Counter()
+    starts = runs.starts()
     for label, n in sorted(starts.items()):
         if n < 2 or label not in run.labels:
             continue
@@ -937,6 +1588,8 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
             double_kinds[
                 "no_task_handed"
                 if not task_id
+                else "task_at_a_partition"
+                if task_id in partitioned
                 else "task_at_a_kill"
                 if task_id in owned_at
                 else "task_never_at_a_kill"
@@ -944,9 +1597,15 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
         if n - 1 > reruns and len(doubles) < 6:
             doubles.append(
                 f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
-                f"running at {len(owned_at.get(task_id, ()))} kills; final "
+                f"running at {len(owned_at.get(task_id, ()))} kills or partitions; final "
                 f"{finals.get(task_id, {}).get('status')}"
             )
+        if task_id not in at_kills and runs.overlapping(label):
+            out["overlapping_runs"] += 1
+            overlap_kinds["task_at_a_partition" if task_id in partitioned else "other"] += 1
+            if len(overlaps) < 6:
+                spans = ", ".join(f"{start:.3f}-{end:.3f}" for start, end in runs.runs[label])
+                overlaps.append(f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) ran {spans}")
     out["labels_started"] = len(starts)
     if kinds:
         out["unexplained"] = dict(kinds)
@@ -955,12 +1614,15 @@ def explain(run: Run, finals: dict[str, dict], starts: Counter[str], rerun: bool
     if doubles:
         out["double_run_samples"] = doubles
         out["double_runs_by"] = dict(double_kinds)
+    if overlaps:
+        out["overlapping_run_samples"] = overlaps
+        out["overlapping_runs_by"] = dict(overlap_kinds)
     return out
 
 
 def make_target(args: argparse.Namespace, workdir: Path) -> Target:
     if not args.replicas:
-        return SingleProxy(workdir, args.rerun)
+        return SingleProxy(args, workdir)
     return Replicas(args, workdir)
 
 
@@ -992,24 +1654,67 @@ def main(argv: list[str] | None = None) -> int:
         help="slow_compute on_restart: rerun (a killed process's calls run again; replicas: "
         "MCP_RERUN_POLICY)",
     )
+    parser.add_argument(
+        "--keepalive",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the upstream closes connections idle S seconds (e.g. 0.5), reached through a relay that "
+        f"closes one idle {KEEPALIVE_RELAY_IDLE:g} S as a request arrives; the load comes in bursts "
+        "with idle gaps of 0.9-1.1 S (0 = off)",
+    )
+    parser.add_argument(
+        "--partition",
+        action="store_true",
+        help=f"replica mode: cut replica {CUT_OFF} off from Redis (a paused relay) for longer than the "
+        "lease once, while it runs calls",
+    )
+    parser.add_argument(
+        "--partition-s",
+        type=float,
+        default=None,
+        help=f"seconds the partition lasts (default {PARTITION_LEASES:g} leases)",
+    )
+    parser.add_argument(
+        "--damage",
+        action="store_true",
+        help="single process: after each kill, damage the store and check that the proxy refuses to "
+        "start on it, then put the store back",
+    )
+    parser.add_argument(
+        "--damage-kinds",
+        default=",".join(DAMAGE_KINDS),
+        help="comma-separated, one per kill in turn: emptied, deleted, garbled (see damage_store)",
+    )
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     args = parser.parse_args(argv)
     args.mode = f"replicas={args.replicas}" if args.replicas else "single"
+    args.damage_kinds = [kind.strip() for kind in args.damage_kinds.split(",") if kind.strip()]
+    if args.partition and not args.replicas:
+        parser.error("--partition needs --replicas (a replica cut off from the shared Redis)")
+    if (args.partition or args.damage) and args.kills < 1:
+        parser.error("--partition and --damage need --kills 1 or more (they come after a kill)")
+    if args.damage and args.replicas:
+        parser.error("--damage is for the single process (its disk store)")
+    if not args.damage_kinds or set(args.damage_kinds) - set(DAMAGE_KINDS):
+        parser.error("--damage-kinds: emptied, deleted or garbled")
+    if args.keepalive < 0:
+        parser.error("--keepalive must be 0 (off) or a number of seconds")
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-chaos-"))
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)  # SIGTERM stops every process started, like Ctrl-C
-    target = make_target(args, workdir)
+    target: Target | None = None
     try:
+        target = make_target(args, workdir)
         report = asyncio.run(chaos(target, args))
     finally:
-        target.stop()
+        if target is not None:
+            target.stop()
         if not args.keep:
-            import shutil
-
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"work dir kept: {workdir}", file=sys.stderr)
