@@ -33,6 +33,7 @@ from typing import Any
 import diskcache
 import structlog
 
+from proxy.tasks import walcheck
 from proxy.tasks.datadisk import DataDisk, StoredValueError, convert_pickled
 from proxy.tasks.dirlock import lock_directory, unlock_directory
 from proxy.tasks.model import (
@@ -104,7 +105,7 @@ class DiskcacheStore:
             else:
                 self.path = prepare_store_directory(self.path)
             # the real path from here on: a swapped link cannot redirect the store
-            self._check_database_file()
+            self._check_database_file(exclusive=exclusive)
             umask = os.umask(0o077)  # cache.db and its -wal/-shm are created private (0600)
             try:
                 self._cache = diskcache.Cache(
@@ -157,11 +158,23 @@ class DiskcacheStore:
                 self._cache.delete(key)
             self._convert_pickled()
 
-    def _check_database_file(self) -> None:
+    def _check_database_file(self, *, exclusive: bool) -> None:
         """Before SQLite opens it: a directory that held a store (its `store.id` file) with its
-        `cache.db` gone or empty is refused (DamagedStoreError), not opened as a new, empty store."""
+        `cache.db` gone or empty is refused (DamagedStoreError), not opened as a new, empty store;
+        so is (when serving, `exclusive`: nobody else writes the log) a write-ahead log with
+        committed transactions after a damaged frame, which SQLite would skip without a word
+        (`walcheck`)."""
         marker = os.path.join(self.path, STORE_ID_FILE)
         database = os.path.join(self.path, "cache.db")
+        skipped = walcheck.skipped_commits(database + "-wal") if exclusive else 0
+        if skipped:
+            raise DamagedStoreError(
+                f"task store {self.path}: {database}-wal is damaged: {skipped} committed transaction(s) "
+                "follow a frame that fails its checksum, and SQLite would skip them (finished tasks "
+                "would read as running, newer ones as unknown). Restore the directory from a backup, "
+                f"or, to keep what precedes the damage and lose the rest, copy the directory aside and "
+                f"run `sqlite3 {database} 'PRAGMA wal_checkpoint(TRUNCATE)'` before starting again"
+            )
         if os.path.exists(marker) and (not os.path.exists(database) or os.path.getsize(database) == 0):
             state = "empty" if os.path.exists(database) else "missing"
             raise DamagedStoreError(

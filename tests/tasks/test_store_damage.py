@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from support.records import make_record
 from support.servers import serve_on_store
 
 from proxy.app import TASKS_KEY
-from proxy.tasks import diskcache_store
+from proxy.tasks import diskcache_store, walcheck
 from proxy.tasks.diskcache_store import STORE_ID_FILE, DiskcacheStore
 from proxy.tasks.model import TaskStatus, now_ms
 from proxy.tasks.store import DamagedStoreError, StoreUnavailableError
@@ -184,3 +185,49 @@ def test_a_file_that_is_not_a_database_or_not_a_directory_is_named_with_the_fix(
         StoreUnavailableError, match="not a directory; store.path names the store's directory"
     ):
         DiskcacheStore(tmp_path / "plain", exclusive=True)
+
+
+def _killed_with_wal(store: Path, copy: Path, commits: int = 10) -> None:
+    """`commits` transactions on `store`'s database left in its write-ahead log, and the directory
+    copied as a SIGKILL leaves it (the connection still open: nothing checkpointed, -shm kept)."""
+    con = sqlite3.connect(store / "cache.db", isolation_level=None)
+    try:
+        con.execute("PRAGMA wal_autocheckpoint=0")
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        for n in range(commits):
+            con.execute("INSERT INTO Settings (key, value) VALUES (?, ?)", (f"chaos-{n}", n))
+        shutil.copytree(store, copy)
+    finally:
+        con.close()
+
+
+def _garble_frame(wal: Path, frame: int) -> None:
+    """Overwrite 64 bytes of the page data of `frame` (1-based) of the log at `wal`."""
+    page_size = int.from_bytes(wal.read_bytes()[8:12], "big")
+    with open(wal, "r+b") as file:
+        file.seek(32 + (frame - 1) * (24 + page_size) + 24 + 100)
+        file.write(b"\xa5" * 64)
+
+
+async def test_a_wal_garbled_after_a_kill_is_refused_at_start_a_torn_tail_is_not(tmp_path: Path) -> None:
+    """Committed transactions after a damaged log frame, which SQLite would skip silently (here: 8 of
+    10 rows gone), are refused at start naming cache.db-wal and the way out; an intact log and a
+    torn last frame (what a power loss leaves) start as usual."""
+    store = tmp_path / "store"
+    await _held_store(store)
+    _killed_with_wal(store, tmp_path / "garbled")
+    shutil.copytree(tmp_path / "garbled", tmp_path / "intact")
+    shutil.copytree(tmp_path / "garbled", tmp_path / "torn")
+    wal = tmp_path / "garbled" / "cache.db-wal"
+    frames = (wal.stat().st_size - 32) // (24 + int.from_bytes(wal.read_bytes()[8:12], "big"))
+    _garble_frame(wal, 2)
+    _garble_frame(tmp_path / "torn" / "cache.db-wal", frames)
+    assert walcheck.skipped_commits(str(wal)) >= 8
+    with sqlite3.connect(f"file:{tmp_path / 'garbled' / 'cache.db'}?mode=ro", uri=True) as con:
+        kept = con.execute("SELECT count(*) FROM Settings WHERE key LIKE 'chaos-%'").fetchone()[0]
+    assert kept < 10  # what SQLite alone would serve
+    with pytest.raises(DamagedStoreError, match=r"cache.db-wal is damaged: \d+ committed .*wal_checkpoint"):
+        DiskcacheStore(tmp_path / "garbled", exclusive=True)
+    for healthy in ("intact", "torn"):
+        assert walcheck.skipped_commits(str(tmp_path / healthy / "cache.db-wal")) == 0
+        DiskcacheStore(tmp_path / healthy, exclusive=True)._close_now()
