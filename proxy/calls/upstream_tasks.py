@@ -123,7 +123,7 @@ class UpstreamTasks:
         upstream_params = strip_envelope(params)
         upstream_params["task"] = {"ttl": int(policy.ttl * 1000)} if policy.ttl is not None else {}
         if as_task:
-            self.tasks.check_capacity(principal)
+            await self.tasks.check_capacity(principal)
         try:
             session = await self.pool.session(caps, principal)
             created = await session.request("tools/call", upstream_params, handler=None)

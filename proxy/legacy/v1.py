@@ -338,7 +338,7 @@ class V1Front:
         else:
             upstream_params.pop("_meta", None)
         token = meta.get("progressToken")
-        self.tasks.check_capacity(principal)
+        await self.tasks.check_capacity(principal)
         call = Call(
             pool=self.pool,
             server=self.server,

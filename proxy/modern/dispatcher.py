@@ -212,7 +212,7 @@ class ServerDispatcher:
                 as_task=envelope.declares_tasks,
             )
         if policy.mode is ToolMode.REQUIRED:
-            self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
+            await self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
         return await self.calls.run(
             "tools/call",
             tool,

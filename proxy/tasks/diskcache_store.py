@@ -628,6 +628,10 @@ class DiskcacheStore:
             )
         await self._write(lambda: (self._cache.set("probe:", now_ms()), self._cache.delete("probe:")))
 
+    async def live_count(self, principal: str) -> int | None:
+        """See TaskStore.live_count: None (the one process serving this directory counts its calls)."""
+        return None
+
     async def count(self) -> int:
         """See TaskStore.count."""
         try:

@@ -384,6 +384,11 @@ class RedisTaskStore:
             await self.redis.set(self.keys.probe, str(now_ms()), px=10_000)
             await self.redis.delete(self.keys.probe)
 
+    async def live_count(self, principal: str) -> int | None:
+        """See TaskStore.live_count: the size of the principal's `live:p` set."""
+        async with self.guard():
+            return int(await self.redis.scard(self.keys.live_of(principal_key(principal))))
+
     async def count(self) -> int:
         """See TaskStore.count (index entries: records Redis expired count until `purge_expired`)."""
         async with self.guard():

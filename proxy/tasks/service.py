@@ -265,11 +265,24 @@ class TaskService:
 
     # -- creation ----------------------------------------------------------------------------
 
-    def check_capacity(self, principal: str) -> None:
-        """Raise a limit error (HTTP 429) when `principal` has `max_tasks_per_principal` live calls on
-        this node: the early refusal, before anything reaches the upstream (no store round trip).
-        On a store one process serves that is every live task; on a shared store other replicas'
-        tasks count too, and `detach` (the store's create) is the atomic check across them all."""
+    async def check_capacity(self, principal: str) -> None:
+        """Raise a limit error (HTTP 429) when `principal` has `max_tasks_per_principal` live tasks:
+        the early refusal, before anything reaches the upstream. Its calls on this node count, and on
+        a shared store every replica's (`TaskStore.live_count`; when the store cannot be read, the
+        refusal is left to `detach`, whose create is the atomic check across replicas)."""
+        cap = self.max_tasks_per_principal
+        if cap is None:
+            return
+        self._check_local_capacity(principal)
+        try:
+            shared = await self.store.live_count(principal)
+        except StoreUnavailableError:
+            return
+        if shared is not None and shared >= cap:
+            raise self._over_capacity(principal, shared, cap)
+
+    def _check_local_capacity(self, principal: str) -> None:
+        """The limit error when `principal`'s live calls on this node reach `max_tasks_per_principal`."""
         cap = self.max_tasks_per_principal
         if cap is not None:
             live = sum(1 for c in self.live.values() if c.principal == principal)
@@ -307,7 +320,7 @@ class TaskService:
         allowed task at once never both succeed), or JsonRpcError -32603 naming the store when it
         cannot write.
         """
-        self.check_capacity(call.principal)
+        self._check_local_capacity(call.principal)
         record = TaskRecord(
             task_id=new_task_id(),
             principal=call.principal,

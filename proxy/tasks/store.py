@@ -93,6 +93,10 @@ class TaskStore(Protocol):
         LiveLimitError. A store one process serves (diskcache, an exclusive lock) leaves the count
         to that process (`TaskService` counts its calls) and ignores it."""
 
+    async def live_count(self, principal: str) -> int | None:
+        """The live (non-terminal) tasks of `principal` as a store several processes create in
+        counts them (Redis), or None for a store one process serves (that process counts its own)."""
+
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when unknown or expired."""
 

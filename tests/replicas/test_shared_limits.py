@@ -21,8 +21,15 @@ from proxy.tasks.store import LiveLimitError
 pytestmark = pytest.mark.redis
 
 
-def replica(legacy_url: str, tmp_path: Path, redis_server: RedisServer, prefix: str, cap: int) -> Config:
-    config = make_config(legacy_url, tmp_path)
+def replica(
+    legacy_url: str,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    prefix: str,
+    cap: int,
+    server: dict | None = None,
+) -> Config:
+    config = make_config(legacy_url, tmp_path, server=server)
     config.store = type(config.store).model_validate({"url": redis_server.url, "prefix": prefix})
     config.limits.max_tasks_per_principal = cap
     return config
@@ -150,3 +157,27 @@ async def test_a_burst_of_creates_on_two_store_objects_admits_exactly_the_cap(
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_required_tool_at_the_cap_on_another_replica_never_reaches_the_upstream(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """The early refusal of a `mode: required` tool reads the shared count: a principal holding the
+    cap's task on replica A is refused on replica B before B starts the call upstream."""
+    required = {"tasks": {"tools": {"slow_compute": {"mode": "required"}}}}
+    a, b = [
+        await serve(replica(legacy_url, tmp_path / name, redis_server, redis_prefix, 1, required))
+        for name in ("a", "b")
+    ]
+    through_a, through_b = ModernClient(a.url()), ModernClient(b.url())
+    label = f"early-{redis_prefix[-6:]}"
+    try:
+        held = (await through_a.call("slow_compute", {"seconds": 3, "label": "held"})).result["taskId"]
+        refused = await through_b.call("slow_compute", {"seconds": 0.1, "label": label})
+        assert refused_by_cap(refused), refused
+        started = await through_b.call("started_log", {})
+        assert label not in started.result["content"][0]["text"]  # never sent upstream
+        await through_a.request("tasks/cancel", {"taskId": held})
+    finally:
+        await through_a.close()
+        await through_b.close()
