@@ -132,6 +132,14 @@ class ChangeFeed:
         if record is not None:
             self._tell(before, record)
 
+    def _gap(self) -> None:
+        """Tell the gap listeners that changes may have been missed (the subscription was lost)."""
+        for listener in self.gap_listeners:
+            try:
+                listener()
+            except Exception:  # a listener must never stop the reader
+                log.exception("task_gap_listener_failed")
+
     async def _run(self) -> None:
         while not self._closed:
             pubsub = self._redis.pubsub()
@@ -141,15 +149,18 @@ class ChangeFeed:
                 if self._down_logged:
                     log.info("task_changes_resubscribed")
                     self._down_logged = False
-                    for listener in self.gap_listeners:
-                        try:
-                            listener()
-                        except Exception:  # a listener must never stop the reader
-                            log.exception("task_gap_listener_failed")
+                    self._gap()
+                confirmed = 0
                 while not self._closed:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=READ_S)
-                    if message is not None and message.get("type") == "message":
-                        self._on_message(message["data"])
+                    message = await pubsub.get_message(timeout=READ_S)
+                    kind = message.get("type") if message is not None else None
+                    if kind == "message":
+                        self._on_message(message["data"])  # type: ignore[index]
+                    elif kind == "subscribe":
+                        confirmed += 1
+                        if confirmed > 1:  # redis-py reconnected and subscribed again on its own
+                            log.info("task_changes_resubscribed", reason="the connection was re-made")
+                            self._gap()
             except (RedisError, OSError) as exc:
                 if not self._down_logged:
                     log.warning(

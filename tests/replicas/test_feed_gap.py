@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 from support.console import CONSOLE_TOKEN, console_config
 from support.proxy import Serve
 from support.redis_server import RedisServer
@@ -34,6 +35,30 @@ async def test_a_console_stream_resyncs_after_redis_comes_back(
                 await asyncio.sleep(1.5)  # the feed notices (its reads time out) and retries
                 await asyncio.to_thread(redis.start, port=port)
                 async with asyncio.timeout(15):
+                    await stream.content.readuntil(b"event: resync")
+    finally:
+        redis.stop()
+
+
+async def test_a_console_stream_resyncs_when_the_feed_reconnects_at_once(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Redis drops the pub/sub connection (as it does a subscriber past its output buffer limit) and
+    redis-py re-subscribes on its own at once: messages in between are lost, so streams resync too."""
+    redis = RedisServer(tmp_path / "redis", appendonly=False).start()
+    try:
+        store = {"url": redis.url, "prefix": "gap:", "timeout": "500ms", "lease": "5s"}
+        proxy = await serve(console_config(legacy_url, store, listen={"sse_keepalive": "200ms"}))
+        headers = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(proxy.base + "/console/api/events", headers=headers) as stream:
+                await stream.content.readuntil(b"event: ready")
+                client = aioredis.from_url(redis.url)
+                try:
+                    assert await client.client_kill_filter(_type="pubsub") >= 1
+                finally:
+                    await client.aclose()
+                async with asyncio.timeout(10):
                     await stream.content.readuntil(b"event: resync")
     finally:
         redis.stop()
