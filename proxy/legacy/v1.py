@@ -16,6 +16,7 @@ plain pass-through to the upstream's own tasks.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -24,7 +25,7 @@ from aiohttp import web
 from proxy.calls.call import Call
 from proxy.config import Config, ToolMode
 from proxy.legacy.replay import RelayStream
-from proxy.legacy.v1_methods import V1_TASK_METHODS, V1TaskMethods
+from proxy.legacy.v1_methods import LIST_PAGE, V1_TASK_METHODS, V1TaskMethods
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import META_RELATED_TASK, upstream_capabilities
 from proxy.protocol.jsonrpc import (
@@ -37,8 +38,9 @@ from proxy.protocol.jsonrpc import (
 )
 from proxy.runtime import metrics
 from proxy.runtime.fanout import Overflow
-from proxy.tasks.model import TaskRecord
+from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.service import TaskService
+from proxy.tasks.store import ListFilter, StoreUnavailableError
 from proxy.tasks.types import TaskChange, TaskMessage, about
 from proxy.tasks.wire_v1 import (
     SERVER_TASKS_CAPABILITY,
@@ -49,6 +51,7 @@ from proxy.tasks.wire_v1 import (
 )
 from proxy.upstream.types import Pool, UpstreamError
 
+READER_CHECK_S = 0.5  # how often (s) a GET stream's feed looks for a reader its waiting questions can go to
 # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
 V1_TASKS_VERSION = "2025-11-25"
 REWRITTEN_REPLIES = frozenset({"initialize", "tools/list"})
@@ -166,18 +169,26 @@ class V1Front:
 
         async def pump() -> None:
             asked: dict[str, list[RequestId]] = {}  # task id → proxy ids of questions this stream asked
+            waiting: dict[str, TaskRecord] = {}  # tasks whose questions wait for a reader
             try:
                 with self.tasks.changes.subscribe(about(principal, self.server)) as sub:
+                    await self._waiting_for_input(principal, session, waiting)
                     while True:
-                        item = await sub.get()
-                        if isinstance(item, Overflow):
+                        for record in [waiting.pop(task_id) for task_id in list(waiting)]:
+                            self._ask_on_get(record, principal, stream, asked, waiting)
+                        try:
+                            item = await asyncio.wait_for(sub.get(), READER_CHECK_S)
+                        except TimeoutError:
+                            continue  # a reader may have come: its questions are offered above
+                        if isinstance(item, Overflow):  # changes were missed: questions too
+                            await self._waiting_for_input(principal, session, waiting)
                             continue  # status pushes are advice: the client polls tasks/get for the rest
                         if self.shared_principal and self._origin.get(item.task_id) != session:
                             continue
                         if isinstance(item, TaskChange):
                             if item.before is not item.record.status:
                                 stream.append_message(status_notification(item.record))
-                            self._ask_on_get(item.record, principal, stream, asked)
+                            self._ask_on_get(item.record, principal, stream, asked, waiting)
                         elif isinstance(item, TaskMessage) and not self.methods.watched(item.task_id):
                             # progress: the v1 token lives as long as the task
                             stream.append_message(item.message)
@@ -186,20 +197,37 @@ class V1Front:
 
         return pump()
 
+    async def _waiting_for_input(self, principal: str, session: str, waiting: dict[str, TaskRecord]) -> None:
+        """Add to `waiting` the principal's tasks on this server that wait for input now (the newest
+        LIST_PAGE: asked before the stream opened, or during a gap in its feed)."""
+        where = ListFilter(principal=principal, server=self.server, status=TaskStatus.INPUT_REQUIRED.value)
+        try:
+            records, _ = await self.tasks.store.list_tasks(where, limit=LIST_PAGE)
+        except StoreUnavailableError:
+            return  # the questions come with the task's next change, or on tasks/result
+        for record in records:
+            if not self.shared_principal or self._origin.get(record.task_id) == session:
+                waiting[record.task_id] = record
+
     def _ask_on_get(
         self,
         record: TaskRecord,
         principal: str,
         stream: RelayStream,
         asked: dict[str, list[RequestId]],
+        waiting: dict[str, TaskRecord],
     ) -> None:
-        """Put `record`'s questions no stream carries yet on `stream` while a client reads it (none
-        while a `tasks/result` stream waits on the task: it asks them), noting their proxy ids in
-        `asked`; a terminal task's are withdrawn."""
+        """Put `record`'s questions no stream carries yet on `stream` while a client reads it, else
+        keep the record in `waiting` for when one does (none while a `tasks/result` stream waits on
+        the task: it asks them), noting their proxy ids in `asked`; a terminal task's are withdrawn."""
         if record.status.terminal:
+            waiting.pop(record.task_id, None)
             self.methods.withdraw(asked.pop(record.task_id, []))
             return
-        if self.methods.watched(record.task_id) or not stream.attached:
+        if self.methods.watched(record.task_id) or not record.input_requests:
+            return
+        if not stream.attached:
+            waiting[record.task_id] = record
             return
         for proxy_id, question in self.methods.ask(record, principal):
             asked.setdefault(record.task_id, []).append(proxy_id)

@@ -473,3 +473,39 @@ async def test_a_v1_session_gets_its_status_stream_when_the_upstream_has_no_get_
             await client.close()
     finally:
         upstream.stop()
+
+
+async def test_a_question_asked_before_the_get_stream_opens_is_offered_when_it_does(
+    proxy: RunningProxy,
+) -> None:
+    """A v1 task already waiting for input when its session opens the GET stream (the client's GET
+    started late, or reconnected): the question is offered on it, and the answer completes the task."""
+    client = V1Client(proxy.url())
+    try:
+        await client.initialize()
+        task = await client.call_as_task("confirm_delete", {"filename": "late.txt"})
+        async with asyncio.timeout(5):
+            while (await client.request("tasks/get", {"taskId": task["taskId"]}))[1]["result"]["status"] != (
+                "input_required"
+            ):
+                await asyncio.sleep(0.05)
+        headers = {**client._headers(), "Accept": "text/event-stream"}
+        async with client.http.get(proxy.url(), headers=headers) as stream:
+            async with asyncio.timeout(5):
+                async for event in iter_events(stream.content.iter_any()):
+                    message = json.loads(event.data) if event.data else {}
+                    if message.get("method") == "elicitation/create":
+                        break
+            related = message["params"]["_meta"]["io.modelcontextprotocol/related-task"]
+            assert related == {"taskId": task["taskId"]}
+            answer = {"jsonrpc": "2.0", "id": message["id"], "result": {"action": "accept", "content": {}}}
+            status, _, _ = await client.post(answer)
+            assert status == 202
+        async with asyncio.timeout(5):
+            while (done := (await client.request("tasks/get", {"taskId": task["taskId"]}))[1]["result"])[
+                "status"
+            ] != "completed":
+                await asyncio.sleep(0.05)
+        assert done["status"] == "completed"
+    finally:
+        await client.close()
