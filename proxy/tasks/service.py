@@ -158,6 +158,10 @@ class TaskService:
                     await self.store.renew_lease(self.node, int(self.lease_s * 1000))
                     self._renewed()
                     self._leases.renewed(await store_instance(self.store))
+                    if self.store_problem is not None:
+                        # back from an outage or a cut: another replica may have ended or taken over
+                        # calls still running here (their lease lapsed): stop them now, not at the sweep
+                        await self._stop_calls_ended_elsewhere()
                 if tick % 3 == 0:
                     await self.sweep()
                     purged = await self.store.purge_expired()
