@@ -257,7 +257,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 name=name,
                 dispatcher=dispatcher,
                 legacy=LegacyEndpoint(
-                    name=name, sessions=sessions, streams=streams, upstream=upstream, v1=v1
+                    name=name,
+                    sessions=sessions,
+                    streams=streams,
+                    upstream=upstream,
+                    v1=v1,
+                    forget_shared=router.forget if router is not None else None,
                 ),
                 body_timeout=config.listen.body_timeout,
                 router=router.route if router is not None else None,

@@ -7,6 +7,7 @@ mapping through the session machine (`session.py`), cancels, resumption, then th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -42,8 +43,10 @@ class LegacyEndpoint:
         streams: StreamServer,
         upstream: LegacyUpstream,
         v1: V1Front,
+        forget_shared: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
+        self.forget_shared = forget_shared  # removes a session id from the replicas' session map
         self.sessions = sessions
         self.streams = streams
         self.upstream = upstream
@@ -51,15 +54,18 @@ class LegacyEndpoint:
 
     async def expire_idle(self, idle_s: float) -> int:
         """Expire the sessions idle for `idle_s` (s) with nothing in flight and end their upstream side
-        (`LegacyUpstream.forget`, FORGET_AT_ONCE at a time); returns how many."""
+        (`LegacyUpstream.forget`, FORGET_AT_ONCE at a time) and their entry in the replicas' session
+        map (`forget_shared`: no other replica adopts them later); returns how many."""
         expired = self.sessions.expire_idle(idle_s)
         gate = asyncio.Semaphore(FORGET_AT_ONCE)
 
-        async def forget(session: LegacySession) -> None:
+        async def forget(sid: str, session: LegacySession) -> None:
             async with gate:
                 await self.upstream.forget(session)
+                if self.forget_shared is not None:
+                    await self.forget_shared(sid)
 
-        await asyncio.gather(*(forget(session) for session in expired))
+        await asyncio.gather(*(forget(sid, session) for sid, session in expired))
         if expired:
             log.info("legacy_sessions_expired", server=self.name, count=len(expired), idle_s=idle_s)
         return len(expired)

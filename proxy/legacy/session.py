@@ -254,16 +254,16 @@ class LegacySessions:
             session.last_used = time.monotonic()
         return session
 
-    def expire_idle(self, idle_s: float) -> list[LegacySession]:
+    def expire_idle(self, idle_s: float) -> list[tuple[str, LegacySession]]:
         """Forget the sessions nobody used for `idle_s` (s) and that have nothing in flight (no
-        request, question or open stream), and return them (the caller ends their upstream side).
-        A later request with one of their ids gets the era's 404."""
+        request, question or open stream), and return them with their ids (the caller ends their
+        upstream side). A later request with one of their ids gets the era's 404."""
         deadline = time.monotonic() - idle_s
         expired = [
             sid for sid, session in self._sessions.items() if session.last_used <= deadline and session.idle()
         ]
-        sessions = [self._sessions.pop(sid) for sid in expired]
-        for session in sessions:
+        sessions = [(sid, self._sessions.pop(sid)) for sid in expired]
+        for _, session in sessions:
             session.end(self._ended("the session expired (listen.legacy_session_idle)"))
         return sessions
 
