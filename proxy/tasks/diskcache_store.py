@@ -148,6 +148,7 @@ class DiskcacheStore:
         self._flusher: asyncio.Task[None] | None = None
         self._changed: dict[str, tuple[asyncio.Event, int]] = {}  # task → (wake-up event, waiters)
         self._listeners: list[Listener] = []
+        self._damage_listeners: list[Callable[[BaseException], None]] = []
         if exclusive:
             try:
                 self._check_damage()
@@ -418,7 +419,12 @@ class DiskcacheStore:
         damaged = isinstance(exc, StoredValueError) or (
             isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError)
         )
-        return (DamagedStoreError if damaged else StoreUnavailableError)(f"task store {self.path}: {exc}")
+        if not damaged:
+            return StoreUnavailableError(f"task store {self.path}: {exc}")
+        error = DamagedStoreError(f"task store {self.path}: {exc}")
+        for listener in self._damage_listeners:
+            listener(error)
+        return error
 
     async def update(self, task_id: str, change: Change) -> TaskRecord:
         """See TaskStore.update."""
@@ -537,6 +543,10 @@ class DiskcacheStore:
             return self._cache.get(key)
         except _STORE_ERRORS as exc:
             raise self._read_error(exc) from exc
+
+    def add_damage_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """See TaskStore.add_damage_listener (called from `_read_error`)."""
+        self._damage_listeners.append(listener)
 
     def add_gap_listener(self, listener: Callable[[], None]) -> None:
         """See TaskStore.add_gap_listener: never called (one process serves this store, and its own

@@ -134,6 +134,9 @@ class RedisTaskStore:
         self.feed.listeners.append(listener)
         self.feed.ensure_running()
 
+    def add_damage_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """See TaskStore.add_damage_listener: never called (Redis has no files of ours to damage)."""
+
     def add_gap_listener(self, listener: Callable[[], None]) -> None:
         """See TaskStore.add_gap_listener: called when the pub/sub connection is back after a drop
         (other replicas' changes meanwhile were not delivered)."""

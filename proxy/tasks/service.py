@@ -48,7 +48,6 @@ from proxy.tasks.model import (
 )
 from proxy.tasks.rates import TaskRate
 from proxy.tasks.store import (
-    DamagedStoreError,
     LiveLimitError,
     StoreUnavailableError,
     TaskNotFoundError,
@@ -130,6 +129,7 @@ class TaskService:
         store.add_listener(observe_transition)
         store.add_remote_listener(lambda before, record: self.changes.publish(TaskChange(before, record)))
         store.add_gap_listener(self.changes.gap)  # a feed outage: every status stream resyncs
+        store.add_damage_listener(self.read_failed)  # a damaged read, on any path: /readyz shows it
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -516,8 +516,6 @@ class TaskService:
             try:
                 record, foreign = await self.store.get_for(task_id, principal, server)
             except StoreUnavailableError as exc:
-                if isinstance(exc, DamagedStoreError):
-                    self.read_failed(exc)
                 raise JsonRpcError(
                     INTERNAL_ERROR, str(exc), {"store": self.store.where}, status=503
                 ) from None

@@ -158,6 +158,10 @@ class TaskStore(Protocol):
         """Call `listener()` whenever changes of other processes may have been missed (a shared
         store's change feed was down and is back), so readers can resync."""
 
+    def add_damage_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call `listener(error)` for each read, whoever asked for it, that finds the store's files
+        damaged (the DamagedStoreError it raises), so one place reports it."""
+
     def add_remote_listener(self, listener: Listener) -> None:
         """Call `listener(previous status or None; record)` for the changes every process serving
         this store commits (all replicas on a Redis store; this process alone on diskcache), for
