@@ -496,8 +496,9 @@ def damage_store(store: Path, kind: str) -> None:
     slip of the hand would. `emptied`: cache.db truncated to 0 bytes, its -wal and -shm removed;
     `deleted`: cache.db, -wal and -shm removed; `garbled`: the WAL checkpointed into cache.db (as a
     clean shutdown leaves it), then every page from the middle of cache.db to its end overwritten with
-    0xff. (Not here: garbled bytes in cache.db-wal. SQLite reads a WAL frame whose checksum fails as
-    the end of the log, so the commits after it vanish without an error: no start-up check sees it.)"""
+    0xff. (Not here: garbled bytes in cache.db-wal, which the proxy refuses at start too when
+    committed transactions follow the bad frame (tests/tasks/test_store_damage.py): by this step the
+    run's own store read has checkpointed the log, so there is nothing left in it to garble.)"""
     database = store / "cache.db"
     if kind in ("emptied", "deleted"):
         for name in ("cache.db-wal", "cache.db-shm"):
