@@ -44,30 +44,44 @@ class UpstreamPool:
         self.bounds = bounds or Bounds()
         self._sessions: dict[str, UpstreamSession] = {}
         self._opening: dict[str, asyncio.Task[UpstreamSession]] = {}  # the attempt callers share, by key
+        self._started: dict[str, float] = {}  # when (loop time, s) the attempt of a key began
+        self._failed: dict[str, tuple[float, str]] = {}  # key → (until when, loop time s; why) of a failure
         self.on_notification = on_notification
 
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
         """The open session for `capabilities`, initializing it if needed (`principal` is not used:
         HTTP sessions are shared). Concurrent callers share one attempt, and each waits at most
         `init_timeout` (s) from its own call, so a hung `initialize` never makes callers queue behind
-        each other's attempts. Raises UpstreamError."""
+        each other's attempts. A failed attempt answers the callers that come within as long again
+        as it took (its error, at once), so one request that needs the session twice (a lookup,
+        then the call) waits for one attempt, not two. Raises UpstreamError."""
         key = caps_key(capabilities)
         existing = self._sessions.get(key)
         if existing is not None and not existing.closed and existing.broken is None:
             return existing
+        loop = asyncio.get_running_loop()
+        failed = self._failed.get(key)
+        if failed is not None and loop.time() < failed[0]:
+            raise UpstreamError(failed[1])
         opening = self._opening.get(key)
         if opening is None:
-            opening = asyncio.get_running_loop().create_task(self._open(key, capabilities))
-            self._opening[key] = opening
+            opening = loop.create_task(self._open(key, capabilities))
+            self._opening[key], self._started[key] = opening, loop.time()
             opening.add_done_callback(lambda done: self._opened(key, done))
+        started = self._started[key]
         try:
             async with asyncio.timeout(self.bounds.init_timeout):
                 return await asyncio.shield(opening)
         except TimeoutError:
-            raise UpstreamError(
+            why = (
                 f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s "
                 "(init_timeout)"
-            ) from None
+            )
+        except UpstreamError as exc:
+            why = str(exc)
+        now = loop.time()
+        self._failed[key] = (now + (now - started), why)
+        raise UpstreamError(why)
 
     async def _open(self, key: str, capabilities: JsonObject) -> UpstreamSession:
         """The one attempt to open the session of `key` that concurrent callers share (bounded by
@@ -95,8 +109,8 @@ class UpstreamPool:
         waited for any more is retrieved (never "exception was never retrieved")."""
         if self._opening.get(key) is done:
             del self._opening[key]
-        if not done.cancelled():
-            done.exception()
+        if not done.cancelled() and done.exception() is None:
+            self._failed.pop(key, None)  # opened: a failure before it no longer answers anyone
 
     async def check(self, timeout_s: float = 5.0) -> str | None:
         """Open (or reuse) the session without optional capabilities; None when ready, else why not."""

@@ -270,6 +270,10 @@ async def test_a_task_capable_call_gets_its_handle_at_detach_after_whatever_the_
     config = hostile_config(hostile, tmp_path, mode, init_timeout="1s", request_timeout="1s")
     config.tasks.detach_after = 0.15
     proxy = await serve(config)
+    if mode == "hang-init":
+        # The start-up warm-up's failed attempt answers callers for as long again as it took (1 s):
+        # past that, the call waits on a fresh attempt, which is the wait this test is about.
+        await asyncio.sleep(1.2)
     client = ModernClient(proxy.url())
     try:
         started = time.monotonic()
@@ -284,3 +288,27 @@ async def test_a_task_capable_call_gets_its_handle_at_detach_after_whatever_the_
         assert done["status"] == "failed" and "init_timeout" in json.dumps(done), done
     else:
         assert done["status"] == "completed", done
+
+
+@pytest.mark.parametrize("tasks", [True, False], ids=["tasks-extension", "no-extension"])
+async def test_one_call_behind_a_hung_initialize_waits_one_init_timeout(
+    hostile: str, tmp_path: Path, serve: Serve, tasks: bool
+) -> None:
+    """A call needs the session twice (the tool lookup, then the call itself): with `init_timeout`
+    1 s it fails after about 1 s, not 2 (the failed attempt answers the second ask at once), and
+    the error names the bound it hit."""
+    proxy = await serve(
+        hostile_config(hostile, tmp_path, "hang-init", init_timeout="1s", request_timeout="1s")
+    )
+    await asyncio.sleep(1.2)  # past the warm-up's failed attempt (see the test above): a fresh one
+    client = ModernClient(proxy.url(), capabilities=None if tasks else {})
+    try:
+        started = time.monotonic()
+        reply = await client.call("ok")
+        waited = time.monotonic() - started
+    finally:
+        await client.close()
+    if tasks:  # detach_after 2 s: the call failed before its handle was due
+        assert reply.error is not None or reply.result.get("resultType") == "task", reply.message
+    assert reply.error is None or "within 1 s (init_timeout)" in reply.error["message"], reply.message
+    assert waited < 1.5, waited
