@@ -32,6 +32,8 @@ from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, Upstream
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
+HUNG_GRACE_S = 0.2  # how long (s) a child that never answered initialize gets at each stopping step
+
 _PR_SET_PDEATHSIG = 1
 # requests a server may ask questions for
 _ASKING_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
@@ -148,9 +150,10 @@ class StdioSession:
             self.kill_now()
             raise
         except TimeoutError:
-            await self.close()
+            await self.close(grace_s=HUNG_GRACE_S)  # it ignores its input: no 2 s for it to read EOF
             raise UpstreamError(
-                f"upstream {self.server} did not answer initialize within {self.init_timeout:g} s"
+                f"upstream {self.server} did not answer initialize within {self.init_timeout:g} s "
+                "(init_timeout)"
             ) from None
         except UpstreamError:
             await self.close()
@@ -180,8 +183,8 @@ class StdioSession:
             reader.cancel()
         self._fail_all(f"upstream {self.server} was stopped")
 
-    async def close(self) -> None:
-        """Stop the child: close stdin, then SIGTERM, then SIGKILL (2 s apart)."""
+    async def close(self, *, grace_s: float = 2.0) -> None:
+        """Stop the child: close stdin, then SIGTERM, then SIGKILL (`grace_s` s apart)."""
         self.closed = True
         proc = self.proc
         if proc is not None and proc.returncode is None:
@@ -192,7 +195,7 @@ class StdioSession:
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(sig)
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout=2)
+                    await asyncio.wait_for(proc.wait(), timeout=grace_s)
                     break
                 except TimeoutError:
                     continue

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.runtime import metrics
@@ -36,6 +42,7 @@ class _Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     capabilities: JsonObject = field(default_factory=dict)
     principal: str | None = None
+    failed: tuple[float, str] | None = None  # (until when, monotonic s; why) the last failed start answers
 
 
 class StdioPool:
@@ -142,7 +149,9 @@ class StdioPool:
 
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> StdioSession:
         """A running child for this key: the least loaded, or a new one (after a backoff when the last
-        one died quickly). Raises UpstreamError when it cannot start or while in a crash loop."""
+        one died quickly). A failed start answers the callers that come (or waited for it) within as
+        long again as it took, with its error at once, so callers never queue one start after
+        another. Raises UpstreamError when it cannot start or while in a crash loop."""
         self._ensure_reaper()
         slot = self._slots.setdefault(
             self._key(capabilities, principal), _Slot(capabilities=dict(capabilities), principal=principal)
@@ -158,15 +167,24 @@ class StdioPool:
                 if time.monotonic() - slot.last_exit < self.crash_cooloff:
                     raise UpstreamError(self.crash_loop() or f"upstream {self.server} is in a crash loop")
                 slot.quick_exits = self.max_restarts - 1  # cool-off over: allow one more try
+            if slot.failed is not None and time.monotonic() < slot.failed[0]:
+                raise UpstreamError(slot.failed[1])
             if slot.quick_exits:  # back off after quick exits: 0.1 s, 0.2 s, 0.4 s, … up to 10 s
                 wait = min(10.0, 0.1 * 2 ** (slot.quick_exits - 1)) - (time.monotonic() - slot.last_exit)
                 if wait > 0:
                     await asyncio.sleep(wait)
             reserved = await self._make_room()
+            started = time.monotonic()
             try:
-                return _touch(await self._start(slot, capabilities))
+                session = await self._start(slot, capabilities)
+            except UpstreamError as exc:
+                now = time.monotonic()
+                slot.failed = (now + (now - started), str(exc))
+                raise
             finally:
                 self._reserved -= reserved
+            slot.failed = None
+            return _touch(session)
 
     async def _make_room(self) -> int:
         """Keep the running children under `max_children`: reserve room for one more (returns the
@@ -201,7 +219,8 @@ class StdioPool:
     async def _start(self, slot: _Slot, capabilities: JsonObject) -> StdioSession:
         session: StdioSession | None = None
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(3),
+            # three tries, but none started after init_timeout: a caller waits about that long at most
+            stop=stop_after_attempt(3) | stop_after_delay(self.init_timeout),
             wait=wait_exponential(multiplier=0.1, max=2),
             retry=retry_if_exception_type(UpstreamError),
             reraise=True,

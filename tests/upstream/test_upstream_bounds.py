@@ -312,3 +312,32 @@ async def test_one_call_behind_a_hung_initialize_waits_one_init_timeout(
         assert reply.error is not None or reply.result.get("resultType") == "task", reply.message
     assert reply.error is None or "within 1 s (init_timeout)" in reply.error["message"], reply.message
     assert waited < 1.5, waited
+
+
+async def test_a_stdio_child_that_never_answers_initialize_bounds_every_caller(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """A child that never answers `initialize` (`init_timeout` 1 s, `timeout` 8 s): one call fails in
+    about 1 s naming init_timeout (not three tries of 3 s each, twice), and six concurrent calls
+    after it share that failure instead of queueing one start after another."""
+    hang = {"command": sys.executable, "args": ["-c", "import time; time.sleep(3600)"]}
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"hang": {**hang, "init_timeout": "1s", "timeout": "8s"}},
+        }
+    )
+    proxy = await serve(config)
+    await asyncio.sleep(1.5)  # past the warm-up's failed start (its failure answers for as long again)
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        started = time.monotonic()
+        one = await client.call("anything")
+        alone = time.monotonic() - started
+        started = time.monotonic()
+        six = await asyncio.gather(*(client.call("anything") for _ in range(6)))
+        together = time.monotonic() - started
+    finally:
+        await client.close()
+    assert "within 1 s (init_timeout)" in one.error["message"] and alone < 1.8, (alone, one.message)
+    assert all(reply.error is not None for reply in six) and together < 1.8, together
