@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine
@@ -23,6 +24,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_event
 
+EVENT_SEQ = re.compile(r"[1-9][0-9]{0,17}")  # ASCII digits only (str.isdigit takes any script's)
 DEFAULT_REPLAY_EVENTS = 256
 DEFAULT_REPLAY_BYTES = 1 << 20
 
@@ -188,6 +190,6 @@ def parse_event_id(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     token, _, seq = value.strip().rpartition(":")
-    if not token or not seq.isdigit() or len(seq) > 18:
+    if not token or not EVENT_SEQ.fullmatch(seq):  # the form event_id mints: no 0, no leading zero
         return None
     return token, int(seq)

@@ -376,7 +376,9 @@ async def test_unknown_or_foreign_last_event_id_is_refused(proxy_url: str) -> No
         a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
         async with a.call(1, "sse_echo") as resp:
             event_id = (await read_events(resp))[0].id
-        for client, value in ((b, event_id), (a, "not-ours"), (a, "zzz:1")):
+        token = event_id.rpartition(":")[0]
+        never_minted = (f"{token}:0", f"{token}:01", f"{token}:+1")  # the stream's own token, no id of it
+        for client, value in ((b, event_id), (a, "not-ours"), (a, "zzz:1"), *((a, v) for v in never_minted)):
             async with http.get(
                 proxy_url, headers=client.headers(Accept="text/event-stream", **{"Last-Event-ID": value})
             ) as resp:
