@@ -203,9 +203,10 @@ class CallRunner:
         self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False
     ) -> JsonObject | None:
         """Turn the call into a task (committed before the handle is returned); a refusal (limit,
-        store) cancels the call, so it never goes on unseen. With `stay`, a store refusal (503) keeps
-        the call attached instead (None is returned): the upstream call has started, so the answer
-        must not be a 503 a load balancer would send again. A `mode: required` call the store
+        store) cancels the call, so it never goes on unseen. With `stay`, a store refusal (503) or a
+        limit (`max_tasks_per_principal`, 429) keeps the call attached instead (None is returned): the
+        upstream call has started, so the answer must not be a cancel and a status a client or a
+        load balancer would send again. A `mode: required` call the store
         refuses ends with HTTP 500 (-32603) for the same reason."""
         self.parked.release(call)
         rerun = (
@@ -225,12 +226,14 @@ class CallRunner:
                 rerun=rerun,
             )
         except JsonRpcError as exc:
+            if stay and exc.http_status in (429, 503):
+                # The call has started upstream: a limit or the store refusing its task must not turn
+                # into a cancel and a status a client (or a balancer) sends again; it stays attached.
+                log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
+                return None
             if exc.http_status != 503:
                 call.cancel("refused: the call could not become a task")
                 raise
-            if stay:
-                log.warning("detach_refused_call_stays_attached", server=self.name, reason=exc.message)
-                return None
             call.cancel("refused: the call could not become a task")
             # 507: the task could not be stored; not 503, which balancers retry
             raise JsonRpcError(exc.code, exc.message, exc.data, status=507) from None
