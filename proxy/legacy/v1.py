@@ -169,11 +169,20 @@ class V1Front:
 
         async def pump() -> None:
             asked: dict[str, list[RequestId]] = {}  # task id → proxy ids of questions this stream asked
+            released: list[RequestId] = []  # asked while a reader was here; still answerable
             waiting: dict[str, TaskRecord] = {}  # tasks whose questions wait for a reader
             try:
                 with self.tasks.changes.subscribe(about(principal, self.server)) as sub:
                     await self._waiting_for_input(principal, session, waiting)
+                    reader = stream.owner
                     while True:
+                        if asked and (not stream.attached or stream.owner != reader):
+                            # the reader left, or a new one took over (it may not have seen them)
+                            released += [proxy_id for ids in asked.values() for proxy_id in ids]
+                            self.methods.release(released)
+                            asked.clear()
+                            await self._waiting_for_input(principal, session, waiting)
+                        reader = stream.owner
                         for record in [waiting.pop(task_id) for task_id in list(waiting)]:
                             self._ask_on_get(record, principal, stream, asked, waiting)
                         try:
@@ -193,7 +202,7 @@ class V1Front:
                             # progress: the v1 token lives as long as the task
                             stream.append_message(item.message)
             finally:
-                self.methods.withdraw([proxy_id for ids in asked.values() for proxy_id in ids])
+                self.methods.withdraw(released + [proxy_id for ids in asked.values() for proxy_id in ids])
 
         return pump()
 
@@ -229,7 +238,7 @@ class V1Front:
         if not stream.attached:
             waiting[record.task_id] = record
             return
-        for proxy_id, question in self.methods.ask(record, principal):
+        for proxy_id, question in self.methods.ask(record, principal, on_result=False):
             asked.setdefault(record.task_id, []).append(proxy_id)
             stream.append_message(question)
 

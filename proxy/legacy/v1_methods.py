@@ -76,7 +76,8 @@ class V1TaskMethods:
         self.server = server
         self.keepalive_s = keepalive_s
         self.questions: dict[RequestId, tuple[str, str, str]] = {}
-        self._offered: dict[tuple[str, str], RequestId] = {}  # (task id, input key) → its proxy id
+        # (task id, input key) → (the proxy id it was last asked under, whether on a tasks/result stream)
+        self._offered: dict[tuple[str, str], tuple[RequestId, bool]] = {}
         self._watched: collections.Counter[str] = collections.Counter()  # task id → open tasks/result streams
 
     @contextlib.contextmanager
@@ -90,27 +91,39 @@ class V1TaskMethods:
             if self._watched[task_id] <= 0:
                 del self._watched[task_id]
 
-    def ask(self, record: TaskRecord, principal: str) -> list[tuple[RequestId, JsonObject]]:
+    def ask(
+        self, record: TaskRecord, principal: str, *, on_result: bool
+    ) -> list[tuple[RequestId, JsonObject]]:
         """`(proxy id, JSON-RPC request)` of each of `record`'s questions that no open stream carries
-        yet (a `tasks/result` stream or a session's GET stream: each question goes out once), now
-        awaiting its answer under that proxy id. The stream that sends them `withdraw`s them when it
-        ends, so a later stream asks again whatever was not answered."""
+        yet, now awaiting its answer under that proxy id: each question goes out once, except that a
+        `tasks/result` stream (`on_result`, where v1 puts questions) also asks what only a GET
+        stream carried (its reader may be gone unnoticed; the first answer wins). The stream that
+        sends them `withdraw`s them when it ends, so a later stream asks again what is unanswered."""
         asked: list[tuple[RequestId, JsonObject]] = []
         for key, question in record.input_requests.items():
-            if (record.task_id, key) in self._offered:
+            offered = self._offered.get((record.task_id, key))
+            if offered is not None and (offered[1] or not on_result):
                 continue
             proxy_id = "mtp-" + secrets.token_urlsafe(9)
             self.questions[proxy_id] = (record.task_id, key, principal)
-            self._offered[(record.task_id, key)] = proxy_id
+            self._offered[(record.task_id, key)] = (proxy_id, on_result)
             asked.append((proxy_id, question_request(proxy_id, key, question, record.task_id)))
         return asked
+
+    def release(self, proxy_ids: list[RequestId]) -> None:
+        """Let other streams ask again the questions `ask` handed out under `proxy_ids` (their stream
+        lost its reader): each stays answerable under its old id too, and the first answer wins."""
+        for proxy_id in proxy_ids:
+            target = self.questions.get(proxy_id)
+            if target is not None and self._offered.get((target[0], target[1]), (None,))[0] == proxy_id:
+                del self._offered[(target[0], target[1])]
 
     def withdraw(self, proxy_ids: list[RequestId]) -> None:
         """Forget questions `ask` handed out whose stream ended (answered ones are gone already)."""
         for proxy_id in proxy_ids:
             target = self.questions.pop(proxy_id, None)
-            if target is not None:
-                self._offered.pop((target[0], target[1]), None)
+            if target is not None and self._offered.get((target[0], target[1]), (None,))[0] == proxy_id:
+                del self._offered[(target[0], target[1])]
 
     def watched(self, task_id: str) -> bool:
         """True while a `tasks/result` stream carries `task_id`'s progress (the session's GET stream
@@ -221,7 +234,7 @@ class V1TaskMethods:
                 self.watching(task_id),
             ):
                 while not record.status.terminal:
-                    for proxy_id, question in self.ask(record, principal):
+                    for proxy_id, question in self.ask(record, principal, on_result=True):
                         minted.append(proxy_id)
                         await sse.write(encode_message(question))
                     record = await self._wait(sse, sub, record)

@@ -509,3 +509,35 @@ async def test_a_question_asked_before_the_get_stream_opens_is_offered_when_it_d
         assert done["status"] == "completed"
     finally:
         await client.close()
+
+
+async def test_a_question_whose_get_stream_lost_its_reader_is_asked_again_on_tasks_result(
+    proxy: RunningProxy,
+) -> None:
+    """The GET stream carried the question, then its connection dropped unanswered: a `tasks/result`
+    asks it again at once (under a new id) instead of after the stream's 60 s linger."""
+    client = V1Client(proxy.url())
+    try:
+        await client.initialize()
+        headers = {**client._headers(), "Accept": "text/event-stream"}
+        stream = await client.http.get(proxy.url(), headers=headers).__aenter__()
+        task = await client.call_as_task("confirm_delete", {"filename": "dropped.txt"})
+        async with asyncio.timeout(5):
+            async for event in iter_events(stream.content.iter_any()):
+                if event.data and json.loads(event.data).get("method") == "elicitation/create":
+                    break
+        stream.close()  # the reader is gone, the question unanswered
+        asked: list[str] = []
+
+        async def answer(question: dict) -> dict:
+            asked.append(question["params"]["message"])
+            return {"action": "accept", "content": {"confirm": True}}
+
+        async with asyncio.timeout(8):
+            status, final, _ = await client.request(
+                "tasks/result", {"taskId": task["taskId"]}, on_request=answer
+            )
+        assert status == 200 and asked == ["Delete dropped.txt?"], (asked, final)
+        assert final["result"]["content"][0]["text"] == "deleted dropped.txt"
+    finally:
+        await client.close()
