@@ -7,6 +7,7 @@ own is killed and restarted under open streams."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -19,32 +20,32 @@ from support.redis_server import RedisServer
 pytestmark = pytest.mark.redis
 
 
-async def test_a_console_stream_resyncs_after_redis_comes_back(
-    legacy_url: str, tmp_path: Path, serve: Serve
-) -> None:
-    redis = RedisServer(tmp_path / "redis", appendonly=False).start()
+async def _kill_and_restart(redis: RedisServer) -> None:
+    port = redis.port
+    redis.kill()
+    await asyncio.sleep(1.5)  # the feed notices (its reads time out) and retries
+    await asyncio.to_thread(redis.start, port=port)
+
+
+async def _drop_subscribers(redis: RedisServer) -> None:
+    client = aioredis.from_url(redis.url)
     try:
-        store = {"url": redis.url, "prefix": "gap:", "timeout": "500ms", "lease": "5s"}
-        proxy = await serve(console_config(legacy_url, store, listen={"sse_keepalive": "200ms"}))
-        headers = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
-        async with aiohttp.ClientSession() as http:
-            async with http.get(proxy.base + "/console/api/events", headers=headers) as stream:
-                await stream.content.readuntil(b"event: ready")
-                port = redis.port
-                redis.kill()
-                await asyncio.sleep(1.5)  # the feed notices (its reads time out) and retries
-                await asyncio.to_thread(redis.start, port=port)
-                async with asyncio.timeout(15):
-                    await stream.content.readuntil(b"event: resync")
+        assert await client.client_kill_filter(_type="pubsub") >= 1
     finally:
-        redis.stop()
+        await client.aclose()
 
 
-async def test_a_console_stream_resyncs_when_the_feed_reconnects_at_once(
-    legacy_url: str, tmp_path: Path, serve: Serve
+@pytest.mark.parametrize(
+    "outage",
+    [_kill_and_restart, _drop_subscribers],
+    ids=["redis-killed-and-restarted", "subscriber-dropped-and-back-at-once"],
+)
+async def test_a_console_stream_resyncs_after_the_change_feed_was_cut(
+    legacy_url: str, tmp_path: Path, serve: Serve, outage: Callable[[RedisServer], Awaitable[None]]
 ) -> None:
-    """Redis drops the pub/sub connection (as it does a subscriber past its output buffer limit) and
-    redis-py re-subscribes on its own at once: messages in between are lost, so streams resync too."""
+    """Redis killed for 1.5 s and restarted; or Redis dropping the pub/sub connection (as it does a
+    subscriber past its output buffer limit) while redis-py re-subscribes on its own at once. Either
+    way messages in between are lost, so the console stream resyncs."""
     redis = RedisServer(tmp_path / "redis", appendonly=False).start()
     try:
         store = {"url": redis.url, "prefix": "gap:", "timeout": "500ms", "lease": "5s"}
@@ -53,12 +54,8 @@ async def test_a_console_stream_resyncs_when_the_feed_reconnects_at_once(
         async with aiohttp.ClientSession() as http:
             async with http.get(proxy.base + "/console/api/events", headers=headers) as stream:
                 await stream.content.readuntil(b"event: ready")
-                client = aioredis.from_url(redis.url)
-                try:
-                    assert await client.client_kill_filter(_type="pubsub") >= 1
-                finally:
-                    await client.aclose()
-                async with asyncio.timeout(10):
+                await outage(redis)
+                async with asyncio.timeout(15):
                     await stream.content.readuntil(b"event: resync")
     finally:
         redis.stop()
