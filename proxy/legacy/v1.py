@@ -185,10 +185,12 @@ class V1Front:
                         reader = stream.owner
                         for record in [waiting.pop(task_id) for task_id in list(waiting)]:
                             self._ask_on_get(record, principal, stream, asked, waiting)
+                        # while questions wait for a reader, or were asked, look at the reader now and then
+                        check_s = READER_CHECK_S if waiting or asked else None
                         try:
-                            item = await asyncio.wait_for(sub.get(), READER_CHECK_S)
+                            item = await asyncio.wait_for(sub.get(), check_s)
                         except TimeoutError:
-                            continue  # a reader may have come: its questions are offered above
+                            continue  # a reader may have come (or gone): handled above
                         if isinstance(item, Overflow):  # changes were missed: questions too
                             await self._waiting_for_input(principal, session, waiting)
                             continue  # status pushes are advice: the client polls tasks/get for the rest
