@@ -5,6 +5,8 @@ two creates racing for the last allowed task on different replicas never both wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,28 @@ def refused_by_cap(reply: Reply) -> bool:
     )
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(
+    serve: Serve,
+    legacy_url: str,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    prefix: str,
+    cap: int,
+    server: dict | None = None,
+) -> AsyncIterator[tuple[RunningProxy, RunningProxy, ModernClient, ModernClient]]:
+    """Two replicas on one Redis with `max_tasks_per_principal` = `cap`, and a tasks client on each."""
+    a, b = [
+        await serve(replica(legacy_url, tmp_path / name, redis_server, prefix, cap, server)) for name in "ab"
+    ]
+    through_a, through_b = ModernClient(a.url()), ModernClient(b.url())
+    try:
+        yield a, b, through_a, through_b
+    finally:
+        await through_a.close()
+        await through_b.close()
+
+
 async def live_ids(proxy: RunningProxy) -> set[str]:
     return {record.task_id for record in await proxy.store.live_tasks()}
 
@@ -58,10 +82,12 @@ async def principal_live_set(proxy: RunningProxy) -> set[str]:
 async def test_the_cap_counts_the_principals_tasks_on_every_replica(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
-    a = await serve(replica(legacy_url, tmp_path / "a", redis_server, redis_prefix, 2))
-    b = await serve(replica(legacy_url, tmp_path / "b", redis_server, redis_prefix, 2))
-    through_a, through_b = ModernClient(a.url()), ModernClient(b.url())
-    try:
+    async with two_replicas(serve, legacy_url, tmp_path, redis_server, redis_prefix, 2) as (
+        a,
+        b,
+        through_a,
+        through_b,
+    ):
         first, second = [
             (await through_a.call("slow_compute", {"seconds": 3, "label": label})).result["taskId"]
             for label in ("first", "second")
@@ -78,18 +104,17 @@ async def test_the_cap_counts_the_principals_tasks_on_every_replica(
         assert (await through_b.wait_terminal(admitted.result["taskId"]))["status"] == "completed"
         await through_a.request("tasks/cancel", {"taskId": second})
         assert await live_ids(a) == set() and await principal_live_set(a) == set()
-    finally:
-        await through_a.close()
-        await through_b.close()
 
 
 async def test_two_replicas_racing_for_the_last_allowed_task_admit_one(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
-    a = await serve(replica(legacy_url, tmp_path / "a", redis_server, redis_prefix, 1))
-    b = await serve(replica(legacy_url, tmp_path / "b", redis_server, redis_prefix, 1))
-    through_a, through_b = ModernClient(a.url()), ModernClient(b.url())
-    try:
+    async with two_replicas(serve, legacy_url, tmp_path, redis_server, redis_prefix, 1) as (
+        a,
+        b,
+        through_a,
+        through_b,
+    ):
         replies = await asyncio.gather(
             through_a.call("slow_compute", {"seconds": 1, "label": "race-a"}),
             through_b.call("slow_compute", {"seconds": 1, "label": "race-b"}),
@@ -101,9 +126,6 @@ async def test_two_replicas_racing_for_the_last_allowed_task_admit_one(
         winner = through_a if "taskId" in replies[0].result else through_b
         await winner.request("tasks/cancel", {"taskId": tasks[0]})
         assert await principal_live_set(b) == set()
-    finally:
-        await through_a.close()
-        await through_b.close()
 
 
 async def test_the_stores_count_follows_every_way_out_of_live_and_never_drifts_up(
@@ -168,19 +190,16 @@ async def test_a_required_tool_at_the_cap_on_another_replica_never_reaches_the_u
     """The early refusal of a `mode: required` tool reads the shared count: a principal holding the
     cap's task on replica A is refused on replica B before B starts the call upstream."""
     required = {"tasks": {"tools": {"slow_compute": {"mode": "required"}}}}
-    a, b = [
-        await serve(replica(legacy_url, tmp_path / name, redis_server, redis_prefix, 1, required))
-        for name in ("a", "b")
-    ]
-    through_a, through_b = ModernClient(a.url()), ModernClient(b.url())
     label = f"early-{redis_prefix[-6:]}"
-    try:
+    async with two_replicas(serve, legacy_url, tmp_path, redis_server, redis_prefix, 1, required) as (
+        _,
+        _,
+        through_a,
+        through_b,
+    ):
         held = (await through_a.call("slow_compute", {"seconds": 3, "label": "held"})).result["taskId"]
         refused = await through_b.call("slow_compute", {"seconds": 0.1, "label": label})
         assert refused_by_cap(refused), refused
         started = await through_b.call("started_log", {})
         assert label not in started.result["content"][0]["text"]  # never sent upstream
         await through_a.request("tasks/cancel", {"taskId": held})
-    finally:
-        await through_a.close()
-        await through_b.close()
