@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import structlog
@@ -11,7 +12,7 @@ from proxy.protocol.jsonrpc import JsonObject
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http import UpstreamSession
-from proxy.upstream.types import Bounds, Session, UpstreamError, caps_key, probe
+from proxy.upstream.types import Bounds, RecentFailure, Session, UpstreamError, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -44,8 +45,8 @@ class UpstreamPool:
         self.bounds = bounds or Bounds()
         self._sessions: dict[str, UpstreamSession] = {}
         self._opening: dict[str, asyncio.Task[UpstreamSession]] = {}  # the attempt callers share, by key
-        self._started: dict[str, float] = {}  # when (loop time, s) the attempt of a key began
-        self._failed: dict[str, tuple[float, str]] = {}  # key → (until when, loop time s; why) of a failure
+        self._started: dict[str, float] = {}  # when (monotonic s) the attempt of a key began
+        self._failed: dict[str, RecentFailure] = {}  # key → its last failed attempt
         self.on_notification = on_notification
 
     async def session(self, capabilities: JsonObject, principal: str | None = None) -> UpstreamSession:
@@ -59,16 +60,13 @@ class UpstreamPool:
         existing = self._sessions.get(key)
         if existing is not None and not existing.closed and existing.broken is None:
             return existing
-        loop = asyncio.get_running_loop()
-        failed = self._failed.get(key)
-        if failed is not None and loop.time() < failed[0]:
-            raise UpstreamError(failed[1])
+        failed = self._failed.setdefault(key, RecentFailure())
+        failed.check()
         opening = self._opening.get(key)
         if opening is None:
-            opening = loop.create_task(self._open(key, capabilities))
-            self._opening[key], self._started[key] = opening, loop.time()
+            opening = asyncio.get_running_loop().create_task(self._open(key, capabilities))
+            self._opening[key], self._started[key] = opening, time.monotonic()
             opening.add_done_callback(lambda done: self._opened(key, done))
-        started = self._started[key]
         try:
             async with asyncio.timeout(self.bounds.init_timeout):
                 return await asyncio.shield(opening)
@@ -79,8 +77,7 @@ class UpstreamPool:
             )
         except UpstreamError as exc:
             why = str(exc)
-        now = loop.time()
-        self._failed[key] = (now + (now - started), why)
+        failed.failed(self._started[key], why)
         raise UpstreamError(why)
 
     async def _open(self, key: str, capabilities: JsonObject) -> UpstreamSession:
@@ -110,7 +107,7 @@ class UpstreamPool:
         if self._opening.get(key) is done:
             del self._opening[key]
         if not done.cancelled() and done.exception() is None:
-            self._failed.pop(key, None)  # opened: a failure before it no longer answers anyone
+            self._failed.setdefault(key, RecentFailure()).clear()  # opened: an earlier failure answers nobody
 
     async def check(self, timeout_s: float = 5.0) -> str | None:
         """Open (or reuse) the session without optional capabilities; None when ready, else why not."""

@@ -20,7 +20,7 @@ from tenacity import (
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.runtime import metrics
 from proxy.upstream.stdio import StdioCommand, StdioSession
-from proxy.upstream.types import Bounds, UpstreamError, caps_key, probe
+from proxy.upstream.types import Bounds, RecentFailure, UpstreamError, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -42,7 +42,7 @@ class _Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     capabilities: JsonObject = field(default_factory=dict)
     principal: str | None = None
-    failed: tuple[float, str] | None = None  # (until when, monotonic s; why) the last failed start answers
+    failed: RecentFailure = field(default_factory=RecentFailure)  # the last failed start
 
 
 class StdioPool:
@@ -167,8 +167,7 @@ class StdioPool:
                 if time.monotonic() - slot.last_exit < self.crash_cooloff:
                     raise UpstreamError(self.crash_loop() or f"upstream {self.server} is in a crash loop")
                 slot.quick_exits = self.max_restarts - 1  # cool-off over: allow one more try
-            if slot.failed is not None and time.monotonic() < slot.failed[0]:
-                raise UpstreamError(slot.failed[1])
+            slot.failed.check()
             if slot.quick_exits:  # back off after quick exits: 0.1 s, 0.2 s, 0.4 s, … up to 10 s
                 wait = min(10.0, 0.1 * 2 ** (slot.quick_exits - 1)) - (time.monotonic() - slot.last_exit)
                 if wait > 0:
@@ -178,12 +177,11 @@ class StdioPool:
             try:
                 session = await self._start(slot, capabilities)
             except UpstreamError as exc:
-                now = time.monotonic()
-                slot.failed = (now + (now - started), str(exc))
+                slot.failed.failed(started, str(exc))
                 raise
             finally:
                 self._reserved -= reserved
-            slot.failed = None
+            slot.failed.clear()
             return _touch(session)
 
     async def _make_room(self) -> int:

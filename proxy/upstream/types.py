@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -27,6 +28,30 @@ MessageHandler = Callable[[JsonObject], Awaitable[None]]
 
 class UpstreamError(Exception):
     """The upstream could not be reached or broke the transport; the message names the cause."""
+
+
+class RecentFailure:
+    """The last failed attempt to open a session (start a child, initialize), which answers the
+    callers that come within as long again as it took with its error at once (`check`), so callers
+    never wait for one attempt after another. Times are `time.monotonic()` seconds."""
+
+    def __init__(self) -> None:
+        self._until = 0.0
+        self._why = ""
+
+    def check(self) -> None:
+        """Raise UpstreamError (the failure's message) while the last failure still answers."""
+        if time.monotonic() < self._until:
+            raise UpstreamError(self._why)
+
+    def failed(self, started: float, why: str) -> None:
+        """An attempt begun at `started` (monotonic s) failed just now with message `why`."""
+        now = time.monotonic()
+        self._until, self._why = now + (now - started), why
+
+    def clear(self) -> None:
+        """A session opened: an earlier failure answers nobody any more."""
+        self._until = 0.0
 
 
 class SessionExpiredError(UpstreamError):
