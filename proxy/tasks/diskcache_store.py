@@ -252,7 +252,10 @@ class DiskcacheStore:
 
     def _close_now(self) -> None:
         """Close the threads, connections and lock (from `close`, or from `__init__` when it refuses
-        the store: no writer batch can be in flight then)."""
+        the store: no writer batch can be in flight then). diskcache keeps one SQLite connection per
+        thread, so the writer thread closes its own: left to the garbage collector, its close would
+        checkpoint and delete the -wal and -shm files at some later moment, under a backup's feet."""
+        self._executor.submit(self._cache.close).result()
         self._executor.shutdown(wait=True)
         self._checkpointer.shutdown(wait=True)
         self._reader.close()

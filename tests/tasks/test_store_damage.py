@@ -6,6 +6,7 @@ logs at error level."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import shutil
 import sqlite3
@@ -231,3 +232,16 @@ async def test_a_wal_garbled_after_a_kill_is_refused_at_start_a_torn_tail_is_not
     for healthy in ("intact", "torn"):
         assert walcheck.skipped_commits(str(tmp_path / healthy / "cache.db-wal")) == 0
         DiskcacheStore(tmp_path / healthy, exclusive=True)._close_now()
+
+
+async def test_a_closed_store_leaves_no_connection_open_behind_a_backup(tmp_path: Path) -> None:
+    """Once `close` returns, every SQLite connection of the store is closed (the last one folds the
+    write-ahead log into cache.db and deletes it): a copy taken then is whole, and no connection left
+    to the garbage collector deletes -wal and -shm files later, in the middle of someone's copy."""
+    gc.disable()  # the collector would close a leaked connection at a moment of its choosing
+    try:
+        await _held_store(tmp_path / "store")
+        left = set(os.listdir(tmp_path / "store"))
+        assert "cache.db" in left and not left & {"cache.db-wal", "cache.db-shm"}
+    finally:
+        gc.enable()
