@@ -246,7 +246,7 @@ class StoreConfig(_Strict):
     every Redis key. `timeout` (s): bound on each Redis call (connect, reply, pooled connection).
     `durable` (diskcache only) fsyncs every batch of writes (group commit); with Redis, durability
     is Redis's own persistence setting (README "Redis store"). `lease` (s): how long this
-    process's claim on the calls it runs lasts without renewal (renewed every third of it); a task
+    process's claim on the calls it runs lasts without renewal (renewed every sixth of it); a task
     whose owner's lease lapsed is ended (or re-run) by the sweep, which runs every half lease.
     `write_retry` (s): how long an outcome write the store refuses is retried before the task is
     shown `failed`, naming the store.
@@ -275,7 +275,7 @@ class StoreConfig(_Strict):
         if value <= 0:
             raise ValueError(f"store.{info.field_name} must be longer than 0s")
         if info.field_name == "lease" and value < 0.1:
-            raise ValueError("store.lease must be at least 100ms (it is renewed every third of it)")
+            raise ValueError("store.lease must be at least 100ms (it is renewed every sixth of it)")
         return value
 
     @model_validator(mode="after")

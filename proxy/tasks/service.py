@@ -63,7 +63,12 @@ LOST_MESSAGE = (
     "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; "
     "the upstream call was lost"
 )
-FENCE_AFTER = 5 / 6  # of a lease without renewal: stop this node's calls (a sixth before it lapses)
+# Of a lease without renewal: stop this node's calls, after one last renewal bounded by LAST_RENEWAL
+# of a lease; so they stop by 3/4 of the lease, a quarter before it lapses and another replica takes
+# them (the margin Kubernetes' leader election leaves: renewDeadline 10 s of a 15 s lease), room for
+# a loaded host's late timers and the upstream's cancel.
+FENCE_AFTER = 2 / 3
+LAST_RENEWAL = 1 / 12
 READ_FAILURE_SHOWN_S = 30.0  # how long (s) /readyz reports the store failed after a failed read
 _RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for the audit line)
 
@@ -71,7 +76,7 @@ _RETRIEVED_MAX = 100_000  # terminal tasks remembered as already retrieved (for 
 class TaskService:
     """Tasks of one node (`node`, a fresh id by default) over a `TaskStore`.
 
-    `lease_s` (s) is how long this node's lease lasts without renewal; it is renewed every third
+    `lease_s` (s) is how long this node's lease lasts without renewal; it is renewed every sixth
     of it, and the orphan sweep (which also stops calls whose task an operator ended, and purges
     expired records) runs every half of it. `outcome_retry_s` (s) bounds the retries of an outcome
     write the store refused; after that the task reads `working`, its message naming the store, while
@@ -147,21 +152,21 @@ class TaskService:
         return counts
 
     async def _maintain(self) -> None:
-        """Every sixth of the lease: renew it every second tick (a third of the lease), sweep for
-        orphans and purge expired records every third tick (half the lease)."""
+        """Every sixth of the lease: renew it (so the fence, at FENCE_AFTER of a lease without one,
+        comes only after three renewals in a row failed or were late), and every third tick (half
+        the lease) sweep for orphans and purge expired records."""
         tick = 0
         while not self._stopping:
             await asyncio.sleep(self.lease_s / 6)
             tick += 1
             try:
-                if tick % 2 == 0:
-                    await self.store.renew_lease(self.node, int(self.lease_s * 1000))
-                    self._renewed()
-                    self._leases.renewed(await store_instance(self.store))
-                    if self.store_problem is not None:
-                        # back from an outage or a cut: another replica may have ended or taken over
-                        # calls still running here (their lease lapsed): stop them now, not at the sweep
-                        await self._stop_calls_ended_elsewhere()
+                await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+                self._renewed()
+                self._leases.renewed(await store_instance(self.store))
+                if self.store_problem is not None:
+                    # back from an outage or a cut: another replica may have ended or taken over
+                    # calls still running here (their lease lapsed): stop them now, not at the sweep
+                    await self._stop_calls_ended_elsewhere()
                 if tick % 3 == 0:
                     await self.sweep()
                     purged = await self.store.purge_expired()
@@ -191,9 +196,9 @@ class TaskService:
             self._spawn(self._renew_or_fence())
 
     async def _renew_or_fence(self) -> None:
-        """One renewal within half the lease's last sixth (s), else the fence (`_fence_calls`)."""
+        """One renewal within LAST_RENEWAL of the lease, else the fence (`_fence_calls`)."""
         try:
-            async with asyncio.timeout(self.lease_s * (1 - FENCE_AFTER) / 2):
+            async with asyncio.timeout(self.lease_s * LAST_RENEWAL):
                 await self.store.renew_lease(self.node, int(self.lease_s * 1000))
         except (StoreUnavailableError, TimeoutError):
             self._fence_calls()

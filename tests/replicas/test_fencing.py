@@ -14,11 +14,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
 from support.relay import TcpRelay
 
+from proxy.app import TASKS_KEY
 from proxy.config import Config
 
 pytestmark = pytest.mark.redis
@@ -66,6 +68,11 @@ async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_rerun
             through_cut_off = await client.get(task_id)
             waited = time.monotonic() - started
             assert through_cut_off.status == 503 and waited < 0.8, waited  # store.timeout 500 ms, in all
+            # the last renewal that reached Redis (its value: the wall clock, ms), read past the cut
+            lease_key = f"{redis_prefix}node:{cut_off.app[TASKS_KEY].node}"
+            async with redis.asyncio.from_url(redis_server.url) as direct:
+                renewed_ms = int(await direct.get(lease_key))
+            lapses_at = renewed_ms / 1000 + 1.0  # LEASE
             async with asyncio.timeout(10):
                 while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
                     await asyncio.sleep(0.05)
@@ -73,6 +80,9 @@ async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_rerun
             cancels = [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
             relay.resume()
             assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
+            # the fence came with room to spare: a quarter of the lease before it lapsed, less the
+            # cancel's way to the upstream (a fence a sixth before, less a twelfth, fails this)
+            assert lapses_at - cancels[0]["at"] > 0.15, (lapses_at, cancels)
             client.url = survivor.url()
             done = await client.wait_terminal(task_id, timeout=10)
             assert (
