@@ -376,9 +376,10 @@ class DiskcacheStore:
             f"ia:{rev}{_SEP}{record.task_id}",
         )
 
-    async def create(self, record: TaskRecord, *, max_live: int | None = None) -> None:
+    async def create(self, record: TaskRecord, *, max_live: int | None = None, leased: bool = False) -> None:
         """See TaskStore.create. `max_live` is not counted here: the one process serving this
-        directory (an exclusive lock) counts its principals' live tasks itself (`TaskService`)."""
+        directory (an exclusive lock) counts its principals' live tasks itself (`TaskService`);
+        nor is `leased` checked (no other process takes its tasks over)."""
 
         def op() -> None:
             if not self._cache.add("task:" + record.task_id, record.to_dict(), expire=self._expire_s(record)):

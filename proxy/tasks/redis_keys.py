@@ -118,6 +118,9 @@ def change_message(origin: str, before: str | None, record: TaskRecord, data: st
 
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if ARGV[13] ~= '' and ARGV[5] ~= '' and redis.call('EXISTS', ARGV[12] .. 'node:' .. ARGV[5]) == 0 then
+  return 2
+end
 if ARGV[5] ~= '' and ARGV[11] ~= '' then
   local cap = tonumber(ARGV[11])
   if redis.call('SCARD', KEYS[7]) >= cap then
@@ -147,9 +150,11 @@ return 1
 """
 """KEYS: task, idx:all, idx:p, idx:ps, live, exp, live:p. ARGV: record JSON, version, index member,
 task id, owner (or '' when terminal), ttl ms (or ''), exp member, exp score (epoch ms), channel,
-message, max live tasks of the principal (or '': no cap), key prefix. Returns 1 when created, 0
-when the id exists, -n when the record is live and its principal already has n >= the cap live
-tasks (nothing written either way). At the cap it reads every member of live:p (O(cap))."""
+message, max live tasks of the principal (or '': no cap), key prefix, '1' to require the owner's
+lease (or ''). Returns 1 when created, 0 when the id exists, 2 when the lease is required, the
+record is live and its owner's lease (`node:<owner>`) has lapsed,
+-n when the record is live and its principal already has n >= the cap live tasks (nothing written
+in any but the first case). At the cap it reads every member of live:p (O(cap))."""
 
 UPDATE = """
 local v = redis.call('HGET', KEYS[1], 'v')

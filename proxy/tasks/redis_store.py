@@ -39,6 +39,7 @@ from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, pri
 from proxy.tasks.redis_events import POLL_S, ChangeFeed
 from proxy.tasks.redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message
 from proxy.tasks.store import (
+    LeaseLapsedError,
     Listener,
     ListFilter,
     LiveLimitError,
@@ -157,10 +158,12 @@ class RedisTaskStore:
             return "", "", ""
         return str(max(1, expires - now_ms())), self.keys.expiry_member(record), str(expires)
 
-    async def create(self, record: TaskRecord, *, max_live: int | None = None) -> None:
+    async def create(self, record: TaskRecord, *, max_live: int | None = None, leased: bool = False) -> None:
         """See TaskStore.create: `max_live` is checked against the principal's `live:p` set (every
-        replica's live tasks) inside the create script. Raises ValueError (the id exists),
-        LiveLimitError (the principal has `max_live` live tasks), StoreUnavailableError."""
+        replica's live tasks), and `leased` against the owner's `node:` key, inside the create
+        script. Raises ValueError (the id exists), LeaseLapsedError (`leased`, a live record whose
+        owner's lease has lapsed), LiveLimitError (the principal has `max_live` live tasks),
+        StoreUnavailableError."""
         data = json.dumps(record.to_dict(), separators=(",", ":"))
         member, by_principal, by_server = self.keys.record_keys(record)
         ttl, exp_member, exp_score = self._retention(record)
@@ -190,10 +193,13 @@ class RedisTaskStore:
                     message,
                     "" if max_live is None else max_live,
                     self.keys.prefix,
+                    "1" if leased else "",
                 ],
             )
         if created == 0:
             raise ValueError(f"task {record.task_id} already exists")
+        if created == 2:
+            raise LeaseLapsedError(f"task store {self.where}: the lease of node {record.owner} has lapsed")
         if created < 0:
             raise LiveLimitError(record.principal, -int(created), max_live or 0)
         self._committed(None, record)

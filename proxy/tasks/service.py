@@ -48,6 +48,7 @@ from proxy.tasks.model import (
 )
 from proxy.tasks.rates import TaskRate
 from proxy.tasks.store import (
+    LeaseLapsedError,
     LiveLimitError,
     StoreUnavailableError,
     TaskNotFoundError,
@@ -347,7 +348,7 @@ class TaskService:
         self._snapshots[record.task_id] = record
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
         try:
-            await self.store.create(record, max_live=self.max_tasks_per_principal)
+            await self._create_owned(record)
         except LiveLimitError as exc:
             self.release(record.task_id)
             raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
@@ -370,6 +371,22 @@ class TaskService:
             principal=principal_hash(call.principal),
         )
         return record
+
+    async def _create_owned(self, record: TaskRecord) -> None:
+        """Commit `record` (owned by this node). A shared store refuses it while this node's lease
+        has lapsed (LeaseLapsedError: back from a cut off, before the next renewal; another replica
+        would take the task for an orphan and re-run it at once): then renew the lease and commit.
+        Raises what `TaskStore.create` and `renew_lease` raise (StoreUnavailableError when the
+        renewal fails, or when the lease lapses again meanwhile)."""
+        try:
+            await self.store.create(record, max_live=self.max_tasks_per_principal, leased=True)
+        except LeaseLapsedError:
+            await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+            self._renewed()
+            try:
+                await self.store.create(record, max_live=self.max_tasks_per_principal, leased=True)
+            except LeaseLapsedError as exc:
+                raise StoreUnavailableError(str(exc)) from None
 
     def release(self, task_id: str) -> None:
         """The call of `task_id` is no longer this node's (it ended, or another replica stopped it)."""

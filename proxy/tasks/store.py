@@ -37,6 +37,12 @@ class LiveLimitError(Exception):
         self.max_live = max_live
 
 
+class LeaseLapsedError(Exception):
+    """Raised by `TaskStore.create` of a store several processes share (Redis) for a live record
+    whose owner's lease has lapsed (nothing written): other replicas would take the new task for an
+    orphan at once. The owner renews its lease and creates again."""
+
+
 class StoreUnavailableError(Exception):
     """Raised when the store cannot read or write (disk full, read-only, I/O error, server down).
 
@@ -84,14 +90,16 @@ class TaskStore(Protocol):
     where: str  # a human name of the store for messages: a directory or a redis URL
     damage: str | None  # damage found in the store's files since it opened (shown on /readyz), or None
 
-    async def create(self, record: TaskRecord, *, max_live: int | None = None) -> None:
+    async def create(self, record: TaskRecord, *, max_live: int | None = None, leased: bool = False) -> None:
         """Commit a new record before returning. Raises ValueError if the id already exists.
 
         `max_live`: a store several processes create in (Redis) commits a non-terminal record only
         while its principal has fewer live tasks than that, counted in the store across them all,
         in the same atomic step (two creates racing for the last place never both win), else raises
         LiveLimitError. A store one process serves (diskcache, an exclusive lock) leaves the count
-        to that process (`TaskService` counts its calls) and ignores it."""
+        to that process (`TaskService` counts its calls) and ignores it. With `leased`, such a store
+        also commits a non-terminal record only while its owner's lease is alive, else raises
+        LeaseLapsedError (a node back from a cut off: the record would be an orphan at birth)."""
 
     async def live_count(self, principal: str) -> int | None:
         """The live (non-terminal) tasks of `principal` as a store several processes create in

@@ -39,11 +39,11 @@ async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, s
         await relay.close()
 
 
-def replica(legacy_url: str, tmp_path: Path, url: str, prefix: str) -> Config:
+def replica(legacy_url: str, tmp_path: Path, url: str, prefix: str, lease: str = LEASE) -> Config:
     config = make_config(
         legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}
     )
-    data = {"url": url, "prefix": prefix, "timeout": "500ms", "lease": LEASE}
+    data = {"url": url, "prefix": prefix, "timeout": "500ms", "lease": lease}
     config.store = type(config.store).model_validate(data)
     return config
 
@@ -91,3 +91,25 @@ async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_rerun
         finally:
             await client.close()
             await plain.close()
+
+
+async def test_a_replica_back_from_a_lapsed_lease_renews_it_before_committing_a_new_task(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A replica whose lease lapsed (cut off from Redis past it; here its lease key is deleted, and
+    its next renewal is a second away with a 6 s lease) renews the lease before it commits a task
+    it owns: committed without, the task would be an orphan at birth, which another replica's sweep
+    re-runs while this one runs it too."""
+    back = await serve(replica(legacy_url, tmp_path, redis_server.url, redis_prefix, lease="6s"))
+    client = ModernClient(back.url())
+    lease_key = f"{redis_prefix}node:{back.app[TASKS_KEY].node}"
+    try:
+        async with redis.asyncio.from_url(redis_server.url) as direct:
+            for _ in range(3):
+                assert await direct.delete(lease_key) == 1
+                label = f"back-{uuid.uuid4().hex[:8]}"
+                created = await client.call("slow_compute", {"seconds": 0.3, "label": label})
+                assert "taskId" in created.result, created.result
+                assert await direct.exists(lease_key) == 1  # renewed before the commit
+    finally:
+        await client.close()

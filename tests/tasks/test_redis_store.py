@@ -26,7 +26,7 @@ from proxy.config import Config, ConfigError, config_from_data
 from proxy.protocol.sse import iter_events
 from proxy.tasks.model import Change, TaskStatus
 from proxy.tasks.redis_store import RedisTaskStore
-from proxy.tasks.store import StoreUnavailableError
+from proxy.tasks.store import LeaseLapsedError, StoreUnavailableError
 
 pytestmark = pytest.mark.redis
 
@@ -239,6 +239,28 @@ async def test_changes_of_one_store_object_reach_the_others_listeners_and_waits(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_task_owned_by_a_node_whose_lease_lapsed_is_never_committed(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A leased create of a live record is refused while its owner's lease is absent (nothing
+    written: other replicas would take it for an orphan at once), and committed once it is renewed;
+    a terminal record and an unleased create need no lease."""
+    store = RedisTaskStore(redis_server.url, prefix=redis_prefix)
+    try:
+        with pytest.raises(LeaseLapsedError, match="lease of node back-from-a-cut has lapsed"):
+            await store.create(make_record(task_id="orphan-at-birth", owner="back-from-a-cut"), leased=True)
+        assert await store.get("orphan-at-birth") is None
+        assert await store.live_tasks() == []
+        await store.renew_lease("back-from-a-cut", 5000)
+        await store.create(make_record(task_id="leased", owner="back-from-a-cut"), leased=True)
+        done = make_record(task_id="done", owner="gone", status=TaskStatus.COMPLETED, outcome={"result": {}})
+        await store.create(done, leased=True)
+        await store.create(make_record(task_id="unleased", owner="gone"))
+        assert sorted(r.task_id for r in await store.live_tasks()) == ["leased", "unleased"]
+    finally:
+        await store.close()
 
 
 async def test_mrtr_state_used_on_one_replica_is_refused_on_the_other(
