@@ -913,6 +913,7 @@ class Run:
     changed: set[str] = field(default_factory=set)
     kill_times: list[float] = field(default_factory=list)
     extra_times: dict[str, float] = field(default_factory=dict)  # e.g. redis -> when it was first killed
+    extra_ends: dict[str, float] = field(default_factory=dict)  # e.g. redis -> when it first served again
     inflight_calls: dict[int, float] = field(default_factory=dict)  # call number -> monotonic start
     inflight_polls: int = 0
     counts: dict[str, int] = field(
@@ -1293,6 +1294,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                         )
                         run.extra_times.setdefault(name, time.monotonic())
                         await asyncio.to_thread(target.extra, name, rng.uniform(0.3, 1.0))
+                        run.extra_ends.setdefault(name, time.monotonic())
                         run.counts[f"{name}_restarts"] += 1
 
         polling = asyncio.create_task(poller())
@@ -1473,7 +1475,7 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
     instant_error's) counts in `unexplained_failures`; those whose error says the upstream was
     unreachable also count in `upstream_unreachable`. A label started n > 1
     times is n-1 `reruns` when its task was re-run by policy (at most once per kill or partition it
-    was running at, and once more when it was running across the Redis restart: a replica that
+    was running at, and once more when it was running at some moment of the Redis outage: a replica that
     cannot renew its lease stops such calls before the lease lapses, and they run again once the
     store is back), else `double_runs`. A label two of whose runs overlapped in time counts in
     `overlapping_runs` (one call running twice at once), unless its task was running at a kill: a
@@ -1493,11 +1495,12 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
     for p in run.partitions:
         killed_at.setdefault(p.node, p.paused_at)
     outage_at = run.extra_times.get("redis")
-    across_outage = (
+    outage_end = run.extra_ends.get("redis", float("inf"))
+    across_outage = (  # running at some moment of the outage (a handle may arrive as Redis is killed)
         {
             task_id
             for task_id, handed in run.handed.items()
-            if handed < outage_at and run.terminal_at.get(task_id, float("inf")) > outage_at
+            if handed < outage_end and run.terminal_at.get(task_id, float("inf")) > outage_at
         }
         if outage_at is not None
         else set()
