@@ -121,6 +121,7 @@ class TaskService:
         self.changes: Fanout[TaskEvent] = Fanout("task changes")
         self._leases = LeaseJudge(lease_s)  # when this node may judge other nodes' leases
         self._creating: set[str] = set()  # task ids whose create is being committed
+        self._fenced_creating: set[str] = set()  # of those, the ones the fence came to meanwhile
         self._cancelling: set[str] = set()  # tasks this node is cancelling right now
         # Live task → its record at detach (what readers see if its outcome cannot be written).
         self._snapshots: dict[str, TaskRecord] = {}
@@ -212,7 +213,9 @@ class TaskService:
         rerun` (upstream cancel; nothing is recorded: the task belongs to whoever takes it over).
         Other calls go on: no replica re-runs them, and if the store was down for every replica
         their outcome is still recorded; if another replica declared one lost, the sweep cancels it
-        as soon as this node reaches the store again (`_stop_calls_ended_elsewhere`)."""
+        as soon as this node reaches the store again (`_stop_calls_ended_elsewhere`). A call whose
+        task is still being created is left to `detach`: with no record, nobody else can run it, so
+        if the create fails the call stays the client's (attached); if it commits, it is stopped then."""
         if self._stopping:
             return
         stopped = [
@@ -223,15 +226,23 @@ class TaskService:
         if not stopped:
             return
         for task_id, call in stopped:
-            self.release(task_id)
-            call.ended_by = "fence"  # its outcome (the cancel) is never recorded: see _end
-            call.cancel("this replica could not renew its lease; another replica takes the task over")
+            if task_id in self._creating:
+                self._fenced_creating.add(task_id)
+            else:
+                self._fence_call(task_id, call)
         log.error(
             "replica_fenced",
             node=self.node,
             calls=len(stopped),
             reason=f"the lease was not renewed for {self.lease_s * FENCE_AFTER:g} s",
         )
+
+    def _fence_call(self, task_id: str, call: LiveCall) -> None:
+        """Stop the detached call of `task_id` for the fence: released, cancelled upstream, and its
+        outcome never recorded (see `_end`); whoever sweeps the task next re-runs it."""
+        self.release(task_id)
+        call.ended_by = "fence"
+        call.cancel("this replica could not renew its lease; another replica takes the task over")
 
     def read_failed(self, exc: BaseException) -> None:
         """Note a read the store failed because its files are damaged (DamagedStoreError: a bad page,
@@ -349,6 +360,8 @@ class TaskService:
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
         try:
             await self._create_owned(record)
+            if record.task_id in self._fenced_creating:
+                self._fence_call(record.task_id, call)  # committed after the fence: taken over
         except LiveLimitError as exc:
             self.release(record.task_id)
             raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
@@ -363,6 +376,7 @@ class TaskService:
             ) from None
         finally:
             self._creating.discard(record.task_id)
+            self._fenced_creating.discard(record.task_id)
         log.info(
             "task_created",
             task_id=record.task_id,

@@ -39,11 +39,13 @@ async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, s
         await relay.close()
 
 
-def replica(legacy_url: str, tmp_path: Path, url: str, prefix: str, lease: str = LEASE) -> Config:
+def replica(
+    legacy_url: str, tmp_path: Path, url: str, prefix: str, lease: str = LEASE, timeout: str = "500ms"
+) -> Config:
     config = make_config(
         legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}
     )
-    data = {"url": url, "prefix": prefix, "timeout": "500ms", "lease": lease}
+    data = {"url": url, "prefix": prefix, "timeout": timeout, "lease": lease}
     config.store = type(config.store).model_validate(data)
     return config
 
@@ -113,3 +115,30 @@ async def test_a_replica_back_from_a_lapsed_lease_renews_it_before_committing_a_
                 assert await direct.exists(lease_key) == 1  # renewed before the commit
     finally:
         await client.close()
+
+
+async def test_a_call_whose_task_is_being_created_when_the_fence_comes_stays_the_clients(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A call detaching while its replica is cut off from Redis: its create waits on the store
+    (timeout 3 s) while the fence comes (3/4 of the 1 s lease). With no record, nobody else can run
+    it, so the fence leaves it be; the create fails and the call stays attached: the client gets
+    its result, from one run and no cancel (it was fenced as a task: cancelled, a -32800 error)."""
+    label = f"creating-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        config = replica(legacy_url, tmp_path / "a", relayed_url, redis_prefix, timeout="3s")
+        cut_off = await serve(config)
+        plain = ModernClient(
+            (await serve(replica(legacy_url, tmp_path / "b", redis_server.url, redis_prefix))).url()
+        )
+        client = ModernClient(cut_off.url())
+        try:
+            relay.pause()
+            answer = await client.call("slow_compute", {"seconds": 1.5, "label": label})
+            relay.resume()
+            assert f"computed {label}" in answer.result["content"][0]["text"], answer
+            assert (await _log(plain, "started_log")).get(label) == 1  # type: ignore[union-attr]
+            assert not [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+        finally:
+            await client.close()
+            await plain.close()
