@@ -20,8 +20,16 @@ from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
 from proxy.legacy.v1 import V1Front
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, legacy_method_refusal
-from proxy.protocol.jsonrpc import INVALID_REQUEST, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
+from proxy.protocol.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    REQUEST_CANCELLED,
+    JsonObject,
+    JsonRpcError,
+    object_of,
+)
 from proxy.runtime import metrics
+from proxy.upstream.types import UpstreamError
 
 log = structlog.get_logger("proxy.legacy")
 
@@ -127,7 +135,10 @@ class LegacyEndpoint:
             )
         if request.method == "POST" and body.get("method") == "initialize":
             opening = found or self.sessions.sessionless(principal)
-            stripped = await self.v1.strip_initialize(body)
+            try:
+                stripped = await self.v1.strip_initialize(body)
+            except UpstreamError as exc:  # one init_timeout in all, not one for the proxy's, one for this
+                return error_reply(request_id, INTERNAL_ERROR, str(exc))
             return await self.upstream.initialize(request, opening, stripped, self._rewrite("initialize"))
         if found is None and not self.upstream.sessionless:
             return error_reply(

@@ -89,11 +89,16 @@ class V1Front:
     async def upstream_has_tasks(self) -> bool:
         """True when the upstream's own `initialize` result declares `capabilities.tasks` (then the
         proxy stays out of v1 task traffic). An unreachable upstream counts as having none."""
+        try:
+            return await self._learn_upstream_tasks()
+        except UpstreamError:
+            return False
+
+    async def _learn_upstream_tasks(self) -> bool:
+        """`upstream_has_tasks`, learnt once from the pool's session (waits at most `init_timeout`).
+        Raises UpstreamError while the upstream cannot be initialized."""
         if self._upstream_tasks is None:
-            try:
-                session = await self.pool.session({}, None)
-            except UpstreamError:
-                return False
+            session = await self.pool.session({}, None)
             caps = object_of(session.initialize_result.get("capabilities"))
             self._upstream_tasks = isinstance(caps.get("tasks"), dict)
         return self._upstream_tasks
@@ -101,10 +106,14 @@ class V1Front:
     # -- what passes through, rewritten --------------------------------------------------------
 
     async def strip_initialize(self, body: Any) -> Any:
-        """The client's `initialize` request without `capabilities.tasks` (unless the upstream has tasks)."""
+        """The client's `initialize` request without `capabilities.tasks` (unless the upstream has tasks).
+
+        Raises UpstreamError when the proxy's own session could not be opened (the upstream did not
+        answer `initialize` within `init_timeout`, or failed to): the client's would wait as long
+        again for the same answer, so the caller answers with this error at once."""
         if (
             not (isinstance(body, dict) and body.get("method") == "initialize")
-            or await self.upstream_has_tasks()
+            or await self._learn_upstream_tasks()
         ):
             return body
         params = object_of(body.get("params"))

@@ -314,6 +314,26 @@ async def test_one_call_behind_a_hung_initialize_waits_one_init_timeout(
     assert waited < 1.5, waited
 
 
+async def test_a_legacy_initialize_behind_a_hung_initialize_waits_one_init_timeout(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A legacy client's `initialize` needs two upstream initializes (the proxy's own session, which
+    says whether the upstream has tasks, then the client's): with `init_timeout` 1 s it fails after
+    about 1 s, not 2 (the proxy's failed attempt answers the client at once), alone or six at once."""
+    proxy = await serve(hostile_config(hostile, tmp_path, "hang-init", init_timeout="1s"))
+    await asyncio.sleep(1.2)  # past the warm-up's failed attempt: a fresh one
+    started = time.monotonic()
+    status, alone = await legacy_post(proxy.url(), INIT)
+    waited = time.monotonic() - started
+    await asyncio.sleep(1.2)
+    started = time.monotonic()
+    six = await asyncio.gather(*(legacy_post(proxy.url(), INIT) for _ in range(6)))
+    together = time.monotonic() - started
+    assert status == 200 and "within 1 s (init_timeout)" in alone["error"]["message"], alone
+    assert waited < 1.5 and together < 1.5, (waited, together)
+    assert all(body["error"]["code"] == -32603 for _, body in six), six
+
+
 async def test_a_stdio_child_that_never_answers_initialize_bounds_every_caller(
     tmp_path: Path, serve: Serve
 ) -> None:
