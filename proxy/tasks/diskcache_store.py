@@ -407,13 +407,16 @@ class DiskcacheStore:
 
     async def get_for(self, task_id: str, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
         """See TaskStore.get_for: the small `own:` entry answers for another principal's task
-        (records stored before it existed are read whole)."""
+        (records stored before it existed are read whole). Another principal's id costs what an
+        unknown one does, two lookups that find nothing past the first (the second looks up a key
+        no record has), so the time of an answer does not tell them apart."""
         try:
             owner = self._cache.get("own:" + task_id)
+            if owner is not None and owner != _owner(principal, server):
+                self._cache.get("task:\x00" + task_id)  # a miss, as for an unknown id
+                return None, True
         except _STORE_ERRORS as exc:
             raise self._read_error(exc) from exc
-        if owner is not None and owner != _owner(principal, server):
-            return None, True
         return owned_by(await self.get(task_id), principal, server)
 
     def _read_error(self, exc: BaseException) -> StoreUnavailableError:
