@@ -29,7 +29,7 @@ from proxy.protocol.jsonrpc import (
     object_of,
 )
 from proxy.runtime import metrics
-from proxy.upstream.types import UpstreamError
+from proxy.upstream.types import UpstreamTimeoutError
 
 log = structlog.get_logger("proxy.legacy")
 
@@ -137,7 +137,9 @@ class LegacyEndpoint:
             opening = found or self.sessions.sessionless(principal)
             try:
                 stripped = await self.v1.strip_initialize(body)
-            except UpstreamError as exc:  # one init_timeout in all, not one for the proxy's, one for this
+            except (
+                UpstreamTimeoutError
+            ) as exc:  # one init_timeout in all, not one for the proxy's, one for this
                 return error_reply(request_id, INTERNAL_ERROR, str(exc))
             return await self.upstream.initialize(request, opening, stripped, self._rewrite("initialize"))
         if found is None and not self.upstream.sessionless:

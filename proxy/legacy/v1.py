@@ -49,7 +49,7 @@ from proxy.tasks.wire_v1 import (
     tool_with_task_support,
     with_related_task,
 )
-from proxy.upstream.types import Pool, UpstreamError
+from proxy.upstream.types import Pool, UpstreamError, UpstreamTimeoutError
 
 READER_CHECK_S = 0.5  # how often (s) a GET stream's feed looks for a reader its waiting questions can go to
 # the protocol revision that has v1 tasks (`params.task`, `capabilities.tasks`)
@@ -108,14 +108,18 @@ class V1Front:
     async def strip_initialize(self, body: Any) -> Any:
         """The client's `initialize` request without `capabilities.tasks` (unless the upstream has tasks).
 
-        Raises UpstreamError when the proxy's own session could not be opened (the upstream did not
-        answer `initialize` within `init_timeout`, or failed to): the client's would wait as long
-        again for the same answer, so the caller answers with this error at once."""
-        if (
-            not (isinstance(body, dict) and body.get("method") == "initialize")
-            or await self._learn_upstream_tasks()
-        ):
+        Raises UpstreamTimeoutError when the upstream did not answer the proxy's own `initialize`
+        within `init_timeout`: the client's would wait as long again, so the caller answers with
+        this error at once. (Another failure, a refusal say, is the relayed initialize's to report.)"""
+        if not (isinstance(body, dict) and body.get("method") == "initialize"):
             return body
+        try:
+            if await self._learn_upstream_tasks():
+                return body
+        except UpstreamTimeoutError:
+            raise
+        except UpstreamError:
+            pass
         params = object_of(body.get("params"))
         caps = object_of(params.get("capabilities"))
         if "tasks" not in caps:

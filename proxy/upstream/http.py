@@ -34,6 +34,7 @@ from proxy.upstream.types import (
     SessionBrokenError,
     SessionExpiredError,
     UpstreamError,
+    UpstreamTimeoutError,
     error_text,
     read_body,
 )
@@ -100,14 +101,14 @@ class UpstreamSession:
     async def open(self) -> JsonObject:
         """Run the `initialize` handshake (bounded by `init_timeout`); return the upstream's InitializeResult.
 
-        Raises UpstreamError when the upstream is unreachable, answers with an error, or does not
-        finish the handshake in time.
+        Raises UpstreamError when the upstream is unreachable or answers with an error, and
+        UpstreamTimeoutError when it does not finish the handshake in time.
         """
         try:
             async with asyncio.timeout(self.bounds.init_timeout):
                 return await self._open()
         except TimeoutError:
-            raise UpstreamError(
+            raise UpstreamTimeoutError(
                 f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s "
                 f"(init_timeout)"
             ) from None

@@ -12,7 +12,15 @@ from proxy.protocol.jsonrpc import JsonObject
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.http import UpstreamSession
-from proxy.upstream.types import Bounds, RecentFailure, Session, UpstreamError, caps_key, probe
+from proxy.upstream.types import (
+    Bounds,
+    RecentFailure,
+    Session,
+    UpstreamError,
+    UpstreamTimeoutError,
+    caps_key,
+    probe,
+)
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -75,10 +83,11 @@ class UpstreamPool:
                 f"upstream {self.server} did not answer initialize within {self.bounds.init_timeout:g} s "
                 "(init_timeout)"
             )
+            timed_out = True
         except UpstreamError as exc:
-            why = str(exc)
-        failed.failed(self._started[key], why)
-        raise UpstreamError(why)
+            why, timed_out = str(exc), isinstance(exc, UpstreamTimeoutError)
+        failed.failed(self._started[key], why, timed_out=timed_out)
+        raise (UpstreamTimeoutError if timed_out else UpstreamError)(why)
 
     async def _open(self, key: str, capabilities: JsonObject) -> UpstreamSession:
         """The one attempt to open the session of `key` that concurrent callers share (bounded by

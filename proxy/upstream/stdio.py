@@ -28,7 +28,7 @@ from proxy import __version__
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from proxy.protocol.jsonrpc import JsonObject, RequestId
-from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, UpstreamError
+from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, UpstreamError, UpstreamTimeoutError
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -151,7 +151,7 @@ class StdioSession:
             raise
         except TimeoutError:
             await self.close(grace_s=HUNG_GRACE_S)  # it ignores its input: no 2 s for it to read EOF
-            raise UpstreamError(
+            raise UpstreamTimeoutError(
                 f"upstream {self.server} did not answer initialize within {self.init_timeout:g} s "
                 "(init_timeout)"
             ) from None

@@ -20,7 +20,7 @@ from tenacity import (
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.runtime import metrics
 from proxy.upstream.stdio import StdioCommand, StdioSession
-from proxy.upstream.types import Bounds, RecentFailure, UpstreamError, caps_key, probe
+from proxy.upstream.types import Bounds, RecentFailure, UpstreamError, UpstreamTimeoutError, caps_key, probe
 
 log = structlog.get_logger("proxy.upstream.stdio")
 
@@ -177,7 +177,7 @@ class StdioPool:
             try:
                 session = await self._start(slot, capabilities)
             except UpstreamError as exc:
-                slot.failed.failed(started, str(exc))
+                slot.failed.failed(started, str(exc), timed_out=isinstance(exc, UpstreamTimeoutError))
                 raise
             finally:
                 self._reserved -= reserved

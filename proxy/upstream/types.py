@@ -30,6 +30,10 @@ class UpstreamError(Exception):
     """The upstream could not be reached or broke the transport; the message names the cause."""
 
 
+class UpstreamTimeoutError(UpstreamError):
+    """The upstream did not answer `initialize` within `init_timeout` (a hung upstream, not a refusal)."""
+
+
 class RecentFailure:
     """The last failed attempt to open a session (start a child, initialize), which answers the
     callers that come within as long again as it took with its error at once (`check`), so callers
@@ -38,16 +42,19 @@ class RecentFailure:
     def __init__(self) -> None:
         self._until = 0.0
         self._why = ""
+        self._timed_out = False
 
     def check(self) -> None:
-        """Raise UpstreamError (the failure's message) while the last failure still answers."""
+        """Raise UpstreamError (the failure's message; UpstreamTimeoutError for a timeout) while the
+        last failure still answers."""
         if time.monotonic() < self._until:
-            raise UpstreamError(self._why)
+            raise (UpstreamTimeoutError if self._timed_out else UpstreamError)(self._why)
 
-    def failed(self, started: float, why: str) -> None:
-        """An attempt begun at `started` (monotonic s) failed just now with message `why`."""
+    def failed(self, started: float, why: str, *, timed_out: bool = False) -> None:
+        """An attempt begun at `started` (monotonic s) failed just now with message `why`
+        (`timed_out`: it ran out of `init_timeout`)."""
         now = time.monotonic()
-        self._until, self._why = now + (now - started), why
+        self._until, self._why, self._timed_out = now + (now - started), why, timed_out
 
     def clear(self) -> None:
         """A session opened: an earlier failure answers nobody any more."""
