@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from proxy.calls.types import KeyedCall
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LIST_CHANGED_NOTIFICATIONS
 from proxy.protocol.inputs import (
@@ -95,6 +96,7 @@ class Call:
         "outcome",
         "events",
         "task_id",
+        "key",
         "session",
         "upstream_request_id",
         "sent",
@@ -151,6 +153,7 @@ class Call:
         self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.task_id: str | None = None
+        self.key: KeyedCall | None = None  # the slot an idempotency key (or `dedupe`) gave the call
         self.session: Session | None = None
         self.upstream_request_id: RequestId | None = None
         self.sent = False

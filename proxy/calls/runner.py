@@ -9,13 +9,15 @@ arrived at the proxy, not when the upstream was reached.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 
 from proxy.calls.call import Call
+from proxy.calls.keys import CallKeys
 from proxy.calls.mrtr import ParkedCalls, request_digest
-from proxy.calls.types import Reply
+from proxy.calls.types import KeyedCall, Reply
 from proxy.config import ResolvedPolicy, ToolMode
 from proxy.protocol.era import TASKS_EXTENSION, Envelope, strip_envelope, upstream_capabilities
 from proxy.protocol.jsonrpc import (
@@ -25,7 +27,7 @@ from proxy.protocol.jsonrpc import (
     JsonRpcError,
     object_of,
 )
-from proxy.protocol.translate import modern_error, modern_result
+from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.tasks.service import TaskService
@@ -35,6 +37,7 @@ from proxy.upstream.types import Pool
 log = structlog.get_logger("proxy.calls")
 
 INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
+UNSETTLED = ("task", "input_required")  # answers that leave a keyed call's outcome still to come
 
 
 class CallRunner:
@@ -62,6 +65,8 @@ class CallRunner:
         self.drain = drain
         self.keepalive_s = keepalive_s
         self.on_server_notification = on_server_notification
+        self.keys = CallKeys(tasks)
+        self._background: set[asyncio.Task[None]] = set()  # keyed calls carried on without their client
 
     def _start(
         self,
@@ -103,6 +108,7 @@ class CallRunner:
         reply: Reply,
         policy: ResolvedPolicy,
         arrived: float,
+        keyed: KeyedCall | None = None,
     ) -> JsonObject:
         """Start (or, on an MRTR retry, resume) a proxy-owned upstream call and answer with what comes
         first: its result, an InputRequiredResult, or a flat CreateTaskResult once `policy.detach_after`
@@ -110,6 +116,11 @@ class CallRunner:
         way (SEP-2663 "resolve MRTR exchanges before the task"): questions before the deadline are
         MRTR rounds, and the round that reaches the deadline or the outcome mints the task (an
         outcome that came first is recorded in it), so it never answers synchronously.
+
+        `keyed`: the slot the call holds (an idempotency key or `dedupe`, `keys.CallKeys.claim`):
+        its task takes the slot's task id; an answer other than a task or an MRTR round is kept in
+        the slot before it goes out; and a client that goes away does not stop it (it becomes a
+        task when the request could have had one, else runs on until its outcome fills the slot).
 
         Raises JsonRpcError: -32602 for a bad `requestState` or `inputResponses`, -32021 when the
         upstream needs a capability the client did not declare, a limit error (HTTP 429), the
@@ -131,7 +142,34 @@ class CallRunner:
             call.answer(responses or {})
         else:
             call = self._start(method, name, params, envelope, principal=principal, policy=policy)
+            call.key = keyed
+        try:
+            answer = await self._follow(
+                call, policy, may_detach, digest, principal=principal, reply=reply, arrived=arrived
+            )
+        except JsonRpcError as exc:
+            if call.key is not None and call.task_id is None:
+                await self.keys.settle(
+                    call.key, call.outcome.result() if call.done else {"error": exc.to_error()}
+                )
+            raise
+        if call.key is not None and call.task_id is None and answer.get("resultType") not in UNSETTLED:
+            await self.keys.settle(call.key, call.outcome.result())
+        return answer
 
+    async def _follow(
+        self,
+        call: Call,
+        policy: ResolvedPolicy,
+        may_detach: bool,
+        digest: str,
+        *,
+        principal: str,
+        reply: Reply,
+        arrived: float,
+    ) -> JsonObject:
+        """`run`'s loop over what the call does first (its outcome, a question, the detach deadline)."""
+        method = call.method
         # `mode: required` never answers synchronously: its outcome, had it come first, goes into a task.
         required = method == "tools/call" and policy.mode is ToolMode.REQUIRED
         loop = asyncio.get_running_loop()
@@ -196,8 +234,29 @@ class CallRunner:
         except asyncio.CancelledError:
             if call.task_id is None:
                 self.parked.release(call)
-                call.cancel("the client closed the request stream")
+                if call.key is None:
+                    call.cancel("the client closed the request stream")
+                else:  # a retry with its key joins it: it goes on without its client
+                    self._spawn(self._carry_on(call, policy, may_detach))
             raise
+
+    async def _carry_on(self, call: Call, policy: ResolvedPolicy, may_detach: bool) -> None:
+        """A keyed call whose client went away goes on: as a task under its slot's task id when the
+        request could have had one, else until its outcome, which fills the slot. A task the store
+        refuses ends the call, its error kept in the slot."""
+        assert call.key is not None
+        if may_detach and not call.done:
+            try:
+                await self._detach(call, policy, "its client went away; continuing in the background")
+                return
+            except JsonRpcError as exc:
+                await self.keys.settle(call.key, {"error": exc.to_error()})
+                return
+        try:
+            outcome = await asyncio.shield(call.outcome)
+        except asyncio.CancelledError:
+            return
+        await self.keys.settle(call.key, outcome)
 
     async def _detach(
         self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False
@@ -224,6 +283,7 @@ class CallRunner:
                 poll_interval_s=policy.poll_interval,
                 status_message=why,
                 rerun=rerun,
+                task_id=None if call.key is None else call.key.task_id,
             )
         except JsonRpcError as exc:
             if stay and exc.http_status in (429, 503):
@@ -282,10 +342,12 @@ class CallRunner:
                 "sync" if "result" in outcome else "error",
                 answered=metrics.succeeded(outcome),
             )
-        if "result" in outcome:
-            return modern_result(call.method, outcome["result"])
-        error = modern_error(outcome.get("error"))
-        raise JsonRpcError(error["code"], error["message"], error.get("data"))
+        return outcome_answer(call.method, outcome)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 def require_tasks_for(tool: str) -> JsonRpcError:

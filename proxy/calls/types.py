@@ -1,8 +1,11 @@
 """What the calls layer shares with the layers above it: how a running handler talks back to its
-client (`Reply`). (Where a detached call reports is the task service's `tasks.types.TaskSink`.)"""
+client (`Reply`), and the slot an idempotency key gives a call (`KeyedCall`). (Where a detached
+call reports is the task service's `tasks.types.TaskSink`.)"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.protocol.jsonrpc import JsonObject
@@ -24,3 +27,22 @@ class Reply(Protocol):
 
     async def keepalive(self) -> None:
         """Send an SSE comment so idle-timeout intermediaries keep the connection."""
+
+
+@dataclass(frozen=True)
+class KeyedCall:
+    """A call that holds its slot: `slot` the store key, `task_id` the id minted for it (its task's,
+    should it become one), `window_s` (s) how long the slot holds after the call ended."""
+
+    slot: str
+    task_id: str
+    digest: str
+    owner: str
+    window_s: float
+
+    def entry(self, outcome: JsonObject | None = None) -> bytes:
+        """The slot's stored value (JSON): digest, task id, owner and, once known, the outcome."""
+        value: JsonObject = {"digest": self.digest, "taskId": self.task_id, "owner": self.owner}
+        if outcome is not None:
+            value["outcome"] = outcome
+        return json.dumps(value, separators=(",", ":")).encode()

@@ -54,17 +54,35 @@ class TaskPolicy(_Strict):
     `ttl` (s): retention of a task after it ends (a running task never expires). `poll_interval` (s): the poll
     interval suggested to clients. `input_timeout` (s): how long a question from the upstream
     (elicitation, sampling, roots) may stay unanswered before the call fails.
+    `idempotency_window` (s): how long a client's idempotency key holds after the call it named
+    ended (a retry with the key within it joins that call instead of running it again).
     """
 
     detach_after: Duration | None = None
     ttl: Duration | None = None
     poll_interval: Duration | None = None
     input_timeout: Duration | None = None
+    idempotency_window: Duration | None = None
 
-    @field_validator("ttl", "poll_interval", "input_timeout")
+    @field_validator("ttl", "poll_interval", "input_timeout", "idempotency_window")
     @classmethod
     def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
         _positive(value, info.field_name or "duration")
+        return value
+
+
+class Dedupe(_Strict):
+    """Duplicate joining without a key, for clients that retry blindly: a call of this tool from the
+    same principal with the same canonical arguments as one still running, or one that ended less
+    than `window` (s) ago, joins that call (its task, or its outcome) instead of running again.
+    Off unless set: two identical calls can be meant (two "add one" calls are two)."""
+
+    window: Duration
+
+    @field_validator("window")
+    @classmethod
+    def _positive_window(cls, value: float) -> float:
+        _positive(value, "dedupe.window")
         return value
 
 
@@ -72,10 +90,11 @@ class ToolTasks(TaskPolicy):
     """Per-tool task settings. `on_restart`: what happens to a detached call of this tool that was
     running when the proxy died: `fail` (the task fails, naming the restart) or `rerun` (the call
     is sent again after the restart; for idempotent tools only, since the first run may have had
-    effects; its arguments are then kept in the store)."""
+    effects; its arguments are then kept in the store). `dedupe`: join identical calls (Dedupe)."""
 
     mode: ToolMode = ToolMode.OPTIONAL
     on_restart: Literal["fail", "rerun"] = "fail"
+    dedupe: Dedupe | None = None
 
 
 class ServerTasks(TaskPolicy):
@@ -91,8 +110,9 @@ class DefaultTasks(_Strict):
     ttl: Duration = Field("1h", validate_default=True)
     poll_interval: Duration = Field("2s", validate_default=True)
     input_timeout: Duration = Field("10m", validate_default=True)
+    idempotency_window: Duration = Field("24h", validate_default=True)
 
-    @field_validator("ttl", "poll_interval", "input_timeout")
+    @field_validator("ttl", "poll_interval", "input_timeout", "idempotency_window")
     @classmethod
     def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
         _positive(value, info.field_name or "duration")
@@ -248,7 +268,8 @@ class ServerEntry(_Strict):
 
 
 class ResolvedPolicy(BaseModel):
-    """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s)."""
+    """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s),
+    `dedupe_window` (s) None when the tool does not join identical calls."""
 
     mode: ToolMode
     on_restart: Literal["fail", "rerun"] = "fail"
@@ -257,6 +278,8 @@ class ResolvedPolicy(BaseModel):
     poll_interval: float
     input_timeout: float
     timeout: float
+    idempotency_window: float = 86400.0
+    dedupe_window: float | None = None
 
 
 class Config(_Strict):
@@ -335,4 +358,6 @@ class Config(_Strict):
             poll_interval=pick("poll_interval"),
             input_timeout=pick("input_timeout"),
             timeout=entry.timeout,
+            idempotency_window=pick("idempotency_window"),
+            dedupe_window=None if tool_cfg.dedupe is None else tool_cfg.dedupe.window,
         )

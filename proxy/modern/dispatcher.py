@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from proxy import __version__
+from proxy.calls.keys import call_key
 from proxy.calls.mrtr import ParkedCalls
 from proxy.calls.runner import CallRunner, require_tasks_for
 from proxy.calls.types import Reply
@@ -41,6 +42,7 @@ from proxy.protocol.translate import modern_error, modern_result
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
+from proxy.tasks.model import new_task_id
 from proxy.tasks.service import TaskService
 from proxy.upstream.types import Pool, Session, SessionExpiredError, UpstreamError, with_session
 
@@ -191,6 +193,7 @@ class ServerDispatcher:
         if "arguments" in params and not isinstance(params["arguments"], dict):
             raise JsonRpcError(INVALID_PARAMS, "tools/call params.arguments must be an object")
         structlog.contextvars.bind_contextvars(tool=tool)
+        key = call_key(reply.headers, params)
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise require_tasks_for(tool)
@@ -213,6 +216,29 @@ class ServerDispatcher:
             )
         if policy.mode is ToolMode.REQUIRED:
             await self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
+        keyed = None
+        if "requestState" not in params:  # (an MRTR retry goes on with the call it resumes)
+            keyed, first = await self.calls.keys.claim(
+                principal=principal,
+                server=self.name,
+                tool=tool,
+                arguments=params.get("arguments"),
+                key=key,
+                policy=policy,
+                task_id=new_task_id(),
+            )
+            if keyed is not None and first is not None:
+                return await self.calls.keys.join(
+                    first,
+                    keyed,
+                    principal=principal,
+                    server=self.name,
+                    tool=tool,
+                    as_task=envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN,
+                    policy=policy,
+                    reply=reply,
+                    keepalive_s=self.keepalive_s,
+                )
         return await self.calls.run(
             "tools/call",
             tool,
@@ -222,6 +248,7 @@ class ServerDispatcher:
             reply=reply,
             policy=policy,
             arrived=arrived,
+            keyed=keyed,
         )
 
     async def _lookups(

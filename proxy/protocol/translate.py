@@ -16,6 +16,7 @@ from proxy.protocol.jsonrpc import (
     RESOURCE_NOT_FOUND_LEGACY,
     URL_ELICITATION_REQUIRED_LEGACY,
     JsonObject,
+    JsonRpcError,
 )
 
 CACHEABLE_METHODS = frozenset(
@@ -82,3 +83,13 @@ def modern_error(error: Any) -> JsonObject:
         if out["data"] is None:
             del out["data"]
     return out
+
+
+def outcome_answer(method: str, outcome: JsonObject) -> JsonObject:
+    """The 2026-07-28 answer to `method` whose upstream outcome is `outcome` (`{"result": …}` or
+    `{"error": …}`): the result in the modern shape (`modern_result`). Raises JsonRpcError with
+    the error fit for a 2026-07-28 client (`modern_error`)."""
+    if "result" in outcome:
+        return modern_result(method, outcome["result"])
+    error = modern_error(outcome.get("error"))
+    raise JsonRpcError(error["code"], error["message"], error.get("data"))

@@ -15,7 +15,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 CALLS = Counter(
     "mcp_tasks_proxy_calls_total",
-    "tools/call by outcome: sync (answered on the request), detached (became a task), error",
+    "tools/call by outcome: sync (answered on the request), detached (became a task), error, joined "
+    "(a retry that joined the call its idempotency key or dedupe names)",
     ["server", "tool", "outcome"],
 )
 DETACH_LATENCY = Histogram(
@@ -111,7 +112,7 @@ def listed_tools(server: str, tools: object) -> None:
 
 
 def count_call(server: str, tool: str, outcome: str, *, answered: bool = False) -> None:
-    """Count one `tools/call` of `tool` on `server` by `outcome` (`sync`, `detached` or `error`).
+    """Count one `tools/call` of `tool` on `server` by `outcome` (`sync`, `detached`, `error`, `joined`).
     `answered`: whether the call is known to have got a result that is not an error (`succeeded`);
     only such a call, or the upstream's listing, gives its tool a label of its own."""
     CALLS.labels(server, tool_label(server, tool, ok=answered), outcome).inc()

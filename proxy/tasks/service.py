@@ -330,12 +330,14 @@ class TaskService:
         poll_interval_s: float,
         status_message: str,
         rerun: JsonObject | None = None,
+        task_id: str | None = None,
     ) -> TaskRecord:
         """Commit a task for a running call and take the call over; return the record.
 
         The record is committed before this returns (the caller then sends the handle). `ttl_s` (s)
         is the retention after the task ends; `rerun` (`{method, params, capabilities}`) is kept for
-        tools re-run after their owner died. Raises a limit error (HTTP 429) for
+        tools re-run after their owner died; `task_id` the id minted for the call beforehand (an
+        idempotency key names it), else a new one. Raises a limit error (HTTP 429) for
         `max_tasks_per_principal` (this node's calls, then, on a shared store, the principal's live
         tasks on every replica, counted by the store as it commits: two replicas creating the last
         allowed task at once never both succeed), or JsonRpcError -32603 naming the store when it
@@ -343,7 +345,7 @@ class TaskService:
         """
         self._check_local_capacity(call.principal)
         record = TaskRecord(
-            task_id=new_task_id(),
+            task_id=task_id or new_task_id(),
             principal=call.principal,
             server=server,
             tool=tool,

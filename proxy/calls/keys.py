@@ -1,0 +1,207 @@
+"""Idempotency keys and duplicate joining: a retried `tools/call` joins the call it repeats instead
+of running a second time (README "Retries and idempotency keys").
+
+A call names itself with a key: the HTTP header `Idempotency-Key` (the IETF httpapi draft's name)
+or `params._meta["mcp-tasks-proxy/idempotencyKey"]` (`_meta` wins). A tool configured with
+`dedupe` names each call by its canonical arguments instead. Before the call starts it claims a
+slot in the task store (one atomic write-if-absent, so two replicas claiming at once start one
+call), holding the canonical digest of the call, the task id minted for it and the replica that
+runs it. A second call that finds the slot taken:
+
+- with the same tool and arguments joins the first: the stored outcome once it ended; while it
+  runs as a task, the same task (a task-capable request gets its handle, any other request waits
+  for its outcome); while it still runs attached to its first request, it waits until one of those;
+- with another tool or other arguments is refused (-32602, HTTP 422) and never runs.
+
+A slot is scoped to its principal and server; it holds for the call's `timeout` plus the
+`idempotency_window` (or the `dedupe` window) and, once the call ended, for the window from then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from typing import Any
+
+import structlog
+
+from proxy.calls.mrtr import request_digest
+from proxy.calls.types import KeyedCall, Reply
+from proxy.config import ResolvedPolicy
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, object_of
+from proxy.protocol.translate import outcome_answer
+from proxy.runtime import metrics
+from proxy.tasks.model import TaskRecord, principal_hash
+from proxy.tasks.service import TaskService
+from proxy.tasks.store import StoreUnavailableError
+from proxy.tasks.wire_v2 import create_task_result
+
+log = structlog.get_logger("proxy.calls")
+
+KEY_HEADER = "Idempotency-Key"
+KEY_META = "mcp-tasks-proxy/idempotencyKey"
+KEY_MAX_CHARS = 255
+JOIN_POLL_S = 0.05  # how often (s) a joiner looks again while the first call runs attached
+LEASE_CHECK_S = 1.0  # how often (s) it asks whether the replica running that call still lives
+
+
+def call_key(headers: Any, params: JsonObject) -> str | None:
+    """The client's idempotency key for a call, or None: `params._meta[KEY_META]`, else the
+    `Idempotency-Key` header (`headers`: a case-insensitive mapping). Raises JsonRpcError -32602
+    (HTTP 400) for a key that is not a string of 1 to KEY_MAX_CHARS printable characters."""
+    meta = object_of(params.get("_meta"))
+    key = meta[KEY_META] if KEY_META in meta else headers.get(KEY_HEADER)
+    if key is None:
+        return None
+    if not isinstance(key, str) or not 0 < len(key) <= KEY_MAX_CHARS or not key.isprintable():
+        raise JsonRpcError(
+            INVALID_PARAMS,
+            f"an idempotency key must be a string of 1 to {KEY_MAX_CHARS} printable characters",
+        )
+    return key
+
+
+def _slot(kind: str, *parts: str) -> str:
+    joined = "\0".join(parts).encode("utf-8", "surrogatepass")
+    return f"{kind}:{hashlib.sha256(joined).hexdigest()}"
+
+
+class CallKeys:
+    """The key slots of one task service's store (`tasks`), and the joining of calls that find
+    their slot taken."""
+
+    def __init__(self, tasks: TaskService) -> None:
+        self.tasks = tasks
+
+    async def claim(
+        self,
+        *,
+        principal: str,
+        server: str,
+        tool: str,
+        arguments: Any,
+        key: str | None,
+        policy: ResolvedPolicy,
+        task_id: str,
+    ) -> tuple[KeyedCall | None, JsonObject | None]:
+        """Claim the slot of a call about to start: `key` the client's key, else the call's digest
+        when the tool has `dedupe`; `task_id` the id minted for the call. Returns (None, None) for a
+        call that names no slot, (keyed, None) when this call holds the slot now, or (keyed, entry)
+        with the first call's entry when the slot was taken (`keyed` then says where it is).
+        Raises JsonRpcError -32603 (HTTP 503) when the store cannot be written: nothing ran."""
+        digest = request_digest("tools/call", tool, arguments)
+        if key is not None:
+            slot, window_s = _slot("call-key", principal, server, key), policy.idempotency_window
+        elif policy.dedupe_window is not None:
+            slot, window_s = _slot("call-dedupe", principal, server, digest), policy.dedupe_window
+        else:
+            return None, None
+        keyed = KeyedCall(slot, task_id, digest, self.tasks.node, window_s)
+        store = self.tasks.store
+        hold_ms = int((policy.timeout + window_s) * 1000)  # it may run for `timeout`, then the window
+        try:
+            for _ in range(2):  # an entry that expires between the two steps is claimed anew
+                if await store.put_blob(slot, keyed.entry(), hold_ms, only_new=True):
+                    return keyed, None
+                taken = await store.get_blob(slot)
+                if taken is not None:
+                    return keyed, json.loads(taken)
+        except StoreUnavailableError as exc:
+            self.tasks.store_failed(exc)
+            raise _store_down(exc) from None
+        raise _store_down(StoreUnavailableError("the key's slot kept changing"))
+
+    async def settle(self, keyed: KeyedCall, outcome: JsonObject) -> None:
+        """The call ended attached (its answer is about to go out): keep its outcome in the slot for
+        the window, so a retry after a cut answer gets the same answer. A store that cannot take it
+        is logged; the answer still goes out."""
+        try:
+            await self.tasks.store.put_blob(keyed.slot, keyed.entry(outcome), int(keyed.window_s * 1000) or 1)
+        except StoreUnavailableError as exc:
+            self.tasks.store_failed(exc)
+            log.warning("call_key_not_settled", task_id=keyed.task_id, reason=str(exc))
+
+    async def join(
+        self,
+        entry: JsonObject,
+        keyed: KeyedCall,
+        *,
+        principal: str,
+        server: str,
+        tool: str,
+        as_task: bool,
+        policy: ResolvedPolicy,
+        reply: Reply,
+        keepalive_s: float,
+    ) -> JsonObject:
+        """Answer a call whose slot the call in `entry` holds; `keyed` is this call's own claim.
+
+        Returns the first call's result, or its task's CreateTaskResult (`as_task`). Raises
+        JsonRpcError: -32602 (HTTP 422) when the entry names another tool or other arguments; the
+        first call's own error; -32603 when its replica was lost before it became a task, or when
+        it is not over within `policy.timeout` (s) (plus `detach_after`)."""
+        if entry.get("digest") != keyed.digest:
+            log.warning("call_key_conflict", server=server, tool=tool, principal=principal_hash(principal))
+            raise JsonRpcError(
+                INVALID_PARAMS,
+                "this idempotency key already names another call (another tool or other arguments); "
+                "use a new key for a new call",
+                status=422,
+            )
+        task_id = str(entry.get("taskId"))
+        log.info(
+            "call_joined", server=server, tool=tool, task_id=task_id, principal=principal_hash(principal)
+        )
+        metrics.count_call(server, tool, "joined")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + policy.timeout + policy.detach_after
+        next_lease_check = loop.time() + LEASE_CHECK_S
+        next_keepalive = loop.time() + keepalive_s
+        store = self.tasks.store
+        try:
+            while True:
+                if isinstance(entry.get("outcome"), dict):
+                    return outcome_answer("tools/call", entry["outcome"])
+                record = await store.get(task_id)
+                if record is not None:
+                    if record.status.terminal:
+                        return outcome_answer("tools/call", _record_outcome(record))
+                    if as_task:
+                        return create_task_result(record)
+                    await store.wait_for_change(task_id, record.version, min(keepalive_s, 5.0))
+                elif loop.time() >= next_lease_check:
+                    next_lease_check = loop.time() + LEASE_CHECK_S
+                    if not await store.lease_alive(str(entry.get("owner"))):
+                        raise JsonRpcError(
+                            INTERNAL_ERROR,
+                            f"the call this key names was lost with its replica ({entry.get('owner')}) "
+                            f"before it became a task; whether it ran is unknown",
+                        )
+                else:
+                    await asyncio.sleep(JOIN_POLL_S)
+                if loop.time() >= deadline:
+                    raise JsonRpcError(
+                        INTERNAL_ERROR,
+                        f"the call this key names did not end within {policy.timeout:g} s (timeout)",
+                    )
+                if loop.time() >= next_keepalive:
+                    next_keepalive = loop.time() + keepalive_s
+                    await reply.keepalive()
+                taken = await store.get_blob(keyed.slot)
+                if taken is not None:
+                    entry = json.loads(taken)
+        except StoreUnavailableError as exc:
+            self.tasks.store_failed(exc)
+            raise _store_down(exc) from None
+
+
+def _record_outcome(record: TaskRecord) -> JsonObject:
+    """A terminal task's outcome as a JSON-RPC answer (`{"result"}` / `{"error"}`)."""
+    if record.outcome is not None:
+        return record.outcome
+    return {"error": {"code": INTERNAL_ERROR, "message": record.status_message or record.status.value}}
+
+
+def _store_down(exc: StoreUnavailableError) -> JsonRpcError:
+    return JsonRpcError(INTERNAL_ERROR, f"the call's idempotency key could not be checked: {exc}", status=503)

@@ -1,0 +1,160 @@
+"""A retried call never runs twice (issue "idempotency keys, duplicate joining"): a `tools/call` with
+an idempotency key (the `Idempotency-Key` header or `params._meta["mcp-tasks-proxy/idempotencyKey"]`)
+joins the call its key already names, and a tool with `dedupe` joins identical calls. The legacy
+fixture server (official `mcp` SDK) counts the starts of `slow_compute` by label."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support.clients import AuthClient, ModernClient, envelope
+from support.proxy import Serve, make_config, running_proxy, with_auth
+
+from proxy.calls.keys import KEY_META
+from proxy.front.auth import hash_token
+
+KEY = "Idempotency-Key"
+
+
+def fresh(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def starts(client: ModernClient, label: str) -> int:
+    reply = await client.call("started_log", {})
+    return int(json.loads(reply.result["content"][0]["text"]).get(label, 0))
+
+
+async def test_a_retry_after_a_cut_request_joins_the_call_and_the_upstream_runs_it_once(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """The first request is cut 20 ms in, before its handle (detach after 50 ms): the call goes on
+    as a task under the key, a task-capable retry gets that task and a plain retry its result."""
+    label, key = fresh("cut"), fresh("key")
+    async with running_proxy(make_config(legacy_url, tmp_path)) as proxy:
+        client = ModernClient(proxy.url())
+        plain = ModernClient(proxy.url(), capabilities={})
+        try:
+            await client.warm_up()
+            params = {"name": "slow_compute", "arguments": {"seconds": 0.5, "label": label}}
+            body = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {**params, "_meta": envelope(client.capabilities)},
+            }
+            headers = {**client.headers_for("tools/call", params), KEY: key}
+            with pytest.raises(asyncio.TimeoutError):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.02)) as http:
+                    async with http.post(proxy.url(), json=body, headers=headers) as resp:
+                        await resp.read()
+            retried = await client.call("slow_compute", {"seconds": 0.5, "label": label}, headers={KEY: key})
+            assert retried.result["resultType"] == "task", retried.message
+            done = await client.wait_terminal(retried.result["taskId"])
+            assert done["result"]["content"][0]["text"] == f"computed {label} after 0.5s"
+            again = await plain.call("slow_compute", {"seconds": 0.5, "label": label}, headers={KEY: key})
+            assert again.result["content"][0]["text"] == f"computed {label} after 0.5s"
+            assert await starts(client, label) == 1
+        finally:
+            await client.close()
+            await plain.close()
+
+
+async def test_an_answer_given_synchronously_is_kept_under_its_key(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A plain (attached) call keeps its outcome under its key before it answers: the retry after a
+    cut answer gets the same answer, the key given in the header or in `_meta` alike; the key
+    reused for other arguments is refused (HTTP 422) and never runs; a key that is not a short
+    printable string is refused (HTTP 400)."""
+    label, other, key = fresh("sync"), fresh("other"), fresh("key")
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    plain = ModernClient(proxy.url(), capabilities={})
+    try:
+        arguments = {"seconds": 0.01, "label": label}
+        first = await plain.call("slow_compute", arguments, headers={KEY: key})
+        by_header = await plain.call("slow_compute", arguments, headers={KEY: key})
+        by_meta = await plain.call("slow_compute", arguments, meta={KEY_META: key})
+        assert first.result == by_header.result == by_meta.result
+        assert first.result["content"][0]["text"] == f"computed {label} after 0.01s"
+        conflict = await plain.call("slow_compute", {"seconds": 0.01, "label": other}, headers={KEY: key})
+        assert conflict.status == 422 and conflict.error["code"] == -32602, conflict.message
+        assert "idempotency key" in conflict.error["message"]
+        for bad in ("", "x" * 256, "tab\there", 7):
+            refused = await plain.call("slow_compute", arguments, meta={KEY_META: bad})
+            assert refused.status == 400 and refused.error["code"] == -32602, (bad, refused.message)
+        assert await starts(plain, label) == 1 and await starts(plain, other) == 0
+    finally:
+        await plain.close()
+
+
+async def test_a_key_belongs_to_its_principal(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
+    """The same key from two principals names two calls: each runs once, for its own principal."""
+    tokens = {"alice": hash_token("alice-secret-123"), "bob": hash_token("bob-secret-1234")}
+    proxy = await serve(with_auth(legacy_url, tmp_path, {"mode": "bearer", "tokens": tokens}))
+    alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret-123"})
+    bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret-1234"})
+    label, key = fresh("who"), fresh("key")
+    try:
+        arguments = {"seconds": 0.3, "label": label}
+        created = [
+            (await who.call("slow_compute", arguments, headers={KEY: key})).result
+            for who in (alice, bob, alice)
+        ]
+        assert [c["resultType"] for c in created] == ["task"] * 3, created
+        assert created[0]["taskId"] == created[2]["taskId"] != created[1]["taskId"]
+        assert "unknown" in (await alice.get(created[1]["taskId"])).error["message"]  # bob's
+        assert (await alice.wait_terminal(created[0]["taskId"]))["status"] == "completed"
+        assert (await bob.wait_terminal(created[1]["taskId"]))["status"] == "completed"
+        assert await starts(alice, label) == 2
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def test_a_key_holds_across_a_restart(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
+    """The slot lives in the task store: after a restart on the same store the retry gets the task
+    the key named (its outcome once it ended), and the upstream runs the call once."""
+    label, key = fresh("restart"), fresh("key")
+    arguments = {"seconds": 0.2, "label": label}
+    first = await serve(make_config(legacy_url, tmp_path))
+    client = ModernClient(first.url())
+    try:
+        created = (await client.call("slow_compute", arguments, headers={KEY: key})).result
+        assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
+        await first.stop()
+        second = await serve(make_config(legacy_url, tmp_path))
+        client.url = second.url()
+        retried = await client.call("slow_compute", arguments, headers={KEY: key})
+        assert retried.result["content"][0]["text"] == f"computed {label} after 0.2s", retried.message
+        assert await starts(client, label) == 1
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("dedupe", [True, False], ids=["dedupe", "no-dedupe"])
+async def test_dedupe_joins_identical_calls_without_a_key(
+    legacy_url: str, tmp_path: Path, serve: Serve, dedupe: bool
+) -> None:
+    """`tools.<tool>.dedupe` joins a blind retry (same principal, tool and arguments) to the call
+    still running or ended within the window; without it, two identical calls are two calls."""
+    tools = {"slow_compute": {"dedupe": {"window": "10m"}}} if dedupe else {}
+    proxy = await serve(make_config(legacy_url, tmp_path, server={"tasks": {"tools": tools}}))
+    client = ModernClient(proxy.url())
+    label = fresh("dedupe")
+    try:
+        arguments = {"seconds": 0.3, "label": label}
+        first, second = [(await client.call("slow_compute", arguments)).result for _ in range(2)]
+        assert (first["taskId"] == second["taskId"]) is dedupe
+        await client.wait_terminal(second["taskId"])
+        after = await client.call("slow_compute", arguments)
+        if dedupe:  # ended within the window: its outcome
+            assert after.result["content"][0]["text"] == f"computed {label} after 0.3s"
+        assert await starts(client, label) == (1 if dedupe else 3)
+    finally:
+        await client.close()

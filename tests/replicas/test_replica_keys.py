@@ -1,0 +1,54 @@
+"""Idempotency keys across replicas (issue "A retried call never runs twice"): the key's slot is in
+the shared Redis store, so two replicas receiving the same key at the same instant start one call,
+and a retry that lands on another replica joins the call where it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from support.clients import ModernClient
+from support.proxy import Serve, make_config
+from support.redis_server import RedisServer
+
+from proxy.config import Config
+
+pytestmark = pytest.mark.redis
+
+KEY = "Idempotency-Key"
+
+
+def replica(legacy_url: str, tmp_path: Path, redis_server: RedisServer, prefix: str) -> Config:
+    config = make_config(legacy_url, tmp_path)
+    config.store = type(config.store).model_validate({"url": redis_server.url, "prefix": prefix})
+    return config
+
+
+async def test_one_key_on_two_replicas_at_once_starts_one_call(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a, b = [await serve(replica(legacy_url, tmp_path / name, redis_server, redis_prefix)) for name in "ab"]
+    through_a, through_b = ModernClient(a.url()), ModernClient(b.url())
+    plain_b = ModernClient(b.url(), capabilities={})
+    try:
+        for round_ in range(5):
+            label, key = f"race-{round_}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+            arguments = {"seconds": 0.3, "label": label}
+            replies = await asyncio.gather(
+                through_a.call("slow_compute", arguments, headers={KEY: key}),
+                through_b.call("slow_compute", arguments, headers={KEY: key}),
+            )
+            task_ids = {reply.result["taskId"] for reply in replies}
+            assert len(task_ids) == 1, [reply.message for reply in replies]
+            (task_id,) = task_ids
+            waited = await plain_b.call("slow_compute", arguments, headers={KEY: key})  # while it runs
+            assert waited.result["content"][0]["text"] == f"computed {label} after 0.3s"
+            assert (await through_b.wait_terminal(task_id))["status"] == "completed"
+            started = json.loads((await through_a.call("started_log", {})).result["content"][0]["text"])
+            assert started[label] == 1
+    finally:
+        for client in (through_a, through_b, plain_b):
+            await client.close()
