@@ -34,6 +34,12 @@ class TcpRelay:
     def resume(self) -> None:
         self._open.set()
 
+    def cut(self) -> None:
+        """Close every relayed connection now, dropping what a pause holds (the peers must connect
+        again); new connections are still relayed."""
+        for pipe in list(self._pipes):
+            pipe.cancel()
+
     async def close(self) -> None:
         assert self._server is not None
         self._server.close()
