@@ -40,10 +40,16 @@ async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, s
 
 
 def replica(
-    legacy_url: str, tmp_path: Path, url: str, prefix: str, lease: str = LEASE, timeout: str = "500ms"
+    legacy_url: str,
+    tmp_path: Path,
+    url: str,
+    prefix: str,
+    lease: str = LEASE,
+    timeout: str = "500ms",
+    on_restart: str = "rerun",
 ) -> Config:
     config = make_config(
-        legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}
+        legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": on_restart}}}}
     )
     data = {"url": url, "prefix": prefix, "timeout": timeout, "lease": lease}
     config.store = type(config.store).model_validate(data)
@@ -139,6 +145,40 @@ async def test_a_call_whose_task_is_being_created_when_the_fence_comes_stays_the
             assert f"computed {label}" in answer.result["content"][0]["text"], answer
             assert (await _log(plain, "started_log")).get(label) == 1  # type: ignore[union-attr]
             assert not [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+        finally:
+            await client.close()
+            await plain.close()
+
+
+async def test_a_call_declared_lost_during_a_cut_is_cancelled_as_soon_as_its_replica_is_back(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A call of a tool with the `fail` policy is not fenced (a whole-Redis outage must not end every
+    call): it runs on while its replica is cut off, another replica declares its task lost, and
+    the replica, back, cancels it upstream at its first lease renewal (a sixth of the 1 s lease)."""
+    label = f"healed-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        cut_off = await serve(
+            replica(legacy_url, tmp_path / "a", relayed_url, redis_prefix, on_restart="fail")
+        )
+        other = await serve(
+            replica(legacy_url, tmp_path / "b", redis_server.url, redis_prefix, on_restart="fail")
+        )
+        client = ModernClient(cut_off.url())
+        plain = ModernClient(other.url(), capabilities={})
+        try:
+            task_id = (await client.call("slow_compute", {"seconds": 8, "label": label})).result["taskId"]
+            relay.pause()
+            client.url = other.url()
+            lost = await client.wait_terminal(task_id, timeout=10)
+            assert lost["status"] == "failed" and "lost" in json.dumps(lost), lost
+            assert not [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # still running
+            healed = time.time()
+            relay.resume()
+            async with asyncio.timeout(5):
+                while not (cancels := [c for c in await _log(plain, "cancelled_log") if c["label"] == label]):  # type: ignore[union-attr]
+                    await asyncio.sleep(0.05)
+            assert cancels[0]["at"] - healed < 1.0, (healed, cancels)
         finally:
             await client.close()
             await plain.close()
