@@ -61,7 +61,8 @@ Checks (exit status 1 on any violation):
   the task was among that node's unfinished tasks in the store right after X was killed (each
   replica's node id comes from its log's `replica_started` line), or of a replica cut off from
   Redis (`failed_partition_lost`: X the cut-off node, the task running there across the
-  partition, see --partition). Split by kind in `unexplained`
+  partition, see --partition), and a call the fence stopped while it was becoming a task
+  (`sync_fenced`: a synchronous -32800 naming the lease). Split by kind in `unexplained`
   (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
 - `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
   (`reruns`: with --rerun, a slow_compute task re-run at most once per kill or partition it was
@@ -864,6 +865,7 @@ class Replicas:
 
 
 # tool -> its own error text
+FENCED = "could not renew its lease"  # the -32800 of a call the fence stopped (TaskService._fence_call)
 EXPECTED_FAILURE = {
     "failing_job": "job failed",
     "instant_error": "instant_error exploded",
@@ -1470,12 +1472,14 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
     task among X's unfinished tasks at that kill, or the single proxy's restart error for a task
     some killed process owned), or of a replica cut off from Redis past its lease while the task was
     running there (`failed_partition_lost`: X the cut-off node, the task among its unfinished tasks
-    when the link was cut, or one whose call it ran while cut off: Partition.created_after).
-    Anything else (also `cancelled`, which nobody asked for, and sync JSON-RPC errors other than
-    instant_error's) counts in `unexplained_failures`; those whose error says the upstream was
-    unreachable also count in `upstream_unreachable`. A label started n > 1
-    times is n-1 `reruns` when its task was re-run by policy (at most once per kill or partition it
-    was running at, and once more when it was running at some moment of the Redis outage: a replica that
+    when the link was cut, or one whose call it ran while cut off: Partition.created_after). A
+    synchronous -32800 naming the lease, in a run with a partition, is explained too (`sync_fenced`:
+    the call was becoming a task as its replica was cut off, and the create may have landed, so the
+    fence stopped it). Anything else (also `cancelled`, which nobody asked for, and sync JSON-RPC
+    errors other than instant_error's) counts in `unexplained_failures`; those whose error says the
+    upstream was unreachable also count in `upstream_unreachable`. A label started n > 1 times is
+    n-1 `reruns` when its task was re-run by policy (at most once per kill or partition it was
+    running at, and once more when it was running at some moment of the Redis outage: a replica that
     cannot renew its lease stops such calls before the lease lapses, and they run again once the
     store is back), else `double_runs`. A label two of whose runs overlapped in time counts in
     `overlapping_runs` (one call running twice at once), unless its task was running at a kill: a
@@ -1511,6 +1515,7 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
         "failed_replica_lost": 0,
         "failed_partition_lost": 0,
         "failed_expected": 0,
+        "sync_fenced": 0,
         "unexplained_failures": 0,
         "upstream_unreachable": 0,
         "double_runs": 0,
@@ -1562,7 +1567,9 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
         else:
             unexplained(f"{status}_{tool}", f"{task_id} {tool} {label} ended {status}: {text[:250]}")
     for tool, error in run.sync_failures:
-        if tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
+        if run.partitions and error.get("code") == -32800 and FENCED in str(error.get("message")):
+            out["sync_fenced"] += 1
+        elif tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
             unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")
     task_of = {label: task_id for task_id, (_, label) in run.call_of.items()}
     for _, held in holds:  # a task whose handle was cut off is known by the call it keeps

@@ -103,6 +103,7 @@ class Call:
         "pending",
         "_runner",
         "_on_done",
+        "_cancel_reason",
         "on_server_notification",
         "on_task_message",
         "__weakref__",
@@ -160,6 +161,7 @@ class Call:
         self.pending: dict[str, PendingInput] = {}
         self._runner: asyncio.Task[None] | None = None
         self._on_done: list[Callable[[Call], None]] = []
+        self._cancel_reason = ""  # why `cancel` stopped the call, for its outcome
         self.on_server_notification = on_server_notification
         self.on_task_message = on_task_message
 
@@ -197,7 +199,10 @@ class Call:
             reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
         except asyncio.CancelledError:
             if not self.outcome.done():
-                self._finish({"error": {"code": REQUEST_CANCELLED, "message": "the call was cancelled"}})
+                why = f": {self._cancel_reason}" if self._cancel_reason else ""
+                self._finish(
+                    {"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled{why}"}}
+                )
             raise
         except Exception as exc:  # a bug or a garbage upstream must not kill the proxy
             log.exception("call_crashed", server=self.server, tool=self.tool)
@@ -449,7 +454,9 @@ class Call:
         self._release(message, {"code": INTERNAL_ERROR, "message": message})
 
     def cancel(self, reason: str) -> None:
-        """Abandon the call: release pending input requests, tell the upstream, stop reading."""
+        """Abandon the call: release pending input requests, tell the upstream, stop reading. An
+        outcome not known yet becomes -32800 naming `reason`."""
+        self._cancel_reason = reason
         self._release(reason, {"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"})
 
     def _release(self, reason: str, error: JsonObject) -> None:

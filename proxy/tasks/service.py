@@ -122,6 +122,7 @@ class TaskService:
         self._leases = LeaseJudge(lease_s)  # when this node may judge other nodes' leases
         self._creating: set[str] = set()  # task ids whose create is being committed
         self._fenced_creating: set[str] = set()  # of those, the ones the fence came to meanwhile
+        self._unsure: set[str] = set()  # live calls whose create failed but may have committed
         self._cancelling: set[str] = set()  # tasks this node is cancelling right now
         # Live task → its record at detach (what readers see if its outcome cannot be written).
         self._snapshots: dict[str, TaskRecord] = {}
@@ -368,8 +369,11 @@ class TaskService:
             self.release(record.task_id)
             raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
         except StoreUnavailableError as exc:
-            self.release(record.task_id)
             self.store_failed(exc)
+            if rerun is None:
+                self.release(record.task_id)
+            else:
+                self._keep_unsure(record.task_id, call)
             raise JsonRpcError(
                 INTERNAL_ERROR,
                 f"the call could not become a task: {exc}",
@@ -404,10 +408,30 @@ class TaskService:
             except LeaseLapsedError as exc:
                 raise StoreUnavailableError(str(exc)) from None
 
+    def _keep_unsure(self, task_id: str, call: LiveCall) -> None:
+        """The create of `task_id` (a tool re-run after its owner died) failed on a store that may
+        still have committed it (its reply lost to a cut): then the record exists, owned by this
+        node, and another replica re-runs the call once this node's lease lapses. So the call,
+        which stays attached to its client, stays in `live` too: the fence stops it as it stops a
+        task's (at once if the fence came while it was being created and it still runs), and when
+        it ends its outcome is written to the record if there is one, so nobody re-runs it after."""
+        if task_id in self._fenced_creating and not call.outcome.done():
+            self._fence_call(task_id, call)
+            return
+        self._unsure.add(task_id)
+        call.add_done_callback(lambda done: self._spawn(self._unsure_ended(task_id, done)))
+
+    async def _unsure_ended(self, task_id: str, call: LiveCall) -> None:
+        """A call kept by `_keep_unsure` ended: its outcome goes to its record, if the create had
+        committed one (else nothing is written), unless the fence or a take-over stopped it first."""
+        if self.live.get(task_id) is call:
+            await self._end(task_id, call.outcome.result(), None, by=call.ended_by)
+
     def release(self, task_id: str) -> None:
         """The call of `task_id` is no longer this node's (it ended, or another replica stopped it)."""
         self.live.pop(task_id, None)
         self._snapshots.pop(task_id, None)
+        self._unsure.discard(task_id)
 
     def publish_message(self, *, principal: str, server: str, task_id: str, message: JsonObject) -> None:
         """Offer a JSON-RPC notification that belongs to a task (a v1 client's progress) to its streams."""
@@ -695,7 +719,8 @@ class TaskService:
 
     async def _stop_calls_ended_elsewhere(self) -> None:
         """Cancel the live calls of this node whose task another writer ended (the operator CLI's
-        cancel) or another replica took over (this node's lease lapsed while it was cut off)."""
+        cancel) or another replica took over (this node's lease lapsed while it was cut off); forget
+        (without a cancel) those whose create turned out not to have committed (`_keep_unsure`)."""
         for task_id, call in list(self.live.items()):
             if task_id in self._cancelling or task_id in self._creating:
                 continue  # being cancelled here, or its record is not committed yet
@@ -704,6 +729,9 @@ class TaskService:
                 continue
             if self.live.get(task_id) is not call:
                 continue  # ended here meanwhile
+            if record is None and task_id in self._unsure:  # its create never committed: the call
+                self.release(task_id)  # is its attached client's alone
+                continue
             self.release(task_id)
             if record is not None and not record.status.terminal:  # taken over by another replica
                 call.cancel("another replica took the task over")

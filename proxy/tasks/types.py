@@ -5,9 +5,10 @@ on its fan-out."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.tasks.model import TaskRecord, TaskStatus
@@ -20,6 +21,10 @@ class LiveCall(Protocol):
 
     principal: str
     ended_by: str
+    outcome: asyncio.Future[JsonObject]  # the JSON-RPC answer (`{"result"}` / `{"error"}`) once known
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call `fn(call)` once, when the outcome is known."""
 
     def answer(self, responses: JsonObject) -> list[str]:
         """Deliver input responses by key; returns the keys used."""

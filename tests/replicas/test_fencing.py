@@ -123,28 +123,31 @@ async def test_a_replica_back_from_a_lapsed_lease_renews_it_before_committing_a_
         await client.close()
 
 
-async def test_a_call_whose_task_is_being_created_when_the_fence_comes_stays_the_clients(
+async def test_a_call_whose_task_is_being_created_when_the_fence_comes_is_stopped_too(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
     """A call detaching while its replica is cut off from Redis: its create waits on the store
-    (timeout 3 s) while the fence comes (3/4 of the 1 s lease). With no record, nobody else can run
-    it, so the fence leaves it be; the create fails and the call stays attached: the client gets
-    its result, from one run and no cancel (it was fenced as a task: cancelled, a -32800 error)."""
+    (timeout 3 s) while the fence comes (3/4 of the 1 s lease). The create may still land (here the
+    relay holds it and delivers it once the cut heals: the record then exists, owned by the cut-off
+    replica, and is re-run as an orphan), so the fence stops this call as it stops a task's: the
+    client gets -32800 naming the lease, and the upstream never runs the call twice at once."""
     label = f"creating-{uuid.uuid4().hex[:8]}"
     async with relay_to(redis_server) as (relay, relayed_url):
         config = replica(legacy_url, tmp_path / "a", relayed_url, redis_prefix, timeout="3s")
         cut_off = await serve(config)
-        plain = ModernClient(
-            (await serve(replica(legacy_url, tmp_path / "b", redis_server.url, redis_prefix))).url()
-        )
+        other = await serve(replica(legacy_url, tmp_path / "b", redis_server.url, redis_prefix))
+        plain = ModernClient(other.url(), capabilities={})
         client = ModernClient(cut_off.url())
         try:
             relay.pause()
-            answer = await client.call("slow_compute", {"seconds": 1.5, "label": label})
+            answer = await client.call("slow_compute", {"seconds": 5, "label": label})
             relay.resume()
-            assert f"computed {label}" in answer.result["content"][0]["text"], answer
-            assert (await _log(plain, "started_log")).get(label) == 1  # type: ignore[union-attr]
-            assert not [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+            assert answer.error["code"] == -32800 and "renew its lease" in answer.error["message"], answer
+            cancels = [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+            assert len(cancels) == 1, cancels
+            await asyncio.sleep(2.5)  # room for the landed create's re-run to start
+            starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
+            assert all(start > cancels[0]["at"] for start in starts[1:]), (starts, cancels)
         finally:
             await client.close()
             await plain.close()
