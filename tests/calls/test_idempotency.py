@@ -11,7 +11,9 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
 import pytest
+from fastmcp import Client
 from support.clients import AuthClient, ModernClient, envelope
 from support.proxy import Serve, make_config, running_proxy, with_auth
 
@@ -158,3 +160,17 @@ async def test_dedupe_joins_identical_calls_without_a_key(
         assert await starts(client, label) == (1 if dedupe else 3)
     finally:
         await client.close()
+
+
+async def test_fastmcp_client_passes_the_key_in_meta(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
+    """FastMCP's client (2026-07-28, tasks extension) gives the key in `call_tool(meta=…)`: the
+    second call with it gets the first one's result, and the upstream runs the call once."""
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    label, key = fresh("fastmcp"), fresh("key")
+    async with Client(proxy.url()) as client:
+        assert client.protocol_version == "2026-07-28"
+        arguments = {"seconds": 0.2, "label": label}
+        results = [await client.call_tool("slow_compute", arguments, meta={KEY_META: key}) for _ in range(2)]
+        counted = await client.call_tool("started_log", {})
+    assert [r.content[0].text for r in results] == [f"computed {label} after 0.2s"] * 2
+    assert json.loads(counted.content[0].text)[label] == 1
