@@ -61,9 +61,9 @@ Checks (exit status 1 on any violation):
   the task was among that node's unfinished tasks in the store right after X was killed (each
   replica's node id comes from its log's `replica_started` line), or of a replica cut off from
   Redis (`failed_partition_lost`: X the cut-off node, the task running there across the
-  partition, see --partition), and a call the fence stopped while it was becoming a task
-  (`sync_fenced`: a synchronous -32800 naming the lease). Split by kind in `unexplained`
-  (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
+  partition, see --partition), and a call the fence stopped while it was becoming a task as its
+  replica lost the store (`sync_fenced`: a synchronous -32800 naming the lease). Split by kind in
+  `unexplained` (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
 - `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
   (`reruns`: with --rerun, a slow_compute task re-run at most once per kill or partition it was
   running at);
@@ -1473,19 +1473,20 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
     some killed process owned), or of a replica cut off from Redis past its lease while the task was
     running there (`failed_partition_lost`: X the cut-off node, the task among its unfinished tasks
     when the link was cut, or one whose call it ran while cut off: Partition.created_after). A
-    synchronous -32800 naming the lease, in a run with a partition, is explained too (`sync_fenced`:
-    the call was becoming a task as its replica was cut off, and the create may have landed, so the
-    fence stopped it). Anything else (also `cancelled`, which nobody asked for, and sync JSON-RPC
-    errors other than instant_error's) counts in `unexplained_failures`; those whose error says the
-    upstream was unreachable also count in `upstream_unreachable`. A label started n > 1 times is
-    n-1 `reruns` when its task was re-run by policy (at most once per kill or partition it was
-    running at, and once more when it was running at some moment of the Redis outage: a replica that
-    cannot renew its lease stops such calls before the lease lapses, and they run again once the
-    store is back), else `double_runs`. A label two of whose runs overlapped in time counts in
-    `overlapping_runs` (one call running twice at once), unless its task was running at a kill: a
-    SIGKILLed process cannot stop its upstream call, which may go on while another re-runs it. Both
-    are split by the task the client was handed (`double_runs_by`, `overlapping_runs_by`), a task
-    the cut-off replica ran across a partition (`task_at_a_partition`) apart.
+    synchronous -32800 naming the lease, in a run with a partition or a Redis outage, is explained
+    too (`sync_fenced`: the call was becoming a task as its replica lost the store, and the create
+    may have landed, so the fence stopped it). Anything else (also `cancelled`, which nobody asked
+    for, and sync JSON-RPC errors other than instant_error's) counts in `unexplained_failures`;
+    those whose error says the upstream was unreachable also count in `upstream_unreachable`. A
+    label started n > 1 times is n-1 `reruns` when its task was re-run by policy (at most once per
+    kill or partition it was running at, and once more when it was running at some moment of the
+    Redis outage: a replica that cannot renew its lease stops such calls before the lease lapses,
+    and they run again once the store is back), else `double_runs`. A label two of whose runs
+    overlapped in time counts in `overlapping_runs` (one call running twice at once), unless its
+    task was running at a kill: a SIGKILLed process cannot stop its upstream call, which may go on
+    while another re-runs it. Both are split by the task the client was handed (`double_runs_by`,
+    `overlapping_runs_by`), a task the cut-off replica ran across a partition
+    (`task_at_a_partition`) apart.
     """
     holds = [(k.node, k.owned) for k in run.killed] + [(p.node, p.held) for p in run.partitions]
     owned_at: dict[str, list[str]] = {}  # task id -> the nodes it was running on at each kill/partition
@@ -1567,7 +1568,8 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
         else:
             unexplained(f"{status}_{tool}", f"{task_id} {tool} {label} ended {status}: {text[:250]}")
     for tool, error in run.sync_failures:
-        if run.partitions and error.get("code") == -32800 and FENCED in str(error.get("message")):
+        cut_off = run.partitions or outage_at is not None  # a replica that could not renew its lease
+        if cut_off and error.get("code") == -32800 and FENCED in str(error.get("message")):
             out["sync_fenced"] += 1
         elif tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
             unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")

@@ -35,6 +35,7 @@ from proxy.runtime import metrics
 from proxy.tasks.model import TaskRecord, principal_hash
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError
+from proxy.tasks.wire_v1 import create_task_result_v1
 from proxy.tasks.wire_v2 import create_task_result
 
 log = structlog.get_logger("proxy.calls")
@@ -132,15 +133,19 @@ class CallKeys:
         tool: str,
         as_task: bool,
         policy: ResolvedPolicy,
-        reply: Reply,
+        reply: Reply | None,
         keepalive_s: float,
+        dialect: str = "v2",
     ) -> JsonObject:
         """Answer a call whose slot the call in `entry` holds; `keyed` is this call's own claim.
 
-        Returns the first call's result, or its task's CreateTaskResult (`as_task`). Raises
-        JsonRpcError: -32602 (HTTP 422) when the entry names another tool or other arguments; the
-        first call's own error; -32603 when its replica was lost before it became a task, or when
-        it is not over within `policy.timeout` (s) (plus `detach_after`)."""
+        Returns the first call's result, or its task's CreateTaskResult (`as_task`), in `dialect`'s
+        shape: `v2` (2026-07-28: the flat CreateTaskResult, results translated) or `v1` (2025-11-25:
+        `{task}`, the upstream's result as it came). `reply`, when the answer can still be an SSE
+        stream, gets a keep-alive every `keepalive_s` (s) while this waits. Raises JsonRpcError:
+        -32602 (HTTP 422) when the entry names another tool or other arguments; the first call's
+        own error; -32603 when its replica was lost before it became a task, or when it is not
+        over within `policy.timeout` (s) (plus `detach_after`)."""
         if entry.get("digest") != keyed.digest:
             log.warning("call_key_conflict", server=server, tool=tool, principal=principal_hash(principal))
             raise JsonRpcError(
@@ -162,13 +167,15 @@ class CallKeys:
         try:
             while True:
                 if isinstance(entry.get("outcome"), dict):
-                    return outcome_answer("tools/call", entry["outcome"])
+                    return _answer(entry["outcome"], dialect)
                 record = await store.get(task_id)
                 if record is not None:
                     if record.status.terminal:
-                        return outcome_answer("tools/call", _record_outcome(record))
+                        return _answer(_record_outcome(record), dialect)
                     if as_task:
-                        return create_task_result(record)
+                        return (
+                            create_task_result(record) if dialect == "v2" else create_task_result_v1(record)
+                        )
                     await store.wait_for_change(task_id, record.version, min(keepalive_s, 5.0))
                 elif loop.time() >= next_lease_check:
                     next_lease_check = loop.time() + LEASE_CHECK_S
@@ -185,7 +192,7 @@ class CallKeys:
                         INTERNAL_ERROR,
                         f"the call this key names did not end within {policy.timeout:g} s (timeout)",
                     )
-                if loop.time() >= next_keepalive:
+                if reply is not None and loop.time() >= next_keepalive:
                     next_keepalive = loop.time() + keepalive_s
                     await reply.keepalive()
                 taken = await store.get_blob(keyed.slot)
@@ -194,6 +201,22 @@ class CallKeys:
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             raise _store_down(exc) from None
+
+
+def _answer(outcome: JsonObject, dialect: str) -> JsonObject:
+    """A stored outcome as the answer to a `tools/call` of `dialect` (`v2` translates it to the
+    2026-07-28 shapes; `v1` gives the upstream's as it came). Raises JsonRpcError for an error."""
+    if dialect == "v2":
+        return outcome_answer("tools/call", outcome)
+    if isinstance(outcome.get("result"), dict):
+        return dict(outcome["result"])
+    error = object_of(outcome.get("error"))
+    code = error.get("code")
+    raise JsonRpcError(
+        code if isinstance(code, int) and not isinstance(code, bool) else INTERNAL_ERROR,
+        str(error.get("message", "upstream error")),
+        error.get("data"),
+    )
 
 
 def _record_outcome(record: TaskRecord) -> JsonObject:

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.calls.call import Call
+from proxy.calls.keys import CallKeys, call_key
 from proxy.config import Config, ToolMode
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.v1_methods import LIST_PAGE, V1_TASK_METHODS, V1TaskMethods
@@ -38,7 +39,7 @@ from proxy.protocol.jsonrpc import (
 )
 from proxy.runtime import metrics
 from proxy.runtime.fanout import Overflow
-from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
 from proxy.tasks.types import TaskChange, TaskMessage, about
@@ -79,6 +80,7 @@ class V1Front:
         self.pool = pool
         self.tasks = tasks
         self.methods = V1TaskMethods(tasks, server, keepalive_s=keepalive_s)
+        self.keys = CallKeys(tasks)
         self._upstream_tasks: bool | None = None
         # Without client authentication every client is the one principal `anonymous`: then tasks/list
         # and a session's stream only show the tasks that client session created (their ids are the
@@ -323,10 +325,13 @@ class V1Front:
                     f"send params.task",
                 )
             else:
-                result = await self.call_as_task(params, principal=principal, capabilities=capabilities)
-                self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
-                if len(self._origin) > 100_000:
-                    del self._origin[next(iter(self._origin))]
+                result = await self.call_as_task(
+                    params, principal=principal, capabilities=capabilities, headers=request.headers
+                )
+                if isinstance(result.get("task"), dict):  # (a key joined to an ended call: its result)
+                    self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
+                    if len(self._origin) > 100_000:
+                        del self._origin[next(iter(self._origin))]
         except JsonRpcError as exc:
             return web.json_response(
                 jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc)
@@ -349,9 +354,13 @@ class V1Front:
         return isinstance(tool, str) and self.config.tool_mode(self.server, tool) is ToolMode.REQUIRED
 
     async def call_as_task(
-        self, params: JsonObject, *, principal: str, capabilities: JsonObject
+        self, params: JsonObject, *, principal: str, capabilities: JsonObject, headers: Any = None
     ) -> JsonObject:
         """`tools/call` with `params.task` → v1 `CreateTaskResult`, committed before it is returned.
+
+        With an idempotency key (`headers`' `Idempotency-Key` or the `_meta` key, see
+        `calls.keys`) or a `dedupe` tool, a call that repeats one its slot names joins it: that
+        call's task, or its result once it ended, and nothing new reaches the upstream.
 
         The upstream gets the call without `params.task` (and with a progress token of the proxy's);
         `params.task.ttl` (ms) sets the retention, capped by the tool's configured `ttl`. The
@@ -391,6 +400,28 @@ class V1Front:
             upstream_params.pop("_meta", None)
         token = meta.get("progressToken")
         await self.tasks.check_capacity(principal)
+        keyed, first = await self.keys.claim(
+            principal=principal,
+            server=self.server,
+            tool=tool,
+            arguments=params.get("arguments"),
+            key=call_key(headers or {}, params),
+            policy=policy,
+            task_id=new_task_id(),
+        )
+        if keyed is not None and first is not None:
+            return await self.keys.join(
+                first,
+                keyed,
+                principal=principal,
+                server=self.server,
+                tool=tool,
+                as_task=True,
+                policy=policy,
+                reply=None,
+                keepalive_s=self.methods.keepalive_s,
+                dialect="v1",
+            )
         call = Call(
             pool=self.pool,
             server=self.server,
@@ -419,6 +450,7 @@ class V1Front:
             poll_interval_s=policy.poll_interval,
             status_message=f"running upstream on {self.server} as a task",
             rerun=rerun,
+            task_id=None if keyed is None else keyed.task_id,
         )
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         call.start()

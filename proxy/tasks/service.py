@@ -240,10 +240,14 @@ class TaskService:
 
     def _fence_call(self, task_id: str, call: LiveCall) -> None:
         """Stop the detached call of `task_id` for the fence: released, cancelled upstream, and its
-        outcome never recorded (see `_end`); whoever sweeps the task next re-runs it."""
+        outcome never recorded (see `_end`); whoever sweeps the task next re-runs it. A call whose
+        create failed (`_keep_unsure`) learns the task id it may go on as."""
+        reason = "this replica could not renew its lease; another replica takes the task over"
+        if task_id in self._unsure or task_id in self._fenced_creating:
+            reason += f" (task {task_id}, if the store took it before it was cut off)"
         self.release(task_id)
         call.ended_by = "fence"
-        call.cancel("this replica could not renew its lease; another replica takes the task over")
+        call.cancel(reason)
 
     def read_failed(self, exc: BaseException) -> None:
         """Note a read the store failed because its files are damaged (DamagedStoreError: a bad page,

@@ -16,6 +16,7 @@ import pytest
 from fastmcp import Client
 from support.clients import AuthClient, ModernClient, envelope
 from support.proxy import Serve, make_config, running_proxy, with_auth
+from support.v1_client import V1Client
 
 from proxy.calls.keys import KEY_META
 from proxy.front.auth import hash_token
@@ -174,3 +175,29 @@ async def test_fastmcp_client_passes_the_key_in_meta(legacy_url: str, tmp_path: 
         counted = await client.call_tool("started_log", {})
     assert [r.content[0].text for r in results] == [f"computed {label} after 0.2s"] * 2
     assert json.loads(counted.content[0].text)[label] == 1
+
+
+async def test_a_v1_task_request_with_a_key_joins_the_task_its_key_names(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A 2025-11-25 client asking for a v1 task (`params.task`) with the key in `_meta`: the retry
+    gets the same task, and once it ended the upstream's result as it came; the upstream ran once."""
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    v1 = V1Client(proxy.url())
+    label, key = fresh("v1"), fresh("key")
+    try:
+        await v1.initialize()
+        arguments = {"seconds": 0.3, "label": label}
+        first, again = [
+            await v1.call_as_task("slow_compute", arguments, meta={KEY_META: key}) for _ in range(2)
+        ]
+        assert first["taskId"] == again["taskId"]
+        _, message, _ = await v1.request("tasks/result", {"taskId": first["taskId"]})
+        assert message["result"]["content"][0]["text"] == f"computed {label} after 0.3s"
+        params = {"name": "slow_compute", "arguments": arguments, "task": {}, "_meta": {KEY_META: key}}
+        _, ended, _ = await v1.request("tools/call", params)
+        assert ended["result"]["content"][0]["text"] == f"computed {label} after 0.3s", ended
+        _, counted, _ = await v1.request("tools/call", {"name": "started_log", "arguments": {}})
+        assert json.loads(counted["result"]["content"][0]["text"])[label] == 1
+    finally:
+        await v1.close()
