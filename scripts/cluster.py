@@ -101,7 +101,8 @@ class Cluster:
 
     `upstream_url` is the Streamable HTTP upstream (server `web`); `settings` are environment
     variables for the replicas' config (`MCP_LEASE`, `MCP_DETACH_AFTER`, `MCP_DRAIN_DETACHED`, ...,
-    see config/replicas.yaml). `check_inter` is HAProxy's health-check interval. `ready_timeout_s`
+    see config/replicas.yaml). `check_inter` is HAProxy's health-check interval, `timeout_server`
+    how long it lets a request wait for a replica's next byte before it cuts it. `ready_timeout_s`
     bounds each start, `drain_timeout_s` each SIGTERM until the replica exits.
     """
 
@@ -115,6 +116,7 @@ class Cluster:
         haproxy_cfg: Path = HAPROXY_CFG,
         workdir: Path | None = None,
         check_inter: str = "100ms",
+        timeout_server: str = "10m",
         ready_timeout_s: float = 30.0,
         drain_timeout_s: float = 60.0,
     ) -> None:
@@ -128,6 +130,7 @@ class Cluster:
         self.config = config
         self.haproxy_cfg = haproxy_cfg
         self.check_inter = check_inter
+        self.timeout_server = timeout_server
         self.ready_timeout_s = ready_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.secret = secrets.token_urlsafe(32)
@@ -226,6 +229,7 @@ class Cluster:
             "HAPROXY_BIND": f"127.0.0.1:{self.lb_port}",
             "HAPROXY_STATS": f"127.0.0.1:{self.stats_port}",
             "HAPROXY_CHECK_INTER": self.check_inter,
+            "HAPROXY_TIMEOUT_SERVER": self.timeout_server,
             **{f"REPLICA_{k}": address for k, address in enumerate(addresses)},
         }
         with open(self.workdir / "haproxy.log", "ab") as log:

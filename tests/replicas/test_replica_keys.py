@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
-from support.clients import ModernClient
+from support.clients import ModernClient, envelope
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
+from support.servers import ROOT
 
 from proxy.config import Config
+
+sys.path.insert(0, str(ROOT))
+from scripts.cluster import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -51,4 +56,30 @@ async def test_one_key_on_two_replicas_at_once_starts_one_call(
             assert started[label] == 1
     finally:
         for client in (through_a, through_b, plain_b):
+            await client.close()
+
+
+@pytest.mark.haproxy
+async def test_a_call_haproxy_cut_is_retried_with_its_key_and_runs_once(legacy_url: str) -> None:
+    """Real HAProxy in front of two replicas, cutting a request that waits 1 s for a byte
+    (`timeout server 1s`): a plain keyed call that runs 2 s gets HAProxy's 504; the client retries
+    with the same key through HAProxy (to either replica) once the call could have ended, and gets
+    its result; the upstream ran it once."""
+    label, key = f"cut-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    settings = {"MCP_LEASE": "2s", "MCP_STDIO_DISABLED": "true", "MCP_DETACH_AFTER": "50ms"}
+    with Cluster(upstream_url=legacy_url, replicas=2, settings=settings, timeout_server="1s") as cluster:
+        client = ModernClient(cluster.url + "/servers/web/mcp", capabilities={})
+        try:
+            arguments = {"seconds": 2, "label": label}
+            params = {"name": "slow_compute", "arguments": arguments, "_meta": envelope({})}
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}
+            headers = {**client.headers_for("tools/call", params), KEY: key}
+            async with client.http.post(client.url, json=body, headers=headers) as cut:
+                assert cut.status == 504, await cut.text()  # HAProxy's own page
+            await asyncio.sleep(1.5)
+            retried = await client.call("slow_compute", arguments, headers={KEY: key})
+            assert retried.result["content"][0]["text"] == f"computed {label} after 2s", retried.message
+            started = json.loads((await client.call("started_log", {})).result["content"][0]["text"])
+            assert started[label] == 1
+        finally:
             await client.close()
