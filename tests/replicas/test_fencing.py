@@ -60,6 +60,11 @@ async def _log(client: ModernClient, tool: str, **arguments: object) -> object:
     return json.loads((await client.call(tool, arguments)).result["content"][0]["text"])
 
 
+async def _cancels(client: ModernClient, label: str) -> list[dict]:
+    """The upstream's record of the cancels it received for the calls labelled `label`."""
+    return [c for c in await _log(client, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+
+
 async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_reruns_them(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
@@ -85,7 +90,7 @@ async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_rerun
                 while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
                     await asyncio.sleep(0.05)
             starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
-            cancels = [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+            cancels = await _cancels(plain, label)
             relay.resume()
             assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
             # the fence came with room to spare: a quarter of the lease before it lapsed, less the
@@ -143,7 +148,7 @@ async def test_a_call_whose_task_is_being_created_when_the_fence_comes_is_stoppe
             answer = await client.call("slow_compute", {"seconds": 5, "label": label})
             relay.resume()
             assert answer.error["code"] == -32800 and "renew its lease" in answer.error["message"], answer
-            cancels = [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+            cancels = await _cancels(plain, label)
             assert len(cancels) == 1, cancels
             await asyncio.sleep(2.5)  # room for the landed create's re-run to start
             starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
@@ -175,11 +180,11 @@ async def test_a_call_declared_lost_during_a_cut_is_cancelled_as_soon_as_its_rep
             client.url = other.url()
             lost = await client.wait_terminal(task_id, timeout=10)
             assert lost["status"] == "failed" and "lost" in json.dumps(lost), lost
-            assert not [c for c in await _log(plain, "cancelled_log") if c["label"] == label]  # still running
+            assert not await _cancels(plain, label)  # still running
             healed = time.time()
             relay.resume()
             async with asyncio.timeout(5):
-                while not (cancels := [c for c in await _log(plain, "cancelled_log") if c["label"] == label]):  # type: ignore[union-attr]
+                while not (cancels := await _cancels(plain, label)):
                     await asyncio.sleep(0.05)
             assert cancels[0]["at"] - healed < 1.0, (healed, cancels)
         finally:
