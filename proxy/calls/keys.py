@@ -34,7 +34,7 @@ from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
 from proxy.tasks.model import TaskRecord, principal_hash
 from proxy.tasks.service import TaskService
-from proxy.tasks.store import StoreUnavailableError
+from proxy.tasks.store import StoreUnavailableError, TaskStore
 from proxy.tasks.wire_v1 import create_task_result_v1
 from proxy.tasks.wire_v2 import create_task_result
 
@@ -45,6 +45,7 @@ KEY_META = "mcp-tasks-proxy/idempotencyKey"
 KEY_MAX_CHARS = 255
 JOIN_POLL_S = 0.05  # how often (s) a joiner looks again while the first call runs attached
 LEASE_CHECK_S = 1.0  # how often (s) it asks whether the replica running that call still lives
+JOINS_PREFIX = "call-joins:"  # the store key of how many requests joined a task's call
 
 
 def call_key(headers: Any, params: JsonObject) -> str | None:
@@ -123,6 +124,16 @@ class CallKeys:
             self.tasks.store_failed(exc)
             log.warning("call_key_not_settled", task_id=keyed.task_id, reason=str(exc))
 
+    async def _count_join(self, task_id: str, hold_s: float) -> None:
+        """One more request joined `task_id`'s call (shown by the console). A read, then a write:
+        two joins at the same instant may count as one; a store that cannot be reached skips it."""
+        store = self.tasks.store
+        try:
+            joined = await joined_requests(store, task_id)
+            await store.put_blob(JOINS_PREFIX + task_id, str(joined + 1).encode(), int(hold_s * 1000))
+        except StoreUnavailableError as exc:
+            log.warning("call_join_not_counted", task_id=task_id, reason=str(exc))
+
     async def join(
         self,
         entry: JsonObject,
@@ -159,6 +170,7 @@ class CallKeys:
             "call_joined", server=server, tool=tool, task_id=task_id, principal=principal_hash(principal)
         )
         metrics.count_call(server, tool, "joined")
+        await self._count_join(task_id, keyed.window_s + policy.timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.timeout + policy.detach_after
         next_lease_check = loop.time() + LEASE_CHECK_S
@@ -201,6 +213,13 @@ class CallKeys:
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             raise _store_down(exc) from None
+
+
+async def joined_requests(store: TaskStore, task_id: str) -> int:
+    """How many requests joined the call of `task_id` (its key or `dedupe`), as far as counted
+    (0 when none, or when the count expired with its slot). Raises StoreUnavailableError."""
+    raw = await store.get_blob(JOINS_PREFIX + task_id)
+    return int(raw) if raw is not None and raw.isdigit() else 0
 
 
 def _answer(outcome: JsonObject, dialect: str) -> JsonObject:

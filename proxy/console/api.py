@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from proxy.calls.keys import joined_requests
 from proxy.config import Config
 from proxy.console.access import CONSOLE_KEY, OPERATOR_KEY, ConsoleAccess, error
 from proxy.console.events import ConsoleHub, TooManyStreamsError
@@ -189,7 +190,8 @@ async def _detail(request: web.Request, record: TaskRecord) -> dict[str, Any]:
     tasks = _tasks(request)
     live_here = record.task_id in tasks.live
     owner_alive = live_here or record.status.terminal or await tasks.store.lease_alive(record.owner)
-    return detail(record, live_here=live_here, owner_alive=owner_alive)
+    joined = await joined_requests(tasks.store, record.task_id)
+    return detail(record, live_here=live_here, owner_alive=owner_alive, requests=1 + joined)
 
 
 async def show_task(request: web.Request) -> web.Response:

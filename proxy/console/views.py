@@ -31,16 +31,18 @@ def row(record: TaskRecord) -> dict[str, Any]:
     }
 
 
-def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool) -> dict[str, Any]:
+def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool, requests: int = 1) -> dict[str, Any]:
     """The detail view: the row plus method, owner, its liveness, retention, `history`
-    (`[{status, atMs}]`), pending `inputRequests` and an `outcome` preview (`{kind: result|error,
-    sizeBytes, preview, truncated}`, None while running)."""
+    (`[{status, atMs}]`), pending `inputRequests`, an `outcome` preview (`{kind: result|error,
+    sizeBytes, preview, truncated}`, None while running) and `requests`, how many requests the
+    task served (1, plus the retries an idempotency key or `dedupe` joined to it)."""
     return {
         **row(record),
         "method": record.method,
         "owner": record.owner,
         "runningHere": live_here,
         "ownerAlive": owner_alive,
+        "requests": requests,
         "ttlMs": record.ttl_ms,
         "terminalMs": record.terminal_ms,
         "expiresMs": record.expires_ms,

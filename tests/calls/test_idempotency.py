@@ -15,6 +15,7 @@ import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Clie
 import pytest
 from fastmcp import Client
 from support.clients import AuthClient, ModernClient, envelope
+from support.console import CONSOLE_TOKEN, client_for, console_config
 from support.proxy import Serve, make_config, running_proxy, with_auth
 from support.v1_client import V1Client
 
@@ -201,3 +202,26 @@ async def test_a_v1_task_request_with_a_key_joins_the_task_its_key_names(
         assert json.loads(counted["result"]["content"][0]["text"])[label] == 1
     finally:
         await v1.close()
+
+
+async def test_the_console_shows_how_many_requests_a_task_served(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Two retries joined a keyed task: its console detail says it served 3 requests."""
+    proxy = await serve(console_config(legacy_url, tmp_path / "store"))
+    client = client_for(proxy)
+    key = fresh("key")
+    try:
+        arguments = {"seconds": 0.3, "label": fresh("console")}
+        task_ids = {
+            (await client.call("slow_compute", arguments, headers={KEY: key})).result["taskId"]
+            for _ in range(3)
+        }
+        assert len(task_ids) == 1
+        (task_id,) = task_ids
+        async with aiohttp.ClientSession() as http:
+            url = f"{proxy.base}/console/api/tasks/{task_id}"
+            async with http.get(url, headers={"Authorization": f"Bearer {CONSOLE_TOKEN}"}) as resp:
+                assert resp.status == 200 and (await resp.json())["requests"] == 3
+    finally:
+        await client.close()

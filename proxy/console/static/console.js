@@ -224,6 +224,7 @@ function fillDetail(task) {
     ["method", task.method], ["owner", `${task.owner}${task.runningHere ? " (this process)" : task.ownerAlive ? "" : " (gone)"}`],
     ["created", fmtTime(task.createdMs)], ["last update", fmtTime(task.lastUpdatedMs)],
     ["message", task.statusMessage || "—"], ["expires", task.expiresMs ? fmtTime(task.expiresMs) : "not while it runs"],
+    ["requests", task.requests > 1 ? `${task.requests} (retries joined it)` : "1"],
   ];
   $("#d-fields").replaceChildren(...fields.flatMap(([name, value]) => {
     const dd = el("dd", value, name === "status" ? `status s-${value}` : "");
