@@ -7,17 +7,18 @@ mapping through the session machine (`session.py`), cancels, resumption, then th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from proxy.calls.keys import call_key
 from proxy.legacy.replay import RelayStream, parse_event_id
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound
 from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
-from proxy.legacy.v1 import V1Front
+from proxy.legacy.v1 import V1Front, legacy_status
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, legacy_method_refusal
 from proxy.protocol.jsonrpc import (
@@ -29,6 +30,7 @@ from proxy.protocol.jsonrpc import (
     object_of,
 )
 from proxy.runtime import metrics
+from proxy.tasks.model import new_task_id
 from proxy.upstream.types import UpstreamTimeoutError
 
 log = structlog.get_logger("proxy.legacy")
@@ -36,6 +38,10 @@ log = structlog.get_logger("proxy.legacy")
 FORGET_AT_ONCE = 32  # upstream DELETEs of expired sessions in flight at once
 
 CANCEL_GRACE_S = 1.0  # how long (s) the upstream may take to end a request its client cancelled
+UNANSWERED = (
+    "the first call with this idempotency key ended without an answer the proxy could keep (the "
+    "upstream failed or its stream broke); whether it ran is unknown"
+)
 
 
 class LegacyEndpoint:
@@ -59,6 +65,7 @@ class LegacyEndpoint:
         self.streams = streams
         self.upstream = upstream
         self.v1 = v1
+        self._background: set[asyncio.Task[None]] = set()  # slots being filled with an answer
 
     async def expire_idle(self, idle_s: float) -> int:
         """Expire the sessions idle for `idle_s` (s) with nothing in flight and end their upstream side
@@ -174,7 +181,82 @@ class LegacyEndpoint:
                 CANCEL_GRACE_S, self._cancel_overdue, session, client_id, sent
             )
             return passed_on
+        if body["method"] == "tools/call":
+            return await self._call(request, session, body, principal)
         return await self.upstream.request(request, session, body, self._rewrite(body["method"]))
+
+    async def _call(
+        self, request: web.Request, session: LegacySession, body: JsonObject, principal: str
+    ) -> web.StreamResponse:
+        """Relay a `tools/call`. With an idempotency key (or a `dedupe` tool; see `calls.keys`), a
+        call that repeats the one its slot names gets that call's answer instead of reaching the
+        upstream, and the first call goes on if its client leaves (its answer fills the slot; an
+        end without an answer fills it with an error saying so, since it may have run)."""
+        params = object_of(body.get("params"))
+        tool, request_id = params.get("name"), body["id"]
+        rewrite = self._rewrite("tools/call")
+        if not isinstance(tool, str) or not tool:
+            return await self.upstream.request(request, session, body, rewrite)
+        keys, policy = self.v1.keys, self.v1.config.policy(self.name, tool)
+        try:
+            keyed, first = await keys.claim(
+                principal=principal,
+                server=self.name,
+                tool=tool,
+                arguments=params.get("arguments"),
+                key=call_key(request.headers, params),
+                policy=policy,
+                task_id=new_task_id(),
+            )
+            if keyed is not None and first is not None:
+                result = await keys.join(
+                    first,
+                    keyed,
+                    principal=principal,
+                    server=self.name,
+                    tool=tool,
+                    as_task=False,
+                    policy=policy,
+                    reply=None,
+                    keepalive_s=self.streams.keepalive_s,
+                    dialect="v1",
+                )
+                return web.json_response(jsonrpc.response(request_id, result), dumps=jsonrpc.dumps_str)
+        except JsonRpcError as exc:
+            return error_reply(request_id, exc.code, exc.message, status=legacy_status(exc))
+        if keyed is None:
+            return await self.upstream.request(request, session, body, rewrite)
+        settled = False
+
+        def settle(outcome: JsonObject) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                self._spawn(keys.settle(keyed, outcome))
+
+        async def settling(message: JsonObject) -> JsonObject:
+            if "result" in message or "error" in message:
+                settle({"result": message["result"]} if "result" in message else {"error": message["error"]})
+            return await rewrite(message) if rewrite is not None else message
+
+        def unanswered() -> None:
+            settle({"error": {"code": INTERNAL_ERROR, "message": UNANSWERED}})
+
+        def relayed(done: asyncio.Future[web.StreamResponse]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.info("legacy_keyed_call_relay_ended", server=self.name, reason=repr(done.exception()))
+            if request_id not in session.pending:  # answered (else the answer's hook settles it)
+                unanswered()
+
+        session.after_answer[request_id] = unanswered
+        relay = asyncio.ensure_future(self.upstream.request(request, session, body, settling))
+        relay.add_done_callback(relayed)
+        return await asyncio.shield(relay)  # a client that leaves does not stop it
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _rewrite(self, method: str) -> Rewrite | None:
         """How the answer to `method` is rewritten for v1 tasks (`initialize`, `tools/list`), or None."""

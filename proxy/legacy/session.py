@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,7 @@ class LegacySession:
     questions: dict[str, Question] = field(default_factory=dict)  # proxy id → an upstream question
     streams: dict[str, RelayStream] = field(default_factory=dict)  # token → a reply stream
     get_stream: RelayStream | None = None
+    after_answer: dict[RequestId, Callable[[], None]] = field(default_factory=dict)  # client id → hook
     last_used: float = field(default_factory=time.monotonic)  # time.monotonic() (s) of its last request
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -114,9 +115,13 @@ class LegacySession:
         return {**params, "_meta": meta}, client_token, upstream_token
 
     def answered(self, client_id: RequestId | None, sent: Outbound) -> None:
-        """`sent` needs no cancel any more (answered, or failed): a later cancel for it is dropped."""
+        """`sent` needs no cancel any more (answered, or failed): a later cancel for it is dropped;
+        the hook `after_answer` holds for it, if any, runs now."""
         if client_id is not None and self.pending.get(client_id) is sent:
             del self.pending[client_id]
+            hook = self.after_answer.pop(client_id, None)
+            if hook is not None:
+                hook()
 
     def cancel(self, client_id: Any) -> Outbound | None:
         """The request a client's `notifications/cancelled` names, when it is still in flight here

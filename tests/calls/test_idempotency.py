@@ -14,15 +14,22 @@ import aiohttp
 import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Client)
 import pytest
 from fastmcp import Client
-from support.clients import AuthClient, ModernClient, envelope
+from mcp.client.session import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from support.clients import LEGACY_INITIALIZE, AuthClient, ModernClient, envelope
 from support.console import CONSOLE_TOKEN, client_for, console_config
-from support.proxy import Serve, make_config, running_proxy, with_auth
+from support.proxy import Serve, make_config, running_proxy, stdio_config, with_auth
 from support.v1_client import V1Client
 
 from proxy.calls.keys import KEY_META
 from proxy.front.auth import hash_token
 
 KEY = "Idempotency-Key"
+LEGACY_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "application/json, text/event-stream",
+    "MCP-Protocol-Version": "2025-11-25",
+}
 
 
 def fresh(prefix: str) -> str:
@@ -225,3 +232,61 @@ async def test_the_console_shows_how_many_requests_a_task_served(
                 assert resp.status == 200 and (await resp.json())["requests"] == 3
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("upstream", ["http", "stdio"])
+async def test_the_mcp_sdk_client_passes_the_key_in_meta_on_the_legacy_wire(
+    legacy_url: str, tmp_path: Path, serve: Serve, upstream: str
+) -> None:
+    """The official `mcp` SDK client (2025-11-25 handshake, plain `tools/call` relayed on its own
+    session, to an HTTP upstream and to a stdio child) gives the key in `call_tool(meta=…)`: the
+    second call gets the first one's result, and the upstream ran the call once."""
+    config = make_config(legacy_url, tmp_path) if upstream == "http" else stdio_config(tmp_path)
+    proxy = await serve(config)
+    label, key = fresh("sdk"), fresh("key")
+    async with streamable_http_client(proxy.url()) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        arguments = {"seconds": 0.2, "label": label}
+        results = [await session.call_tool("slow_compute", arguments, meta={KEY_META: key}) for _ in range(2)]
+        counted = await session.call_tool("started_log", {})
+    assert [r.content[0].text for r in results] == [f"computed {label} after 0.2s"] * 2
+    assert json.loads(counted.content[0].text)[label] == 1
+
+
+async def test_a_legacy_call_cut_before_its_answer_is_joined_by_its_retry(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """A 2025-11-25 client's keyed `tools/call` is cut 50 ms in: the relay goes on without it and
+    keeps the answer under the key, and the retry gets it; the upstream ran the call once."""
+    label, key = fresh("legacy-cut"), fresh("key")
+    async with running_proxy(make_config(legacy_url, tmp_path)) as proxy:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.url(), json=LEGACY_INITIALIZE, headers=LEGACY_HEADERS) as resp:
+                headers = {**LEGACY_HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"], KEY: key}
+            params = {"name": "slow_compute", "arguments": {"seconds": 0.4, "label": label}}
+            body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+            with pytest.raises(asyncio.TimeoutError):
+                async with http.post(
+                    proxy.url(), json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=0.05)
+                ) as cut:
+                    await cut.read()
+            async with http.post(proxy.url(), json={**body, "id": 3}, headers=headers) as resp:
+                text = await resp.text()
+            answer = (
+                json.loads(text.split("data: ")[-1])
+                if text.startswith(("event", "data", ":", "id"))
+                else json.loads(text)
+            )
+            assert (
+                answer["id"] == 3 and answer["result"]["content"][0]["text"] == f"computed {label} after 0.4s"
+            ), answer
+            counted = {
+                "jsonrpc": "2.0",
+                "id": 4,
+                "method": "tools/call",
+                "params": {"name": "started_log", "arguments": {}},
+            }
+            unkeyed = {name: value for name, value in headers.items() if name != KEY}
+            async with http.post(proxy.url(), json=counted, headers=unkeyed) as resp:
+                text = await resp.text()
+            assert f'\\"{label}\\": 1' in text, text
