@@ -19,10 +19,11 @@ import asyncio
 import structlog
 
 from proxy.calls.call import Call
-from proxy.calls.types import Reply
+from proxy.calls.keys import CallKeys
+from proxy.calls.types import KeyedCall, Reply
 from proxy.config import ResolvedPolicy
 from proxy.protocol.era import Envelope, strip_envelope, upstream_capabilities
-from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject, JsonRpcError, object_of
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
 from proxy.protocol.translate import modern_error, modern_result
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result
@@ -62,7 +63,9 @@ class UpstreamTasks:
         self.pool = pool
         self.tasks = tasks
         self.keepalive_s = keepalive_s
+        self.keys = CallKeys(tasks)
         self._support: dict[str, str] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # slots being filled after a client left
 
     def clear(self) -> None:
         """Forget the tools' task support (the upstream's tool list changed)."""
@@ -111,13 +114,54 @@ class UpstreamTasks:
         reply: Reply,
         policy: ResolvedPolicy,
         as_task: bool,
+        keyed: KeyedCall | None = None,
     ) -> JsonObject:
         """Run `tools/call` as an upstream task: a flat v2 CreateTaskResult when `as_task`, else the
-        synchronous result once the upstream's `tasks/result` answers.
+        synchronous result once the upstream's `tasks/result` answers. `keyed`: the slot the call
+        holds (`keys.CallKeys.claim`): its task takes the slot's task id, and an answer that is not
+        a task is kept in the slot before it goes out.
 
         Raises JsonRpcError: the upstream's own error (translated), -32603 when it is unreachable,
         a limit error (HTTP 429) or -32603 (HTTP 503) when the task cannot be committed.
         """
+        if keyed is None:
+            return await self._call(
+                params, envelope, principal=principal, reply=reply, policy=policy, as_task=as_task
+            )
+        try:
+            answer = await self._call(
+                params,
+                envelope,
+                principal=principal,
+                reply=reply,
+                policy=policy,
+                as_task=as_task,
+                keyed=keyed,
+            )
+        except JsonRpcError as exc:
+            await self.keys.settle(keyed, {"error": exc.to_error()})
+            raise
+        except asyncio.CancelledError:  # the client left and its upstream task was cancelled
+            error = {"code": REQUEST_CANCELLED, "message": "the call was cancelled: its client went away"}
+            settling = asyncio.get_running_loop().create_task(self.keys.settle(keyed, {"error": error}))
+            self._background.add(settling)
+            settling.add_done_callback(self._background.discard)
+            raise
+        if answer.get("resultType") != "task":
+            await self.keys.settle(keyed, {"result": answer})
+        return answer
+
+    async def _call(
+        self,
+        params: JsonObject,
+        envelope: Envelope,
+        *,
+        principal: str,
+        reply: Reply,
+        policy: ResolvedPolicy,
+        as_task: bool,
+        keyed: KeyedCall | None = None,
+    ) -> JsonObject:
         caps = upstream_capabilities(envelope.capabilities)
         tool = params["name"]
         upstream_params = strip_envelope(params)
@@ -159,6 +203,7 @@ class UpstreamTasks:
             poll_interval_s=policy.poll_interval,
             status_message=f"running upstream on {self.name} as its own task",
             rerun={"method": "tasks/result", "params": {"taskId": task_id}, "capabilities": caps},
+            task_id=None if keyed is None else keyed.task_id,
         )
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         call.start()

@@ -204,17 +204,9 @@ class ServerDispatcher:
             names, support = await lookups
         if names:
             check_param_headers(reply.headers, params.get("arguments"), names)
-        if support == "required" or (support == "optional" and envelope.declares_tasks):
-            # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
-            return await self.upstream_tasks.call(
-                params,
-                envelope,
-                principal=principal,
-                reply=reply,
-                policy=policy,
-                as_task=envelope.declares_tasks,
-            )
-        if policy.mode is ToolMode.REQUIRED:
+        # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
+        upstream_task = support == "required" or (support == "optional" and envelope.declares_tasks)
+        if not upstream_task and policy.mode is ToolMode.REQUIRED:
             await self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
         keyed = None
         if "requestState" not in params:  # (an MRTR retry goes on with the call it resumes)
@@ -239,6 +231,16 @@ class ServerDispatcher:
                     reply=reply,
                     keepalive_s=self.keepalive_s,
                 )
+        if upstream_task:
+            return await self.upstream_tasks.call(
+                params,
+                envelope,
+                principal=principal,
+                reply=reply,
+                policy=policy,
+                as_task=envelope.declares_tasks,
+                keyed=keyed,
+            )
         return await self.calls.run(
             "tools/call",
             tool,

@@ -14,6 +14,7 @@ from fastmcp import Client
 from support.proxy import Serve
 from support.servers import ROOT, ServerProcess, npm_install
 
+from proxy.calls.keys import KEY_META
 from proxy.config import config_from_data
 from proxy.tasks.model import TaskStatus
 from proxy.tasks.store import ListFilter
@@ -140,6 +141,31 @@ async def test_upstream_v1_task_backs_a_v2_task_and_a_synchronous_call(
     assert synchronous["content"][0]["text"].startswith("# Research Report: moons")
     records, _ = await proxy.store.list_tasks(ListFilter())
     assert [r.status for r in records if r.tool == "simulate-research-query"] == [TaskStatus.COMPLETED]
+
+
+async def test_a_key_joins_a_call_an_upstream_task_backs(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """An idempotency key on a tool the upstream runs as its own task: the retry gets the same
+    task's result, and the proxy made one task of the two calls."""
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store")},
+            "tasks": {"detach_after": "1s", "poll_interval": "200ms"},
+            "mcpServers": {"everything": {"url": everything_url}},
+        }
+    )
+    proxy = await serve(config)
+    async with Client(proxy.url()) as client:
+        texts = [
+            (await client.call_tool("simulate-research-query", {"topic": "reefs"}, meta={KEY_META: "k-1"}))
+            .content[0]
+            .text
+            for _ in range(2)
+        ]
+    assert texts[0] == texts[1] and texts[0].startswith("# Research Report: reefs")
+    records, _ = await proxy.store.list_tasks(ListFilter())
+    assert len([r for r in records if r.tool == "simulate-research-query"]) == 1
 
 
 async def test_v1_client_keeps_the_plain_pass_through_to_an_upstream_with_tasks(
