@@ -174,6 +174,8 @@ class CallRunner:
         required = method == "tools/call" and policy.mode is ToolMode.REQUIRED
         loop = asyncio.get_running_loop()
         deadline = arrived + policy.detach_after if may_detach else None
+        shareable = call.key is not None and method == "tools/call" and policy.mode is not ToolMode.FORBIDDEN
+        shadow_at = arrived + policy.detach_after if shareable and deadline is None else None
         try:
             while True:
                 if call.done:
@@ -188,8 +190,9 @@ class CallRunner:
                         continue
                     return answer
                 wait = self.keepalive_s
-                if deadline is not None:
-                    wait = min(wait, max(0.0, deadline - loop.time()))
+                for due in (deadline, shadow_at):
+                    if due is not None:
+                        wait = min(wait, max(0.0, due - loop.time()))
                 remaining = self.drain.remaining()
                 if remaining is not None:
                     wait = min(wait, remaining)
@@ -205,6 +208,10 @@ class CallRunner:
                             f"proxy shutdown: the call did not finish within drain_timeout "
                             f"({self.drain.timeout_s:g} s) and was abandoned",
                         ) from None
+                    if shadow_at is not None and loop.time() >= shadow_at:
+                        shadow_at = None
+                        await self._share(call, policy)
+                        continue
                     if deadline is not None and loop.time() >= deadline:
                         handle = await self._detach(
                             call,
@@ -258,6 +265,37 @@ class CallRunner:
             return
         await self.keys.settle(call.key, outcome)
 
+    async def _share(self, call: Call, policy: ResolvedPolicy) -> None:
+        """A keyed call attached to a request without tasks, past `detach_after`: commit a task for
+        it under its slot's task id while it stays attached, so that a task-capable retry with its
+        key gets that task's handle (the call's outcome is written to the task when it ends, as the
+        attached answer goes out). A store or a limit that refuses the task leaves the call as it
+        was: retries then wait for its outcome."""
+        assert call.key is not None
+        if call.key.task_id in self.tasks.live:  # shared before (an MRTR round resumed it)
+            return
+        try:
+            record = await self.tasks.detach(
+                call,
+                server=self.name,
+                tool=call.tool,
+                method=call.method,
+                ttl_s=policy.ttl,
+                poll_interval_s=policy.poll_interval,
+                status_message="running attached to its first request; retries with its key share it",
+                rerun=_rerun_of(call, policy),
+                task_id=call.key.task_id,
+            )
+        except JsonRpcError as exc:
+            log.info("keyed_call_not_shared", server=self.name, tool=call.tool, reason=exc.message)
+            return
+        task_id = record.task_id
+        call.add_done_callback(
+            lambda done: self._spawn(
+                self.tasks.finish(task_id, done.outcome.result(), None, by=done.ended_by)
+            )
+        )
+
     async def _detach(
         self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool = False
     ) -> JsonObject | None:
@@ -268,11 +306,6 @@ class CallRunner:
         load balancer would send again. A `mode: required` call the store
         refuses ends with HTTP 500 (-32603) for the same reason."""
         self.parked.release(call)
-        rerun = (
-            {"method": call.method, "params": call.params, "capabilities": call.capabilities}
-            if policy.on_restart == "rerun"
-            else None
-        )
         try:
             record = await self.tasks.detach(
                 call,
@@ -282,7 +315,7 @@ class CallRunner:
                 ttl_s=policy.ttl,
                 poll_interval_s=policy.poll_interval,
                 status_message=why,
-                rerun=rerun,
+                rerun=_rerun_of(call, policy),
                 task_id=None if call.key is None else call.key.task_id,
             )
         except JsonRpcError as exc:
@@ -348,6 +381,14 @@ class CallRunner:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _rerun_of(call: Call, policy: ResolvedPolicy) -> JsonObject | None:
+    """What re-runs `call` after its owner died (`{method, params, capabilities}`), kept only for
+    tools configured `on_restart: rerun`."""
+    if policy.on_restart != "rerun":
+        return None
+    return {"method": call.method, "params": call.params, "capabilities": call.capabilities}
 
 
 def require_tasks_for(tool: str) -> JsonRpcError:

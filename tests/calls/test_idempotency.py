@@ -290,3 +290,28 @@ async def test_a_legacy_call_cut_before_its_answer_is_joined_by_its_retry(
             async with http.post(proxy.url(), json=counted, headers=unkeyed) as resp:
                 text = await resp.text()
             assert f'\\"{label}\\": 1' in text, text
+
+
+async def test_a_task_capable_retry_of_a_call_attached_without_tasks_gets_a_task(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """The first request has no tasks extension, so its keyed call stays attached; past
+    `detach_after` the call is shared as a task under its key, so a task-capable retry gets that
+    task's handle while the first request still gets its result; the upstream ran once."""
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    plain, tasked = ModernClient(proxy.url(), capabilities={}), ModernClient(proxy.url())
+    label, key = fresh("share"), fresh("key")
+    try:
+        arguments = {"seconds": 0.8, "label": label}
+        first = asyncio.ensure_future(plain.call("slow_compute", arguments, headers={KEY: key}))
+        await asyncio.sleep(0.3)
+        retried = await tasked.call("slow_compute", arguments, headers={KEY: key})
+        assert retried.result["resultType"] == "task", retried.message
+        done = await tasked.wait_terminal(retried.result["taskId"])
+        expected = f"computed {label} after 0.8s"
+        assert done["status"] == "completed" and done["result"]["content"][0]["text"] == expected
+        assert (await first).result["content"][0]["text"] == expected
+        assert await starts(plain, label) == 1
+    finally:
+        await plain.close()
+        await tasked.close()
