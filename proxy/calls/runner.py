@@ -244,18 +244,22 @@ class CallRunner:
                 if call.key is None:
                     call.cancel("the client closed the request stream")
                 else:  # a retry with its key joins it: it goes on without its client
-                    self._spawn(self._carry_on(call, policy, may_detach))
+                    self._spawn(self._carry_on(call, policy))
             raise
 
-    async def _carry_on(self, call: Call, policy: ResolvedPolicy, may_detach: bool) -> None:
-        """A keyed call whose client went away goes on: as a task under its slot's task id when the
-        request could have had one, else until its outcome, which fills the slot. A task the store
-        refuses ends the call, its error kept in the slot."""
+    async def _carry_on(self, call: Call, policy: ResolvedPolicy) -> None:
+        """A keyed call whose client went away goes on, as a task under its slot's task id (what
+        a restart, a drain or a lost replica does to a task applies to it, and retries join it)
+        whatever the request could have had; a tool that never runs as a task (`mode: forbidden`),
+        or a task the store or a limit refuses, runs on until its outcome, which fills the slot."""
         assert call.key is not None
-        if may_detach and not call.done:
+        if call.key.task_id in self.tasks.live:  # shared as a task already: it gets the outcome
+            return
+        if not call.done and call.method == "tools/call" and policy.mode is not ToolMode.FORBIDDEN:
+            why = "its client went away; continuing in the background"
             try:
-                await self._detach(call, policy, "its client went away; continuing in the background")
-                return
+                if await self._detach(call, policy, why, stay=True) is not None:
+                    return
             except JsonRpcError as exc:
                 await self.keys.settle(call.key, {"error": exc.to_error()})
                 return
