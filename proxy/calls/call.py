@@ -29,7 +29,7 @@ from proxy.protocol.inputs import (
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, RequestId, object_of
 from proxy.runtime import metrics
 from proxy.tasks.types import TaskSink
-from proxy.upstream.types import Pool, Session, UpstreamError, with_session
+from proxy.upstream.types import Pool, Session, UpstreamError, UpstreamUndeliveredError, with_session
 
 log = structlog.get_logger("proxy.calls")
 
@@ -196,6 +196,8 @@ class Call:
                 }
             }
         except UpstreamError as exc:
+            if isinstance(exc, UpstreamUndeliveredError):
+                self.sent = False  # it never reached the upstream
             reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
         except asyncio.CancelledError:
             if not self.outcome.done():

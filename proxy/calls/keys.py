@@ -49,19 +49,45 @@ JOINS_PREFIX = "call-joins:"  # the store key of how many requests joined a task
 
 
 def call_key(headers: Any, params: JsonObject) -> str | None:
-    """The client's idempotency key for a call, or None: `params._meta[KEY_META]`, else the
-    `Idempotency-Key` header (`headers`: a case-insensitive mapping). Raises JsonRpcError -32602
-    (HTTP 400) for a key that is not a string of 1 to KEY_MAX_CHARS printable characters."""
+    """The client's idempotency key for a call, or None: `params._meta[KEY_META]` (a JSON null
+    there counts as absent), else the `Idempotency-Key` header (`headers`: a case-insensitive
+    multi-dict, or a mapping), with surrounding whitespace dropped either way (HTTP drops it from
+    a header). Raises JsonRpcError -32602 (HTTP 400) for a key that is not a string of 1 to
+    KEY_MAX_CHARS printable characters, or for two `Idempotency-Key` headers."""
     meta = object_of(params.get("_meta"))
-    key = meta[KEY_META] if KEY_META in meta else headers.get(KEY_HEADER)
+    key = meta.get(KEY_META)
+    if key is None:
+        given = headers.getall(KEY_HEADER, []) if hasattr(headers, "getall") else [headers.get(KEY_HEADER)]
+        given = [value for value in given if value is not None]
+        if len(given) > 1:
+            raise JsonRpcError(INVALID_PARAMS, f"send one {KEY_HEADER} header, not {len(given)}")
+        key = given[0] if given else None
     if key is None:
         return None
+    if isinstance(key, str):
+        key = key.strip()
     if not isinstance(key, str) or not 0 < len(key) <= KEY_MAX_CHARS or not key.isprintable():
         raise JsonRpcError(
             INVALID_PARAMS,
             f"an idempotency key must be a string of 1 to {KEY_MAX_CHARS} printable characters",
         )
     return key
+
+
+def canonical_arguments(arguments: Any) -> Any:
+    """A call's `arguments` in the form two equal calls share: none is `{}`, and a float with an
+    integral value is that integer at any depth (JSON does not tell 1 from 1.0)."""
+    return {} if arguments is None else _canonical(arguments)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _slot(kind: str, *parts: str) -> str:
@@ -92,16 +118,17 @@ class CallKeys:
         call that names no slot, (keyed, None) when this call holds the slot now, or (keyed, entry)
         with the first call's entry when the slot was taken (`keyed` then says where it is).
         Raises JsonRpcError -32603 (HTTP 503) when the store cannot be written: nothing ran."""
-        digest = request_digest("tools/call", tool, arguments)
+        digest = request_digest("tools/call", tool, canonical_arguments(arguments))
         if key is not None:
             slot, window_s = _slot("call-key", principal, server, key), policy.idempotency_window
         elif policy.dedupe_window is not None:
             slot, window_s = _slot("call-dedupe", principal, server, digest), policy.dedupe_window
         else:
             return None, None
-        keyed = KeyedCall(slot, task_id, digest, self.tasks.node, window_s)
+        hold_s = policy.timeout + window_s  # it may run for `timeout`, then the window
+        keyed = KeyedCall(slot, task_id, digest, self.tasks.node, window_s, hold_s)
         store = self.tasks.store
-        hold_ms = int((policy.timeout + window_s) * 1000)  # it may run for `timeout`, then the window
+        hold_ms = int(hold_s * 1000)
         try:
             for _ in range(2):  # an entry that expires between the two steps is claimed anew
                 if await store.put_blob(slot, keyed.entry(), hold_ms, only_new=True):
@@ -133,6 +160,25 @@ class CallKeys:
             await store.put_blob(JOINS_PREFIX + task_id, str(joined + 1).encode(), int(hold_s * 1000))
         except StoreUnavailableError as exc:
             log.warning("call_join_not_counted", task_id=task_id, reason=str(exc))
+
+    async def keep_round(self, keyed: KeyedCall, answer: JsonObject | None) -> None:
+        """The call waits in an MRTR round: keep its InputRequiredResult `answer` in the slot, so a
+        retry that lost it gets it again (same `requestState`, still single-use); None once the
+        round was answered. A store that cannot take it is logged."""
+        try:
+            await self.tasks.store.put_blob(keyed.slot, keyed.entry(round_=answer), int(keyed.hold_s * 1000))
+        except StoreUnavailableError as exc:
+            self.tasks.store_failed(exc)
+            log.warning("call_key_round_not_kept", task_id=keyed.task_id, reason=str(exc))
+
+    async def release(self, keyed: KeyedCall) -> None:
+        """Let the slot go (the call it held never reached the upstream): a retry with its key runs
+        the call, and a retry that was waiting on it is told to send it again."""
+        try:
+            await self.tasks.store.put_blob(keyed.slot, keyed.entry(), 1)  # lapses at once
+        except StoreUnavailableError as exc:
+            self.tasks.store_failed(exc)
+            log.warning("call_key_not_released", task_id=keyed.task_id, reason=str(exc))
 
     async def join(
         self,
@@ -180,6 +226,8 @@ class CallKeys:
             while True:
                 if isinstance(entry.get("outcome"), dict):
                     return _answer(entry["outcome"], dialect)
+                if dialect == "v2" and isinstance(entry.get("round"), dict):
+                    return dict(entry["round"])  # the MRTR round it waits on, asked again
                 record = await store.get(task_id)
                 if record is not None:
                     if record.status.terminal:
@@ -208,8 +256,13 @@ class CallKeys:
                     next_keepalive = loop.time() + keepalive_s
                     await reply.keepalive()
                 taken = await store.get_blob(keyed.slot)
-                if taken is not None:
-                    entry = json.loads(taken)
+                if taken is None:  # let go (`release`), or lapsed
+                    raise JsonRpcError(
+                        INTERNAL_ERROR,
+                        "the call this key named never reached the upstream; send it again",
+                        status=503,
+                    )
+                entry = json.loads(taken)
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             raise _store_down(exc) from None

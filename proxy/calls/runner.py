@@ -37,7 +37,6 @@ from proxy.upstream.types import Pool
 log = structlog.get_logger("proxy.calls")
 
 INPUT_GATHER_S = 0.05  # questions arriving within 50 ms of each other share one MRTR round
-UNSETTLED = ("task", "input_required")  # answers that leave a keyed call's outcome still to come
 
 
 class CallRunner:
@@ -140,6 +139,8 @@ class CallRunner:
             )
             call.resume(meta.get("progressToken"))
             call.answer(responses or {})
+            if call.key is not None:  # the round a retry could be given is answered
+                await self.keys.keep_round(call.key, None)
         else:
             call = self._start(method, name, params, envelope, principal=principal, policy=policy)
             call.key = keyed
@@ -149,13 +150,23 @@ class CallRunner:
             )
         except JsonRpcError as exc:
             if call.key is not None and call.task_id is None:
-                await self.keys.settle(
-                    call.key, call.outcome.result() if call.done else {"error": exc.to_error()}
-                )
+                await self._keep(call, call.outcome.result() if call.done else {"error": exc.to_error()})
             raise
-        if call.key is not None and call.task_id is None and answer.get("resultType") not in UNSETTLED:
-            await self.keys.settle(call.key, call.outcome.result())
+        if call.key is not None and call.task_id is None:
+            if answer.get("resultType") == "input_required":
+                await self.keys.keep_round(call.key, answer)
+            elif answer.get("resultType") != "task":
+                await self._keep(call, call.outcome.result())
         return answer
+
+    async def _keep(self, call: Call, outcome: JsonObject) -> None:
+        """A keyed call's answer goes out as `outcome`: kept in its slot, unless the request never
+        reached the upstream (then the slot is let go: a retry runs the call)."""
+        assert call.key is not None
+        if call.sent:
+            await self.keys.settle(call.key, outcome)
+        else:
+            await self.keys.release(call.key)
 
     async def _follow(
         self,
@@ -267,7 +278,7 @@ class CallRunner:
             outcome = await asyncio.shield(call.outcome)
         except asyncio.CancelledError:
             return
-        await self.keys.settle(call.key, outcome)
+        await self._keep(call, outcome)
 
     async def _share(self, call: Call, policy: ResolvedPolicy) -> None:
         """A keyed call attached to a request without tasks, past `detach_after`: commit a task for

@@ -31,18 +31,24 @@ class Reply(Protocol):
 
 @dataclass(frozen=True)
 class KeyedCall:
-    """A call that holds its slot: `slot` the store key, `task_id` the id minted for it (its task's,
-    should it become one), `window_s` (s) how long the slot holds after the call ended."""
+    """A call that holds its slot (an idempotency key's, or `dedupe`'s): `slot` the store key,
+    `task_id` the id minted for it (its task's, should it become one), `digest` the canonical hash
+    of its tool and arguments, `owner` the node running it, `window_s` (s) how long the slot holds
+    after the call ended, `hold_s` (s) how long it holds while the call may still run."""
 
     slot: str
     task_id: str
     digest: str
     owner: str
     window_s: float
+    hold_s: float
 
-    def entry(self, outcome: JsonObject | None = None) -> bytes:
-        """The slot's stored value (JSON): digest, task id, owner and, once known, the outcome."""
+    def entry(self, outcome: JsonObject | None = None, round_: JsonObject | None = None) -> bytes:
+        """The slot's stored value (JSON): digest, task id, owner and, once known, the outcome, or
+        the MRTR round (InputRequiredResult) the call waits on."""
         value: JsonObject = {"digest": self.digest, "taskId": self.task_id, "owner": self.owner}
         if outcome is not None:
             value["outcome"] = outcome
+        if round_ is not None:
+            value["round"] = round_
         return json.dumps(value, separators=(",", ":")).encode()

@@ -151,7 +151,7 @@ def describe(config: Config, source: str) -> str:
     d = config.tasks
     lines.append(
         f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, "
-        f"input_timeout {d.input_timeout:g}s"
+        f"input_timeout {d.input_timeout:g}s, idempotency_window {d.idempotency_window:g}s"
     )
     for name, entry in config.mcpServers.items():
         if not entry.active:
@@ -166,16 +166,17 @@ def describe(config: Config, source: str) -> str:
         tasks = entry.tasks
         overrides = {
             k: getattr(tasks, k)
-            for k in ("detach_after", "ttl", "poll_interval", "input_timeout")
+            for k in ("detach_after", "ttl", "poll_interval", "input_timeout", "idempotency_window")
             if getattr(tasks, k) is not None
         }
         if overrides:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:
             policy = config.policy(name, tool)
+            dedupe = "" if policy.dedupe_window is None else f", dedupe {policy.dedupe_window:g}s"
             lines.append(
                 f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl "
-                f"{policy.ttl:g}s"
+                f"{policy.ttl:g}s{dedupe}"
             )
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ from proxy.upstream.types import (
     SessionExpiredError,
     UpstreamError,
     UpstreamTimeoutError,
+    UpstreamUndeliveredError,
     error_text,
     read_body,
 )
@@ -444,6 +445,9 @@ class UpstreamSession:
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             )
+        except aiohttp.ClientConnectorError as exc:  # no connection: the request never left
+            reason = error_text(exc, self.url)
+            raise UpstreamUndeliveredError(f"upstream {self.server} unreachable: {reason}") from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream {self.server} unreachable: {error_text(exc, self.url)}") from exc
 

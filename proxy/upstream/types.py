@@ -30,6 +30,10 @@ class UpstreamError(Exception):
     """The upstream could not be reached or broke the transport; the message names the cause."""
 
 
+class UpstreamUndeliveredError(UpstreamError):
+    """The request never reached the upstream: no connection to it could be made."""
+
+
 class UpstreamTimeoutError(UpstreamError):
     """The upstream did not answer `initialize` within `init_timeout` (a hung upstream, not a refusal)."""
 

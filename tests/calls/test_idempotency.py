@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from pathlib import Path
 
@@ -19,12 +20,14 @@ from mcp.client.streamable_http import streamable_http_client
 from support.clients import LEGACY_INITIALIZE, AuthClient, ModernClient, envelope
 from support.console import CONSOLE_TOKEN, client_for, console_config
 from support.proxy import Serve, make_config, running_proxy, stdio_config, with_auth
+from support.servers import ROOT, ServerProcess, free_port
 from support.v1_client import V1Client
 
 from proxy.calls.keys import KEY_META
 from proxy.front.auth import hash_token
 
 KEY = "Idempotency-Key"
+FIXTURE_SERVER = ROOT / "tests" / "fixtures" / "legacy_server.py"
 LEGACY_HEADERS = {
     "Content-Type": "application/json",
     "Accept": "application/json, text/event-stream",
@@ -315,3 +318,88 @@ async def test_a_task_capable_retry_of_a_call_attached_without_tasks_gets_a_task
     finally:
         await plain.close()
         await tasked.close()
+
+
+async def test_a_retry_that_lost_its_mrtr_round_gets_it_again(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed call asks a question (an MRTR round, SEP-2322); a retry with the key (its client lost
+    the round) gets the same round back, and its `requestState` carries the call to its end."""
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+    key = fresh("key")
+    try:
+        arguments = {"filename": f"{fresh('file')}.txt"}
+        first = await client.call("confirm_delete", arguments, headers={KEY: key})
+        assert first.result["resultType"] == "input_required", first.message
+        again = await client.call("confirm_delete", arguments, headers={KEY: key})
+        assert again.result == first.result
+        (question,) = first.result["inputRequests"]
+        params = {
+            "name": "confirm_delete",
+            "arguments": arguments,
+            "requestState": first.result["requestState"],
+            "inputResponses": {question: {"action": "accept", "content": {"confirm": True}}},
+        }
+        done = await client.request("tools/call", params, headers={KEY: key})
+        assert done.result["content"][0]["text"] == f"deleted {arguments['filename']}", done.message
+        after = await client.call("confirm_delete", arguments, headers={KEY: key})
+        assert after.result == done.result
+    finally:
+        await client.close()
+
+
+async def test_a_call_that_never_reached_the_upstream_lets_its_key_go(tmp_path: Path, serve: Serve) -> None:
+    """The upstream is down (nothing listens on its port): the keyed call fails without reaching
+    it, so its key is let go, and the retry once the upstream is up runs the call."""
+    port = free_port()
+    proxy = await serve(make_config(f"http://127.0.0.1:{port}/mcp", tmp_path))
+    plain = ModernClient(proxy.url(), capabilities={})
+    key, label = fresh("key"), fresh("down")
+    arguments = {"seconds": 0.01, "label": label}
+    try:
+        down = await plain.call("slow_compute", arguments, headers={KEY: key})
+        assert "unreachable" in down.error["message"], down.message
+        upstream = ServerProcess([sys.executable, str(FIXTURE_SERVER), "--port", str(port)])
+        try:
+            up = await plain.call("slow_compute", arguments, headers={KEY: key})
+            assert up.result["content"][0]["text"] == f"computed {label} after 0.01s", up.message
+        finally:
+            upstream.stop()
+    finally:
+        await plain.close()
+
+
+async def test_keys_are_read_the_same_whatever_their_spelling(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A JSON null under the `_meta` key leaves the header's key in force; surrounding whitespace
+    does not make another key; 1 and 1.0 (and no arguments and `{}`) are the same arguments; two
+    `Idempotency-Key` headers are refused."""
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    plain = ModernClient(proxy.url(), capabilities={})
+    key, label = fresh("key"), fresh("spelling")
+    try:
+        first = await plain.call("slow_compute", {"seconds": 1, "label": label}, headers={KEY: key})
+        same = [
+            await plain.call("slow_compute", {"seconds": 1.0, "label": label}, headers={KEY: f" {key} "}),
+            await plain.call("slow_compute", {"seconds": 1, "label": label}, meta={KEY_META: f"{key}\t"}),
+            await plain.call(
+                "slow_compute", {"seconds": 1, "label": label}, headers={KEY: key}, meta={KEY_META: None}
+            ),
+        ]
+        assert all(reply.result == first.result for reply in same), [r.message for r in same]
+        assert await starts(plain, label) == 1
+        body = {
+            "jsonrpc": "2.0",
+            "id": 9,
+            "method": "tools/call",
+            "params": {"name": "greet", "arguments": {"name": "x"}, "_meta": envelope({})},
+        }
+        headers = plain.headers_for("tools/call", body["params"])
+        async with plain.http.post(
+            plain.url, data=json.dumps(body), headers=[*headers.items(), (KEY, "a"), (KEY, "b")]
+        ) as resp:
+            assert resp.status == 400 and "one Idempotency-Key" in (await resp.json())["error"]["message"]
+    finally:
+        await plain.close()
