@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Coroutine
 from typing import Any
 
 import structlog
@@ -32,7 +33,7 @@ from proxy.config import ResolvedPolicy
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, object_of
 from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
-from proxy.tasks.model import TaskRecord, principal_hash
+from proxy.tasks.model import TaskRecord, principal_hash, proxy_error
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError, TaskStore
 from proxy.tasks.wire_v1 import create_task_result_v1
@@ -101,6 +102,7 @@ class CallKeys:
 
     def __init__(self, tasks: TaskService) -> None:
         self.tasks = tasks
+        self._background: set[asyncio.Task[None]] = set()  # slot writes no request waits for
 
     async def claim(
         self,
@@ -127,24 +129,61 @@ class CallKeys:
             return None, None
         hold_s = policy.timeout + window_s  # it may run for `timeout`, then the window
         keyed = KeyedCall(slot, task_id, digest, self.tasks.node, window_s, hold_s)
+        attempt = asyncio.ensure_future(self._claim(keyed))
+        try:
+            return keyed, await asyncio.shield(attempt)
+        except asyncio.CancelledError:  # the client left: a slot won for a call that never starts goes
+            attempt.add_done_callback(lambda done: self._let_go_if_won(done, keyed))
+            raise
+
+    async def _claim(self, keyed: KeyedCall) -> JsonObject | None:
+        """The write-if-absent of `keyed`'s slot: None when won, else the entry that holds it."""
         store = self.tasks.store
-        hold_ms = int(hold_s * 1000)
         try:
             for _ in range(2):  # an entry that expires between the two steps is claimed anew
-                if await store.put_blob(slot, keyed.entry(), hold_ms, only_new=True):
-                    return keyed, None
-                taken = await store.get_blob(slot)
+                if await store.put_blob(keyed.slot, keyed.entry(), int(keyed.hold_s * 1000), only_new=True):
+                    return None
+                taken = await store.get_blob(keyed.slot)
                 if taken is not None:
-                    return keyed, json.loads(taken)
+                    return dict(json.loads(taken))
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             raise _store_down(exc) from None
         raise _store_down(StoreUnavailableError("the key's slot kept changing"))
 
+    def _let_go_if_won(self, attempt: asyncio.Future[JsonObject | None], keyed: KeyedCall) -> None:
+        if not attempt.cancelled() and attempt.exception() is None and attempt.result() is None:
+            self._spawn(self.release(keyed))
+
+    def settle_when_done(self, call: Any, keyed: KeyedCall) -> None:
+        """Keep `call`'s outcome in `keyed`'s slot whenever it ends (`call`: a calls.call.Call), so
+        the slot outlives its task's record and a call ended by a timeout is not left waiting; a
+        call the fence stopped is left to whoever re-runs its task, and one that never reached
+        the upstream lets the slot go."""
+
+        def ended(done: Any) -> None:
+            if done.ended_by == "fence":
+                return
+            self._spawn(self.settle(keyed, done.outcome.result()) if done.sent else self.release(keyed))
+
+        call.add_done_callback(ended)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def settle(self, keyed: KeyedCall, outcome: JsonObject) -> None:
-        """The call ended attached (its answer is about to go out): keep its outcome in the slot for
-        the window, so a retry after a cut answer gets the same answer. A store that cannot take it
-        is logged; the answer still goes out."""
+        """The call ended (an attached answer is about to go out): keep its outcome in the slot for
+        the window, so a retry after a cut answer gets the same answer; a result larger than the
+        store's `max_result_bytes` is kept as the error a task would show. A store that cannot
+        take it is logged; the answer still goes out."""
+        limit = self.tasks.store.max_result_bytes
+        if "result" in outcome:
+            size = len(json.dumps(outcome["result"], separators=(",", ":")).encode())
+            if size > limit:
+                message = f"the result ({size} bytes) exceeds the limit max_result_bytes ({limit} bytes)"
+                outcome = proxy_error(message, limit="max_result_bytes")
         try:
             await self.tasks.store.put_blob(keyed.slot, keyed.entry(outcome), int(keyed.window_s * 1000) or 1)
         except StoreUnavailableError as exc:

@@ -144,6 +144,8 @@ class CallRunner:
         else:
             call = self._start(method, name, params, envelope, principal=principal, policy=policy)
             call.key = keyed
+            if keyed is not None:
+                self.keys.settle_when_done(call, keyed)
         try:
             answer = await self._follow(
                 call, policy, may_detach, digest, principal=principal, reply=reply, arrived=arrived
@@ -262,23 +264,17 @@ class CallRunner:
         """A keyed call whose client went away goes on, as a task under its slot's task id (what
         a restart, a drain or a lost replica does to a task applies to it, and retries join it)
         whatever the request could have had; a tool that never runs as a task (`mode: forbidden`),
-        or a task the store or a limit refuses, runs on until its outcome, which fills the slot."""
+        or a task the store or a limit refuses, runs on until its outcome, which fills the slot
+        (`CallKeys.settle_when_done`)."""
         assert call.key is not None
-        if call.key.task_id in self.tasks.live:  # shared as a task already: it gets the outcome
+        if call.key.task_id in self.tasks.live or call.done:  # shared as a task already, or over
             return
-        if not call.done and call.method == "tools/call" and policy.mode is not ToolMode.FORBIDDEN:
+        if call.method == "tools/call" and policy.mode is not ToolMode.FORBIDDEN:
             why = "its client went away; continuing in the background"
             try:
-                if await self._detach(call, policy, why, stay=True) is not None:
-                    return
-            except JsonRpcError as exc:
+                await self._detach(call, policy, why, stay=True)
+            except JsonRpcError as exc:  # refused, and cancelled: its slot keeps the refusal
                 await self.keys.settle(call.key, {"error": exc.to_error()})
-                return
-        try:
-            outcome = await asyncio.shield(call.outcome)
-        except asyncio.CancelledError:
-            return
-        await self._keep(call, outcome)
 
     async def _share(self, call: Call, policy: ResolvedPolicy) -> None:
         """A keyed call attached to a request without tasks, past `detach_after`: commit a task for

@@ -27,7 +27,7 @@ from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject
 from proxy.protocol.translate import modern_error, modern_result
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result
-from proxy.upstream.types import Pool, Session, UpstreamError
+from proxy.upstream.types import Pool, Session, UpstreamError, UpstreamUndeliveredError
 
 log = structlog.get_logger("proxy.calls")
 
@@ -53,6 +53,13 @@ class UpstreamTaskCall(Call):
             await session.request("tasks/cancel", {"taskId": task_id}, handler=None)
         except UpstreamError as exc:
             log.info("upstream_task_cancel_not_delivered", server=self.server, reason=str(exc))
+
+
+class _NotSent(JsonRpcError):
+    """A refusal before the upstream got the call (a limit, no session, no connection)."""
+
+    def __init__(self, refusal: JsonRpcError) -> None:
+        super().__init__(refusal.code, refusal.message, refusal.data, status=refusal.http_status)
 
 
 class UpstreamTasks:
@@ -138,6 +145,9 @@ class UpstreamTasks:
                 as_task=as_task,
                 keyed=keyed,
             )
+        except _NotSent:
+            await self.keys.release(keyed)  # nothing reached the upstream: a retry may run it
+            raise
         except JsonRpcError as exc:
             await self.keys.settle(keyed, {"error": exc.to_error()})
             raise
@@ -167,10 +177,18 @@ class UpstreamTasks:
         upstream_params = strip_envelope(params)
         upstream_params["task"] = {"ttl": int(policy.ttl * 1000)} if policy.ttl is not None else {}
         if as_task:
-            await self.tasks.check_capacity(principal)
+            try:
+                await self.tasks.check_capacity(principal)
+            except JsonRpcError as exc:
+                raise _NotSent(exc) from None
         try:
             session = await self.pool.session(caps, principal)
+        except UpstreamError as exc:
+            raise _NotSent(JsonRpcError(INTERNAL_ERROR, str(exc))) from None
+        try:
             created = await session.request("tools/call", upstream_params, handler=None)
+        except UpstreamUndeliveredError as exc:
+            raise _NotSent(JsonRpcError(INTERNAL_ERROR, str(exc))) from None
         except UpstreamError as exc:
             raise JsonRpcError(INTERNAL_ERROR, str(exc)) from None
         if "error" in created:
@@ -205,6 +223,8 @@ class UpstreamTasks:
             rerun={"method": "tasks/result", "params": {"taskId": task_id}, "capabilities": caps},
             task_id=None if keyed is None else keyed.task_id,
         )
+        if keyed is not None:
+            self.keys.settle_when_done(call, keyed)
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         call.start()
         return create_task_result(record)

@@ -441,17 +441,24 @@ class V1Front:
             if policy.on_restart == "rerun"
             else None
         )
-        record = await self.tasks.detach(
-            call,
-            server=self.server,
-            tool=tool,
-            method="tools/call",
-            ttl_s=ttl_s,
-            poll_interval_s=policy.poll_interval,
-            status_message=f"running upstream on {self.server} as a task",
-            rerun=rerun,
-            task_id=None if keyed is None else keyed.task_id,
-        )
+        try:
+            record = await self.tasks.detach(
+                call,
+                server=self.server,
+                tool=tool,
+                method="tools/call",
+                ttl_s=ttl_s,
+                poll_interval_s=policy.poll_interval,
+                status_message=f"running upstream on {self.server} as a task",
+                rerun=rerun,
+                task_id=None if keyed is None else keyed.task_id,
+            )
+        except JsonRpcError:
+            if keyed is not None:  # refused before it started: a retry may run it
+                await self.keys.release(keyed)
+            raise
+        if keyed is not None:
+            self.keys.settle_when_done(call, keyed)
         call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
         call.start()
         return create_task_result_v1(record)

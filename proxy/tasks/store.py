@@ -89,6 +89,7 @@ class TaskStore(Protocol):
 
     where: str  # a human name of the store for messages: a directory or a redis URL
     damage: str | None  # damage found in the store's files since it opened (shown on /readyz), or None
+    max_result_bytes: int  # the largest result (JSON bytes) a record keeps; a larger one becomes an error
 
     async def create(self, record: TaskRecord, *, max_live: int | None = None, leased: bool = False) -> None:
         """Commit a new record before returning. Raises ValueError if the id already exists.

@@ -403,3 +403,46 @@ async def test_keys_are_read_the_same_whatever_their_spelling(
             assert resp.status == 400 and "one Idempotency-Key" in (await resp.json())["error"]["message"]
     finally:
         await plain.close()
+
+
+async def test_a_key_keeps_its_outcome_after_its_task_expired(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed task kept 1 s after it ends (`ttl`): once it expired, the retry still gets its result
+    from the key, which holds for the window."""
+    proxy = await serve(make_config(legacy_url, tmp_path, tasks={"ttl": "1s"}))
+    client = ModernClient(proxy.url())
+    label, key = fresh("expired"), fresh("key")
+    try:
+        arguments = {"seconds": 0.2, "label": label}
+        created = (await client.call("slow_compute", arguments, headers={KEY: key})).result
+        assert (await client.wait_terminal(created["taskId"]))["status"] == "completed"
+        await asyncio.sleep(1.5)
+        assert "unknown" in (await client.get(created["taskId"])).error["message"]
+        retried = await client.call("slow_compute", arguments, headers={KEY: key})
+        assert retried.result["content"][0]["text"] == f"computed {label} after 0.2s", retried.message
+        assert await starts(client, label) == 1
+    finally:
+        await client.close()
+
+
+async def test_an_mrtr_round_nobody_answered_leaves_its_key_with_the_timeout(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed call's question is not answered within `input_timeout` (300 ms): the call fails, and a
+    retry with the key gets that failure, not the dead round again."""
+    proxy = await serve(make_config(legacy_url, tmp_path, tasks={"input_timeout": "300ms"}))
+    client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+    key = fresh("key")
+    try:
+        arguments = {"filename": f"{fresh('file')}.txt"}
+        first = await client.call("confirm_delete", arguments, headers={KEY: key})
+        assert first.result["resultType"] == "input_required", first.message
+        async with asyncio.timeout(5):
+            retried = await client.call("confirm_delete", arguments, headers={KEY: key})
+            while "error" not in retried.message:
+                await asyncio.sleep(0.1)
+                retried = await client.call("confirm_delete", arguments, headers={KEY: key})
+        assert "input timed out" in retried.error["message"], retried.message
+    finally:
+        await client.close()
