@@ -40,7 +40,9 @@ def fresh(prefix: str) -> str:
 
 
 async def starts(client: ModernClient, label: str) -> int:
-    reply = await client.call("started_log", {})
+    """How often the upstream started `slow_compute` for `label` (asked without the tasks
+    extension, so a loaded host never turns the answer into a task)."""
+    reply = await client.request("tools/call", {"name": "started_log", "arguments": {}}, capabilities={})
     return int(json.loads(reply.result["content"][0]["text"]).get(label, 0))
 
 

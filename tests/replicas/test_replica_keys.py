@@ -52,7 +52,7 @@ async def test_one_key_on_two_replicas_at_once_starts_one_call(
             waited = await plain_b.call("slow_compute", arguments, headers={KEY: key})  # while it runs
             assert waited.result["content"][0]["text"] == f"computed {label} after 0.3s"
             assert (await through_b.wait_terminal(task_id))["status"] == "completed"
-            started = json.loads((await through_a.call("started_log", {})).result["content"][0]["text"])
+            started = json.loads((await plain_b.call("started_log", {})).result["content"][0]["text"])
             assert started[label] == 1
     finally:
         for client in (through_a, through_b, plain_b):
