@@ -82,7 +82,7 @@ async def test_a_retry_after_a_cut_request_joins_the_call_and_the_upstream_runs_
 
 
 async def test_an_answer_given_synchronously_is_kept_under_its_key(
-    legacy_url: str, tmp_path: Path, serve: Serve
+    legacy_url: str, tmp_path: Path, serve: Serve, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A plain (attached) call keeps its outcome under its key before it answers: the retry after a
     cut answer gets the same answer, the key given in the header or in `_meta` alike; the key
@@ -105,6 +105,11 @@ async def test_an_answer_given_synchronously_is_kept_under_its_key(
             refused = await plain.call("slow_compute", arguments, meta={KEY_META: bad})
             assert refused.status == 400 and refused.error["code"] == -32602, (bad, refused.message)
         assert await starts(plain, label) == 1 and await starts(plain, other) == 0
+        async with plain.http.get(f"{proxy.base}/metrics") as resp:
+            joined = [line for line in (await resp.text()).splitlines() if 'outcome="joined"' in line]
+        assert joined and float(joined[0].rsplit(" ", 1)[1]) == 2.0, joined  # the two retries
+        logged = capsys.readouterr()
+        assert "call_joined" in logged.err + logged.out and "call_key_conflict" in logged.err + logged.out
     finally:
         await plain.close()
 

@@ -63,8 +63,8 @@ async def test_one_key_on_two_replicas_at_once_starts_one_call(
 async def test_a_call_haproxy_cut_is_retried_with_its_key_and_runs_once(legacy_url: str) -> None:
     """Real HAProxy in front of two replicas, cutting a request that waits 1 s for a byte
     (`timeout server 1s`): a plain keyed call that runs 2 s gets HAProxy's 504; the client retries
-    with the same key through HAProxy (to either replica) once the call could have ended, and gets
-    its result; the upstream ran it once."""
+    with the same key on the other replica once the call could have ended, and gets its result;
+    the upstream ran it once."""
     label, key = f"cut-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     settings = {"MCP_LEASE": "2s", "MCP_STDIO_DISABLED": "true", "MCP_DETACH_AFTER": "50ms"}
     with Cluster(upstream_url=legacy_url, replicas=2, settings=settings, timeout_server="1s") as cluster:
@@ -77,6 +77,9 @@ async def test_a_call_haproxy_cut_is_retried_with_its_key_and_runs_once(legacy_u
             async with client.http.post(client.url, json=body, headers=headers) as cut:
                 assert cut.status == 504, await cut.text()  # HAProxy's own page
             await asyncio.sleep(1.5)
+            ran_on = [i for i in range(2) if '"status": 499' in cluster.log_path(i).read_text()]
+            assert len(ran_on) == 1, ran_on  # the replica whose client HAProxy cut
+            client.url = cluster.replica_urls[1 - ran_on[0]] + "/servers/web/mcp"
             retried = await client.call("slow_compute", arguments, headers={KEY: key})
             assert retried.result["content"][0]["text"] == f"computed {label} after 2s", retried.message
             started = json.loads((await client.call("started_log", {})).result["content"][0]["text"])
