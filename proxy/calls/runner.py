@@ -30,6 +30,7 @@ from proxy.protocol.jsonrpc import (
 from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
+from proxy.tasks.model import TaskRecord
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result, validate_input_responses
 from proxy.upstream.types import Pool
@@ -286,16 +287,8 @@ class CallRunner:
         if call.key.task_id in self.tasks.live:  # shared before (an MRTR round resumed it)
             return
         try:
-            record = await self.tasks.detach(
-                call,
-                server=self.name,
-                tool=call.tool,
-                method=call.method,
-                ttl_s=policy.ttl,
-                poll_interval_s=policy.poll_interval,
-                status_message="running attached to its first request; retries with its key share it",
-                rerun=_rerun_of(call, policy),
-                task_id=call.key.task_id,
+            record = await self._commit(
+                call, policy, "running attached to its first request; retries with its key share it"
             )
         except JsonRpcError as exc:
             log.info("keyed_call_not_shared", server=self.name, tool=call.tool, reason=exc.message)
@@ -305,6 +298,21 @@ class CallRunner:
             lambda done: self._spawn(
                 self.tasks.finish(task_id, done.outcome.result(), None, by=done.ended_by)
             )
+        )
+
+    async def _commit(self, call: Call, policy: ResolvedPolicy, why: str) -> TaskRecord:
+        """Commit the task of `call` (under its slot's task id when it has a key), with status
+        message `why`; the service takes the call over. Raises what `TaskService.detach` raises."""
+        return await self.tasks.detach(
+            call,
+            server=self.name,
+            tool=call.tool,
+            method=call.method,
+            ttl_s=policy.ttl,
+            poll_interval_s=policy.poll_interval,
+            status_message=why,
+            rerun=_rerun_of(call, policy),
+            task_id=None if call.key is None else call.key.task_id,
         )
 
     async def _detach(
@@ -318,17 +326,7 @@ class CallRunner:
         refuses ends with HTTP 500 (-32603) for the same reason."""
         self.parked.release(call)
         try:
-            record = await self.tasks.detach(
-                call,
-                server=self.name,
-                tool=call.tool,
-                method=call.method,
-                ttl_s=policy.ttl,
-                poll_interval_s=policy.poll_interval,
-                status_message=why,
-                rerun=_rerun_of(call, policy),
-                task_id=None if call.key is None else call.key.task_id,
-            )
+            record = await self._commit(call, policy, why)
         except JsonRpcError as exc:
             if stay and exc.http_status in (429, 503):
                 # The call has started upstream: a limit or the store refusing its task must not turn
