@@ -171,7 +171,12 @@ class CallKeys:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:  # e.g. the store closed at exit
+            log.warning("call_key_not_written", reason=f"{exc.__class__.__name__}: {exc}")
 
     async def settle(self, keyed: KeyedCall, outcome: JsonObject) -> None:
         """The call ended (an attached answer is about to go out): keep its outcome in the slot for
