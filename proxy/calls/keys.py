@@ -33,7 +33,7 @@ from proxy.config import ResolvedPolicy
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, object_of
 from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
-from proxy.tasks.model import TaskRecord, principal_hash, proxy_error
+from proxy.tasks.model import TaskRecord, new_task_id, principal_hash, proxy_error
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError, TaskStore
 from proxy.tasks.wire_v1 import create_task_result_v1
@@ -113,10 +113,9 @@ class CallKeys:
         arguments: Any,
         key: str | None,
         policy: ResolvedPolicy,
-        task_id: str,
     ) -> tuple[KeyedCall | None, JsonObject | None]:
         """Claim the slot of a call about to start: `key` the client's key, else the call's digest
-        when the tool has `dedupe`; `task_id` the id minted for the call. Returns (None, None) for a
+        when the tool has `dedupe` (a task id is minted for the call). Returns (None, None) for a
         call that names no slot, (keyed, None) when this call holds the slot now, or (keyed, entry)
         with the first call's entry when the slot was taken (`keyed` then says where it is).
         Raises JsonRpcError -32603 (HTTP 503) when the store cannot be written: nothing ran."""
@@ -128,13 +127,49 @@ class CallKeys:
         else:
             return None, None
         hold_s = policy.timeout + window_s  # it may run for `timeout`, then the window
-        keyed = KeyedCall(slot, task_id, digest, self.tasks.node, window_s, hold_s)
+        keyed = KeyedCall(slot, new_task_id(), digest, self.tasks.node, window_s, hold_s)
         attempt = asyncio.ensure_future(self._claim(keyed))
         try:
             return keyed, await asyncio.shield(attempt)
         except asyncio.CancelledError:  # the client left: a slot won for a call that never starts goes
             attempt.add_done_callback(lambda done: self._let_go_if_won(done, keyed))
             raise
+
+    async def claim_or_join(
+        self,
+        *,
+        principal: str,
+        server: str,
+        tool: str,
+        arguments: Any,
+        key: str | None,
+        policy: ResolvedPolicy,
+        as_task: bool,
+        reply: Reply | None,
+        keepalive_s: float,
+        dialect: str = "v2",
+    ) -> tuple[KeyedCall | None, JsonObject | None]:
+        """`claim`, then `join` when the slot was taken. Returns (keyed, None) for a call to run
+        (`keyed` None when it names no slot), or (keyed, answer) for a call the first one answers.
+        Raises what `claim` and `join` raise."""
+        keyed, first = await self.claim(
+            principal=principal, server=server, tool=tool, arguments=arguments, key=key, policy=policy
+        )
+        if keyed is None or first is None:
+            return keyed, None
+        answer = await self.join(
+            first,
+            keyed,
+            principal=principal,
+            server=server,
+            tool=tool,
+            as_task=as_task,
+            policy=policy,
+            reply=reply,
+            keepalive_s=keepalive_s,
+            dialect=dialect,
+        )
+        return keyed, answer
 
     async def _claim(self, keyed: KeyedCall) -> JsonObject | None:
         """The write-if-absent of `keyed`'s slot: None when won, else the entry that holds it."""

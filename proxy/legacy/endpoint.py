@@ -30,7 +30,6 @@ from proxy.protocol.jsonrpc import (
     object_of,
 )
 from proxy.runtime import metrics
-from proxy.tasks.model import new_task_id
 from proxy.upstream.types import UpstreamTimeoutError
 
 log = structlog.get_logger("proxy.legacy")
@@ -144,9 +143,8 @@ class LegacyEndpoint:
             opening = found or self.sessions.sessionless(principal)
             try:
                 stripped = await self.v1.strip_initialize(body)
-            except (
-                UpstreamTimeoutError
-            ) as exc:  # one init_timeout in all, not one for the proxy's, one for this
+            # the proxy's own initialize timed out: one init_timeout in all, not a second for this one
+            except UpstreamTimeoutError as exc:
                 return error_reply(request_id, INTERNAL_ERROR, str(exc))
             return await self.upstream.initialize(request, opening, stripped, self._rewrite("initialize"))
         if found is None and not self.upstream.sessionless:
@@ -199,29 +197,20 @@ class LegacyEndpoint:
             return await self.upstream.request(request, session, body, rewrite)
         keys, policy = self.v1.keys, self.v1.config.policy(self.name, tool)
         try:
-            keyed, first = await keys.claim(
+            keyed, answer = await keys.claim_or_join(
                 principal=principal,
                 server=self.name,
                 tool=tool,
                 arguments=params.get("arguments"),
                 key=call_key(request.headers, params),
                 policy=policy,
-                task_id=new_task_id(),
+                as_task=False,
+                reply=None,
+                keepalive_s=self.streams.keepalive_s,
+                dialect="v1",
             )
-            if keyed is not None and first is not None:
-                result = await keys.join(
-                    first,
-                    keyed,
-                    principal=principal,
-                    server=self.name,
-                    tool=tool,
-                    as_task=False,
-                    policy=policy,
-                    reply=None,
-                    keepalive_s=self.streams.keepalive_s,
-                    dialect="v1",
-                )
-                return web.json_response(jsonrpc.response(request_id, result), dumps=jsonrpc.dumps_str)
+            if answer is not None:
+                return web.json_response(jsonrpc.response(request_id, answer), dumps=jsonrpc.dumps_str)
         except JsonRpcError as exc:
             return error_reply(request_id, exc.code, exc.message, status=legacy_status(exc))
         if keyed is None:

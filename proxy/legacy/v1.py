@@ -39,7 +39,7 @@ from proxy.protocol.jsonrpc import (
 )
 from proxy.runtime import metrics
 from proxy.runtime.fanout import Overflow
-from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
+from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
 from proxy.tasks.types import TaskChange, TaskMessage, about
@@ -400,28 +400,20 @@ class V1Front:
             upstream_params.pop("_meta", None)
         token = meta.get("progressToken")
         await self.tasks.check_capacity(principal)
-        keyed, first = await self.keys.claim(
+        keyed, answer = await self.keys.claim_or_join(
             principal=principal,
             server=self.server,
             tool=tool,
             arguments=params.get("arguments"),
             key=call_key(headers or {}, params),
             policy=policy,
-            task_id=new_task_id(),
+            as_task=True,
+            reply=None,
+            keepalive_s=self.methods.keepalive_s,
+            dialect="v1",
         )
-        if keyed is not None and first is not None:
-            return await self.keys.join(
-                first,
-                keyed,
-                principal=principal,
-                server=self.server,
-                tool=tool,
-                as_task=True,
-                policy=policy,
-                reply=None,
-                keepalive_s=self.methods.keepalive_s,
-                dialect="v1",
-            )
+        if answer is not None:
+            return answer
         call = Call(
             pool=self.pool,
             server=self.server,

@@ -42,7 +42,6 @@ from proxy.protocol.translate import modern_error, modern_result
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
-from proxy.tasks.model import new_task_id
 from proxy.tasks.service import TaskService
 from proxy.upstream.types import Pool, Session, SessionExpiredError, UpstreamError, with_session
 
@@ -210,27 +209,19 @@ class ServerDispatcher:
             await self.tasks.check_capacity(principal)  # refuse before anything reaches the upstream
         keyed = None
         if "requestState" not in params:  # (an MRTR retry goes on with the call it resumes)
-            keyed, first = await self.calls.keys.claim(
+            keyed, answer = await self.calls.keys.claim_or_join(
                 principal=principal,
                 server=self.name,
                 tool=tool,
                 arguments=params.get("arguments"),
                 key=key,
                 policy=policy,
-                task_id=new_task_id(),
+                as_task=envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN,
+                reply=reply,
+                keepalive_s=self.keepalive_s,
             )
-            if keyed is not None and first is not None:
-                return await self.calls.keys.join(
-                    first,
-                    keyed,
-                    principal=principal,
-                    server=self.name,
-                    tool=tool,
-                    as_task=envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN,
-                    policy=policy,
-                    reply=reply,
-                    keepalive_s=self.keepalive_s,
-                )
+            if answer is not None:
+                return answer
         if upstream_task:
             return await self.upstream_tasks.call(
                 params,
