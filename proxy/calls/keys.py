@@ -103,6 +103,7 @@ class CallKeys:
     def __init__(self, tasks: TaskService) -> None:
         self.tasks = tasks
         self._background: set[asyncio.Task[None]] = set()  # slot writes no request waits for
+        self._ending: dict[str, asyncio.Task[None]] = {}  # slot -> the write of its ended call's outcome
 
     async def claim(
         self,
@@ -199,17 +200,32 @@ class CallKeys:
         def ended(done: Any) -> None:
             if done.ended_by == "fence":
                 return
-            self._spawn(self.settle(keyed, done.outcome.result()) if done.sent else self.release(keyed))
+            write = self.settle(keyed, done.outcome.result()) if done.sent else self.release(keyed)
+            self._ending[keyed.slot] = self._spawn(write)
 
         call.add_done_callback(ended)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    async def kept(self, keyed: KeyedCall) -> None:
+        """Wait until the write `settle_when_done` started for the ended call of `keyed` is over,
+        so an attached answer goes out only once it is kept (nothing to wait for: at once)."""
+        writing = self._ending.get(keyed.slot)
+        if writing is not None:
+            await asyncio.shield(writing)
+
+    def settle_later(self, keyed: KeyedCall, outcome: JsonObject) -> None:
+        """`settle` in the background (for a caller that cannot wait: a callback, a cancel)."""
+        self._spawn(self.settle(keyed, outcome))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._written)
+        return task
 
     def _written(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
+        for slot in [slot for slot, writing in self._ending.items() if writing is task]:
+            del self._ending[slot]
         if not task.cancelled() and (exc := task.exception()) is not None:  # e.g. the store closed at exit
             log.warning("call_key_not_written", reason=f"{exc.__class__.__name__}: {exc}")
 

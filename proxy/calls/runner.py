@@ -153,13 +153,16 @@ class CallRunner:
             )
         except JsonRpcError as exc:
             if call.key is not None and call.task_id is None:
-                await self._keep(call, call.outcome.result() if call.done else {"error": exc.to_error()})
+                if call.done:  # its outcome is being kept (`settle_when_done`)
+                    await self.keys.kept(call.key)
+                else:
+                    await self._keep(call, {"error": exc.to_error()})
             raise
         if call.key is not None and call.task_id is None:
             if answer.get("resultType") == "input_required":
                 await self.keys.keep_round(call.key, answer)
             elif answer.get("resultType") != "task":
-                await self._keep(call, call.outcome.result())
+                await self.keys.kept(call.key)
         return answer
 
     async def _keep(self, call: Call, outcome: JsonObject) -> None:

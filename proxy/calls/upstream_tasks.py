@@ -72,7 +72,6 @@ class UpstreamTasks:
         self.keepalive_s = keepalive_s
         self.keys = CallKeys(tasks)
         self._support: dict[str, str] | None = None
-        self._background: set[asyncio.Task[None]] = set()  # slots being filled after a client left
 
     def clear(self) -> None:
         """Forget the tools' task support (the upstream's tool list changed)."""
@@ -131,10 +130,6 @@ class UpstreamTasks:
         Raises JsonRpcError: the upstream's own error (translated), -32603 when it is unreachable,
         a limit error (HTTP 429) or -32603 (HTTP 503) when the task cannot be committed.
         """
-        if keyed is None:
-            return await self._call(
-                params, envelope, principal=principal, reply=reply, policy=policy, as_task=as_task
-            )
         try:
             answer = await self._call(
                 params,
@@ -146,18 +141,19 @@ class UpstreamTasks:
                 keyed=keyed,
             )
         except _NotSent:
-            await self.keys.release(keyed)  # nothing reached the upstream: a retry may run it
+            if keyed is not None:  # nothing reached the upstream: a retry may run it
+                await self.keys.release(keyed)
             raise
         except JsonRpcError as exc:
-            await self.keys.settle(keyed, {"error": exc.to_error()})
+            if keyed is not None:
+                await self.keys.settle(keyed, {"error": exc.to_error()})
             raise
         except asyncio.CancelledError:  # the client left and its upstream task was cancelled
-            error = {"code": REQUEST_CANCELLED, "message": "the call was cancelled: its client went away"}
-            settling = asyncio.get_running_loop().create_task(self.keys.settle(keyed, {"error": error}))
-            self._background.add(settling)
-            settling.add_done_callback(self._background.discard)
+            if keyed is not None:
+                error = {"code": REQUEST_CANCELLED, "message": "the call was cancelled: its client went away"}
+                self.keys.settle_later(keyed, {"error": error})
             raise
-        if answer.get("resultType") != "task":
+        if keyed is not None and answer.get("resultType") != "task":
             await self.keys.settle(keyed, {"result": answer})
         return answer
 

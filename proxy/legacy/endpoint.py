@@ -7,7 +7,7 @@ mapping through the session machine (`session.py`), cancels, resumption, then th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -64,7 +64,6 @@ class LegacyEndpoint:
         self.streams = streams
         self.upstream = upstream
         self.v1 = v1
-        self._background: set[asyncio.Task[None]] = set()  # slots being filled with an answer
 
     async def expire_idle(self, idle_s: float) -> int:
         """Expire the sessions idle for `idle_s` (s) with nothing in flight and end their upstream side
@@ -221,7 +220,7 @@ class LegacyEndpoint:
             nonlocal settled
             if not settled:
                 settled = True
-                self._spawn(keys.settle(keyed, outcome))
+                keys.settle_later(keyed, outcome)
 
         async def settling(message: JsonObject) -> JsonObject:
             if "result" in message or "error" in message:
@@ -241,11 +240,6 @@ class LegacyEndpoint:
         relay = asyncio.ensure_future(self.upstream.request(request, session, body, settling))
         relay.add_done_callback(relayed)
         return await asyncio.shield(relay)  # a client that leaves does not stop it
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _rewrite(self, method: str) -> Rewrite | None:
         """How the answer to `method` is rewritten for v1 tasks (`initialize`, `tools/list`), or None."""
