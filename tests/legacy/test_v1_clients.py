@@ -82,9 +82,10 @@ async def test_typescript_sdk_1x_experimental_tasks_through_the_proxy(proxy: Run
         and out["slow"]["error"] is None
     )
     assert out["slow"]["taskId"] in out["listed"]
-    assert out["input"]["result"]["content"][0]["text"] == "deleted ts.txt" and out["asked"] == [
-        "Delete ts.txt?"
-    ]
+    # This client holds a GET stream and also opens tasks/result: a question the GET stream carried
+    # first is asked again on tasks/result (README: its reader may be gone; the first answer wins).
+    assert out["input"]["result"]["content"][0]["text"] == "deleted ts.txt"
+    assert set(out["asked"]) == {"Delete ts.txt?"} and len(out["asked"]) <= 2, out["asked"]
     # The SDK reports a `failed` task as an error message (v1: `isError: true` ends `failed`).
     assert out["isError"]["statuses"][-1] == "failed"
     assert out["isError"]["error"] is not None or (out["isError"]["result"] or {}).get("isError") is True
