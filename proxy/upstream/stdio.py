@@ -33,6 +33,7 @@ from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, Upstream
 log = structlog.get_logger("proxy.upstream.stdio")
 
 HUNG_GRACE_S = 0.2  # how long (s) a child that never answered initialize gets at each stopping step
+EXIT_WAIT_S = 5.0  # how long (s) a child whose stdout closed or broke gets to be seen exiting, per step
 
 _PR_SET_PDEATHSIG = 1
 # requests a server may ask questions for
@@ -117,6 +118,12 @@ class StdioSession:
     def in_flight(self) -> int:
         """Requests waiting for their response."""
         return len(self._pending)
+
+    @property
+    def usable(self) -> bool:
+        """True while the child can take requests: not stopped, not exited, its stdout not broken
+        (a broken child may take up to 2 × `EXIT_WAIT_S` s to be seen exiting)."""
+        return not self.closed and not self.exited.is_set() and self.broken is None
 
     async def open(self) -> JsonObject:
         """Start the child and run the `initialize` handshake. Raises UpstreamError."""
@@ -370,8 +377,10 @@ class StdioSession:
             self.broken = f"upstream {self.server} sent {exc}; the child was stopped"
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
+            self._fail_all(self.broken)  # now: the child's exit below may take a while to be seen
+            await self._drain(self.proc.stdout)
         # stdout closed: the child is exiting (cancellation skips this, nothing waits on the child then)
-        status = await self.proc.wait()
+        status = await self._reap()
         self.exit_status = status
         self.exited.set()
         if not self.closed:
@@ -379,6 +388,30 @@ class StdioSession:
         self._fail_all(
             self.broken or f"upstream {self.server} exited with status {status} while the request was running"
         )
+
+    @staticmethod
+    async def _drain(stream: asyncio.StreamReader) -> None:
+        """Read and drop what is left on `stream` until EOF, for at most `EXIT_WAIT_S` s: unread
+        output would pause the pipe, and the child's exit is only reported once its pipes close."""
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(EXIT_WAIT_S):
+                while await stream.read(1 << 16):
+                    pass
+
+    async def _reap(self) -> int | None:
+        """The child's exit status, waiting at most `EXIT_WAIT_S` s for its exit to be reported,
+        then SIGKILLing it and waiting as long again. None when it is still not reported (a
+        grandchild holding its pipes open delays the report, never this session's failure)."""
+        assert self.proc is not None
+        for step in range(2):
+            if step:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+            try:
+                return await asyncio.wait_for(self.proc.wait(), timeout=EXIT_WAIT_S)
+            except TimeoutError:
+                continue
+        return self.proc.returncode
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None

@@ -156,11 +156,11 @@ class StdioPool:
         slot = self._slots.setdefault(
             self._key(capabilities, principal), _Slot(capabilities=dict(capabilities), principal=principal)
         )
-        live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
+        live = [s for s in slot.sessions if s.usable]
         if len(live) >= self.instances:
             return _touch(min(live, key=lambda s: s.in_flight))
         async with slot.lock:
-            live = [s for s in slot.sessions if not s.exited.is_set() and not s.closed]
+            live = [s for s in slot.sessions if s.usable]
             if len(live) >= self.instances:
                 return _touch(min(live, key=lambda s: s.in_flight))
             if slot.quick_exits >= self.max_restarts:
@@ -191,12 +191,7 @@ class StdioPool:
         await, so concurrent starts never overshoot the cap."""
         if self.max_children is None:
             return 0
-        running = [
-            (s, slot)
-            for slot in self._slots.values()
-            for s in slot.sessions
-            if not s.closed and not s.exited.is_set()
-        ]
+        running = [(s, slot) for slot in self._slots.values() for s in slot.sessions if s.usable]
         if len(running) + self._reserved < self.max_children:
             self._reserved += 1
             return 1

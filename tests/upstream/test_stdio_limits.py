@@ -5,7 +5,10 @@ visible in the log and in metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -76,6 +79,66 @@ async def test_an_oversized_stdout_message_is_an_error_and_the_child_restarts(
         assert (await client.call("greet", {"name": "again"})).result["content"][0]["text"] == "Hello, again!"
     finally:
         await client.close()
+
+
+# A stdio server that, asked for `big`, starts a grandchild holding its stdout open, then writes one
+# line past the proxy's limit and never answers: the child's exit cannot be seen while the grandchild
+# lives, which must never keep the caller waiting.
+_HELD_STDOUT_SERVER = """
+import json, subprocess, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    method = msg.get("method")
+    if method == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "held-stdout", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": []}
+    elif method == "tools/call" and msg["params"]["name"] == "big":
+        grandchild = subprocess.Popen(["sleep", "60"])
+        with open(sys.argv[1], "a") as pids:
+            pids.write(f"{grandchild.pid}\\n")
+        sys.stdout.write("x" * 200_000 + "\\n")
+        sys.stdout.flush()
+        continue
+    else:
+        result = {"content": [{"type": "text", "text": "ok"}], "isError": False}
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+async def test_an_oversized_message_fails_at_once_while_a_grandchild_holds_stdout(
+    tmp_path: Path, serve: Serve
+) -> None:
+    script, pids = tmp_path / "held_stdout.py", tmp_path / "grandchildren"
+    script.write_text(_HELD_STDOUT_SERVER)
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {
+                "held": {
+                    "command": sys.executable,
+                    "args": [str(script), str(pids)],
+                    "max_response_bytes": 65536,
+                }
+            },
+        }
+    )
+    proxy = await serve(config)
+    client = ModernClient(proxy.url("held"), capabilities={})
+    try:
+        async with asyncio.timeout(4):  # the grandchild lives 60 s: the answer must not wait for it
+            reply = await client.call("big")
+            assert reply.status < 500 and "max_response_bytes" in reply.error["message"], reply.message
+            assert (await client.call("small")).result["content"][0]["text"] == "ok"  # on a new child
+    finally:
+        await client.close()
+        for pid in pids.read_text().split() if pids.exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(
