@@ -3,7 +3,8 @@
 # .ci/run both call. Set-up (idempotent): Debian packages the suite needs when missing (npm, to
 # fetch Node 22 and the conformance suite; chromium, for the console's browser test, driven by
 # Playwright's Python package: no browser download; redis-server and haproxy, which the Redis-store
-# and replica tests start on loopback ports of their own), a virtual environment with the project and
+# and replica tests start on loopback ports of their own; prometheus, whose promtool tests the alert
+# rules and whose server checks the dashboard's queries against a scraped proxy), a virtual environment with the project and
 # its test extra; then the static checks (`mypy proxy`, `ruff check`, `ruff format --check`, and
 # `lint-imports` for the package layers), then pytest. Extra arguments go to pytest.
 set -euo pipefail
@@ -15,6 +16,7 @@ command -v mount >/dev/null 2>&1 || missing+=(mount)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

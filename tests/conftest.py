@@ -1,7 +1,7 @@
 """Fixtures the whole suite shares: real legacy upstreams and a real redis-server in subprocesses,
 the proxy in-process on pytest-aiohttp's `aiohttp_server`, raw clients; and the rule for a missing
-external part (a test marked `redis`, `haproxy`, `node` or `browser` fails under `CI=true` and is
-skipped with the reason elsewhere). Helpers live in `tests/support/`."""
+external part (a test marked `redis`, `haproxy`, `node`, `browser` or `prometheus` fails under
+`CI=true` and is skipped with the reason elsewhere). Helpers live in `tests/support/`."""
 
 from __future__ import annotations
 
@@ -46,12 +46,19 @@ def _missing_browser() -> str | None:
     return None
 
 
+def _missing_prometheus() -> str | None:
+    if shutil.which("promtool") and shutil.which("prometheus"):
+        return None
+    return "Prometheus is not installed (Debian: prometheus, which has promtool)"
+
+
 # Marker → what is missing on this machine for it (None: everything is there).
 EXTERNAL_PARTS: dict[str, Callable[[], str | None]] = {
     "redis": _missing_redis,
     "haproxy": _missing_haproxy,
     "node": _missing_node,
     "browser": _missing_browser,
+    "prometheus": _missing_prometheus,
 }
 
 
