@@ -36,7 +36,7 @@ from proxy.replicas import EndpointRouter, Replicas, advertised_url, on_response
 from proxy.replicas.internal import INTERNAL_KEY, InternalEndpoints
 from proxy.replicas.internal import PREFIX as REPLICA_PREFIX
 from proxy.replicas.internal import add_routes as add_replica_routes
-from proxy.runtime import metrics
+from proxy.runtime import metrics, tracing
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
 from proxy.tasks.model import new_node_id, use_principal_hash_key
@@ -149,6 +149,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     of each server."""
     config = app[CONFIG_KEY]
     async with contextlib.AsyncExitStack() as stack:
+        if tracing.install(config.tracing):  # before the client sessions: they carry its instrumentation
+            stack.push_async_callback(asyncio.to_thread, tracing.shutdown)  # a flush, bounded by the SDK
         store = open_store(config.store, max_result_bytes=config.limits.max_result_bytes, exclusive=True)
         stack.push_async_callback(store.close)
         counters = rate_storage(config.store)

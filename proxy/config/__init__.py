@@ -20,6 +20,7 @@ from proxy.config.sections import (
     ReplicasConfig,
     RequestStateConfig,
     StoreConfig,
+    TracingConfig,
     TrustedHeaderConfig,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "ResolvedPolicy",
     "ServerEntry",
     "StoreConfig",
+    "TracingConfig",
     "ToolMode",
     "TrustedHeaderConfig",
     "UpstreamOAuth",

@@ -27,6 +27,7 @@ from proxy.config.sections import (
     ReplicasConfig,
     RequestStateConfig,
     StoreConfig,
+    TracingConfig,
     http_url,
 )
 
@@ -287,6 +288,7 @@ class Config(_Strict):
 
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     listen: ListenConfig = Field(default_factory=ListenConfig)

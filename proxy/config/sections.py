@@ -546,6 +546,41 @@ class MetricsConfig(_Strict):
         return value
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces, exported over OTLP/HTTP (protobuf). Off unless `otlp_endpoint` is set
+    here or the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`
+    variables are (`OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn it off again).
+    `sample_ratio` is the share of new traces kept (0..1); a request that arrives with a sampled
+    `traceparent` is always kept (parent-based). Unset, `OTEL_TRACES_SAMPLER_ARG` or 1.0. The other
+    `OTEL_*` variables (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_EXPORTER_OTLP_HEADERS`,
+    timeouts) apply as the OpenTelemetry SDK defines them."""
+
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; unset: the OTEL_* variables",
+    )
+    sample_ratio: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="share of new traces sampled (0..1); unset: OTEL_TRACES_SAMPLER_ARG or 1",
+    )
+    service_name: str = Field(
+        "mcp-tasks-proxy", min_length=1, description="service.name of the spans (OTEL_SERVICE_NAME wins)"
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if urlsplit(value).scheme not in ("http", "https"):
+            raise ValueError("otlp_endpoint must be an http:// or https:// URL (OTLP over HTTP)")
+        if problem := url_problem(value):
+            raise ValueError(f"otlp_endpoint {redact_url(value)!r}: {problem}")
+        return value
+
+
 class ConsoleConfig(_Strict):
     """The operator console at `/console/` (off unless this section is present).
 

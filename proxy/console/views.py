@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from proxy.runtime import metrics
+from proxy.runtime.tracing import trace_id_of
 from proxy.tasks.model import TaskRecord, principal_hash
 
 PREVIEW_CHARS = 4000  # characters of a result or error shown in the detail view
@@ -34,8 +35,9 @@ def row(record: TaskRecord) -> dict[str, Any]:
 def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool, requests: int = 1) -> dict[str, Any]:
     """The detail view: the row plus method, owner, its liveness, retention, `history`
     (`[{status, atMs}]`), pending `inputRequests`, an `outcome` preview (`{kind: result|error,
-    sizeBytes, preview, truncated}`, None while running) and `requests`, how many requests the
-    task served (1, plus the retries an idempotency key or `dedupe` joined to it)."""
+    sizeBytes, preview, truncated}`, None while running), `requests`, how many requests the
+    task served (1, plus the retries an idempotency key or `dedupe` joined to it), and `traceId`,
+    the 32-hex OpenTelemetry trace id of the task (None when tracing was off at its detach)."""
     return {
         **row(record),
         "method": record.method,
@@ -43,6 +45,7 @@ def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool, requests: 
         "runningHere": live_here,
         "ownerAlive": owner_alive,
         "requests": requests,
+        "traceId": trace_id_of(record.trace),
         "ttlMs": record.ttl_ms,
         "terminalMs": record.terminal_ms,
         "expiresMs": record.expires_ms,

@@ -27,8 +27,9 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.era import check_headers, is_modern_request, parse_envelope
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
-from proxy.runtime import metrics
-from proxy.tasks.model import ANONYMOUS
+from proxy.replicas.forward import FORWARDED_HEADER
+from proxy.runtime import metrics, tracing
+from proxy.tasks.model import ANONYMOUS, principal_hash
 
 log = structlog.get_logger("proxy.front")
 
@@ -202,6 +203,24 @@ class ServerEndpoint:
             return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
         if isinstance(body, dict):
             bind_request(body)
+        if not tracing.enabled():
+            return await self._serve(request, body, raw)
+        attributes = {
+            tracing.SERVER: self.name,
+            tracing.PRINCIPAL: principal_hash(principal_of(request)),
+        }
+        # a request relayed by another replica carries that replica's span in its headers
+        relayed = FORWARDED_HEADER in request.headers
+        with tracing.inbound_span(request.headers, body, attributes, prefer_headers=relayed) as span:
+            response = await self._serve(request, body, raw)
+            span.set_attribute(tracing.HTTP_STATUS, response.status)
+            if response.status >= 400:
+                span.set_attribute(tracing.OUTCOME, "error")
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"HTTP {response.status}"))
+            return response
+
+    async def _serve(self, request: web.Request, body: Any, raw: bytes) -> web.StreamResponse:
+        """Serve a parsed POST: the scope check, then another replica (the router) or this one."""
         if self.scopes is not None and (refused := await self.scopes.refusal(request, body)) is not None:
             return refused
         routed = (
@@ -217,6 +236,7 @@ class ServerEndpoint:
 
     async def _modern(self, request: web.Request, body: Any) -> web.StreamResponse:
         structlog.contextvars.bind_contextvars(era="modern")
+        tracing.set_attribute(tracing.ERA, "modern")
         request_id = body.get("id") if isinstance(body, dict) else None
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             request_id = None  # never echo an id of the wrong type
@@ -248,6 +268,7 @@ class ServerEndpoint:
 
     async def _legacy(self, request: web.Request, body: Any) -> web.StreamResponse:
         structlog.contextvars.bind_contextvars(era="legacy", server=self.name)
+        tracing.set_attribute(tracing.ERA, "legacy")
         return await self.legacy.handle(request, body=body, principal=principal_of(request))
 
 

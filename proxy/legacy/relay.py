@@ -32,6 +32,7 @@ from proxy.legacy.v1 import V1_TASKS_VERSION, V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
+from proxy.runtime import tracing
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.types import (
@@ -215,7 +216,13 @@ class HttpRelay:
         leaves the session once answered: a later cancel for it is dropped)."""
         owner = [session]  # the session the request belongs to (a new one once an initialize opened it)
         try:
-            return await self._exchange(request, owner, body, request_id, sent, rewrite)
+            method = body.get("method") if isinstance(body, dict) else None
+            if not tracing.enabled() or not isinstance(method, str):
+                return await self._exchange(request, owner, body, request_id, sent, rewrite)
+            with tracing.upstream_span(self.name, method, body.get("params")) as params:
+                if params is not None:
+                    body = {**body, "params": params}
+                return await self._exchange(request, owner, body, request_id, sent, rewrite)
         finally:
             if sent is not None and request_id is not None and (sent.stream is None or sent.stream.closed):
                 owner[0].answered(request_id, sent)

@@ -19,6 +19,7 @@ from prometheus_client import Histogram
 
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.registry import Peer
+from proxy.runtime import tracing
 
 log = structlog.get_logger("proxy.replicas")
 
@@ -89,7 +90,11 @@ class Forwarder:
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
             # No decompression: a relayed body passes byte for byte, with its Content-Encoding.
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                auto_decompress=False,
+                trace_configs=tracing.client_trace_configs(),  # none while tracing is off
+            )
         return self._http
 
     async def close(self) -> None:
@@ -155,6 +160,8 @@ class Forwarder:
             for k, v in request.headers.items()
             if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"
         }
+        if tracing.enabled():  # the hop carries this replica's span (the instrumentation writes it)
+            tracing.without_context(headers)
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
         # authenticated here (front.auth.Authenticator.principal)

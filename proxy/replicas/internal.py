@@ -10,7 +10,7 @@ from aiohttp import web
 
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.node import Replicas
-from proxy.tasks.model import principal_hash
+from proxy.runtime import tracing
 from proxy.tasks.service import TaskService
 
 log = structlog.get_logger("proxy.replicas")
@@ -32,15 +32,11 @@ class InternalEndpoints:
         payload = await self._payload(request)
         if isinstance(payload, web.Response):
             return payload
-        task_id = payload["taskId"]
-        call = self.tasks.live.get(task_id)
-        if call is not None:
-            self.tasks.release(task_id)
-            reason = payload.get("reason")
-            call.cancel(reason if isinstance(reason, str) else "task cancelled")
-            principal = principal_hash(call.principal)
-            log.info("task_cancelled", task_id=task_id, by="client", via="replica", principal=principal)
-        return web.json_response({"stopped": call is not None})
+        reason = payload.get("reason")
+        stopped = self.tasks.stop_cancelled(
+            payload["taskId"], reason if isinstance(reason, str) else "task cancelled"
+        )
+        return web.json_response({"stopped": stopped})
 
     async def answer(self, request: web.Request) -> web.Response:
         """`{"taskId", "inputResponses"}` → `{"keys": [...]}`: deliver answers to the live call; the
@@ -90,10 +86,12 @@ def add_routes(app: web.Application) -> None:
     the `InternalEndpoints` under `INTERNAL_KEY`."""
 
     async def cancel(request: web.Request) -> web.Response:
-        return await request.app[INTERNAL_KEY].cancel(request)
+        with tracing.hop_span(request.headers, "tasks/cancel"):
+            return await request.app[INTERNAL_KEY].cancel(request)
 
     async def answer(request: web.Request) -> web.Response:
-        return await request.app[INTERNAL_KEY].answer(request)
+        with tracing.hop_span(request.headers, "tasks/answer"):
+            return await request.app[INTERNAL_KEY].answer(request)
 
     async def ping(request: web.Request) -> web.Response:
         return await request.app[INTERNAL_KEY].ping(request)

@@ -8,6 +8,8 @@ from typing import TextIO, cast
 
 import structlog
 
+from proxy.runtime import tracing
+
 
 class _CurrentStderr:
     """Writes to whatever `sys.stderr` is at the time (so cached loggers follow a swapped stderr)."""
@@ -20,12 +22,14 @@ class _CurrentStderr:
 
 
 def configure_logging(level: str = "info") -> None:
-    """Route structlog and stdlib logging to stderr; JSON lines unless stderr is a terminal."""
+    """Route structlog and stdlib logging to stderr; JSON lines unless stderr is a terminal. Lines
+    logged inside a traced span carry its `trace_id` and `span_id`."""
     renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            tracing.add_log_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

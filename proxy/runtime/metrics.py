@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from proxy.runtime import tracing
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 
 CALLS = Counter(
@@ -116,6 +118,7 @@ def count_call(server: str, tool: str, outcome: str, *, answered: bool = False) 
     `answered`: whether the call is known to have got a result that is not an error (`succeeded`);
     only such a call, or the upstream's listing, gives its tool a label of its own."""
     CALLS.labels(server, tool_label(server, tool, ok=answered), outcome).inc()
+    tracing.set_outcome(outcome)
 
 
 def succeeded(reply: object) -> bool:

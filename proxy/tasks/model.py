@@ -153,7 +153,8 @@ class TaskRecord:
     status changes with their times (`[{"status": str, "at_ms": int}]`, oldest first, at most
     HISTORY_MAX entries: the first and the newest), seeded with the initial status for a new
     record (version 1) and appended by `apply`; a record stored before this field existed has
-    an empty history.
+    an empty history. `trace` is the W3C `traceparent` of the task's span when tracing was on at
+    detach (its trace id ties the task to the trace of the request that created it), else None.
     """
 
     task_id: str
@@ -174,6 +175,7 @@ class TaskRecord:
     rerun: dict[str, Any] | None = None
     version: int = 1
     history: list[dict[str, Any]] = field(default_factory=list)
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)

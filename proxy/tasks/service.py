@@ -25,10 +25,11 @@ from typing import Any
 
 import structlog
 from limits.aio.storage import Storage
+from opentelemetry.trace import Span
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonObject, JsonRpcError, limit_error
-from proxy.runtime import metrics
+from proxy.runtime import metrics, tracing
 from proxy.runtime.fanout import Fanout
 from proxy.tasks.audit import observe_transition
 from proxy.tasks.leases import LeaseJudge, store_instance
@@ -129,6 +130,7 @@ class TaskService:
         self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown
         self._retrieved: dict[str, None] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._spans: dict[str, Span] = {}  # tracing: each live task's span, from detach to its end here
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self.fence = fence
@@ -362,6 +364,8 @@ class TaskService:
             status_message=status_message,
             rerun=rerun,
         )
+        if tracing.enabled():
+            record.trace = tracing.traceparent(self._open_span(record))
         self.live[record.task_id] = call  # before the commit: the sweep must never see it ownerless
         self._snapshots[record.task_id] = record
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
@@ -370,10 +374,12 @@ class TaskService:
             if record.task_id in self._fenced_creating:
                 self._fence_call(record.task_id, call)  # committed after the fence: taken over
         except LiveLimitError as exc:
+            self._close_span(record.task_id, "refused", "over max_tasks_per_principal")
             self.release(record.task_id)
             raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
         except StoreUnavailableError as exc:
             self.store_failed(exc)
+            self._close_span(record.task_id, "refused", "the store could not write")
             if rerun is None:
                 self.release(record.task_id)
             else:
@@ -433,9 +439,28 @@ class TaskService:
 
     def release(self, task_id: str) -> None:
         """The call of `task_id` is no longer this node's (it ended, or another replica stopped it)."""
+        self._close_span(task_id, "released")
         self.live.pop(task_id, None)
         self._snapshots.pop(task_id, None)
         self._unsure.discard(task_id)
+
+    def _open_span(self, record: TaskRecord, *, parent: str | None = None) -> Span:
+        """Start the `task` span of `record`'s call on this node (tracing on): a child of the request
+        that detached it, or of `parent` (a stored `traceparent`: a call taken over from a lost replica)."""
+        attributes = {
+            tracing.SERVER: record.server,
+            tracing.TOOL: record.tool,
+            tracing.PRINCIPAL: principal_hash(record.principal),
+            tracing.REPLICA: self.node,
+        }
+        span = tracing.start_task_span(record.task_id, attributes, parent=parent)
+        tracing.task_event(span, "taken_over" if parent else "detached")
+        self._spans[record.task_id] = span
+        return span
+
+    def _close_span(self, task_id: str, status: str, message: str | None = None) -> None:
+        """End the `task` span of `task_id` on this node, if it has one open, with `status`."""
+        tracing.end_task_span(self._spans.pop(task_id, None), status, message)
 
     def publish_message(self, *, principal: str, server: str, task_id: str, message: JsonObject) -> None:
         """Offer a JSON-RPC notification that belongs to a task (a v1 client's progress) to its streams."""
@@ -465,6 +490,7 @@ class TaskService:
             return False
         if input_requests:
             log.info("task_input_requested", task_id=task_id, keys=sorted(input_requests))
+            tracing.task_event(self._spans.get(task_id), "input_requested", open=len(input_requests))
         return True
 
     async def _retrying(self, write: Callable[[], Awaitable[Any]]) -> Any:
@@ -521,6 +547,7 @@ class TaskService:
             log.info("task_ended", task_id=task_id, status=record.status.value, by=by, principal=principal)
         except (TerminalTaskError, TaskNotFoundError, ConflictError) as exc:
             log.info("late_outcome_discarded", task_id=task_id, reason=str(exc), by=by)
+            self._close_span(task_id, "outcome_discarded")
         except StoreUnavailableError as exc:
             self.store_failed(exc)
             message = (
@@ -533,6 +560,7 @@ class TaskService:
             log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
             self._spawn(self._write_later(task_id, change))
         finally:
+            self._close_span(task_id, outcome_status(outcome).value, status_message)
             self.release(task_id)
 
     async def _write_later(self, task_id: str, change: Change) -> None:
@@ -589,6 +617,7 @@ class TaskService:
             if foreign:  # logged after the answer is on its way: unknown and foreign ids take the same time
                 asyncio.get_running_loop().call_soon(_log_foreign_access, task_id, server, principal)
             raise JsonRpcError(INVALID_PARAMS, f"unknown or expired task: {task_id}")
+        tracing.link_current(record.trace, relation="task")  # this request touched the task
         mine = record.owner == self.node
         if not record.status.terminal and task_id not in self.live and (mine or self._leases.may_judge()):
             try:
@@ -621,6 +650,7 @@ class TaskService:
             return []
         keys = call.answer(responses)
         if keys:
+            tracing.task_event(self._spans.get(record.task_id), "input_answered", link=True, keys=len(keys))
             await self.set_inputs(record.task_id, call.input_requests())
             principal = principal_hash(record.principal)
             log.info("task_input_answered", task_id=record.task_id, keys=len(keys), principal=principal)
@@ -644,6 +674,8 @@ class TaskService:
         finally:
             self._cancelling.discard(record.task_id)
         call = self.live.get(record.task_id)
+        tracing.task_event(self._spans.get(record.task_id), "cancel_requested", link=True, by=by)
+        self._close_span(record.task_id, TaskStatus.CANCELLED.value, message)
         self.release(record.task_id)
         if call is not None:
             call.cancel(f"task {message}")
@@ -651,6 +683,20 @@ class TaskService:
             await self.remote.cancel(record, f"task {message}")  # the call runs on another replica
         log.info("task_cancelled", task_id=record.task_id, by=by, principal=principal_hash(record.principal))
         return record
+
+    def stop_cancelled(self, task_id: str, reason: str) -> bool:
+        """Stop the live call of `task_id`, which another replica marked cancelled in the store
+        (the upstream gets notifications/cancelled with `reason`). Returns whether it ran here."""
+        call = self.live.get(task_id)
+        if call is None:
+            return False
+        tracing.task_event(self._spans.get(task_id), "cancel_requested", link=True, by="client")
+        self._close_span(task_id, TaskStatus.CANCELLED.value, reason)
+        self.release(task_id)
+        call.cancel(reason)
+        principal = principal_hash(call.principal)
+        log.info("task_cancelled", task_id=task_id, by="client", via="replica", principal=principal)
+        return True
 
     # -- orphans and tasks ended elsewhere ---------------------------------------------------
 
@@ -701,6 +747,8 @@ class TaskService:
                 )
                 call = self.rerun(owned, self)  # only once this node owns it: never sent twice
                 if call is not None:
+                    if tracing.enabled():
+                        self._open_span(owned, parent=owned.trace)
                     self.live[owned.task_id] = call
                     self._snapshots[owned.task_id] = owned
                     metrics.ORPHANED.labels("rerun").inc()

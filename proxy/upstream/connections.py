@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from proxy.runtime import metrics
+from proxy.runtime import metrics, tracing
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -62,10 +62,12 @@ class UpstreamHttp:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
             auto_decompress=True,
-            trace_configs=[trace],
+            trace_configs=[trace, *tracing.client_trace_configs()],
         )
         self._fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=True
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            auto_decompress=True,
+            trace_configs=tracing.client_trace_configs(),
         )
 
     async def request(self, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:

@@ -21,6 +21,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from proxy.protocol.jsonrpc import JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent, iter_events
+from proxy.runtime import tracing
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.pooling import drain_later, shed_headers
@@ -141,7 +142,9 @@ class UpstreamSession:
     async def _listen(self) -> None:
         """Keep the standalone GET stream open (2025-11-25 transports, "Listening for Messages"):
         server-wide notifications (list changes) go to `on_notification`; `ping` is answered; other
-        requests are refused. Reconnects with exponential backoff; stops on 405 or close."""
+        requests are refused. Reconnects with exponential backoff; stops on 405 or close. It lives
+        as long as the session, so it traces into no request's trace."""
+        tracing.leave_trace()
         async for attempt in AsyncRetrying(
             wait=wait_exponential(multiplier=0.5, max=30), retry=retry_if_exception_type(UpstreamError)
         ):
@@ -276,7 +279,25 @@ class UpstreamSession:
         a reply over `max_response_bytes` or for another id, stream closed before the response, no
         answer in time) and SessionExpiredError on a 404 for the session.
         Cancel the awaiting task to abandon the request (the caller sends `notifications/cancelled`).
+        While tracing is on, the request is an upstream span whose context goes in `params._meta`.
         """
+        if tracing.enabled():
+            return await tracing.upstream_request(
+                self.server,
+                method,
+                params,
+                lambda traced: self._request(method, traced, handler, request_id, on_sent),
+            )
+        return await self._request(method, params, handler, request_id, on_sent)
+
+    async def _request(
+        self,
+        method: str,
+        params: JsonObject | None,
+        handler: MessageHandler | None,
+        request_id: RequestId | None,
+        on_sent: Callable[[], None] | None,
+    ) -> JsonObject:
         bound, key = self.bounds.for_method(method)
         self.in_flight += 1
         try:

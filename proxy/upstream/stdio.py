@@ -28,6 +28,7 @@ from proxy import __version__
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, UPSTREAM_VERSION
 from proxy.protocol.jsonrpc import JsonObject, RequestId
+from proxy.runtime import tracing
 from proxy.upstream.types import Bounds, MessageHandler, OpenQuestions, UpstreamError, UpstreamTimeoutError
 
 log = structlog.get_logger("proxy.upstream.stdio")
@@ -285,6 +286,23 @@ class StdioSession:
         The wait (a `max_concurrency` slot included) is bounded by `Bounds.for_method` (s).
         Raises UpstreamError when the child dies first (naming the exit status) or does not answer in time.
         """
+        if tracing.enabled():
+            return await tracing.upstream_request(
+                self.server,
+                method,
+                params,
+                lambda traced: self._bounded(method, traced, handler, request_id, on_sent),
+            )
+        return await self._bounded(method, params, handler, request_id, on_sent)
+
+    async def _bounded(
+        self,
+        method: str,
+        params: JsonObject | None,
+        handler: MessageHandler | None,
+        request_id: RequestId | None,
+        on_sent: Callable[[], None] | None,
+    ) -> JsonObject:
         bound, key = self.bounds.for_method(method)
         try:
             async with asyncio.timeout(bound):

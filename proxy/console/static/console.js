@@ -225,6 +225,7 @@ function fillDetail(task) {
     ["created", fmtTime(task.createdMs)], ["last update", fmtTime(task.lastUpdatedMs)],
     ["message", task.statusMessage || "—"], ["expires", task.expiresMs ? fmtTime(task.expiresMs) : "not while it runs"],
     ["requests", task.requests > 1 ? `${task.requests} (retries joined it)` : "1"],
+    ["trace", task.traceId || "— (tracing off)"],
   ];
   $("#d-fields").replaceChildren(...fields.flatMap(([name, value]) => {
     const dd = el("dd", value, name === "status" ? `status s-${value}` : "");

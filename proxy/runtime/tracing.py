@@ -1,0 +1,455 @@
+"""OpenTelemetry tracing: one provider per process, off unless configured (`tracing:` or `OTEL_*`).
+
+Trace context travels the two ways the 2026-07-28 revision allows (SEP-414): the W3C
+`traceparent` / `tracestate` / `baggage` HTTP headers, and the same three keys in a request's
+`params._meta`, where `_meta` wins. The proxy reads both on every inbound JSON-RPC request and writes
+both on every upstream request (the `_meta` keys from its upstream span, the headers from the HTTP
+exchange's span, made by OpenTelemetry's aiohttp client instrumentation), so an upstream that traces
+joins the client's trace.
+
+Everything here is a no-op while tracing is off: callers test `enabled()` first on hot paths, no
+exporter thread runs, and no message is changed (`_meta` is only written when on). Attributes never
+hold a payload or a secret: methods, tool names, server names, the principal's salted hash, task
+ids and outcomes only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from typing import Any
+
+import aiohttp
+import structlog
+import yarl
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.instrumentation.aiohttp_client import create_trace_config
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from proxy.config import TracingConfig
+
+META_KEYS = ("traceparent", "tracestate", "baggage")  # the `_meta` keys SEP-414 reserves
+PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+SCOPE = "mcp-tasks-proxy"
+
+# Attribute names: the MCP semantic conventions where they have one, `mcp_tasks_proxy.*` for ours.
+METHOD = "mcp.method.name"
+TOOL = "gen_ai.tool.name"
+REQUEST_ID = "jsonrpc.request.id"
+ERROR_CODE = "rpc.response.status_code"
+HTTP_STATUS = "http.response.status_code"
+SERVER = "mcp_tasks_proxy.server"
+ERA = "mcp_tasks_proxy.era"
+PRINCIPAL = "mcp_tasks_proxy.principal_hash"
+OUTCOME = "mcp_tasks_proxy.outcome"
+TASK_ID = "mcp_tasks_proxy.task_id"
+REPLICA = "mcp_tasks_proxy.replica"
+
+_NAMED = frozenset({"tools/call", "prompts/get"})  # methods whose span name carries the target
+_METHOD_SHAPE = re.compile(r"^[A-Za-z0-9_./-]{1,64}$")
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+class _Tracing:
+    """The process's tracing state: a provider and its tracers while on, None while off."""
+
+    provider: TracerProvider | None = None
+    tracer: trace.Tracer | None = None
+    # spans of HTTP exchanges: sampled only inside a traced request (never a root of their own)
+    http_provider: TracerProvider | None = None
+
+
+_state = _Tracing()
+
+
+def enabled() -> bool:
+    """True while tracing is on in this process."""
+    return _state.tracer is not None
+
+
+def wanted(config: TracingConfig, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `config` and the `OTEL_*` variables in `environ` turn tracing on: an `otlp_endpoint`
+    or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`, unless
+    `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return False
+    return bool(
+        config.otlp_endpoint
+        or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
+def sample_ratio(config: TracingConfig, environ: Mapping[str, str] = os.environ) -> float:
+    """The share (0..1) of new traces kept: the config's, else `OTEL_TRACES_SAMPLER_ARG`, else 1.0.
+    Raises ValueError for an `OTEL_TRACES_SAMPLER_ARG` that is not a number in 0..1."""
+    if config.sample_ratio is not None:
+        return config.sample_ratio
+    raw = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if not raw:
+        return 1.0
+    ratio = float(raw)
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG {raw!r} must be a number in 0..1")
+    return ratio
+
+
+def install(
+    config: TracingConfig,
+    *,
+    processor: SpanProcessor | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> bool:
+    """Turn tracing on when `config` or the environment asks (`wanted`), exporting over OTLP/HTTP
+    through a batching processor (one background thread), or always with `processor` (the tests'
+    in-memory exporter). Returns whether tracing is on. Raises ValueError for a bad sample ratio."""
+    if processor is None and not wanted(config, environ):
+        return False
+    shutdown()
+    resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME") or config.service_name})
+    ratio = sample_ratio(config, environ)
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)), resource=resource)
+    http_provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF), resource=resource)
+    if processor is None:
+        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint))
+    provider.add_span_processor(processor)
+    http_provider.add_span_processor(processor)
+    _state.provider, _state.http_provider = provider, http_provider
+    _state.tracer = provider.get_tracer(SCOPE)
+    return True
+
+
+def shutdown() -> None:
+    """Flush and stop the exporter (bounded by the SDK's export timeout) and turn tracing off."""
+    provider = _state.provider
+    _state.provider = _state.http_provider = None
+    _state.tracer = None
+    if provider is not None:
+        provider.shutdown()
+
+
+def tracer() -> trace.Tracer:
+    """The proxy's tracer (a no-op one while tracing is off)."""
+    return _state.tracer or trace.NoOpTracer()
+
+
+def leave_trace() -> None:
+    """For a long-lived task started inside a request (an upstream session's GET stream): what it
+    does later belongs to no request's trace (nothing while off)."""
+    if enabled():
+        otel_context.attach(Context())
+
+
+def client_trace_configs() -> list[aiohttp.TraceConfig]:
+    """aiohttp trace configs for a client session toward an upstream or a peer replica: while on,
+    OpenTelemetry's aiohttp client instrumentation (one CLIENT span per HTTP exchange inside a
+    traced request, and the `traceparent` header written from it); none while off. URLs in span
+    attributes lose their user, password and query."""
+    if _state.http_provider is None:
+        return []
+    return [create_trace_config(url_filter=safe_url, tracer_provider=_state.http_provider)]
+
+
+def safe_url(url: yarl.URL) -> str:
+    """`url` for an attribute: without user, password, query or fragment."""
+    return str(url.with_user(None).with_query(None).with_fragment(None))
+
+
+# -- context in and out -------------------------------------------------------------------------
+
+
+def extract(headers: Mapping[str, str], params: Any, *, prefer_headers: bool = False) -> Context | None:
+    """The trace context a request arrived with: from `params._meta` when it holds a valid
+    `traceparent` (it wins), else from the HTTP headers; with `prefer_headers` (a request relayed by
+    another replica, whose headers carry that replica's span) the headers first. None when neither
+    holds a valid one."""
+    from_headers = _extracted(headers)
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    from_meta = _extracted(meta) if isinstance(meta, dict) else None
+    if prefer_headers:
+        return from_headers or from_meta
+    return from_meta or from_headers
+
+
+def _extracted(carrier: Mapping[str, Any]) -> Context | None:
+    values = {
+        key: value for key in META_KEYS if isinstance(value := carrier.get(key), str) and len(value) <= 8192
+    }
+    if "traceparent" not in values:
+        return None
+    found = PROPAGATOR.extract(values)
+    return found if trace.get_current_span(found).get_span_context().is_valid else None
+
+
+def with_meta(params: Any) -> Any:
+    """`params` (a JSON-RPC request's params, or None) with the current span's context in
+    `_meta` (`traceparent`, and `tracestate` / `baggage` when there are any): a new dict, the
+    caller's left as it was. `params` as it was while off, outside a span, or when not a dict."""
+    if not enabled() or (params is not None and not isinstance(params, dict)):
+        return params
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier)
+    if "traceparent" not in carrier:
+        return params
+    out = dict(params or {})
+    meta = out.get("_meta")
+    out["_meta"] = {**(meta if isinstance(meta, dict) else {}), **carrier}
+    return out
+
+
+def without_context(headers: MutableMapping[str, str]) -> None:
+    """Drop the trace headers from `headers` (copied from a client) before the instrumentation
+    writes the proxy's own."""
+    for key in [name for name in headers if name.lower() in META_KEYS]:
+        del headers[key]
+
+
+def traceparent(span: Span | None = None) -> str | None:
+    """`span`'s (or the current span's) context as a `traceparent` value; None when invalid."""
+    span_context = (span or trace.get_current_span()).get_span_context()
+    if not span_context.is_valid:
+        return None
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"
+
+
+def span_context(value: str | None) -> SpanContext | None:
+    """The span context a stored `traceparent` names (remote), or None for an invalid one."""
+    match = _TRACEPARENT.match(value or "")
+    if match is None:
+        return None
+    found = SpanContext(
+        trace_id=int(match[1], 16),
+        span_id=int(match[2], 16),
+        is_remote=True,
+        trace_flags=trace.TraceFlags(int(match[3], 16)),
+    )
+    return found if found.is_valid else None
+
+
+def trace_id_of(value: str | None) -> str | None:
+    """The 32-hex trace id in a `traceparent` value, or None."""
+    match = _TRACEPARENT.match(value or "")
+    return match[1] if match else None
+
+
+# -- spans ----------------------------------------------------------------------------------------
+
+
+def span_name(method: Any, target: Any) -> str:
+    """`{method} {target}` for `tools/call` and `prompts/get` with a name, else the method; a
+    method that does not look like one (client-chosen text) names the span `jsonrpc`."""
+    if not isinstance(method, str) or not _METHOD_SHAPE.match(method):
+        return "jsonrpc"
+    if method in _NAMED and isinstance(target, str) and target:
+        return f"{method} {_text(target, 128)}"
+    return method
+
+
+def request_attributes(body: Any) -> dict[str, Any]:
+    """Span attributes of a JSON-RPC request `body`: method, tool (or prompt) name, request id."""
+    if not isinstance(body, dict):
+        return {}
+    attributes: dict[str, Any] = {}
+    method = body.get("method")
+    if isinstance(method, str) and _METHOD_SHAPE.match(method):
+        attributes[METHOD] = method
+    params = body.get("params")
+    name = params.get("name") if isinstance(params, dict) else None
+    if method in _NAMED and isinstance(name, str):
+        attributes[TOOL] = _text(name, 256)
+    task_id = params.get("taskId") if isinstance(params, dict) else None
+    if isinstance(task_id, str):
+        attributes[TASK_ID] = _text(task_id, 128)
+    request_id = body.get("id")
+    if isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
+        attributes[REQUEST_ID] = _text(str(request_id), 128)
+    return attributes
+
+
+def _text(value: str, limit: int) -> str:
+    """Client-chosen text fit for an attribute: at most `limit` characters that encode as UTF-8
+    (a lone surrogate would fail the whole export batch)."""
+    return value[:limit].encode("utf-8", "replace").decode("utf-8")
+
+
+@contextmanager
+def inbound_span(
+    headers: Mapping[str, str], body: Any, attributes: Mapping[str, Any], *, prefer_headers: bool = False
+) -> Iterator[Span]:
+    """A SERVER span for one inbound JSON-RPC request, current for the block, child of the context
+    the request carried (`extract`); its ids are bound to the request's log context. Only call
+    while `enabled()`."""
+    params = body.get("params") if isinstance(body, dict) else None
+    parent = extract(headers, params, prefer_headers=prefer_headers)
+    target = params.get("name") if isinstance(params, dict) else None
+    name = span_name(body.get("method"), target) if isinstance(body, dict) else "jsonrpc"
+    with tracer().start_as_current_span(
+        name,
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={**request_attributes(body), **attributes},
+        record_exception=False,
+        set_status_on_exception=True,
+    ) as span:
+        ids = span.get_span_context()
+        if ids.is_valid:  # also on the request's own log line, written once the span has ended
+            structlog.contextvars.bind_contextvars(
+                trace_id=f"{ids.trace_id:032x}", span_id=f"{ids.span_id:016x}"
+            )
+        yield span
+
+
+@contextmanager
+def hop_span(headers: Mapping[str, str], op: str) -> Iterator[None]:
+    """A SERVER span for one replica-to-replica hop (`op`: `tasks/cancel`, `tasks/answer`), child
+    of the span the hopping replica sent in its headers. Nothing while off."""
+    if not enabled():
+        yield
+        return
+    with tracer().start_as_current_span(
+        f"replica {op}",
+        context=_extracted(headers),
+        kind=SpanKind.SERVER,
+        attributes={"mcp_tasks_proxy.hop": op},
+    ):
+        yield
+
+
+@contextmanager
+def upstream_span(server: str, method: str, params: Any) -> Iterator[Any]:
+    """A CLIENT span for one request to upstream `server`, current for the block; yields `params`
+    with the span's context in `_meta` (see `with_meta`). Outside `enabled()` yields `params`."""
+    if not enabled():
+        yield params
+        return
+    name = span_name(method, params.get("name") if isinstance(params, dict) else None)
+    attributes = {**request_attributes({"method": method, "params": params}), SERVER: server}
+    with tracer().start_as_current_span(
+        name, kind=SpanKind.CLIENT, attributes=attributes, record_exception=False
+    ) as span:
+        try:
+            yield with_meta(params)
+        except Exception as exc:
+            span.set_status(Status(StatusCode.ERROR, exc.__class__.__name__))
+            raise
+
+
+async def upstream_request(
+    server: str, method: str, params: Any, send: Callable[[Any], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """`send(params)` (one request to upstream `server`, returning its JSON-RPC reply) inside an
+    `upstream_span`, with the span's context in `params._meta`; a JSON-RPC error reply marks the
+    span. Raises what `send` raises."""
+    with upstream_span(server, method, params) as traced:
+        reply = await send(traced)
+        reply_status(reply)
+        return reply
+
+
+def reply_status(reply: Any, span: Span | None = None) -> None:
+    """Mark `span` (or the current span) with a JSON-RPC reply's error code, as an error."""
+    if not enabled() or not isinstance(reply, dict):
+        return
+    error = reply.get("error")
+    if isinstance(error, dict):
+        target = span or trace.get_current_span()
+        code = error.get("code")
+        if isinstance(code, int) and not isinstance(code, bool):
+            target.set_attribute(ERROR_CODE, str(code))
+        target.set_status(Status(StatusCode.ERROR, f"JSON-RPC error {code}"))
+
+
+def set_attribute(key: str, value: str | int | bool) -> None:
+    """Set an attribute on the current span (nothing while off)."""
+    if enabled():
+        trace.get_current_span().set_attribute(key, value)
+
+
+def set_outcome(outcome: str) -> None:
+    """Record a `tools/call`'s outcome (`sync`, `detached`, `error`, `joined`) on the current span."""
+    set_attribute(OUTCOME, outcome)
+
+
+def link_current(value: str | None, **attributes: str) -> None:
+    """Link the current span to the span a stored `traceparent` names (a task's), if both exist."""
+    if not enabled():
+        return
+    target = span_context(value)
+    if target is not None:
+        trace.get_current_span().add_link(target, attributes or None)
+
+
+def start_task_span(task_id: str, attributes: Mapping[str, Any], *, parent: str | None = None) -> Span:
+    """A span for a detached call's whole life (`task`), child of the current span (the request
+    that created it), or of the span a stored `traceparent` names (`parent`: a call taken over from
+    a lost replica), linked to that request. End it with `end_task_span`. Only call while `enabled()`."""
+    context = None
+    links: list[Link] = []
+    if parent is not None and (found := span_context(parent)) is not None:
+        context = trace.set_span_in_context(trace.NonRecordingSpan(found))
+        links.append(Link(found, {"relation": "taken over from"}))
+    else:
+        creator = trace.get_current_span().get_span_context()
+        if creator.is_valid:
+            links.append(Link(creator, {"relation": "created by"}))
+    return tracer().start_span(
+        "task",
+        context=context,
+        kind=SpanKind.INTERNAL,
+        attributes={
+            TASK_ID: task_id,
+            **{k: _text(v, 256) if isinstance(v, str) else v for k, v in attributes.items()},
+        },
+        links=links,
+    )
+
+
+def task_event(span: Span | None, name: str, link: bool = False, **attributes: str | int) -> None:
+    """Add event `name` to a task's span; with `link`, also link it to the current span (the
+    request that caused the event: a `tasks/update`, a `tasks/cancel`)."""
+    if span is None or not span.is_recording():
+        return
+    span.add_event(name, attributes)
+    if link:
+        current = trace.get_current_span().get_span_context()
+        if current.is_valid and current.span_id != span.get_span_context().span_id:
+            span.add_link(current, {"relation": name})
+
+
+def end_task_span(span: Span | None, status: str, message: str | None = None) -> None:
+    """End a task's span with its terminal `status` (an event, and ERROR for `failed`)."""
+    if span is None:
+        return
+    span.set_attribute("mcp_tasks_proxy.task_status", status)
+    span.add_event(status, {"status": status})
+    if status == "failed":
+        span.set_status(Status(StatusCode.ERROR, (message or "failed")[:200]))
+    span.end()
+
+
+# -- logs -----------------------------------------------------------------------------------------
+
+
+def add_log_ids(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: `trace_id` and `span_id` of the current span on every log line (while
+    tracing is on and a span is current)."""
+    if _state.tracer is not None:
+        span_context_now = trace.get_current_span().get_span_context()
+        if span_context_now.is_valid:
+            event_dict["trace_id"] = f"{span_context_now.trace_id:032x}"
+            event_dict["span_id"] = f"{span_context_now.span_id:016x}"
+    return event_dict

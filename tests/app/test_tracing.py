@@ -1,0 +1,331 @@
+"""OpenTelemetry tracing, in-process with the SDK's in-memory exporter: context read from the
+`traceparent` header and from `params._meta` (which wins) on both eras, passed on to the upstream in
+both forms, one span per inbound request and per upstream request, a `task` span for a detached
+call with its events and links, the trace id on the task record, the console and log lines; and
+nothing at all while tracing is off."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.clients import ModernClient
+from support.proxy import Serve, make_config, stdio_config
+
+from proxy.config import ConfigError, TracingConfig, config_from_data
+from proxy.runtime import tracing
+from proxy.runtime.logs import configure_logging
+
+ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+HEADER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+HEADER_SPAN = "b7ad6b7169203331"
+
+
+def traceparent(trace_id: str, span_id: str) -> str:
+    return f"00-{trace_id}-{span_id}-01"
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing on for the test, every finished span kept in memory; off again after it."""
+    exporter = InMemorySpanExporter()
+    assert tracing.install(TracingConfig(), processor=SimpleSpanProcessor(exporter))
+    try:
+        yield exporter
+    finally:
+        tracing.shutdown()
+
+
+def by_name(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [span for span in exporter.get_finished_spans() if span.name == name]
+
+
+def echoed(reply_text: str) -> tuple[dict, dict]:
+    """The `_meta` and headers the fixture's `echo_meta` tool saw."""
+    payload = json.loads(reply_text)
+    return payload["meta"] or {}, payload["headers"]
+
+
+def trace_hex(span: ReadableSpan) -> str:
+    assert span.context is not None
+    return f"{span.context.trace_id:032x}"
+
+
+async def test_a_modern_call_joins_the_clients_trace_and_the_upstream_gets_it_in_both_forms(
+    spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call(
+            "echo_meta",
+            {},
+            meta={"traceparent": traceparent(CLIENT_TRACE, CLIENT_SPAN)},
+            headers={"traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)},
+        )
+    finally:
+        await client.close()
+    meta, headers = echoed(reply.result["content"][0]["text"])
+    (inbound,) = by_name(spans, "tools/call echo_meta")[-1:]
+    # _meta wins over the header
+    assert trace_hex(inbound) == CLIENT_TRACE and inbound.parent is not None
+    assert f"{inbound.parent.span_id:016x}" == CLIENT_SPAN
+    assert inbound.attributes is not None
+    assert inbound.attributes["mcp.method.name"] == "tools/call"
+    assert inbound.attributes["gen_ai.tool.name"] == "echo_meta"
+    assert inbound.attributes["mcp_tasks_proxy.server"] == "legacy"
+    assert inbound.attributes["mcp_tasks_proxy.era"] == "modern"
+    assert inbound.attributes["mcp_tasks_proxy.outcome"] == "sync"
+    assert len(str(inbound.attributes["mcp_tasks_proxy.principal_hash"])) == 16
+    upstream = [
+        s for s in spans.get_finished_spans() if s.kind.name == "CLIENT" and s.name == "tools/call echo_meta"
+    ]
+    assert upstream and upstream[-1].parent is not None
+    assert upstream[-1].parent.span_id == inbound.context.span_id  # type: ignore[union-attr]
+    # the upstream received the same trace: in _meta (from the upstream span) and as a header (from
+    # the HTTP exchange's span, a child of it)
+    assert meta["traceparent"].split("-")[1] == CLIENT_TRACE
+    assert meta["traceparent"].split("-")[2] == f"{upstream[-1].context.span_id:016x}"  # type: ignore[union-attr]
+    assert headers["traceparent"].split("-")[1] == CLIENT_TRACE
+    http = [s for s in spans.get_finished_spans() if s.name == "POST" and trace_hex(s) == CLIENT_TRACE]
+    assert http, "the aiohttp client instrumentation traced the HTTP exchange"
+    # the call opened the upstream session; its GET stream outlives the request and is in no trace of it
+    assert not [s for s in spans.get_finished_spans() if s.name == "GET" and trace_hex(s) == CLIENT_TRACE]
+    for span in spans.get_finished_spans():
+        for value in (span.attributes or {}).values():
+            assert 'echo_meta"' not in str(value)  # no payloads
+
+
+async def test_the_header_alone_carries_the_context_and_a_legacy_request_too(
+    spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        await client.call(
+            "greet", {"name": "t"}, headers={"traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)}
+        )
+    finally:
+        await client.close()
+    (inbound,) = by_name(spans, "tools/call greet")[:1]
+    assert trace_hex(inbound) == HEADER_TRACE
+
+    # the legacy era (2025-11-25): a relayed request's span, and the upstream sees the context
+    spans.clear()
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        head = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        init = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "1"},
+            },
+        }
+        async with http.post(proxy.url(), json=init, headers=head) as resp:
+            sid = resp.headers["Mcp-Session-Id"]
+            await resp.read()
+        head = {**head, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+        async with http.post(
+            proxy.url(),
+            json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+            headers=head,
+        ) as resp:
+            await resp.read()
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "echo_meta", "arguments": {}},
+        }
+        async with http.post(
+            proxy.url(), json=call, headers={**head, "traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)}
+        ) as resp:
+            text = await resp.text()
+    events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    data = next(json.loads(event) for event in events if event) if events else json.loads(text)
+    meta, headers = echoed(data["result"]["content"][0]["text"])
+    legacy = [s for s in by_name(spans, "tools/call echo_meta") if s.kind.name == "SERVER"]
+    assert legacy and trace_hex(legacy[0]) == HEADER_TRACE
+    assert legacy[0].attributes is not None and legacy[0].attributes["mcp_tasks_proxy.era"] == "legacy"
+    assert meta["traceparent"].split("-")[1] == HEADER_TRACE
+    assert headers["traceparent"].split("-")[1] == HEADER_TRACE
+
+
+async def test_a_detached_call_has_a_task_span_from_creation_to_its_end_linked_to_each_request(
+    spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    config = make_config(legacy_url, tmp_path / "store")
+    config.console = None
+    proxy = await serve(config)
+    client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
+    context = {"traceparent": traceparent(CLIENT_TRACE, CLIENT_SPAN)}
+    try:
+        await client.warm_up()
+        created = (
+            await client.call("confirm_delete", {"filename": "a.txt", "delay": 0.2}, meta=context)
+        ).result
+        task_id = created["taskId"]
+        task = await client.wait_status(task_id, ("input_required",), timeout=5)
+        ((key, _),) = task["inputRequests"].items()
+        answer = {key: {"action": "accept", "content": {"confirm": True}}}
+        await client.request("tasks/update", {"taskId": task_id, "inputResponses": answer})
+        done = await client.wait_terminal(task_id)
+    finally:
+        await client.close()
+    assert done["status"] == "completed"
+    record = await proxy.store.get(task_id)
+    assert record is not None and record.trace is not None and record.trace.split("-")[1] == CLIENT_TRACE
+    task_spans = [
+        s for s in by_name(spans, "task") if (s.attributes or {}).get("mcp_tasks_proxy.task_id") == task_id
+    ]
+    assert len(task_spans) == 1
+    (task_span,) = task_spans
+    assert trace_hex(task_span) == CLIENT_TRACE
+    events = [event.name for event in task_span.events]
+    assert events[0] == "detached" and "input_requested" in events and "input_answered" in events
+    assert events[-1] == "completed"
+    creator = by_name(spans, "tools/call confirm_delete")
+    creator_server = [s for s in creator if s.kind.name == "SERVER"]
+    assert task_span.parent is not None and task_span.parent.span_id == creator_server[0].context.span_id  # type: ignore[union-attr]
+    # every tasks/get and tasks/update links to the task span
+    task_span_id = task_span.context.span_id  # type: ignore[union-attr]
+    for name in ("tasks/get", "tasks/update"):
+        touching = [
+            s for s in by_name(spans, name) if any(link.context.span_id == task_span_id for link in s.links)
+        ]
+        assert touching, name
+    # the task span links back to the tasks/update that answered
+    updates = {s.context.span_id for s in by_name(spans, "tasks/update")}  # type: ignore[union-attr]
+    assert any(link.context.span_id in updates for link in task_span.links)
+
+
+async def test_log_lines_carry_the_trace_and_the_stdio_upstream_gets_the_context_in_meta(
+    spans: InMemorySpanExporter, tmp_path: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    configure_logging("info")
+    proxy = await serve(stdio_config(tmp_path))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call(
+            "echo_meta", {}, headers={"traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)}
+        )
+    finally:
+        await client.close()
+    meta, _ = echoed(reply.result["content"][0]["text"])
+    assert meta["traceparent"].split("-")[1] == HEADER_TRACE
+    lines = [json.loads(line) for line in err.getvalue().splitlines() if line.startswith("{")]
+    request_lines = [
+        line for line in lines if line.get("event") == "request" and line.get("tool") == "echo_meta"
+    ]
+    assert request_lines and request_lines[-1]["trace_id"] == HEADER_TRACE
+    assert len(request_lines[-1]["span_id"]) == 16
+
+
+async def test_tracing_off_changes_nothing_and_starts_no_exporter(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    assert not tracing.enabled()
+    assert not tracing.wanted(TracingConfig(), environ={})
+    assert tracing.wanted(TracingConfig(), environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    assert not tracing.wanted(
+        TracingConfig(otlp_endpoint="http://127.0.0.1:4318/v1/traces"), environ={"OTEL_SDK_DISABLED": "true"}
+    )
+    import threading
+
+    before = {thread.name for thread in threading.enumerate()}
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call(
+            "echo_meta", {}, meta={"traceparent": traceparent(CLIENT_TRACE, CLIENT_SPAN)}
+        )
+    finally:
+        await client.close()
+    meta, headers = echoed(reply.result["content"][0]["text"])
+    assert meta.get("traceparent") == traceparent(CLIENT_TRACE, CLIENT_SPAN)  # passed through untouched
+    assert "traceparent" not in headers
+    assert not tracing.enabled()
+    assert not any("OtelBatchSpanProcessor" in thread.name for thread in threading.enumerate())
+    assert {thread.name for thread in threading.enumerate()} - before <= {
+        t.name for t in threading.enumerate()
+    }
+
+
+async def test_a_tool_name_that_is_no_text_still_exports(
+    spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A lone surrogate in a client's tool name (and request id) reaches the spans as text that
+    encodes, so the OTLP encoding of the batch holding it does not fail."""
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        body = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": "\ud800",
+                "method": "tools/call",
+                "params": {"name": "\ud800x", "arguments": {}},
+            }
+        )
+        await client.post_raw(body.encode(), client.headers_for("tools/call", {"name": "x"}))
+    finally:
+        await client.close()
+    finished = spans.get_finished_spans()
+    assert finished
+    encode_spans(finished).SerializeToString()
+
+
+def test_the_tracing_section_is_checked() -> None:
+    with pytest.raises(ConfigError, match="otlp_endpoint"):
+        config_from_data(
+            {
+                "tracing": {"otlp_endpoint": "grpc://collector:4317"},
+                "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}},
+            }
+        )
+    with pytest.raises(ConfigError, match="sample_ratio"):
+        config_from_data(
+            {"tracing": {"sample_ratio": 2}, "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}}}
+        )
+    assert tracing.sample_ratio(TracingConfig(), environ={"OTEL_TRACES_SAMPLER_ARG": "0.25"}) == 0.25
+    assert (
+        tracing.sample_ratio(TracingConfig(sample_ratio=0.5), environ={"OTEL_TRACES_SAMPLER_ARG": "0.25"})
+        == 0.5
+    )
+
+
+def test_context_in_meta_wins_and_bad_values_are_ignored() -> None:
+    header = {"traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)}
+    meta = {"_meta": {"traceparent": traceparent(CLIENT_TRACE, CLIENT_SPAN)}}
+    assert tracing.extract(header, meta) is not None
+    from opentelemetry import trace
+
+    def trace_of(found) -> str:
+        return f"{trace.get_current_span(found).get_span_context().trace_id:032x}"
+
+    assert trace_of(tracing.extract(header, meta)) == CLIENT_TRACE
+    assert trace_of(tracing.extract(header, meta, prefer_headers=True)) == HEADER_TRACE
+    assert trace_of(tracing.extract(header, {"_meta": {"traceparent": "garbage"}})) == HEADER_TRACE
+    assert tracing.extract({}, {"_meta": {"traceparent": 7}}) is None
+    assert tracing.extract({"traceparent": "00-" + "0" * 32 + "-" + "0" * 16 + "-01"}, None) is None
+    assert tracing.span_name("tools/call", "x") == "tools/call x"
+    assert tracing.span_name("no spaces allowed here", None) == "jsonrpc"
+    assert tracing.trace_id_of(traceparent(CLIENT_TRACE, CLIENT_SPAN)) == CLIENT_TRACE
+    assert tracing.with_meta({"a": 1}) == {"a": 1}  # off: untouched
