@@ -3,6 +3,12 @@ drifts between two separate runs; within one run every revision sees the same dr
 
     python bench/ab.py 0494dd5 eb020f5 HEAD   # rows: a-legacy, a-modern (SDK, fake upstream), b 100k / 1M
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
+    python bench/ab.py HEAD HEAD+tracing --rows a-modern-fake,a-legacy-fake   # tracing off vs on
+
+A revision ending in `+tracing` runs that revision with OpenTelemetry tracing on (sample ratio 1.0,
+`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at a sink in this process that takes each OTLP export and
+drops it): the proxy's CPU then includes building, batching and encoding every span (its exporter
+thread is part of the process).
 
 Each round measures every row for every revision (the revision order alternates by round); a
 revision's proxy/ comes from `git archive` on PYTHONPATH (as bench/run.py --ref). Layout as in
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import http.server
 import json
 import os
 import shutil
@@ -25,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +43,34 @@ ROWS = ["a-legacy-sdk", "a-modern-sdk", "a-legacy-fake", "a-modern-fake", "b-100
 GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, bench!"}
 
 
+TRACING = "+tracing"
+
+
+class _OtlpSink(http.server.BaseHTTPRequestHandler):
+    """Takes an OTLP/HTTP export, answers 200 with an empty ExportTraceServiceResponse, keeps nothing."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def start_sink() -> str:
+    """Start the OTLP sink on a free loopback port (a daemon thread); return its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpSink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
 def extract(rev: str, workdir: Path) -> tuple[str, Path]:
+    """(name, source folder) of `rev` (a `+tracing` suffix kept in the name, the source shared)."""
+    traced = rev.endswith(TRACING)
+    rev = rev.removesuffix(TRACING)
     short = subprocess.run(
         ["git", "rev-parse", "--short", rev], capture_output=True, text=True, cwd=run.ROOT, check=True
     ).stdout.strip()
@@ -46,26 +81,29 @@ def extract(rev: str, workdir: Path) -> tuple[str, Path]:
             ["git", "archive", short, "proxy"], capture_output=True, cwd=run.ROOT, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    return short, src
+    return short + (TRACING if traced else ""), src
 
 
-def measure_row(row: str, src: Path, workdir: Path, args, ups: dict, store_ids: dict) -> dict:
+def measure_row(row: str, name: str, src: Path, workdir: Path, args, ups: dict, store_ids: dict) -> dict:
     run.PROXY_ENV["PYTHONPATH"] = str(src)
+    run.PROXY_ENV.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    if name.endswith(TRACING):
+        run.PROXY_ENV["OTEL_EXPORTER_OTLP_ENDPOINT"] = ups["otlp"]
     kind, _, what = row.partition("-")
     if kind == "a":
         mode, upstream = what.split("-")
         up_url = ups[upstream]
         cfg = run.write_config(
-            workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{src.name}", durable=True
+            workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{name}", durable=True
         )
-        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{src.name}", cfg, "1")
+        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "1")
         spec = {"mode": mode, **GREET}
         lg_cpu = "0"
     else:
         n = int(what)
         store, ids_file = store_ids[n]
         cfg = run.write_config(workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True)
-        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{src.name}", cfg, "0")
+        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "0")
         spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
         lg_cpu = "1"
     try:
@@ -118,6 +156,8 @@ def main() -> int:
         if any(r.endswith("-sdk") for r in rows):
             ups["sdk"] = run.start_sdk_upstream(workdir, "0", "ab-upstream-sdk")[1]
         ups["fake"] = run.start_fake_upstream(workdir, "0", "ab-upstream-fake")[1]
+        if any(name.endswith(TRACING) for name, _ in revs):
+            ups["otlp"] = start_sink()
         store_ids: dict[int, tuple[Path, Path]] = {}
         for row in rows:
             if row.startswith("b-"):
@@ -130,7 +170,7 @@ def main() -> int:
             order = revs if rnd % 2 == 0 else list(reversed(revs))
             for row in rows:
                 for short, src in order:
-                    res = measure_row(row, src, workdir, args, ups, store_ids)
+                    res = measure_row(row, short, src, workdir, args, ups, store_ids)
                     out["samples"].setdefault(row, {}).setdefault(short, []).append(res)
                     print(
                         f"round {rnd + 1} {row:<14} {short}: {res['cpu_ms_per_call']:.3f} ms CPU/call, "
