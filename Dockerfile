@@ -6,10 +6,10 @@ COPY proxy ./proxy
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 --home-dir /var/lib/mcp-tasks-proxy --create-home proxy
+RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/mcp-tasks-proxy --create-home mcp-proxy
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
-USER proxy
+USER 10001
 WORKDIR /var/lib/mcp-tasks-proxy
 VOLUME ["/var/lib/mcp-tasks-proxy"]
 EXPOSE 8080
