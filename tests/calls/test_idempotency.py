@@ -165,6 +165,31 @@ async def test_a_key_holds_across_a_restart(legacy_url: str, tmp_path: Path, ser
         await client.close()
 
 
+async def test_a_key_holds_across_a_restart_that_came_while_its_call_ran(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A restart while the keyed call runs: the stopping proxy cancels the call and records its
+    task as failed by the shutdown; the retry on the restarted proxy gets that outcome (the call
+    ended: the stored outcome, saying the shutdown stopped it), never a second run."""
+    label, key = fresh("restart-running"), fresh("key")
+    arguments = {"seconds": 30, "label": label}
+    first = await serve(make_config(legacy_url, tmp_path))
+    client = ModernClient(first.url())
+    try:
+        created = (await client.call("slow_compute", arguments, headers={KEY: key})).result
+        assert created["resultType"] == "task"
+        await client.wait_status(created["taskId"], ("working",))
+        await first.stop()
+        second = await serve(make_config(legacy_url, tmp_path))
+        client.url = second.url()
+        retried = await client.call("slow_compute", arguments, headers={KEY: key})
+        assert "shutdown" in retried.error["message"], retried.message
+        assert (await client.get(created["taskId"])).result["status"] == "failed"
+        assert await starts(client, label) == 1
+    finally:
+        await client.close()
+
+
 @pytest.mark.parametrize("dedupe", [True, False], ids=["dedupe", "no-dedupe"])
 async def test_dedupe_joins_identical_calls_without_a_key(
     legacy_url: str, tmp_path: Path, serve: Serve, dedupe: bool

@@ -108,3 +108,50 @@ async def test_a_listen_stream_gets_the_status_a_cut_feed_lost(
         await on_a.close()
         await on_b.close()
         await relay.close()
+
+
+async def test_a_listen_stream_gets_the_status_that_ended_while_redis_was_killed(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Two replicas on a redis-server of the test's own (append-only, fsync always); a
+    `subscriptions/listen` stream on replica B follows a task running on replica A. Redis is
+    SIGKILLed while the task runs and restarted after it ended upstream: A records the outcome once
+    Redis is back, and B's stream, whose feed was cut, sends `completed`."""
+    redis = RedisServer(tmp_path / "redis", appendfsync="always").start()
+    try:
+        configs = []
+        for name in ("a", "b"):
+            config = make_config(legacy_url, tmp_path / name)
+            data = {"url": redis.url, "prefix": "kill:", "timeout": "500ms", "lease": "10s"}
+            config.store = type(config.store).model_validate(data)
+            configs.append(config)
+        a, b = [await serve(config) for config in configs]
+        on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
+        label = f"kill-{uuid.uuid4().hex[:8]}"
+        try:
+            created = await on_a.call("slow_compute", {"seconds": 1.0, "label": label})
+            task_id = created.result["taskId"]
+            params = {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)}
+            request = {"jsonrpc": "2.0", "id": "listen", "method": "subscriptions/listen", "params": params}
+            headers = on_b.headers_for("subscriptions/listen", params)
+            async with on_b.http.post(on_b.url, data=json.dumps(request), headers=headers) as resp:
+                events = iter_events(resp.content.iter_any())
+                assert resp.status == 200 and await anext(events)  # the acknowledgement
+                port = redis.port
+                redis.kill()
+                await asyncio.sleep(1.5)  # the call ends upstream meanwhile; its outcome waits for Redis
+                await asyncio.to_thread(redis.start, port=port)
+                async with asyncio.timeout(20):
+                    async for event in events:
+                        frame = json.loads(event.data) if event.data else {}
+                        if (
+                            frame.get("method") == "notifications/tasks"
+                            and frame["params"]["status"] == "completed"
+                        ):
+                            break
+            assert (await on_a.wait_terminal(task_id))["status"] == "completed"
+        finally:
+            await on_a.close()
+            await on_b.close()
+    finally:
+        redis.stop()
