@@ -133,7 +133,7 @@ if ARGV[5] ~= '' and ARGV[11] ~= '' then
     if live >= cap then return -live end
   end
 end
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 'v', ARGV[2])
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 'v', ARGV[2], 'o', ARGV[14])
 redis.call('ZADD', KEYS[2], 0, ARGV[3])
 redis.call('ZADD', KEYS[3], 0, ARGV[3])
 redis.call('ZADD', KEYS[4], 0, ARGV[3])
@@ -151,10 +151,27 @@ return 1
 """KEYS: task, idx:all, idx:p, idx:ps, live, exp, live:p. ARGV: record JSON, version, index member,
 task id, owner (or '' when terminal), ttl ms (or ''), exp member, exp score (epoch ms), channel,
 message, max live tasks of the principal (or '': no cap), key prefix, '1' to require the owner's
-lease (or ''). Returns 1 when created, 0 when the id exists, 2 when the lease is required, the
-record is live and its owner's lease (`node:<owner>`) has lapsed,
--n when the record is live and its principal already has n >= the cap live tasks (nothing written
-in any but the first case). At the cap it reads every member of live:p (O(cap))."""
+lease (or ''), whose task it is (`owner_field`: kept as field `o`, never changed). Returns 1 when
+created, 0 when the id exists, 2 when the lease is required, the record is live and its owner's
+lease (`node:<owner>`) has lapsed, -n when the record is live and its principal already has
+n >= the cap live tasks (nothing written in any but the first case). At the cap it reads every
+member of live:p (O(cap))."""
+
+GET_FOR = """
+local o = redis.call('HGET', KEYS[1], 'o')
+if o and o ~= ARGV[1] then return -1 end
+return redis.call('HMGET', KEYS[1], 'd', 'v')
+"""
+"""KEYS: task. ARGV: the asker's `owner_field`. Returns -1 for a record that is someone else's (its
+`o` field differs: the record itself is not read), else the record's `d` and `v` (nils when there
+is none; a record written before `o` existed is checked by the caller)."""
+
+
+def owner_field(principal_key: str, server: str) -> str:
+    """The `o` field of a task hash: whose task it is (principal key and server), compared inside
+    Redis so that someone else's task id costs what an unknown one does."""
+    return f"{principal_key}\x1f{server}"
+
 
 UPDATE = """
 local v = redis.call('HGET', KEYS[1], 'v')

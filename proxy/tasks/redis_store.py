@@ -37,7 +37,17 @@ from redis.exceptions import RedisError, ResponseError
 from proxy.config.base import redact_url, url_password
 from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, principal_key
 from proxy.tasks.redis_events import POLL_S, ChangeFeed
-from proxy.tasks.redis_keys import CREATE, DEFAULT_PREFIX, PURGE, SEP, UPDATE, RedisKeys, change_message
+from proxy.tasks.redis_keys import (
+    CREATE,
+    DEFAULT_PREFIX,
+    GET_FOR,
+    PURGE,
+    SEP,
+    UPDATE,
+    RedisKeys,
+    change_message,
+    owner_field,
+)
 from proxy.tasks.store import (
     LeaseLapsedError,
     Listener,
@@ -95,6 +105,7 @@ class RedisTaskStore:
         self.redis = Redis(connection_pool=self._pool)
         self._create = self.redis.register_script(CREATE)
         self._update = self.redis.register_script(UPDATE)
+        self._get_for = self.redis.register_script(GET_FOR)
         self._purge = self.redis.register_script(PURGE)
         self._listeners: list[Listener] = []
         self.feed = ChangeFeed(self.redis, self.keys.changes, secrets.token_hex(8), self.get)
@@ -194,6 +205,7 @@ class RedisTaskStore:
                     "" if max_live is None else max_live,
                     self.keys.prefix,
                     "1" if leased else "",
+                    owner_field(principal_key(record.principal), record.server),
                 ],
             )
         if created == 0:
@@ -217,8 +229,19 @@ class RedisTaskStore:
         return None if found is None else found[0]
 
     async def get_for(self, task_id: str, principal: str, server: str) -> tuple[TaskRecord | None, bool]:
-        """See TaskStore.get_for (here the whole record is read: one round trip either way)."""
-        return owned_by(await self.get(task_id), principal, server)
+        """See TaskStore.get_for: one round trip, in which Redis compares the record's owner field
+        with the asker's, so someone else's record is never sent or decoded (it costs what an
+        unknown id does, whatever its size)."""
+        async with self.guard():
+            found = await self._get_for(
+                keys=[self.keys.task(task_id)], args=[owner_field(principal_key(principal), server)]
+            )
+        if found == -1:
+            return None, True
+        data, version = found
+        if data is None or version is None:
+            return None, False
+        return owned_by(TaskRecord.from_dict(json.loads(data)), principal, server)
 
     async def update(self, task_id: str, change: Change) -> TaskRecord:
         """See TaskStore.update. Raises StoreUnavailableError after CAS_ATTEMPTS lost races."""

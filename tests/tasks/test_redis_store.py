@@ -263,6 +263,30 @@ async def test_a_task_owned_by_a_node_whose_lease_lapsed_is_never_committed(
         await store.close()
 
 
+async def test_another_principals_task_is_refused_inside_redis_without_reading_its_record(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Redis compares the record's owner field with the asker's, so a foreign id costs what an
+    unknown one does whatever the record's size: here the record itself is unreadable, and only its
+    owner finds out. A record written before the owner field existed is still checked (read whole)."""
+    store = RedisTaskStore(redis_server.url, prefix=redis_prefix)
+    try:
+        await store.create(make_record(task_id="theirs", principal="p", server="s"))
+        await store.redis.hset(store.keys.task("theirs"), "d", "not json")
+        assert await store.get_for("theirs", "someone-else", "s") == (None, True)
+        assert await store.get_for("theirs", "p", "other-server") == (None, True)
+        assert await store.get_for("unknown", "p", "s") == (None, False)
+        with pytest.raises(ValueError):
+            await store.get_for("theirs", "p", "s")
+        await store.create(make_record(task_id="older", principal="p", server="s"))
+        await store.redis.hdel(store.keys.task("older"), "o")  # as stored before the field existed
+        assert await store.get_for("older", "someone-else", "s") == (None, True)
+        found, foreign = await store.get_for("older", "p", "s")
+        assert found is not None and found.task_id == "older" and not foreign
+    finally:
+        await store.close()
+
+
 async def test_mrtr_state_used_on_one_replica_is_refused_on_the_other(
     legacy_url: str, redis_server: RedisServer, redis_prefix: str, serve: Serve
 ) -> None:
