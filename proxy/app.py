@@ -378,9 +378,11 @@ async def _readyz(request: web.Request) -> web.Response:
     tasks = request.app[TASKS_KEY]
     try:
         await asyncio.wait_for(tasks.store.check_writable(), timeout=READY_CHECK_S)
+        metrics.STORE_WRITABLE.set(1)
         read_problem = tasks.store.damage or tasks.read_problem()
         checks["store"] = "ok" if read_problem is None else f"failed: reads fail: {read_problem}"
     except (StoreUnavailableError, TimeoutError) as exc:
+        metrics.STORE_WRITABLE.set(0)
         checks["store"] = f"failed: {exc or f'no answer within {READY_CHECK_S:g} s'}"
     pools = request.app[POOLS_KEY]
     problems = await asyncio.gather(*(pool.check(timeout_s=READY_CHECK_S) for pool in pools.values()))
@@ -396,7 +398,8 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    """`/metrics` in the Prometheus text format; with `metrics.token` configured only for
+    """`/metrics` in the Prometheus text format (the store's gauges, and with replicas the live
+    replica count, are read from the store first); with `metrics.token` configured only for
     `Authorization: Bearer <token>` (401 with a JSON-RPC error otherwise; wrong tokens count against
     `limits.failed_auth`, 429 past it)."""
     config = request.app[CONFIG_KEY]
@@ -431,9 +434,14 @@ async def metrics_handler(request: web.Request) -> web.Response:
             )
         throttle.remember_good(header or "")
     tasks = request.app[TASKS_KEY]
+    replicas = request.app.get(REPLICAS_KEY)
     try:
         metrics.STORE_TASKS.set(await tasks.store.count())
         metrics.STORE_BYTES.set(await tasks.store.volume())
+        if replicas is not None and isinstance(tasks.store, RedisTaskStore):
+            # the replica set: its Redis server (no credentials) and key prefix
+            store = metrics.label_value(f"{tasks.store.where} {tasks.store.keys.prefix}")
+            metrics.REPLICAS.labels(store).set(await replicas.live_count())
     except Exception:  # a store fault must not hide the other metrics
         log.warning("store_metrics_unavailable")
     metrics.LIVE_TASKS.set(len(tasks.live))

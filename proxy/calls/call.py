@@ -237,6 +237,15 @@ class Call:
             return
         self.outcome.set_result(reply)
         metrics.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
+        error = reply.get("error")
+        if (
+            self.method == "tools/call"
+            and self.ended_by in ("upstream", "timeout")
+            and isinstance(error, dict)
+        ):
+            if error.get("code") != REQUEST_CANCELLED:  # the upstream failed it, not a cancel here
+                via = "request" if self.task_id is None else "task"
+                metrics.UPSTREAM_ERRORS.labels(self.server, via).inc()
         for timer in self._input_timers.values():
             timer.cancel()
         self._input_timers.clear()

@@ -333,7 +333,8 @@ def observe(
     server: str, method: str, body: JsonObject, response: web.StreamResponse | None, seconds: float
 ) -> None:
     """Count one legacy-era request like a modern one: `calls_total` for tools/call (outcome `sync`,
-    or `error` for an HTTP error status or a JSON-RPC error in a plain JSON reply; an SSE reply is
+    or `error`, also counted in `upstream_errors_total`, for an HTTP error status or a JSON-RPC
+    error in a plain JSON reply; an SSE reply is
     not read, so its tool keeps the `other` label until a call of it is seen answered), upstream
     latency (s; a method outside the legacy surface counts as `other`)."""
     known = method in LEGACY_METHODS or method in LEGACY_TASK_METHODS  # a client may send any name
@@ -353,3 +354,5 @@ def observe(
                 ok = "error" not in message
                 answered = metrics.succeeded(message)
         metrics.count_call(server, tool, "sync" if ok else "error", answered=answered)
+        if not ok:
+            metrics.UPSTREAM_ERRORS.labels(server, "request").inc()

@@ -88,6 +88,11 @@ class Replicas:
         self._check = asyncio.get_running_loop().create_task(self.check_peers(), name="replica-peer-check")
         log.info("replica_started", node=self.node, url=self.registry.url)
 
+    async def live_count(self) -> int:
+        """How many replicas are live as this one sees them: itself and every peer whose registry
+        record has not expired. Raises StoreUnavailableError."""
+        return 1 + len(await self.registry.peers())
+
     async def check_peers(self) -> str | None:
         """Ping every registered peer with this replica's secret (bounded by `hop_timeout` each, in
         parallel); log an error naming each one that refuses it (a different `replicas.secret`) and

@@ -75,6 +75,43 @@ UPSTREAM_PROCESSES = Counter(
 REQUESTS = Counter(
     "mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"]
 )
+UPSTREAM_ERRORS = Counter(
+    "mcp_tasks_proxy_upstream_errors_total",
+    "tools/call whose upstream answered with a JSON-RPC error or gave no answer (unreachable, broken "
+    "session, hard timeout), by server and by how the client learns it: via=request (answered on the "
+    "request; a legacy-era call relayed as is counts an HTTP error status too), via=task (a detached "
+    "call's outcome); isError results, cancels and unanswered questions are not counted",
+    ["server", "via"],
+)
+STORE_WRITABLE = Gauge(
+    "mcp_tasks_proxy_store_writable",
+    "1 while the task store takes writes (the last lease renewal or /readyz write probe succeeded), 0 "
+    "from a failed store operation until the next write succeeds",
+)
+STORE_ERRORS = Counter(
+    "mcp_tasks_proxy_store_errors_total",
+    "task store operations of the task service (lease renewals, sweeps, task writes) that failed: the "
+    "store could not be reached, refused a write, or gave no answer within store.timeout",
+)
+LEASE_SECONDS = Gauge(
+    "mcp_tasks_proxy_lease_seconds",
+    "how long this node's lease lasts without renewal (store.lease); it is renewed every sixth of it",
+)
+LEASE_RENEWED = Gauge(
+    "mcp_tasks_proxy_lease_renewed_timestamp_seconds",
+    "Unix time when this node last renewed its lease in the task store",
+)
+LEASE_RENEWAL_FAILURES = Counter(
+    "mcp_tasks_proxy_lease_renewal_failures_total",
+    "renewals of this node's lease that the task store refused or did not answer in time",
+)
+REPLICAS = Gauge(
+    "mcp_tasks_proxy_replicas",
+    "live replicas on the shared store as this replica sees them at the scrape: itself and every peer "
+    "whose registry record has not expired (only with a `replicas` section); `store`: the Redis URL "
+    "without credentials and the key prefix",
+    ["store"],
+)
 
 
 MAX_TOOL_LABELS = 500  # distinct tool label values per server; more count as `other`

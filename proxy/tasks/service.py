@@ -110,6 +110,7 @@ class TaskService:
         self.store = store
         self.node = node or new_node_id()
         self.lease_s = lease_s
+        metrics.LEASE_SECONDS.set(lease_s)
         self.outcome_retry_s = outcome_retry_s
         self.max_tasks_per_principal = max_tasks_per_principal
         self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
@@ -147,7 +148,7 @@ class TaskService:
         """Take this node's lease, end (or re-run) the tasks earlier processes left running (saying
         `restart_message`, or naming the lost node when None), and start the lease/sweep loop.
         Returns (re-run, failed) counts of the first sweep."""
-        await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+        await self._renew_lease()
         self._renewed()
         self._leases.started(await store_instance(self.store))
         counts = await self.sweep(message=restart_message)
@@ -165,7 +166,7 @@ class TaskService:
             await asyncio.sleep(self.lease_s / 6)
             tick += 1
             try:
-                await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+                await self._renew_lease()
                 self._renewed()
                 self._leases.renewed(await store_instance(self.store))
                 if self.store_problem is not None:
@@ -183,6 +184,19 @@ class TaskService:
                 log.warning("store_unavailable", reason=str(exc))
             except Exception:  # the loop must outlive any one bad round
                 log.exception("task_maintenance_failed")
+
+    async def _renew_lease(self) -> None:
+        """Hold this node's lease for another `lease_s` (s), noted in the metrics: a renewal is a
+        store write, so one that succeeds sets `STORE_WRITABLE` and `LEASE_RENEWED` (the wall clock),
+        one the store refuses counts in `LEASE_RENEWAL_FAILURES`. Raises StoreUnavailableError (a
+        caller that bounds it with a timeout counts that failure itself)."""
+        try:
+            await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+        except StoreUnavailableError:
+            metrics.LEASE_RENEWAL_FAILURES.inc()
+            raise
+        metrics.LEASE_RENEWED.set(time.time())
+        metrics.STORE_WRITABLE.set(1)
 
     def _renewed(self) -> None:
         """The lease was just renewed: (re)arm the fence for FENCE_AFTER of a lease from now. A timer,
@@ -204,8 +218,11 @@ class TaskService:
         """One renewal within LAST_RENEWAL of the lease, else the fence (`_fence_calls`)."""
         try:
             async with asyncio.timeout(self.lease_s * LAST_RENEWAL):
-                await self.store.renew_lease(self.node, int(self.lease_s * 1000))
-        except (StoreUnavailableError, TimeoutError):
+                await self._renew_lease()
+        except StoreUnavailableError:
+            self._fence_calls()
+        except TimeoutError:
+            metrics.LEASE_RENEWAL_FAILURES.inc()
             self._fence_calls()
         else:
             self._renewed()
@@ -266,9 +283,12 @@ class TaskService:
         return self._read_failure[1]
 
     def store_failed(self, exc: BaseException) -> None:
-        """Note a store failure (shown on /readyz; other nodes' leases are not judged for a lease period)."""
+        """Note a store failure (shown on /readyz; other nodes' leases are not judged for a lease period;
+        counted in `STORE_ERRORS`, and `STORE_WRITABLE` reads 0 until a write succeeds)."""
         self.store_problem = str(exc)
         self._leases.failed()
+        metrics.STORE_ERRORS.inc()
+        metrics.STORE_WRITABLE.set(0)
 
     async def stop(self) -> None:
         """On shutdown: record `failed` for each detached call still running, cancel it, give the lease up."""
@@ -411,7 +431,7 @@ class TaskService:
         try:
             await self.store.create(record, max_live=self.max_tasks_per_principal, leased=True)
         except LeaseLapsedError:
-            await self.store.renew_lease(self.node, int(self.lease_s * 1000))
+            await self._renew_lease()
             self._renewed()
             try:
                 await self.store.create(record, max_live=self.max_tasks_per_principal, leased=True)
