@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from proxy.config import Config, ConfigError, JwtConfig, load_config, redact_url
 from proxy.front.tokens import AccessTokens, TokenError, load_jwks_file
 from proxy.replicas import advertised_url
-from proxy.runtime import event_loop
+from proxy.runtime import event_loop, tracing
 
 
 def run(argv: list[str]) -> int:
@@ -33,6 +33,7 @@ def run(argv: list[str]) -> int:
         + replica_problems(config)
         + event_loop.problems(config.listen.event_loop)
         + auth_problems(config)
+        + tracing.problems(config.tracing)
     )
     if problems:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
@@ -148,6 +149,7 @@ def describe(config: Config, source: str) -> str:
             )
     else:
         lines.append(f"auth: {auth.mode}")
+    lines.append(tracing.describe(config.tracing))
     d = config.tasks
     lines.append(
         f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, "

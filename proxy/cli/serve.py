@@ -21,9 +21,9 @@ import structlog
 from proxy import __version__
 from proxy.app import build_app, drain
 from proxy.cli.check_config import missing_commands, replica_problems
-from proxy.config import Config, ConfigError, config_from_data, load_config
+from proxy.config import Config, ConfigError, TracingConfig, config_from_data, load_config
 from proxy.front import listener
-from proxy.runtime import event_loop
+from proxy.runtime import event_loop, tracing
 from proxy.runtime.logs import configure_logging
 from proxy.tasks.dirlock import lock_directory, unlock_directory
 from proxy.tasks.store import StoreLockedError, StoreUnavailableError
@@ -62,11 +62,13 @@ def run(argv: list[str]) -> int:
     configure_logging(args.log_level or "info")
     try:
         if args.config is None:
+            if problems := tracing.problems(TracingConfig()):  # the OTEL_* variables
+                raise ConfigError("; ".join(problems))
             event_loop.run(_run_demo(args), "asyncio")
             return 0
         config = load_config(args.config)
         _override(config, args)
-        if problems := replica_problems(config):
+        if problems := replica_problems(config) + tracing.problems(config.tracing):
             raise ConfigError(f"{args.config}: invalid config: " + "; ".join(problems))
         if args.log_level is None:
             configure_logging(config.logging.level)

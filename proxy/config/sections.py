@@ -574,8 +574,14 @@ class TracingConfig(_Strict):
     def _endpoint(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        if urlsplit(value).scheme not in ("http", "https"):
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https"):
             raise ValueError("otlp_endpoint must be an http:// or https:// URL (OTLP over HTTP)")
+        if parts.username or parts.password or parts.query:
+            raise ValueError(
+                "otlp_endpoint must hold no user, password or query (they would reach the logs); send "
+                "credentials in OTEL_EXPORTER_OTLP_HEADERS"
+            )
         if problem := url_problem(value):
             raise ValueError(f"otlp_endpoint {redact_url(value)!r}: {problem}")
         return value

@@ -207,6 +207,7 @@ class ServerEndpoint:
             return await self._serve(request, body, raw)
         attributes = {
             tracing.SERVER: self.name,
+            tracing.ERA: "modern" if is_modern_request(request.headers, body) else "legacy",
             tracing.PRINCIPAL: principal_hash(principal_of(request)),
         }
         # a request relayed by another replica carries that replica's span in its headers
@@ -236,7 +237,6 @@ class ServerEndpoint:
 
     async def _modern(self, request: web.Request, body: Any) -> web.StreamResponse:
         structlog.contextvars.bind_contextvars(era="modern")
-        tracing.set_attribute(tracing.ERA, "modern")
         request_id = body.get("id") if isinstance(body, dict) else None
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             request_id = None  # never echo an id of the wrong type
@@ -268,7 +268,6 @@ class ServerEndpoint:
 
     async def _legacy(self, request: web.Request, body: Any) -> web.StreamResponse:
         structlog.contextvars.bind_contextvars(era="legacy", server=self.name)
-        tracing.set_attribute(tracing.ERA, "legacy")
         return await self.legacy.handle(request, body=body, principal=principal_of(request))
 
 

@@ -15,8 +15,11 @@ ids and outcomes only.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any
@@ -34,12 +37,15 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.config import TracingConfig
 
+SHUTDOWN_FLUSH_S = 3.0  # bound (s) on the last export at shutdown
+EXPORT_TIMEOUT_S = 5.0  # bound (s) on one export to the collector, retries included
+EXPORT_LOG_EVERY_S = 60.0  # at most one log line (s apart) about failing exports, with a count
 META_KEYS = ("traceparent", "tracestate", "baggage")  # the `_meta` keys SEP-414 reserves
 PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
 SCOPE = "mcp-tasks-proxy"
@@ -72,6 +78,7 @@ class _Tracing:
 
 
 _state = _Tracing()
+log = structlog.get_logger("proxy.tracing")
 
 
 def enabled() -> bool:
@@ -102,10 +109,75 @@ def sample_ratio(config: TracingConfig, environ: Mapping[str, str] = os.environ)
     raw = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
     if not raw:
         return 1.0
-    ratio = float(raw)
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = -1.0
     if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG {raw!r} must be a number in 0..1")
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG {raw[:32]!r} must be a number in 0..1")
     return ratio
+
+
+def problems(config: TracingConfig, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """What keeps the tracing settings from working, one sentence each (empty when none): an
+    `OTEL_TRACES_SAMPLER_ARG` that is not a number in 0..1 (when the config sets no ratio), an
+    `OTEL_EXPORTER_OTLP_*ENDPOINT` that is not an http(s) URL or holds a user, password or query
+    (the exporter would log it; send credentials in `OTEL_EXPORTER_OTLP_HEADERS`)."""
+    found = []
+    if wanted(config, environ):
+        try:
+            sample_ratio(config, environ)
+        except ValueError as exc:
+            found.append(str(exc))
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        value = environ.get(name, "").strip()
+        if value and (problem := endpoint_problem(value)):
+            found.append(f"{name}: {problem}")
+    return found
+
+
+def endpoint_problem(url: str) -> str | None:
+    """Why `url` cannot be an OTLP/HTTP endpoint, or None: not http(s), or a user, password or
+    query in it (the exporter's error messages would log them)."""
+    try:
+        parts = yarl.URL(url)
+    except ValueError:
+        return "not a URL"
+    if parts.scheme not in ("http", "https") or not parts.host:
+        return "must be an http:// or https:// URL with a host (OTLP over HTTP)"
+    if parts.user or parts.password or parts.query_string:
+        return (
+            "must hold no user, password or query (they would reach the logs); "
+            "send credentials in OTEL_EXPORTER_OTLP_HEADERS"
+        )
+    return None
+
+
+def describe(config: TracingConfig, environ: Mapping[str, str] = os.environ) -> str:
+    """One line on what tracing will do (for check-config and the start-up log)."""
+    if not wanted(config, environ):
+        return "tracing: off"
+    where = config.otlp_endpoint or (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/") + "/v1/traces"
+    )
+    if config.sample_ratio is None and environ.get("OTEL_TRACES_SAMPLER", "").strip():
+        sampling = f"sampler {environ['OTEL_TRACES_SAMPLER'].strip()[:64]} (OTEL_TRACES_SAMPLER)"
+    else:
+        try:
+            sampling = f"sample ratio {sample_ratio(config, environ):g} (parent-based)"
+        except ValueError:
+            sampling = "an invalid OTEL_TRACES_SAMPLER_ARG"
+    return f"tracing: OTLP/HTTP to {where}, {sampling}"
+
+
+def sampler(config: TracingConfig, environ: Mapping[str, str] = os.environ) -> Sampler | None:
+    """Parent-based with `sample_ratio` (the config's, else `OTEL_TRACES_SAMPLER_ARG`, else 1.0);
+    None (the SDK reads `OTEL_TRACES_SAMPLER` and its argument itself) when the config sets no
+    ratio and that variable names a sampler."""
+    if config.sample_ratio is None and environ.get("OTEL_TRACES_SAMPLER", "").strip():
+        return None
+    return ParentBased(TraceIdRatioBased(sample_ratio(config, environ)))
 
 
 def install(
@@ -121,11 +193,18 @@ def install(
         return False
     shutdown()
     resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME") or config.service_name})
-    ratio = sample_ratio(config, environ)
-    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)), resource=resource)
+    provider = TracerProvider(sampler=sampler(config, environ), resource=resource)
     http_provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF), resource=resource)
     if processor is None:
-        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint))
+        protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get(
+            "OTEL_EXPORTER_OTLP_PROTOCOL"
+        )
+        if protocol and protocol.strip() != "http/protobuf":
+            log.warning("tracing_protocol_ignored", protocol=protocol[:64], used="http/protobuf")
+        exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, timeout=EXPORT_TIMEOUT_S)
+        processor = BatchSpanProcessor(exporter)
+        _quiet_exporter_logs()
+        log.info("tracing_on", detail=describe(config, environ))
     provider.add_span_processor(processor)
     http_provider.add_span_processor(processor)
     _state.provider, _state.http_provider = provider, http_provider
@@ -133,13 +212,17 @@ def install(
     return True
 
 
-def shutdown() -> None:
-    """Flush and stop the exporter (bounded by the SDK's export timeout) and turn tracing off."""
+def shutdown(timeout_s: float = SHUTDOWN_FLUSH_S) -> None:
+    """Turn tracing off, and flush and stop the exporter for at most `timeout_s` (s): the flush runs
+    in a daemon thread, so a collector that is down or hangs costs a stopping proxy no more than
+    that (its last spans are lost then)."""
     provider = _state.provider
     _state.provider = _state.http_provider = None
     _state.tracer = None
     if provider is not None:
-        provider.shutdown()
+        flushing = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+        flushing.start()
+        flushing.join(timeout_s)
 
 
 def tracer() -> trace.Tracer:
@@ -226,6 +309,12 @@ def traceparent(span: Span | None = None) -> str | None:
     return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"
 
 
+def sampled_traceparent(span: Span) -> str | None:
+    """`traceparent(span)` when the span is sampled (exported), else None: a stored trace id must
+    lead to a trace."""
+    return traceparent(span) if span.get_span_context().trace_flags.sampled else None
+
+
 def span_context(value: str | None) -> SpanContext | None:
     """The span context a stored `traceparent` names (remote), or None for an invalid one."""
     match = _TRACEPARENT.match(value or "")
@@ -291,26 +380,30 @@ def inbound_span(
     headers: Mapping[str, str], body: Any, attributes: Mapping[str, Any], *, prefer_headers: bool = False
 ) -> Iterator[Span]:
     """A SERVER span for one inbound JSON-RPC request, current for the block, child of the context
-    the request carried (`extract`); its ids are bound to the request's log context. Only call
-    while `enabled()`."""
+    the request carried (`extract`: its baggage stays current too, so it goes on upstream); its ids
+    are bound to the request's log context. Only call while `enabled()`."""
     params = body.get("params") if isinstance(body, dict) else None
     parent = extract(headers, params, prefer_headers=prefer_headers)
     target = params.get("name") if isinstance(params, dict) else None
     name = span_name(body.get("method"), target) if isinstance(body, dict) else "jsonrpc"
-    with tracer().start_as_current_span(
-        name,
-        context=parent,
-        kind=SpanKind.SERVER,
-        attributes={**request_attributes(body), **attributes},
-        record_exception=False,
-        set_status_on_exception=True,
-    ) as span:
-        ids = span.get_span_context()
-        if ids.is_valid:  # also on the request's own log line, written once the span has ended
-            structlog.contextvars.bind_contextvars(
-                trace_id=f"{ids.trace_id:032x}", span_id=f"{ids.span_id:016x}"
-            )
-        yield span
+    token = otel_context.attach(parent) if parent is not None else None
+    try:
+        with tracer().start_as_current_span(
+            name,
+            kind=SpanKind.SERVER,
+            attributes={**request_attributes(body), **attributes},
+            record_exception=False,
+            set_status_on_exception=True,
+        ) as span:
+            ids = span.get_span_context()
+            if ids.is_valid and ids.trace_flags.sampled:  # also on the request's own log line, once ended
+                structlog.contextvars.bind_contextvars(
+                    trace_id=f"{ids.trace_id:032x}", span_id=f"{ids.span_id:016x}"
+                )
+            yield span
+    finally:
+        if token is not None:
+            otel_context.detach(token)
 
 
 @contextmanager
@@ -332,8 +425,9 @@ def hop_span(headers: Mapping[str, str], op: str) -> Iterator[None]:
 @contextmanager
 def upstream_span(server: str, method: str, params: Any) -> Iterator[Any]:
     """A CLIENT span for one request to upstream `server`, current for the block; yields `params`
-    with the span's context in `_meta` (see `with_meta`). Outside `enabled()` yields `params`."""
-    if not enabled():
+    with the span's context in `_meta` (see `with_meta`). Yields `params` as they are while off and
+    outside a traced request (a readiness probe, a sweep's re-run: no trace of their own)."""
+    if not enabled() or not trace.get_current_span().is_recording():
         yield params
         return
     name = span_name(method, params.get("name") if isinstance(params, dict) else None)
@@ -380,8 +474,14 @@ def set_attribute(key: str, value: str | int | bool) -> None:
 
 
 def set_outcome(outcome: str) -> None:
-    """Record a `tools/call`'s outcome (`sync`, `detached`, `error`, `joined`) on the current span."""
-    set_attribute(OUTCOME, outcome)
+    """Record a `tools/call`'s outcome (`sync`, `detached`, `error`, `joined`) on the current span;
+    `error` also marks the span as failed (a JSON-RPC error can come in an HTTP 200)."""
+    if not enabled():
+        return
+    span = trace.get_current_span()
+    span.set_attribute(OUTCOME, outcome)
+    if outcome == "error":
+        span.set_status(Status(StatusCode.ERROR, "tools/call answered with an error"))
 
 
 def link_current(value: str | None, **attributes: str) -> None:
@@ -430,18 +530,48 @@ def task_event(span: Span | None, name: str, link: bool = False, **attributes: s
             span.add_link(current, {"relation": name})
 
 
-def end_task_span(span: Span | None, status: str, message: str | None = None) -> None:
-    """End a task's span with its terminal `status` (an event, and ERROR for `failed`)."""
+def end_task_span(span: Span | None, status: str) -> None:
+    """End a task's span with its terminal `status` (an event, and ERROR for `failed`; the status
+    message, which may quote the upstream, stays out of the span)."""
     if span is None:
         return
     span.set_attribute("mcp_tasks_proxy.task_status", status)
     span.add_event(status, {"status": status})
     if status == "failed":
-        span.set_status(Status(StatusCode.ERROR, (message or "failed")[:200]))
+        span.set_status(Status(StatusCode.ERROR, "failed"))
     span.end()
 
 
 # -- logs -----------------------------------------------------------------------------------------
+
+
+class _ExportFailures(logging.Handler):
+    """Takes the OpenTelemetry SDK's own log records (failed or retried exports, which it logs as
+    plain text on every try) and turns them into one JSON log line per EXPORT_LOG_EVERY_S at most,
+    with how many were folded into it."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.last = 0.0
+        self.folded = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        if now - self.last < EXPORT_LOG_EVERY_S:
+            self.folded += 1
+            return
+        reason = record.getMessage().replace("\n", " ")[:300]
+        log.warning("tracing_export_failed", reason=reason, folded=self.folded)
+        self.last, self.folded = now, 0
+
+
+def _quiet_exporter_logs() -> None:
+    """Route the SDK's exporter and processor logs through `_ExportFailures` (once)."""
+    for name in ("opentelemetry.exporter", "opentelemetry.sdk"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(handler, _ExportFailures) for handler in logger.handlers):
+            logger.addHandler(_ExportFailures())
+        logger.propagate = False
 
 
 def add_log_ids(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -449,7 +579,7 @@ def add_log_ids(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]
     tracing is on and a span is current)."""
     if _state.tracer is not None:
         span_context_now = trace.get_current_span().get_span_context()
-        if span_context_now.is_valid:
+        if span_context_now.is_valid and span_context_now.trace_flags.sampled:
             event_dict["trace_id"] = f"{span_context_now.trace_id:032x}"
             event_dict["span_id"] = f"{span_context_now.span_id:016x}"
     return event_dict

@@ -385,7 +385,7 @@ class TaskService:
             rerun=rerun,
         )
         if tracing.enabled():
-            record.trace = tracing.traceparent(self._open_span(record))
+            record.trace = tracing.sampled_traceparent(self._open_span(record))
         self.live[record.task_id] = call  # before the commit: the sweep must never see it ownerless
         self._snapshots[record.task_id] = record
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
@@ -394,12 +394,12 @@ class TaskService:
             if record.task_id in self._fenced_creating:
                 self._fence_call(record.task_id, call)  # committed after the fence: taken over
         except LiveLimitError as exc:
-            self._close_span(record.task_id, "refused", "over max_tasks_per_principal")
+            self._close_span(record.task_id, "refused")
             self.release(record.task_id)
             raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
         except StoreUnavailableError as exc:
             self.store_failed(exc)
-            self._close_span(record.task_id, "refused", "the store could not write")
+            self._close_span(record.task_id, "refused")
             if rerun is None:
                 self.release(record.task_id)
             else:
@@ -478,9 +478,9 @@ class TaskService:
         self._spans[record.task_id] = span
         return span
 
-    def _close_span(self, task_id: str, status: str, message: str | None = None) -> None:
+    def _close_span(self, task_id: str, status: str) -> None:
         """End the `task` span of `task_id` on this node, if it has one open, with `status`."""
-        tracing.end_task_span(self._spans.pop(task_id, None), status, message)
+        tracing.end_task_span(self._spans.pop(task_id, None), status)
 
     def publish_message(self, *, principal: str, server: str, task_id: str, message: JsonObject) -> None:
         """Offer a JSON-RPC notification that belongs to a task (a v1 client's progress) to its streams."""
@@ -580,7 +580,7 @@ class TaskService:
             log.error("outcome_not_recorded", task_id=task_id, reason=str(exc))
             self._spawn(self._write_later(task_id, change))
         finally:
-            self._close_span(task_id, outcome_status(outcome).value, status_message)
+            self._close_span(task_id, outcome_status(outcome).value)
             self.release(task_id)
 
     async def _write_later(self, task_id: str, change: Change) -> None:
@@ -695,7 +695,7 @@ class TaskService:
             self._cancelling.discard(record.task_id)
         call = self.live.get(record.task_id)
         tracing.task_event(self._spans.get(record.task_id), "cancel_requested", link=True, by=by)
-        self._close_span(record.task_id, TaskStatus.CANCELLED.value, message)
+        self._close_span(record.task_id, TaskStatus.CANCELLED.value)
         self.release(record.task_id)
         if call is not None:
             call.cancel(f"task {message}")
@@ -711,7 +711,7 @@ class TaskService:
         if call is None:
             return False
         tracing.task_event(self._spans.get(task_id), "cancel_requested", link=True, by="client")
-        self._close_span(task_id, TaskStatus.CANCELLED.value, reason)
+        self._close_span(task_id, TaskStatus.CANCELLED.value)
         self.release(task_id)
         call.cancel(reason)
         principal = principal_hash(call.principal)

@@ -8,19 +8,27 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+import yarl
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.clients import ModernClient
+from support.console import CONSOLE_TOKEN
 from support.proxy import Serve, make_config, stdio_config
+from support.servers import run_cli
 
-from proxy.config import ConfigError, TracingConfig, config_from_data
+from proxy.config import ConfigError, ConsoleConfig, TracingConfig, config_from_data
+from proxy.front.auth import hash_token
 from proxy.runtime import tracing
 from proxy.runtime.logs import configure_logging
 
@@ -106,23 +114,25 @@ async def test_a_modern_call_joins_the_clients_trace_and_the_upstream_gets_it_in
             assert 'echo_meta"' not in str(value)  # no payloads
 
 
-async def test_the_header_alone_carries_the_context_and_a_legacy_request_too(
+async def test_the_header_alone_carries_the_context_and_its_baggage_and_meta_wins_on_the_legacy_wire(
     spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
     proxy = await serve(make_config(legacy_url, tmp_path / "store"))
     client = ModernClient(proxy.url(), capabilities={})
     try:
-        await client.call(
-            "greet", {"name": "t"}, headers={"traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)}
-        )
+        header = {"traceparent": traceparent(HEADER_TRACE, HEADER_SPAN), "baggage": "tenant=acme"}
+        echo = await client.call("echo_meta", {}, headers=header)
     finally:
         await client.close()
-    (inbound,) = by_name(spans, "tools/call greet")[:1]
+    (inbound,) = [s for s in by_name(spans, "tools/call echo_meta") if s.kind.name == "SERVER"][:1]
     assert trace_hex(inbound) == HEADER_TRACE
+    meta, _ = echoed(echo.result["content"][0]["text"])
+    assert meta["traceparent"].split("-")[1] == HEADER_TRACE
+    assert meta["baggage"] == "tenant=acme"  # the client's baggage goes on with its context
 
-    # the legacy era (2025-11-25): a relayed request's span, and the upstream sees the context
+    # the legacy era (2025-11-25): a relayed request's span, and the upstream sees the context;
+    # `_meta` wins over the header here too
     spans.clear()
-    import aiohttp
 
     async with aiohttp.ClientSession() as http:
         head = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
@@ -150,7 +160,11 @@ async def test_the_header_alone_carries_the_context_and_a_legacy_request_too(
             "jsonrpc": "2.0",
             "id": 2,
             "method": "tools/call",
-            "params": {"name": "echo_meta", "arguments": {}},
+            "params": {
+                "name": "echo_meta",
+                "arguments": {},
+                "_meta": {"traceparent": traceparent(CLIENT_TRACE, CLIENT_SPAN)},
+            },
         }
         async with http.post(
             proxy.url(), json=call, headers={**head, "traceparent": traceparent(HEADER_TRACE, HEADER_SPAN)}
@@ -160,17 +174,17 @@ async def test_the_header_alone_carries_the_context_and_a_legacy_request_too(
     data = next(json.loads(event) for event in events if event) if events else json.loads(text)
     meta, headers = echoed(data["result"]["content"][0]["text"])
     legacy = [s for s in by_name(spans, "tools/call echo_meta") if s.kind.name == "SERVER"]
-    assert legacy and trace_hex(legacy[0]) == HEADER_TRACE
+    assert legacy and trace_hex(legacy[0]) == CLIENT_TRACE
     assert legacy[0].attributes is not None and legacy[0].attributes["mcp_tasks_proxy.era"] == "legacy"
-    assert meta["traceparent"].split("-")[1] == HEADER_TRACE
-    assert headers["traceparent"].split("-")[1] == HEADER_TRACE
+    assert meta["traceparent"].split("-")[1] == CLIENT_TRACE
+    assert headers["traceparent"].split("-")[1] == CLIENT_TRACE
 
 
 async def test_a_detached_call_has_a_task_span_from_creation_to_its_end_linked_to_each_request(
     spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
     config = make_config(legacy_url, tmp_path / "store")
-    config.console = None
+    config.console = ConsoleConfig.model_validate({"tokens": {"alice": hash_token(CONSOLE_TOKEN)}})
     proxy = await serve(config)
     client = ModernClient(proxy.url(), capabilities=ELICIT_CAPS)
     context = {"traceparent": traceparent(CLIENT_TRACE, CLIENT_SPAN)}
@@ -190,6 +204,11 @@ async def test_a_detached_call_has_a_task_span_from_creation_to_its_end_linked_t
     assert done["status"] == "completed"
     record = await proxy.store.get(task_id)
     assert record is not None and record.trace is not None and record.trace.split("-")[1] == CLIENT_TRACE
+    async with aiohttp.ClientSession() as http:  # the console's task detail shows the trace id
+        bearer = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
+        async with http.get(f"{proxy.base}/console/api/tasks/{task_id}", headers=bearer) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["traceId"] == CLIENT_TRACE
     task_spans = [
         s for s in by_name(spans, "task") if (s.attributes or {}).get("mcp_tasks_proxy.task_id") == task_id
     ]
@@ -247,8 +266,6 @@ async def test_tracing_off_changes_nothing_and_starts_no_exporter(
     assert not tracing.wanted(
         TracingConfig(otlp_endpoint="http://127.0.0.1:4318/v1/traces"), environ={"OTEL_SDK_DISABLED": "true"}
     )
-    import threading
-
     before = {thread.name for thread in threading.enumerate()}
     proxy = await serve(make_config(legacy_url, tmp_path / "store"))
     client = ModernClient(proxy.url(), capabilities={})
@@ -262,10 +279,16 @@ async def test_tracing_off_changes_nothing_and_starts_no_exporter(
     assert meta.get("traceparent") == traceparent(CLIENT_TRACE, CLIENT_SPAN)  # passed through untouched
     assert "traceparent" not in headers
     assert not tracing.enabled()
-    assert not any("OtelBatchSpanProcessor" in thread.name for thread in threading.enumerate())
-    assert {thread.name for thread in threading.enumerate()} - before <= {
-        t.name for t in threading.enumerate()
-    }
+    assert not [
+        name for name in {t.name for t in threading.enumerate()} - before if name.startswith("OtelBatch")
+    ]
+    # the same check sees the exporter's thread once tracing is on
+    on = TracingConfig(otlp_endpoint="http://127.0.0.1:9/v1/traces")
+    assert tracing.install(on, environ={})
+    try:
+        assert [t.name for t in threading.enumerate() if t.name.startswith("OtelBatch")]
+    finally:
+        tracing.shutdown()
 
 
 async def test_a_tool_name_that_is_no_text_still_exports(
@@ -329,3 +352,115 @@ def test_context_in_meta_wins_and_bad_values_are_ignored() -> None:
     assert tracing.span_name("no spaces allowed here", None) == "jsonrpc"
     assert tracing.trace_id_of(traceparent(CLIENT_TRACE, CLIENT_SPAN)) == CLIENT_TRACE
     assert tracing.with_meta({"a": 1}) == {"a": 1}  # off: untouched
+    # URLs in the HTTP spans lose their credentials and query
+    found = tracing.safe_url(yarl.URL("http://user:secret@up.example:9000/mcp?api_key=k#x"))
+    assert found == "http://up.example:9000/mcp"
+
+
+def test_check_config_tells_what_tracing_does_and_refuses_what_cannot_work(tmp_path: Path) -> None:
+    """check-config prints the tracing line; an invalid OTEL_TRACES_SAMPLER_ARG or an endpoint with a
+    query is a config problem (exit 2, one line), at check time and at start, never a traceback."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        "store: {path: store}\n"
+        "tracing: {otlp_endpoint: 'http://127.0.0.1:4318/v1/traces', sample_ratio: 0.25}\n"
+        "mcpServers: {a: {url: 'http://127.0.0.1:9/mcp'}}\n"
+    )
+    done = run_cli("check-config", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "tracing: OTLP/HTTP to http://127.0.0.1:4318/v1/traces, sample ratio 0.25" in done.stdout
+    path.write_text("store: {path: store}\nmcpServers: {a: {url: 'http://127.0.0.1:9/mcp'}}\n")
+    assert "tracing: off" in run_cli("check-config", str(path)).stdout
+    bad = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_TRACES_SAMPLER_ARG": "abc"}
+    for args in (("check-config", str(path)), ("--config", str(path), "--port", "0")):
+        done = run_cli(*args, env=bad)
+        assert done.returncode == 2 and "OTEL_TRACES_SAMPLER_ARG" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    leaky = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318/?api_key=secret"}
+    done = run_cli("check-config", str(path), env=leaky)
+    assert done.returncode == 2 and "OTEL_EXPORTER_OTLP_HEADERS" in done.stderr
+    assert "secret" not in done.stderr
+    with pytest.raises(ConfigError, match="no user, password or query"):
+        config_from_data(
+            {
+                "tracing": {"otlp_endpoint": "http://collector:4318/v1/traces?api_key=s"},
+                "mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}},
+            }
+        )
+
+
+async def test_an_error_in_an_http_200_marks_the_span_and_a_probe_makes_no_trace(
+    spans: InMemorySpanExporter, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A tools/call answered with a JSON-RPC error marks its span failed whatever the HTTP status;
+    /readyz (which asks the upstream for its tools) and other work outside a request trace nothing."""
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        await client.call("instant_error", {})
+    finally:
+        await client.close()
+    (failed,) = [s for s in by_name(spans, "tools/call instant_error") if s.kind.name == "SERVER"]
+    assert failed.status.status_code.name == "ERROR"
+    assert failed.attributes is not None and failed.attributes["mcp_tasks_proxy.outcome"] == "error"
+    spans.clear()
+    async with aiohttp.ClientSession() as http, http.get(f"{proxy.base}/readyz") as resp:
+        assert resp.status == 200
+    assert spans.get_finished_spans() == ()
+
+
+async def test_an_unsampled_task_stores_no_trace_id_and_logs_carry_none(
+    legacy_url: str, tmp_path: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At sample_ratio 0 nothing is exported, so no trace id is kept on the record (the console
+    would show one that leads nowhere) and no log line carries one."""
+    exporter = InMemorySpanExporter()
+    assert tracing.install(TracingConfig(sample_ratio=0.0), processor=SimpleSpanProcessor(exporter))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    configure_logging("info")
+    try:
+        proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+        client = ModernClient(proxy.url())
+        try:
+            created = (await client.call("slow_compute", {"seconds": 0.2, "label": "unsampled"})).result
+            await client.wait_terminal(created["taskId"])
+        finally:
+            await client.close()
+        record = await proxy.store.get(created["taskId"])
+        assert record is not None and record.trace is None
+        assert exporter.get_finished_spans() == ()
+        assert "trace_id" not in err.getvalue()
+    finally:
+        tracing.shutdown()
+
+
+def test_shutdown_is_bounded_behind_a_collector_that_hangs_and_failures_log_as_json(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collector that accepts and never answers: shutdown's last flush gives up after its bound,
+    and the SDK's complaints come out as one JSON line, not plain text per retry."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    configure_logging("info")
+    try:
+        assert tracing.install(TracingConfig(otlp_endpoint=f"http://127.0.0.1:{port}/v1/traces"), environ={})
+        with tracing.tracer().start_as_current_span("one"):
+            pass
+        started = time.monotonic()
+        tracing.shutdown(timeout_s=0.5)
+        assert time.monotonic() - started < 2.0
+        logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").error("export failed: x")
+        lines = [json.loads(line) for line in err.getvalue().splitlines() if line.startswith("{")]
+        assert any(line.get("event") == "tracing_export_failed" for line in lines)
+        assert "export failed: x" not in [
+            line for line in err.getvalue().splitlines() if not line.startswith("{")
+        ]
+    finally:
+        listener.close()

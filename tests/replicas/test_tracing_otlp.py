@@ -12,8 +12,9 @@ import json
 import sys
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
-from support.clients import ModernClient
+from support.clients import LEGACY_INITIALIZE, ModernClient
 from support.otlp import OtlpReceiver, ReceivedSpan
 from support.servers import ROOT
 
@@ -23,7 +24,10 @@ from scripts.cluster import Cluster  # noqa: E402
 pytestmark = [pytest.mark.redis, pytest.mark.haproxy]
 
 ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
-WEB = "/servers/web/mcp"
+WEB, LOCAL = "/servers/web/mcp", "/servers/local/mcp"
+RELAYED_TRACE = "6bf92f3577b34da6a3ce929d0e0e4737"
+RELAYED_SPAN = "20f067aa0ba902b8"
+SERVER_KIND = 2  # SPAN_KIND_SERVER in OTLP
 CLIENT_TRACE = "5bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "10f067aa0ba902b7"
 CONTEXT = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
@@ -35,7 +39,6 @@ SETTINGS = {
     "MCP_DRAIN_DETACHED": "5s",
     "MCP_INPUT_TIMEOUT": "30s",
     "MCP_HOP_TIMEOUT": "2s",
-    "MCP_STDIO_DISABLED": "true",
     "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: export soon after a span ends
 }
 
@@ -69,6 +72,11 @@ async def test_one_detached_call_across_three_replicas_is_one_connected_trace(
     try:
         # the context in a header only: the upstream gets the same trace in its header and its _meta
         echo = await c1.call("echo_meta", {}, headers=CONTEXT)
+        payload = json.loads(echo.result["content"][0]["text"])
+        assert payload["meta"]["traceparent"].split("-")[1] == CLIENT_TRACE
+        assert payload["headers"]["traceparent"].split("-")[1] == CLIENT_TRACE
+        # the context in _meta only: the same
+        echo = await c2.call("echo_meta", {}, meta=CONTEXT)
         payload = json.loads(echo.result["content"][0]["text"])
         assert payload["meta"]["traceparent"].split("-")[1] == CLIENT_TRACE
         assert payload["headers"]["traceparent"].split("-")[1] == CLIENT_TRACE
@@ -130,3 +138,51 @@ async def test_one_detached_call_across_three_replicas_is_one_connected_trace(
     # nothing of a payload in any attribute
     for span in spans:
         assert "Ada" not in json.dumps(span.attributes)
+
+
+async def test_a_legacy_request_relayed_to_its_sessions_replica_continues_the_trace_there(
+    traced_cluster: Cluster, receiver: OtlpReceiver
+) -> None:
+    """A 2025-11-25 session on the stdio upstream lives on the replica that opened it (its child
+    process); a request for it sent to another replica is relayed there. The relaying replica's
+    request span, the hop's HTTP span and the owner's request span are one chain in the client's
+    trace, and the owner's stdio child gets that trace in `_meta`."""
+    head = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    owner, other = traced_cluster.replica_urls[0] + LOCAL, traced_cluster.replica_urls[1] + LOCAL
+    async with aiohttp.ClientSession() as http:
+        async with http.post(owner, json=LEGACY_INITIALIZE, headers=head) as resp:
+            assert resp.status == 200
+            sid = resp.headers["Mcp-Session-Id"]
+            await resp.read()
+        head = {**head, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+        async with http.post(
+            owner, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=head
+        ):
+            pass
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "echo_meta", "arguments": {}},
+        }
+        context = {"traceparent": f"00-{RELAYED_TRACE}-{RELAYED_SPAN}-01"}
+        async with http.post(other, json=call, headers={**head, **context}) as resp:
+            assert resp.status == 200
+            text = await resp.text()
+    events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    reply = next(json.loads(event) for event in events if event) if events else json.loads(text)
+    meta = json.loads(reply["result"]["content"][0]["text"])["meta"]
+    assert meta["traceparent"].split("-")[1] == RELAYED_TRACE
+
+    def chain_arrived(spans: list[ReceivedSpan]) -> bool:
+        mine = [s for s in spans if s.trace_id == RELAYED_TRACE and s.name == "tools/call echo_meta"]
+        return len([s for s in mine if s.kind == SERVER_KIND]) >= 2
+
+    spans = [s for s in await receiver.wait_for(chain_arrived, timeout=15) if s.trace_id == RELAYED_TRACE]
+    by_id = {s.span_id: s for s in spans}
+    servers = [s for s in spans if s.name == "tools/call echo_meta" and s.kind == SERVER_KIND]
+    relaying = next(s for s in servers if s.parent_span_id == RELAYED_SPAN)
+    on_owner = next(s for s in servers if s is not relaying)
+    hop = by_id[on_owner.parent_span_id]  # the HTTP exchange of the relay, under the relaying span
+    assert hop.name == "POST" and hop.parent_span_id == relaying.span_id
+    assert on_owner.attributes["mcp_tasks_proxy.era"] == "legacy"
