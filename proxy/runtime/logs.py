@@ -21,9 +21,11 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(level: str = "info") -> None:
+def configure_logging(level: str = "info", *, cache_loggers: bool = True) -> None:
     """Route structlog and stdlib logging to stderr; JSON lines unless stderr is a terminal. Lines
-    logged inside a traced span carry its `trace_id` and `span_id`."""
+    logged inside a traced span carry its `trace_id` and `span_id`. With `cache_loggers` (the
+    default) each logger keeps this set-up from its first use on, which saves a lookup per line; a
+    test that configures logging again later passes False."""
     renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
     structlog.configure(
@@ -37,6 +39,6 @@ def configure_logging(level: str = "info") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(cast(TextIO, _CurrentStderr())),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache_loggers,
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -6,10 +6,8 @@ nothing at all while tracing is off."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import structlog
 import yarl
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
@@ -52,6 +51,27 @@ def spans() -> Iterator[InMemorySpanExporter]:
         yield exporter
     finally:
         tracing.shutdown()
+
+
+class Logs:
+    """What the proxy logged on stderr (pytest's capture) since the last look."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
+        self.capsys = capsys
+
+    def getvalue(self) -> str:
+        return self.capsys.readouterr().err
+
+
+@pytest.fixture
+def json_logs(capsys: pytest.CaptureFixture[str]) -> Iterator[Logs]:
+    """The proxy's logging as the command line configures it (JSON lines on stderr); structlog's
+    defaults again afterwards, and no logger caching meanwhile, so later tests' captures work."""
+    configure_logging("info", cache_loggers=False)
+    try:
+        yield Logs(capsys)
+    finally:
+        structlog.reset_defaults()
 
 
 def by_name(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
@@ -234,11 +254,8 @@ async def test_a_detached_call_has_a_task_span_from_creation_to_its_end_linked_t
 
 
 async def test_log_lines_carry_the_trace_and_the_stdio_upstream_gets_the_context_in_meta(
-    spans: InMemorySpanExporter, tmp_path: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    spans: InMemorySpanExporter, tmp_path: Path, serve: Serve, json_logs: Logs
 ) -> None:
-    err = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", err)
-    configure_logging("info")
     proxy = await serve(stdio_config(tmp_path))
     client = ModernClient(proxy.url(), capabilities={})
     try:
@@ -249,7 +266,7 @@ async def test_log_lines_carry_the_trace_and_the_stdio_upstream_gets_the_context
         await client.close()
     meta, _ = echoed(reply.result["content"][0]["text"])
     assert meta["traceparent"].split("-")[1] == HEADER_TRACE
-    lines = [json.loads(line) for line in err.getvalue().splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in json_logs.getvalue().splitlines() if line.startswith("{")]
     request_lines = [
         line for line in lines if line.get("event") == "request" and line.get("tool") == "echo_meta"
     ]
@@ -410,15 +427,12 @@ async def test_an_error_in_an_http_200_marks_the_span_and_a_probe_makes_no_trace
 
 
 async def test_an_unsampled_task_stores_no_trace_id_and_logs_carry_none(
-    legacy_url: str, tmp_path: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    legacy_url: str, tmp_path: Path, serve: Serve, json_logs: Logs
 ) -> None:
     """At sample_ratio 0 nothing is exported, so no trace id is kept on the record (the console
     would show one that leads nowhere) and no log line carries one."""
     exporter = InMemorySpanExporter()
     assert tracing.install(TracingConfig(sample_ratio=0.0), processor=SimpleSpanProcessor(exporter))
-    err = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", err)
-    configure_logging("info")
     try:
         proxy = await serve(make_config(legacy_url, tmp_path / "store"))
         client = ModernClient(proxy.url())
@@ -430,13 +444,13 @@ async def test_an_unsampled_task_stores_no_trace_id_and_logs_carry_none(
         record = await proxy.store.get(created["taskId"])
         assert record is not None and record.trace is None
         assert exporter.get_finished_spans() == ()
-        assert "trace_id" not in err.getvalue()
+        assert "trace_id" not in json_logs.getvalue()
     finally:
         tracing.shutdown()
 
 
 def test_shutdown_is_bounded_behind_a_collector_that_hangs_and_failures_log_as_json(
-    monkeypatch: pytest.MonkeyPatch,
+    json_logs: Logs,
 ) -> None:
     """A collector that accepts and never answers: shutdown's last flush gives up after its bound,
     and the SDK's complaints come out as one JSON line, not plain text per retry."""
@@ -446,9 +460,6 @@ def test_shutdown_is_bounded_behind_a_collector_that_hangs_and_failures_log_as_j
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     port = listener.getsockname()[1]
-    err = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", err)
-    configure_logging("info")
     try:
         assert tracing.install(TracingConfig(otlp_endpoint=f"http://127.0.0.1:{port}/v1/traces"), environ={})
         with tracing.tracer().start_as_current_span("one"):
@@ -456,11 +467,13 @@ def test_shutdown_is_bounded_behind_a_collector_that_hangs_and_failures_log_as_j
         started = time.monotonic()
         tracing.shutdown(timeout_s=0.5)
         assert time.monotonic() - started < 2.0
-        logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").error("export failed: x")
-        lines = [json.loads(line) for line in err.getvalue().splitlines() if line.startswith("{")]
+        exporter_log = logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+        for handler in logging.getLogger("opentelemetry.exporter").handlers:
+            handler.last = 0.0  # type: ignore[attr-defined]  (a line of an earlier test may have folded this)
+        exporter_log.error("export failed: x")
+        text = json_logs.getvalue().splitlines()
+        lines = [json.loads(line) for line in text if line.startswith("{")]
         assert any(line.get("event") == "tracing_export_failed" for line in lines)
-        assert "export failed: x" not in [
-            line for line in err.getvalue().splitlines() if not line.startswith("{")
-        ]
+        assert not [line for line in text if "export failed: x" in line and not line.startswith("{")]
     finally:
         listener.close()
