@@ -332,6 +332,16 @@ async def test_a_legacy_call_cut_before_its_answer_is_joined_by_its_retry(
             async with http.post(proxy.url(), json=counted, headers=unkeyed) as resp:
                 text = await resp.text()
             assert f'\\"{label}\\": 1' in text, text
+            # the key reused with other arguments: refused with the conflict, never run
+            other = {"name": "slow_compute", "arguments": {"seconds": 0.1, "label": label + "-other"}}
+            conflict = {"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": other}
+            async with http.post(proxy.url(), json=conflict, headers=headers) as resp:
+                text = await resp.text()
+            refused = json.loads(text.split("data: ")[-1]) if "data: " in text else json.loads(text)
+            assert refused["id"] == 5 and refused["error"]["code"] == -32602, refused
+            assert key not in refused["error"]["message"]  # the key is a secret of its client
+            async with http.post(proxy.url(), json={**counted, "id": 6}, headers=unkeyed) as resp:
+                assert f"{label}-other" not in await resp.text()
 
 
 async def test_a_task_capable_retry_of_a_call_attached_without_tasks_gets_a_task(

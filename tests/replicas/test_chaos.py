@@ -10,8 +10,9 @@ failed as "upstream unreachable". The cases of issue "Reliability round 2" (each
 under 20 s): `--keepalive` (an upstream closing idle connections: the race happened, every lost
 POST was re-sent), `--partition` (a replica cut off from Redis for longer than its lease: the cut
 lasted, its calls were fenced before another replica re-ran them) and `--damage` (a damaged store
-is refused at start, naming the file, every time). One race the partition run finds in the proxy
-(a call cut off by the partition re-run twice) is reported as an expected failure, not hidden.
+is refused at start, naming the file, every time). The partition run once found a race (a call
+cut off by the partition re-run twice); the fence now stops such a call before another replica
+re-runs it, and the run fails if it ever happens again.
 """
 
 from __future__ import annotations
