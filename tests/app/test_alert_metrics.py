@@ -6,9 +6,8 @@ and the live replicas. Read from `/metrics` as Prometheus reads them; the regist
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
-from support.relay import TcpRelay
+from support.relay import relay_to
 
 from proxy.config import Config, config_from_data
 
@@ -77,18 +76,6 @@ async def test_upstream_errors_count_the_calls_the_upstream_failed_by_server_and
     assert delta("mcp_tasks_proxy_calls_total", server="legacy", tool="instant_error", outcome="error") == 1
 
 
-@contextlib.asynccontextmanager
-async def relayed(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, str]]:
-    """A TCP relay in front of `redis_server` (pause it: a partition) and the Redis URL through it."""
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].split(":")
-    relay = TcpRelay(host, int(port))
-    relay_port = await relay.start()
-    try:
-        yield relay, redis_server.url.replace(f":{port}", f":{relay_port}")
-    finally:
-        await relay.close()
-
-
 def redis_config(legacy_url: str, url: str, prefix: str, *, replicas: bool = False, **store: str) -> Config:
     """One server in front of the legacy fixture, its task store the Redis at `url` under `prefix`
     (`store` adds keys), as a replica (`replicas`) or not."""
@@ -114,7 +101,7 @@ async def wait_metrics(base: str, check: Callable[[Samples], bool], timeout_s: f
 async def test_store_writable_and_the_lease_follow_a_store_cut_off_and_back(
     legacy_url: str, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
-    async with relayed(redis_server) as (relay, url):
+    async with relay_to(redis_server) as (relay, url):
         proxy = await serve(redis_config(legacy_url, url, redis_prefix, lease="1200ms", timeout="300ms"))
         before = await scrape(proxy.base)
         assert value(before, "mcp_tasks_proxy_store_writable") == 1

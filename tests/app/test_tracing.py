@@ -21,7 +21,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from support.clients import ModernClient
+from support.clients import LEGACY_INITIALIZE, ModernClient
 from support.console import CONSOLE_TOKEN
 from support.proxy import Serve, make_config, stdio_config
 from support.servers import run_cli
@@ -156,17 +156,7 @@ async def test_the_header_alone_carries_the_context_and_its_baggage_and_meta_win
 
     async with aiohttp.ClientSession() as http:
         head = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-        init = {
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-11-25",
-                "capabilities": {},
-                "clientInfo": {"name": "t", "version": "1"},
-            },
-        }
-        async with http.post(proxy.url(), json=init, headers=head) as resp:
+        async with http.post(proxy.url(), json=LEGACY_INITIALIZE, headers=head) as resp:
             sid = resp.headers["Mcp-Session-Id"]
             await resp.read()
         head = {**head, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}

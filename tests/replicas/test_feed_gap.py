@@ -19,7 +19,7 @@ from support.clients import TASKS_CAPS, ModernClient, envelope
 from support.console import CONSOLE_TOKEN, console_config
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
-from support.relay import TcpRelay
+from support.relay import relay_to
 
 from proxy.protocol.sse import iter_events
 
@@ -73,41 +73,38 @@ async def test_a_listen_stream_gets_the_status_a_cut_feed_lost(
     """A `subscriptions/listen` stream on replica B follows a task running on replica A. B's link to
     Redis is held while the task completes, then cut (the message of the completion is lost with
     it): once B's feed is back, the stream re-reads its task and sends `completed`."""
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].split(":")
-    relay = TcpRelay(host, int(port))
-    relayed_url = redis_server.url.replace(f":{port}", f":{await relay.start()}")
-    configs = []
-    for name, url in (("a", redis_server.url), ("b", relayed_url)):
-        config = make_config(legacy_url, tmp_path / name)
-        data = {"url": url, "prefix": redis_prefix, "timeout": "500ms", "lease": "10s"}
-        config.store = type(config.store).model_validate(data)
-        configs.append(config)
-    a, b = [await serve(config) for config in configs]
-    on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
-    label = f"gap-{uuid.uuid4().hex[:8]}"
-    try:
-        task_id = (await on_a.call("slow_compute", {"seconds": 0.5, "label": label})).result["taskId"]
-        params = {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)}
-        request = {"jsonrpc": "2.0", "id": "listen", "method": "subscriptions/listen", "params": params}
-        body = json.dumps(request)
-        headers = on_b.headers_for("subscriptions/listen", params)
-        async with on_b.http.post(on_b.url, data=body, headers=headers) as resp:
-            events = iter_events(resp.content.iter_any())
-            assert resp.status == 200 and await anext(events)  # the acknowledgement
-            relay.pause()
-            assert (await on_a.wait_terminal(task_id))["status"] == "completed"
-            relay.cut()
-            relay.resume()
-            async with asyncio.timeout(15):
-                async for event in events:
-                    frame = json.loads(event.data) if event.data else {}
-                    if frame.get("method") == "notifications/tasks":
-                        if frame["params"]["status"] == "completed":
-                            break
-    finally:
-        await on_a.close()
-        await on_b.close()
-        await relay.close()
+    async with relay_to(redis_server) as (relay, relayed_url):
+        configs = []
+        for name, url in (("a", redis_server.url), ("b", relayed_url)):
+            config = make_config(legacy_url, tmp_path / name)
+            data = {"url": url, "prefix": redis_prefix, "timeout": "500ms", "lease": "10s"}
+            config.store = type(config.store).model_validate(data)
+            configs.append(config)
+        a, b = [await serve(config) for config in configs]
+        on_a, on_b = ModernClient(a.url()), ModernClient(b.url())
+        label = f"gap-{uuid.uuid4().hex[:8]}"
+        try:
+            task_id = (await on_a.call("slow_compute", {"seconds": 0.5, "label": label})).result["taskId"]
+            params = {"notifications": {"taskIds": [task_id]}, "_meta": envelope(TASKS_CAPS)}
+            request = {"jsonrpc": "2.0", "id": "listen", "method": "subscriptions/listen", "params": params}
+            body = json.dumps(request)
+            headers = on_b.headers_for("subscriptions/listen", params)
+            async with on_b.http.post(on_b.url, data=body, headers=headers) as resp:
+                events = iter_events(resp.content.iter_any())
+                assert resp.status == 200 and await anext(events)  # the acknowledgement
+                relay.pause()
+                assert (await on_a.wait_terminal(task_id))["status"] == "completed"
+                relay.cut()
+                relay.resume()
+                async with asyncio.timeout(15):
+                    async for event in events:
+                        frame = json.loads(event.data) if event.data else {}
+                        if frame.get("method") == "notifications/tasks":
+                            if frame["params"]["status"] == "completed":
+                                break
+        finally:
+            await on_a.close()
+            await on_b.close()
 
 
 async def test_a_listen_stream_gets_the_status_that_ended_while_redis_was_killed(

@@ -6,11 +6,9 @@ replica and a real redis-server that the test pauses; the upstream counts its st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import redis.asyncio
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
-from support.relay import TcpRelay
+from support.relay import relay_to
 
 from proxy.app import TASKS_KEY
 from proxy.config import Config
@@ -26,17 +24,6 @@ from proxy.config import Config
 pytestmark = pytest.mark.redis
 
 LEASE = "1s"
-
-
-@contextlib.asynccontextmanager
-async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, str]]:
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].split(":")
-    relay = TcpRelay(host, int(port))
-    relay_port = await relay.start()
-    try:
-        yield relay, redis_server.url.replace(f":{port}", f":{relay_port}")
-    finally:
-        await relay.close()
 
 
 def replica(

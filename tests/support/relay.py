@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+
+from support.redis_server import RedisServer
 
 
 class TcpRelay:
@@ -83,3 +87,16 @@ class TcpRelay:
             pass
         finally:
             writer.close()
+
+
+@contextlib.asynccontextmanager
+async def relay_to(redis_server: RedisServer) -> AsyncIterator[tuple[TcpRelay, str]]:
+    """A relay in front of `redis_server` for the block (pause it: a partition; cut it: a dropped
+    link), and the Redis URL that goes through it."""
+    host, port = redis_server.url.removeprefix("redis://").split("/")[0].split(":")
+    relay = TcpRelay(host, int(port))
+    relay_port = await relay.start()
+    try:
+        yield relay, redis_server.url.replace(f":{port}", f":{relay_port}")
+    finally:
+        await relay.close()
