@@ -15,14 +15,15 @@ ids and outcomes only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import aiohttp
 import structlog
@@ -77,6 +78,9 @@ class _Tracing:
     http_provider: TracerProvider | None = None
 
 
+_Session = TypeVar("_Session")
+_Params = TypeVar("_Params")
+_Rest = ParamSpec("_Rest")
 _state = _Tracing()
 log = structlog.get_logger("proxy.tracing")
 
@@ -452,6 +456,29 @@ async def upstream_request(
         reply = await send(traced)
         reply_status(reply)
         return reply
+
+
+def traced_request(
+    send: Callable[Concatenate[_Session, str, _Params, _Rest], Coroutine[Any, Any, dict[str, Any]]],
+) -> Callable[Concatenate[_Session, str, _Params, _Rest], Coroutine[Any, Any, dict[str, Any]]]:
+    """Decorator for an upstream session's `request(self, method, params, *, ...)` (its `server`
+    attribute names the upstream): while tracing is on, the request is an `upstream_request` (a
+    CLIENT span, its context in `params._meta`); while off, the method as it is."""
+
+    @functools.wraps(send)
+    async def request(
+        session: _Session, method: str, params: _Params, /, *args: _Rest.args, **kwargs: _Rest.kwargs
+    ) -> dict[str, Any]:
+        if not enabled():
+            return await send(session, method, params, *args, **kwargs)
+        return await upstream_request(
+            getattr(session, "server", "?"),
+            method,
+            params,
+            lambda traced: send(session, method, traced, *args, **kwargs),
+        )
+
+    return request
 
 
 def reply_status(reply: Any, span: Span | None = None) -> None:

@@ -261,6 +261,7 @@ class UpstreamSession:
                     f"{message.get('method') or 'a response'}: {body[:200]}"
                 )
 
+    @tracing.traced_request
     async def request(
         self,
         method: str,
@@ -281,23 +282,6 @@ class UpstreamSession:
         Cancel the awaiting task to abandon the request (the caller sends `notifications/cancelled`).
         While tracing is on, the request is an upstream span whose context goes in `params._meta`.
         """
-        if tracing.enabled():
-            return await tracing.upstream_request(
-                self.server,
-                method,
-                params,
-                lambda traced: self._request(method, traced, handler, request_id, on_sent),
-            )
-        return await self._request(method, params, handler, request_id, on_sent)
-
-    async def _request(
-        self,
-        method: str,
-        params: JsonObject | None,
-        handler: MessageHandler | None,
-        request_id: RequestId | None,
-        on_sent: Callable[[], None] | None,
-    ) -> JsonObject:
         bound, key = self.bounds.for_method(method)
         self.in_flight += 1
         try:

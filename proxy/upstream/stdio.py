@@ -269,6 +269,7 @@ class StdioSession:
         )
         await self._write(msg)
 
+    @tracing.traced_request
     async def request(
         self,
         method: str,
@@ -285,24 +286,8 @@ class StdioSession:
         request cancelled before that never reached the child, and needs no `notifications/cancelled`).
         The wait (a `max_concurrency` slot included) is bounded by `Bounds.for_method` (s).
         Raises UpstreamError when the child dies first (naming the exit status) or does not answer in time.
+        While tracing is on, the request is an upstream span whose context goes in `params._meta`.
         """
-        if tracing.enabled():
-            return await tracing.upstream_request(
-                self.server,
-                method,
-                params,
-                lambda traced: self._bounded(method, traced, handler, request_id, on_sent),
-            )
-        return await self._bounded(method, params, handler, request_id, on_sent)
-
-    async def _bounded(
-        self,
-        method: str,
-        params: JsonObject | None,
-        handler: MessageHandler | None,
-        request_id: RequestId | None,
-        on_sent: Callable[[], None] | None,
-    ) -> JsonObject:
         bound, key = self.bounds.for_method(method)
         try:
             async with asyncio.timeout(bound):

@@ -91,6 +91,7 @@ class Session(Protocol):
         self,
         method: str,
         params: JsonObject | None,
+        /,
         *,
         handler: MessageHandler | None,
         request_id: RequestId | None = None,
