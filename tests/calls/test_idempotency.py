@@ -295,16 +295,25 @@ async def test_the_mcp_sdk_client_passes_the_key_in_meta_on_the_legacy_wire(
     assert json.loads(counted.content[0].text)[label] == 1
 
 
+@pytest.mark.parametrize("version", ["2025-11-25", "2025-06-18"])
 async def test_a_legacy_call_cut_before_its_answer_is_joined_by_its_retry(
-    legacy_url: str, tmp_path: Path
+    legacy_url: str, tmp_path: Path, version: str
 ) -> None:
-    """A 2025-11-25 client's keyed `tools/call` is cut 50 ms in: the relay goes on without it and
-    keeps the answer under the key, and the retry gets it; the upstream ran the call once."""
+    """A handshake-era client's keyed `tools/call` is cut 50 ms in: the relay goes on without it
+    and keeps the answer under the key, and the retry gets it; the upstream ran the call once. The
+    key reused with other arguments is refused and never run."""
     label, key = fresh("legacy-cut"), fresh("key")
+    initialize = {**LEGACY_INITIALIZE, "params": {**LEGACY_INITIALIZE["params"], "protocolVersion": version}}
     async with running_proxy(make_config(legacy_url, tmp_path)) as proxy:
         async with aiohttp.ClientSession() as http:
-            async with http.post(proxy.url(), json=LEGACY_INITIALIZE, headers=LEGACY_HEADERS) as resp:
-                headers = {**LEGACY_HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"], KEY: key}
+            async with http.post(proxy.url(), json=initialize, headers=LEGACY_HEADERS) as resp:
+                assert (await resp.text()).count(version) >= 1
+                headers = {
+                    **LEGACY_HEADERS,
+                    "Mcp-Session-Id": resp.headers["Mcp-Session-Id"],
+                    "MCP-Protocol-Version": version,
+                    KEY: key,
+                }
             params = {"name": "slow_compute", "arguments": {"seconds": 0.4, "label": label}}
             body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
             with pytest.raises(asyncio.TimeoutError):
