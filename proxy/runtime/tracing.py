@@ -466,12 +466,12 @@ def traced_request(
     CLIENT span, its context in `params._meta`); while off, the method as it is."""
 
     @functools.wraps(send)
-    async def request(
+    def request(
         session: _Session, method: str, params: _Params, /, *args: _Rest.args, **kwargs: _Rest.kwargs
-    ) -> dict[str, Any]:
-        if not enabled():
-            return await send(session, method, params, *args, **kwargs)
-        return await upstream_request(
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        if not enabled():  # the method's own coroutine: no frame more while off
+            return send(session, method, params, *args, **kwargs)
+        return upstream_request(
             getattr(session, "server", "?"),
             method,
             params,
