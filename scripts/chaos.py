@@ -119,7 +119,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import importlib.util
 import io
 import json
 import math
@@ -205,13 +204,9 @@ class RelayLoop:
     blocking Target methods (run in threads) can pause and resume them and read their counts."""
 
     def __init__(self) -> None:
-        spec = importlib.util.spec_from_file_location(
-            "mcp_tasks_proxy_relay", ROOT / "tests" / "support" / "relay.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        self._relay_class = module.TcpRelay
+        from support.relay import TcpRelay
+
+        self._relay_class = TcpRelay
         self.loop = asyncio.new_event_loop()
         # A relayed connection whose target refuses it (redis-server down for its restart) is closed
         # by asyncio after it reports the error: expected here, not worth a traceback.
@@ -1736,6 +1731,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/cluster.py
+sys.path.insert(0, str(ROOT / "tests"))  # tests/support/relay.py
 
 if __name__ == "__main__":
     sys.exit(main())
