@@ -454,7 +454,9 @@ async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
     503 at once, new calls and sessions are refused (503, so a load balancer retries them
     elsewhere), and the detached calls it runs (and MRTR calls parked here) go on for up to
     `listen.drain_detached` (s) while other replicas serve their polls, or until `interrupted` is
-    set (a second SIGTERM or SIGINT); then its streams are cut, their clients reconnect elsewhere."""
+    set (a second SIGTERM or SIGINT); then its streams are cut, their clients reconnect elsewhere.
+    Even with nothing left to run, a replica drains for `listen.drain_grace` (s) at least, so its
+    load balancer has taken it out before its listener and keep-alive connections close."""
     config = app[CONFIG_KEY]
     app[DRAIN_KEY].start(config.listen.drain_timeout)
     replicas = app.get(REPLICAS_KEY)
@@ -462,9 +464,15 @@ async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
         return
     tasks, parked = app[TASKS_KEY], app[PARKED_KEY]
     await replicas.begin_drain()
-    idle = asyncio.ensure_future(
-        replicas.wait_idle(config.listen.drain_detached, busy=lambda: bool(tasks.live) or len(parked) > 0)
-    )
+    listen = config.listen
+
+    async def settled() -> None:
+        await asyncio.gather(
+            replicas.wait_idle(listen.drain_detached, busy=lambda: bool(tasks.live) or len(parked) > 0),
+            asyncio.sleep(min(listen.drain_grace, listen.drain_detached)),
+        )
+
+    idle = asyncio.ensure_future(settled())
     stopped = asyncio.ensure_future(interrupted.wait())
     try:
         await asyncio.wait({idle, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -39,6 +39,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytimeparse2
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "replicas.yaml"
 HAPROXY_CFG = ROOT / "config" / "haproxy.cfg"
@@ -146,6 +148,8 @@ class Cluster:
             "MCP_REPLICA_SECRET": self.secret,
             "MCP_STDIO_COMMAND": sys.executable,
             "MCP_STDIO_SCRIPT": str(ROOT / "tests" / "fixtures" / "legacy_server.py"),
+            # HAProxy takes a draining replica out after two failed checks (fall 2): about 2-3 x check_inter
+            "MCP_DRAIN_GRACE": f"{5 * float(pytimeparse2.parse(check_inter) or 1):g}s",
             **(settings or {}),
         }
 

@@ -129,7 +129,7 @@ def describe(config: Config, source: str) -> str:
         lines.append(
             f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout "
             f"{config.replicas.hop_timeout:g}s, "
-            f"drain_detached {config.listen.drain_detached:g}s"
+            f"drain_detached {config.listen.drain_detached:g}s, drain_grace {config.listen.drain_grace:g}s"
         )
     auth = config.auth
     if auth.mode == "jwt" and auth.jwt is not None:

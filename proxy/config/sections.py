@@ -62,6 +62,16 @@ class ListenConfig(_Strict):
         description="replicas only: on SIGTERM, how long the detached calls this replica runs may go on "
         "(other replicas serve their polls)",
     )
+    drain_grace: Duration = Field(
+        "5s",
+        validate_default=True,
+        description="replicas only: on SIGTERM, how long a draining replica keeps listening at least "
+        "(/readyz 503, new calls 503, polls served) before it stops, even with nothing left to run, so "
+        "its load balancer's health checks take it out first; a replica that stops sooner closes "
+        "connections the balancer may be sending a request on (HAProxy then drops the client's "
+        "connection unanswered). Set it above the balancer's check interval x fall count; at most "
+        "drain_detached",
+    )
     legacy_session_idle: Duration = Field(
         "1h",
         validate_default=True,
