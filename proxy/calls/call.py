@@ -43,8 +43,9 @@ class _Discard(asyncio.Queue[tuple[str, Any]]):
 
 _DISCARD = _Discard()  # the one shared stand-in queue
 
-# least time (s) between two statusMessage writes of one detached call (or its poll interval, if longer)
-PROGRESS_WRITE_S = 0.25
+# least time (s) between two statusMessage writes of one detached call, unless detach() is given
+# its tool's progress_interval (the config's default is the same)
+PROGRESS_WRITE_S = 1.0
 # how long (s) a call whose questions were just refused may take to end before it is cancelled
 CANCEL_GRACE_S = 0.5
 
@@ -400,14 +401,15 @@ class Call:
 
     # -- actions from the proxy ------------------------------------------------------------
 
-    def detach(self, task_id: str, sink: TaskSink, *, poll_interval_s: float = 0.0) -> None:
+    def detach(self, task_id: str, sink: TaskSink, *, progress_interval_s: float = PROGRESS_WRITE_S) -> None:
         """Hand the call over to the task `task_id` (already committed), reporting through `sink`.
 
-        Progress text is written at most once per `poll_interval_s` (s; at least PROGRESS_WRITE_S):
-        clients do not poll faster, and the latest text always lands with the outcome."""
+        Progress text is written to the store at most once per `progress_interval_s` (s, the
+        tool's `progress_interval`), off the request path; the latest text always lands, with the
+        outcome at the latest."""
         self.task_id = task_id
         self.sink = sink
-        self.progress_write_s = max(PROGRESS_WRITE_S, poll_interval_s)
+        self.progress_write_s = progress_interval_s
         self.events = _DISCARD  # nobody is attached any more: keep no queue per detached call
         if self.done:  # it ended while the task was being committed
             self._record_outcome(self.outcome.result())

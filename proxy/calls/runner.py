@@ -342,7 +342,7 @@ class CallRunner:
             call.cancel("refused: the call could not become a task")
             # 507: the task could not be stored; not 503, which balancers retry
             raise JsonRpcError(exc.code, exc.message, exc.data, status=507) from None
-        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
+        call.detach(record.task_id, self.tasks, progress_interval_s=policy.progress_interval)
         if call.method == "tools/call":
             metrics.count_call(self.name, call.tool, "detached")
         structlog.contextvars.bind_contextvars(task_id=record.task_id)

@@ -221,7 +221,7 @@ class UpstreamTasks:
         )
         if keyed is not None:
             self.keys.settle_when_done(call, keyed)
-        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
+        call.detach(record.task_id, self.tasks, progress_interval_s=policy.progress_interval)
         call.start()
         return create_task_result(record)
 

@@ -153,7 +153,8 @@ def describe(config: Config, source: str) -> str:
     d = config.tasks
     lines.append(
         f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, "
-        f"input_timeout {d.input_timeout:g}s, idempotency_window {d.idempotency_window:g}s"
+        f"progress_interval {d.progress_interval:g}s, input_timeout {d.input_timeout:g}s, "
+        f"idempotency_window {d.idempotency_window:g}s"
     )
     for name, entry in config.mcpServers.items():
         if not entry.active:
@@ -168,7 +169,14 @@ def describe(config: Config, source: str) -> str:
         tasks = entry.tasks
         overrides = {
             k: getattr(tasks, k)
-            for k in ("detach_after", "ttl", "poll_interval", "input_timeout", "idempotency_window")
+            for k in (
+                "detach_after",
+                "ttl",
+                "poll_interval",
+                "progress_interval",
+                "input_timeout",
+                "idempotency_window",
+            )
             if getattr(tasks, k) is not None
         }
         if overrides:

@@ -57,6 +57,9 @@ class TaskPolicy(_Strict):
     (elicitation, sampling, roots) may stay unanswered before the call fails.
     `idempotency_window` (s): how long a client's idempotency key holds after the call it named
     ended (a retry with the key within it joins that call instead of running it again).
+    `progress_interval` (s): at most one store write of a detached call's progress text per this
+    long (the latest text always lands, with the outcome at the latest); relaying progress to a
+    connected client is never held back by it.
     """
 
     detach_after: Duration | None = None
@@ -64,8 +67,9 @@ class TaskPolicy(_Strict):
     poll_interval: Duration | None = None
     input_timeout: Duration | None = None
     idempotency_window: Duration | None = None
+    progress_interval: Duration | None = None
 
-    @field_validator("ttl", "poll_interval", "input_timeout", "idempotency_window")
+    @field_validator("ttl", "poll_interval", "input_timeout", "idempotency_window", "progress_interval")
     @classmethod
     def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
         _positive(value, info.field_name or "duration")
@@ -112,8 +116,9 @@ class DefaultTasks(_Strict):
     poll_interval: Duration = Field("2s", validate_default=True)
     input_timeout: Duration = Field("10m", validate_default=True)
     idempotency_window: Duration = Field("24h", validate_default=True)
+    progress_interval: Duration = Field("1s", validate_default=True)
 
-    @field_validator("ttl", "poll_interval", "input_timeout", "idempotency_window")
+    @field_validator("ttl", "poll_interval", "input_timeout", "idempotency_window", "progress_interval")
     @classmethod
     def _positive_durations(cls, value: float | None, info: ValidationInfo) -> float | None:
         _positive(value, info.field_name or "duration")
@@ -270,7 +275,8 @@ class ServerEntry(_Strict):
 
 class ResolvedPolicy(BaseModel):
     """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s),
-    `dedupe_window` (s) None when the tool does not join identical calls."""
+    `dedupe_window` (s) None when the tool does not join identical calls, `progress_interval` (s)
+    the least time between two store writes of one task's progress text."""
 
     mode: ToolMode
     on_restart: Literal["fail", "rerun"] = "fail"
@@ -281,6 +287,7 @@ class ResolvedPolicy(BaseModel):
     timeout: float
     idempotency_window: float = 86400.0
     dedupe_window: float | None = None
+    progress_interval: float = 1.0
 
 
 class Config(_Strict):
@@ -361,5 +368,6 @@ class Config(_Strict):
             input_timeout=pick("input_timeout"),
             timeout=entry.timeout,
             idempotency_window=pick("idempotency_window"),
+            progress_interval=pick("progress_interval"),
             dedupe_window=None if tool_cfg.dedupe is None else tool_cfg.dedupe.window,
         )

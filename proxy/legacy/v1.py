@@ -451,7 +451,7 @@ class V1Front:
             raise
         if keyed is not None:
             self.keys.settle_when_done(call, keyed)
-        call.detach(record.task_id, self.tasks, poll_interval_s=policy.poll_interval)
+        call.detach(record.task_id, self.tasks, progress_interval_s=policy.progress_interval)
         call.start()
         return create_task_result_v1(record)
 

@@ -85,6 +85,30 @@ async def test_progress_updates_status_message_of_detached_call(flow_client: Mod
     await flow_client.wait_terminal(created["taskId"])
 
 
+async def test_progress_of_a_detached_call_is_written_at_most_once_per_progress_interval(
+    legacy_url: str, tmp_path, serve: Serve
+) -> None:
+    # slow_compute sends progress every 0.1 s: 15 notifications in 1.5 s. With progress_interval
+    # 400ms the record changes at most once per 0.4 s (the first at once), so a client polling every
+    # 20 ms sees at most 5 texts while the call works, where one write per notification shows ~15.
+    server = {"tasks": {"detach_after": "20ms", "progress_interval": "400ms"}}
+    proxy = await serve(make_config(legacy_url, tmp_path / "s", server=server))
+    client = ModernClient(proxy.url())
+    try:
+        created = (await client.call("slow_compute", {"seconds": 1.5, "label": "coalesced"})).result
+        seen: list[str] = []
+        async with asyncio.timeout(10):
+            while (task := (await client.get(created["taskId"])).result)["status"] == "working":
+                if task.get("statusMessage") and task["statusMessage"] not in seen:
+                    seen.append(task["statusMessage"])
+                await asyncio.sleep(0.02)
+        assert task["status"] == "completed", task
+        assert re.match(r"^(\d+)/\1: tick \1$", task["statusMessage"]), task  # the last text landed
+        assert 2 <= len(seen) <= 5, seen
+    finally:
+        await client.close()
+
+
 async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningProxy) -> None:
     plain = ModernClient(proxy.url(), capabilities={})
     try:
