@@ -5,6 +5,16 @@ drifts between two separate runs; within one run every revision sees the same dr
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
     python bench/ab.py HEAD HEAD+tracing --rows a-modern-fake,a-legacy-fake   # tracing off vs on
 
+A row `a-<wire>-<upstream>-pN` calls the fast upstream's `chatty` tool with a progress token:
+N progress notifications relayed per call; beside the same row without `-pN` it gives the CPU
+per relayed notification.
+
+`floor` in place of a revision is bench/floor.py, the smallest correct aiohttp server in the
+proxy's place: for (a) rows a byte pass-through in front of the same upstream (on the legacy wire
+for the `modern` rows too: a pass-through cannot translate), for (b) rows a minimal JSON handler
+answering `tasks/get` from a dict. `python bench/ab.py floor HEAD` gives the proxy's CPU per call as
+a ratio to the floor's.
+
 A revision ending in `+tracing` runs that revision with OpenTelemetry tracing on (sample ratio 1.0,
 `OTEL_EXPORTER_OTLP_ENDPOINT` pointed at a sink in this process that takes each OTLP export and
 drops it): the proxy's CPU then includes building, batching and encoding every span (its exporter
@@ -44,6 +54,7 @@ GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, benc
 
 
 TRACING = "+tracing"
+FLOOR = "floor"
 
 
 class _OtlpSink(http.server.BaseHTTPRequestHandler):
@@ -67,8 +78,11 @@ def start_sink() -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def extract(rev: str, workdir: Path) -> tuple[str, Path]:
-    """(name, source folder) of `rev` (a `+tracing` suffix kept in the name, the source shared)."""
+def extract(rev: str, workdir: Path) -> tuple[str, Path | None]:
+    """(name, source folder) of `rev` (a `+tracing` suffix kept in the name, the source shared);
+    `floor` has no source."""
+    if rev == FLOOR:
+        return FLOOR, None
     traced = rev.endswith(TRACING)
     rev = rev.removesuffix(TRACING)
     short = subprocess.run(
@@ -84,30 +98,45 @@ def extract(rev: str, workdir: Path) -> tuple[str, Path]:
     return short + (TRACING if traced else ""), src
 
 
-def measure_row(row: str, name: str, src: Path, workdir: Path, args, ups: dict, store_ids: dict) -> dict:
+def measure_row(
+    row: str, name: str, src: Path | None, workdir: Path, args, ups: dict, store_ids: dict
+) -> dict:
     run.PROXY_ENV["PYTHONPATH"] = str(src)
     run.PROXY_ENV.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     if name.endswith(TRACING):
         run.PROXY_ENV["OTEL_EXPORTER_OTLP_ENDPOINT"] = ups["otlp"]
     kind, _, what = row.partition("-")
     if kind == "a":
-        mode, upstream = what.split("-")
+        mode, upstream, *chatty = what.split("-")
         up_url = ups[upstream]
-        cfg = run.write_config(
-            workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{name}", durable=True
-        )
-        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "1")
-        spec = {"mode": mode, **GREET}
         lg_cpu = "0"
+        call = dict(GREET)
+        if chatty:  # -pN: the fake upstream's chatty tool, N progress notifications relayed per call
+            call.update(
+                tool="chatty", arguments={"name": "bench", "count": int(chatty[0][1:])}, progress=True
+            )
+        if name == FLOOR:  # a byte pass-through can only carry the wire its upstream speaks
+            proxy, url = run.start_floor(workdir, "1", f"ab-{row}-floor", upstream=up_url)
+            spec = {"mode": "legacy", **call}
+        else:
+            cfg = run.write_config(
+                workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{name}", durable=True
+            )
+            proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "1")
+            spec = {"mode": mode, **call}
     else:
         n = int(what)
         store, ids_file = store_ids[n]
-        cfg = run.write_config(workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True)
-        proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "0")
-        spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
         lg_cpu = "1"
+        spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
+        if name == FLOOR:
+            proxy, url = run.start_floor(workdir, "0", f"ab-{row}-floor", ids_file=ids_file)
+        else:
+            cfg = run.write_config(workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True)
+            proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "0")
     try:
-        run.wait_ready(url.rsplit("/", 1)[0], proxy)
+        if name != FLOOR:
+            run.wait_ready(url.rsplit("/", 1)[0], proxy)
         cpu0 = run.cpu_seconds(proxy.pid, children=False)
         res = run.loadgen(
             {
@@ -214,6 +243,23 @@ def main() -> int:
             + " | ".join(f"{rss[n]:.1f}" for n in names)
             + " |"
         )
+    # CPU per relayed progress notification: a row with -pN against the same row without it
+    for row in rows:
+        base_row, _, chatty = row.rpartition("-p")
+        if base_row in summary and chatty.isdigit() and row.startswith("a-"):
+            per = {
+                n: (
+                    summary[row]["cpu_ms_per_call_median"][n] - summary[base_row]["cpu_ms_per_call_median"][n]
+                )
+                * 1000
+                / int(chatty)
+                for n in names
+            }
+            summary[row]["cpu_us_per_notification"] = per
+            lines.append(
+                f"\nCPU per progress notification ({row} minus {base_row}, / {chatty}): "
+                + ", ".join(f"{n} {per[n]:.1f} µs" for n in names)
+            )
     out["summary"] = summary
     out["table"] = "\n".join(lines)
     path = run.BENCH / "results" / f"ab-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

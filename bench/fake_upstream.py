@@ -5,7 +5,9 @@ Speaks just enough Streamable HTTP for the proxy: `initialize` (JSON reply + `Mc
 notifications and client responses (202), `tools/call` answered over SSE:
 - `greet {name}`: at once;
 - `hold {seconds}`: SSE headers at once, then the result after `seconds` or when `POST /release` is called,
-  whichever comes first (no progress notifications, so a detached call costs the proxy nothing but memory).
+  whichever comes first (no progress notifications, so a detached call costs the proxy nothing but memory);
+- `chatty {count, name}`: `count` `notifications/progress` events (each its own write, with the
+  request's `progressToken`), then the result of `greet`: the progress-heavy upstream in one call.
 `GET /stats` returns `{"inflight": n, "calls": total}`.
 
     python bench/fake_upstream.py --port 0     # prints `listening on http://127.0.0.1:PORT/mcp`
@@ -34,6 +36,12 @@ def _result(rid, text: str) -> bytes:
     return b"event: message\r\ndata: " + json.dumps(msg, separators=(",", ":")).encode() + b"\r\n\r\n"
 
 
+def _progress(token, progress: int, total: int) -> bytes:
+    params = {"progressToken": token, "progress": progress, "total": total, "message": f"step {progress}"}
+    msg = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
+    return b"event: message\r\ndata: " + json.dumps(msg, separators=(",", ":")).encode() + b"\r\n\r\n"
+
+
 async def mcp(request: web.Request) -> web.StreamResponse:
     if request.method == "DELETE":
         return web.Response(status=200)
@@ -53,7 +61,7 @@ async def mcp(request: web.Request) -> web.StreamResponse:
             {"jsonrpc": "2.0", "id": rid, "result": result}, headers={"Mcp-Session-Id": secrets.token_hex(16)}
         )
     if method == "tools/list":
-        tools = [{"name": n, "inputSchema": {"type": "object"}} for n in ("greet", "hold")]
+        tools = [{"name": n, "inputSchema": {"type": "object"}} for n in ("greet", "hold", "chatty")]
         return web.json_response({"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}})
     if method != "tools/call":
         return web.json_response({"jsonrpc": "2.0", "id": rid, "error": {"code": -32601, "message": method}})
@@ -72,6 +80,11 @@ async def mcp(request: web.Request) -> web.StreamResponse:
         finally:
             STATE["inflight"] -= 1
     else:
+        if name == "chatty":
+            token = (params.get("_meta") or {}).get("progressToken")
+            count = int(args.get("count", 10))
+            for i in range(count):
+                await resp.write(_progress(token, i + 1, count))
         await resp.write(_result(rid, f"Hello, {args.get('name', 'world')}!"))
     await resp.write_eof()
     return resp

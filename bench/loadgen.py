@@ -5,7 +5,8 @@ library client costs more CPU per request than some of the servers it would meas
 `concurrency` workers owns one connection and sends its next request when the previous answer is
 complete (JSON with Content-Length, chunked SSE, or read-to-close).
 
-Modes (`--spec` JSON: {"mode", "url", "concurrency", "duration", "warmup", "max_requests", ...}):
+Modes (`--spec` JSON: {"mode", "url", "concurrency", "duration", "warmup", "max_requests", ...};
+`"progress": true` sends a `progressToken` with each `tools/call`):
 - `legacy`: initialize + notifications/initialized per worker (its own session), then `tools/call`.
 - `modern`: 2026-07-28 envelope per request (`_meta` protocolVersion/clientCapabilities, routing headers).
 - `tasks_get`: modern `tasks/get` on ids from `ids_file`, chosen at random.
@@ -156,17 +157,20 @@ class Worker:
         """The next request's bytes and the marker its answer must contain."""
         self.rid += 1
         mode, spec = self.spec["mode"], self.spec
+        progress = {"progressToken": self.rid} if spec.get("progress") else {}
         if mode == "legacy":
             tool, arguments = spec["tool"], json.dumps(spec["arguments"])
+            meta = f',"_meta":{json.dumps(progress)}' if progress else ""
             body = (
                 f'{{"jsonrpc":"2.0","id":{self.rid},"method":"tools/call",'
-                f'"params":{{"name":"{tool}","arguments":{arguments}}}}}'
+                f'"params":{{"name":"{tool}","arguments":{arguments}{meta}}}}}'
             ).encode()
             return self._request(body, self._session_headers()), spec["expect"].encode()
         caps = {"extensions": {TASKS_EXT: {}}} if spec.get("tasks_ext", True) else {}
         meta = {
             "io.modelcontextprotocol/protocolVersion": MODERN,
             "io.modelcontextprotocol/clientCapabilities": caps,
+            **progress,
         }
         if mode == "tasks_get":
             task_id = self.rng.choice(spec["ids"])

@@ -49,6 +49,7 @@ import redis_bench  # noqa: E402  (bench/redis_bench.py)
 PEERS_VENV = BENCH / ".venv-peers"
 MCP_PROXY_VERSION = "0.13.0"
 SERVER = "bench"  # server name in every proxy config (tasks/get needs records for this name)
+FLOOR_STORE = "floor: aiohttp JSON handler, no store"  # section b's floor row
 PROXY_ENV: dict[str, str] = {}  # extra environment of the proxy processes (--ref sets PYTHONPATH)
 
 # --------------------------------------------------------------------------- processes
@@ -214,6 +215,17 @@ def start_fake_upstream(workdir: Path, cpus: str | None, name: str = "upstream-f
     return proc, proc.wait_line("listening on ")
 
 
+def start_floor(
+    workdir: Path, cpus: str | None, name: str, *, upstream: str | None = None, ids_file: Path | None = None
+) -> tuple[Proc, str]:
+    """bench/floor.py: the aiohttp pass-through in front of `upstream`, or (with `ids_file`) the minimal
+    JSON handler answering tasks/get from memory. Returns (proc, /mcp URL)."""
+    argv = [PY, str(BENCH / "floor.py"), "--port", "0"]
+    argv += ["--json", "--ids-file", str(ids_file)] if ids_file is not None else ["--upstream", str(upstream)]
+    proc = Proc(name, argv, workdir, cpus=cpus)
+    return proc, proc.wait_line("listening on ")
+
+
 def write_config(
     workdir: Path, name: str, server: dict, store: Path | dict, *, durable: bool, detach_after: str = "10s"
 ) -> Path:
@@ -312,6 +324,20 @@ def section_a(args, workdir: Path, log) -> dict:
             role="baseline",
             wire="2025-11-25",
         )
+        # The floor: the smallest correct aiohttp pass-through (bench/floor.py) in the proxy's place.
+        floor, floor_url = start_floor(workdir, mid_cpu, "a-floor", upstream=up_url)
+        try:
+            measure(
+                "floor: aiohttp pass-through (bench/floor.py), legacy client",
+                floor_url,
+                "legacy",
+                [upstream, floor],
+                role="floor",
+                wire="2025-11-25",
+                mid="a-floor",
+            )
+        finally:
+            floor.stop()
         # This proxy, HTTP upstream.
         cfg = write_config(workdir, "a-proxy", {"url": up_url}, workdir / "a-store", durable=True)
         proxy, url, _ = start_proxy(workdir, "a-proxy", cfg, mid_cpu)
@@ -324,6 +350,7 @@ def section_a(args, workdir: Path, log) -> dict:
                 [upstream, proxy],
                 role="proxy",
                 wire="2025-11-25",
+                mid="a-proxy",
             )
             measure(
                 "mcp-tasks-proxy, 2026-07-28 client + tasks ext",
@@ -332,6 +359,7 @@ def section_a(args, workdir: Path, log) -> dict:
                 [upstream, proxy],
                 role="proxy",
                 wire="2026-07-28",
+                mid="a-proxy",
             )
         finally:
             proxy.stop()
@@ -460,6 +488,7 @@ def section_a(args, workdir: Path, log) -> dict:
     for r in rows:
         if "rps" in r and base["rps"]:
             r["ratio_vs_direct"] = round(r["rps"] / base["rps"], 3)
+    cpu_vs_floor(rows)
     if args.a_more:  # issue "Performance": fast upstream rows and an even layout (bench/section_a_more.py)
         import section_a_more
 
@@ -468,6 +497,19 @@ def section_a(args, workdir: Path, log) -> dict:
         "rows": rows,
         "layout": "upstream + loadgen on CPU 0, middle tier on CPU 1" if args.pin else "unpinned",
     }
+
+
+def cpu_vs_floor(rows: list[dict]) -> None:
+    """Set `cpu_ratio_vs_floor` on each proxy row: its middle tier's CPU per call over the floor row's
+    (rows of one group: same upstream, same layout; a row names its middle tier in `mid`)."""
+    floors = [r for r in rows if r.get("role") == "floor" and "cpu_ms_per_call" in r]
+    for r in rows:
+        floor = next((f for f in floors if f.get("group") == r.get("group")), None)
+        if floor is None or r.get("role") != "proxy" or "mid" not in r or "cpu_ms_per_call" not in r:
+            continue
+        mine, its = r["cpu_ms_per_call"].get(r["mid"]), floor["cpu_ms_per_call"].get(floor["mid"])
+        if mine is not None and its:
+            r["cpu_ratio_vs_floor"] = round(mine / its, 3)
 
 
 def _wait_port(port: int, proc: Proc, timeout: float = 30) -> None:
@@ -578,12 +620,35 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
                     )
             finally:
                 proxy.stop()
+        # The floor: a minimal aiohttp JSON handler answering tasks/get from a dict of the largest id set.
+        n = max(stores)
+        ids_file = workdir / f"ids-diskcache-{n}.json"
+        floor, url = start_floor(workdir, px_cpu, "b-floor", ids_file=ids_file)
+        try:
+            for conc in args.b_concurrency:
+                cpu0 = cpu_seconds(floor.pid, children=False)
+                spec = {"mode": "tasks_get", "url": url, "ids_file": str(ids_file), "concurrency": conc}
+                res = loadgen({**spec, "duration": args.duration, "warmup": args.warmup}, lg_cpu)
+                res["proxy_cpu_ms_per_call"] = round(
+                    (cpu_seconds(floor.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3
+                )
+                res.update(stored_tasks=n, store=FLOOR_STORE)
+                rows.append(res)
+                log(
+                    f"  b: floor (aiohttp JSON handler), concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  "
+                    f"p50 {res['p50_ms']} ms  CPU {res['proxy_cpu_ms_per_call']} ms/call"
+                )
+        finally:
+            floor.stop()
     finally:
         upstream.stop()
         if redis is not None:
             redis.stop()
     smallest = min(r["stored_tasks"] for r in rows)
     for r in rows:
+        if r["store"] == FLOOR_STORE:
+            r["ratio_vs_smallest_store"] = None
+            continue
         ref = next(
             x
             for x in rows
@@ -592,6 +657,13 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
             and x["store"] == r["store"]
         )
         r["ratio_vs_smallest_store"] = round(r["rps"] / ref["rps"], 3) if ref["rps"] else None
+        floor_row = next(
+            x for x in rows if x["store"] == FLOOR_STORE and x["concurrency"] == r["concurrency"]
+        )
+        if floor_row["proxy_cpu_ms_per_call"]:
+            r["cpu_ratio_vs_floor"] = round(
+                r["proxy_cpu_ms_per_call"] / floor_row["proxy_cpu_ms_per_call"], 3
+            )
     layout = "proxy (and redis-server) on CPU 0, loadgen on CPU 1" if args.pin else "unpinned"
     return {"rows": rows, "layout": layout}
 
@@ -946,18 +1018,20 @@ def report(results: dict, args) -> str:
             f"### a. short tools/call pass-through (concurrency {args.concurrency}, {args.duration:g} s; "
             f"{a['layout']})",
             "",
-            "| path | wire | req/s | vs direct | p50 ms | p99 ms | middle-tier CPU ms/call | errors |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| path | wire | req/s | vs direct | p50 ms | p99 ms | middle-tier CPU ms/call | CPU vs floor | "
+            "errors |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in a["rows"]:
             if "failed" in r:
-                lines.append(f"| {r['label']} | — | failed | | | | | {r['failed'][:80]} |")
+                lines.append(f"| {r['label']} | — | failed | | | | | | {r['failed'][:80]} |")
                 continue
             mid = {k: v for k, v in r["cpu_ms_per_call"].items() if "upstream" not in k}
             lines.append(
                 f"| {r['label']} | {r['wire']} | {r['rps']} | {r.get('ratio_vs_direct')} | {r['p50_ms']} | "
                 f"{r['p99_ms']} | "
-                f"{', '.join(str(v) for v in mid.values()) or '—'} | {r['errors']} |"
+                f"{', '.join(str(v) for v in mid.values()) or '—'} | {r.get('cpu_ratio_vs_floor', '')} | "
+                f"{r['errors']} |"
             )
         lines.append("")
     if "b" in results:
@@ -965,14 +1039,14 @@ def report(results: dict, args) -> str:
             f"### b. tasks/get ({results['b']['layout']}, {args.duration:g} s per point)",
             "",
             "| store | stored tasks | concurrency | tasks/get/s | vs smallest store | p50 ms | p99 ms | "
-            "proxy CPU ms/call | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "proxy CPU ms/call | CPU vs floor | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in results["b"]["rows"]:
             lines.append(
                 f"| {r.get('store', 'diskcache')} | {r['stored_tasks']} | {r['concurrency']} | {r['rps']} | "
                 f"{r['ratio_vs_smallest_store']} | {r['p50_ms']} | {r['p99_ms']} | "
-                f"{r['proxy_cpu_ms_per_call']} | {r['errors']} |"
+                f"{r['proxy_cpu_ms_per_call']} | {r.get('cpu_ratio_vs_floor', '')} | {r['errors']} |"
             )
         lines.append("")
     if "c" in results:

@@ -76,6 +76,28 @@ def _group(args, workdir: Path, log, *, upstream: str, pinned: bool, modern: boo
             layout=layout,
         )
         rows.append(base)
+        floor, floor_url = run.start_floor(
+            workdir, mid_cpu, f"a-floor-{upstream}-{'pinned' if pinned else 'even'}", upstream=up_url
+        )
+        try:
+            rows.append(
+                _measure(
+                    args,
+                    f"floor: aiohttp pass-through ({tag})",
+                    floor_url,
+                    "legacy",
+                    [up, floor],
+                    lg_cpu,
+                    log,
+                    role="floor",
+                    wire="2025-11-25",
+                    group=tag,
+                    layout=layout,
+                    mid=floor.name,
+                )
+            )
+        finally:
+            floor.stop()
         cfg = run.write_config(
             workdir,
             f"a-proxy-{upstream}-{pinned}",
@@ -101,6 +123,7 @@ def _group(args, workdir: Path, log, *, upstream: str, pinned: bool, modern: boo
                     wire="2025-11-25",
                     group=tag,
                     layout=layout,
+                    mid=proxy.name,
                 )
             )
             if modern:
@@ -117,6 +140,7 @@ def _group(args, workdir: Path, log, *, upstream: str, pinned: bool, modern: boo
                         wire="2026-07-28",
                         group=tag,
                         layout=layout,
+                        mid=proxy.name,
                     )
                 )
         finally:
@@ -125,6 +149,7 @@ def _group(args, workdir: Path, log, *, upstream: str, pinned: bool, modern: boo
         up.stop()
     for r in rows:
         r["ratio_vs_direct"] = round(r["rps"] / base["rps"], 3) if base["rps"] else None
+    run.cpu_vs_floor(rows)
     return rows
 
 

@@ -38,13 +38,19 @@ def test_bench_quick_run_reports_every_section(tmp_path: Path) -> None:
     labels = [r["label"] for r in rows_a]
     assert any(r.get("role") == "baseline" for r in rows_a), labels
     assert {r["wire"] for r in rows_a if r.get("role") == "proxy"} == {"2025-11-25", "2026-07-28"}, labels
+    assert any(r.get("role") == "floor" for r in rows_a), labels  # bench/floor.py beside the proxy
+    assert all(r.get("cpu_ratio_vs_floor") for r in rows_a if r.get("role") == "proxy"), rows_a
     for r in rows_a:
         assert (
             r["requests"] > 0 and r["errors"] == 0 and r["p99_ms"] is not None and "ratio_vs_direct" in r
         ), r
 
     assert {r["stored_tasks"] for r in results["b"]["rows"]} == {200, 1000}
-    assert {r["store"] for r in results["b"]["rows"]} == {"diskcache", "redis"}  # side by side in one run
+    stores_b = {r["store"] for r in results["b"]["rows"]}
+    assert stores_b == {"diskcache", "redis", "floor: aiohttp JSON handler, no store"}  # side by side
+    assert all(
+        r.get("cpu_ratio_vs_floor") for r in results["b"]["rows"] if not r["store"].startswith("floor")
+    )
     assert {(r["store"], r["durable"]) for r in results["c"]["rows"]} >= {
         ("redis", True),
         ("redis", False),

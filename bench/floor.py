@@ -1,0 +1,125 @@
+"""The floor of our stack: the smallest correct aiohttp server a proxy like ours could be.
+
+Two modes, each one process on aiohttp both ways, as the proxy is:
+
+- `pass` (default): a pass-through in front of one Streamable HTTP upstream. Each request's body is
+  read and forwarded with one pooled `ClientSession` (the headers MCP needs on the way up:
+  `Content-Type`, `Accept`, `Mcp-Session-Id`, `MCP-Protocol-Version`, `Last-Event-ID`,
+  `Authorization`; on the way back: `Content-Type`, `Mcp-Session-Id`, `Cache-Control`), and the
+  reply is streamed back chunk by chunk as it arrives, SSE included. No JSON is parsed, nothing is
+  stored. It is what the proxy's relay costs at the least, whatever it does beyond.
+- `json`: a minimal JSON-RPC handler: parse the body with `json`, look the `params.taskId` up in a
+  dict loaded from `--ids-file` (the ids the bench stored), answer a `tasks/get`-shaped result with
+  `web.json_response`. The floor for `tasks/get`: what answering a small JSON request from memory
+  costs on aiohttp, with no store behind it.
+
+    python bench/floor.py --upstream http://127.0.0.1:PORT/mcp --port 0   # prints `listening on URL`
+    python bench/floor.py --json --ids-file ids.json --port 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+
+import aiohttp
+from aiohttp import web
+
+UP_HEADERS = (
+    "Content-Type",
+    "Accept",
+    "Mcp-Session-Id",
+    "MCP-Protocol-Version",
+    "Last-Event-ID",
+    "Authorization",
+)
+DOWN_HEADERS = ("Content-Type", "Mcp-Session-Id", "Cache-Control")
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+def pass_through_app(upstream: str) -> web.Application:
+    """The pass-through: every method on `/mcp` forwarded to `upstream`, the reply streamed back."""
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {name: value for name in UP_HEADERS if (value := request.headers.get(name)) is not None}
+        async with request.app[SESSION].request(request.method, upstream, data=body, headers=headers) as up:
+            reply = web.StreamResponse(
+                status=up.status,
+                headers={name: value for name in DOWN_HEADERS if (value := up.headers.get(name)) is not None},
+            )
+            await reply.prepare(request)
+            async for chunk in up.content.iter_any():
+                await reply.write(chunk)
+            await reply.write_eof()
+            return reply
+
+    async def session(app: web.Application):
+        app[SESSION] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+        )
+        yield
+        await app[SESSION].close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(session)
+    app.router.add_route("*", "/mcp", forward)
+    return app
+
+
+def json_app(ids: list[str]) -> web.Application:
+    """The JSON handler: `tasks/get` answered from a dict of `ids`."""
+    tasks = {task_id: {"taskId": task_id, "status": "completed", "ttl": 3600000} for task_id in ids}
+
+    async def answer(request: web.Request) -> web.Response:
+        message = json.loads(await request.read())
+        task = tasks.get((message.get("params") or {}).get("taskId"))
+        if task is None:
+            error = {"code": -32602, "message": "unknown task"}
+            return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "error": error})
+        return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "result": task})
+
+    app = web.Application()
+    app.router.add_post("/mcp", answer)
+    return app
+
+
+async def serve(app: web.Application, port: int) -> None:
+    """Serve `app` on 127.0.0.1:`port` (0: a free one) until cancelled; prints `listening on URL`."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    # proto=IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections, as on the proxy's listener.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    site = web.SockSite(runner, sock, backlog=4096)
+    await site.start()
+    print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", help="the upstream's Streamable HTTP URL (pass mode)")
+    parser.add_argument("--json", action="store_true", help="the minimal JSON handler instead")
+    parser.add_argument("--ids-file", help="JSON list of task ids (json mode)")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    if args.json:
+        with open(args.ids_file) as f:
+            app = json_app(json.load(f))
+    else:
+        app = pass_through_app(args.upstream)
+    try:
+        asyncio.run(serve(app, args.port))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
