@@ -40,6 +40,6 @@ class Rerunner:
             input_timeout=policy.input_timeout,
             principal=record.principal,
         )
-        call.detach(record.task_id, sink)
+        call.detach(record.task_id, sink, progress_interval_s=policy.progress_interval)
         call.start()
         return call
