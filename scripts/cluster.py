@@ -54,6 +54,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _haproxy_seconds(value: str) -> float:
+    """An HAProxy time (`100ms`, `1s`; a bare number is milliseconds, as HAProxy reads it) in seconds."""
+    return float(value) / 1000 if value.strip().isdigit() else float(pytimeparse2.parse(value) or 0)
+
+
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
     """(status, body) of a GET; status 0 when nothing answered."""
     try:
@@ -149,7 +154,7 @@ class Cluster:
             "MCP_STDIO_COMMAND": sys.executable,
             "MCP_STDIO_SCRIPT": str(ROOT / "tests" / "fixtures" / "legacy_server.py"),
             # HAProxy takes a draining replica out after two failed checks (fall 2): about 2-3 x check_inter
-            "MCP_DRAIN_GRACE": f"{5 * float(pytimeparse2.parse(check_inter) or 1):g}s",
+            "MCP_DRAIN_GRACE": f"{5 * _haproxy_seconds(check_inter):g}s",
             **(settings or {}),
         }
 

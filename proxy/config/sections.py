@@ -70,7 +70,8 @@ class ListenConfig(_Strict):
         "its load balancer's health checks take it out first; a replica that stops sooner closes "
         "connections the balancer may be sending a request on (HAProxy then drops the client's "
         "connection unanswered). Set it above the balancer's check interval x fall count; at most "
-        "drain_detached",
+        "drain_detached. Kubernetes: a preStop sleep covers the Service's update before SIGTERM, so the grace "
+        "only adds its length to each pod's stop",
     )
     legacy_session_idle: Duration = Field(
         "1h",
@@ -132,6 +133,15 @@ class ListenConfig(_Strict):
         if value <= 0:
             raise ValueError("legacy_session_idle must be longer than 0s")
         return value
+
+    @model_validator(mode="after")
+    def _drain_grace(self) -> ListenConfig:
+        if self.drain_grace > self.drain_detached:
+            raise ValueError(
+                f"drain_grace ({self.drain_grace:g}s) must not be longer than drain_detached "
+                f"({self.drain_detached:g}s): the grace is part of the drain"
+            )
+        return self
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -532,6 +532,18 @@ def test_listen_port_bounds():
     assert cfg(listen={"port": 0}).listen.port == 0
 
 
+def test_drain_grace_is_part_of_the_drain():
+    assert cfg(listen={"drain_grace": "2s"}).listen.drain_grace == 2.0
+    assert cfg().listen.drain_grace == 5.0
+    message = config_error(
+        {
+            "listen": {"drain_grace": "30s", "drain_detached": "10s"},
+            "mcpServers": {"a": {"url": "http://h/mcp"}},
+        }
+    )
+    assert "drain_grace (30s) must not be longer than drain_detached (10s)" in message, message
+
+
 def test_absolute_store_path_is_kept(tmp_path: Path):
     (tmp_path / "c.yaml").write_text(
         f"store: {{path: {tmp_path / 'abs'}}}\nmcpServers: {{a: {{url: 'http://h/mcp'}}}}\n"

@@ -981,6 +981,23 @@ class Load:
                 await asyncio.sleep(0.05)
 
 
+async def test_a_replica_with_nothing_to_run_listens_until_haproxy_has_taken_it_out(cluster: Cluster) -> None:
+    # listen.drain_grace (the cluster: 5 x HAProxy's 100 ms check interval): the replica stops
+    # listening only after HAProxy counts it DOWN, so HAProxy never sends a request on a connection
+    # the replica is closing.
+    states: list[str] = []
+    stopping = asyncio.ensure_future(asyncio.to_thread(cluster.terminate, 2))
+    started = time.monotonic()
+    while not stopping.done():
+        states.append((await asyncio.to_thread(cluster.server_states)).get("r2", "?"))
+        await asyncio.sleep(0.02)
+    took = time.monotonic() - started
+    await stopping
+    await asyncio.to_thread(cluster.restart, 2)
+    assert "DOWN" in states, states
+    assert took >= 0.5, took
+
+
 async def test_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> None:
     # Back-to-back calls keep HAProxy's pooled connections to every replica busy: a replica that
     # stopped listening before HAProxy took it out (listen.drain_grace 0s) closed one of them as a
