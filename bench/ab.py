@@ -5,9 +5,10 @@ drifts between two separate runs; within one run every revision sees the same dr
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
     python bench/ab.py HEAD HEAD+tracing --rows a-modern-fake,a-legacy-fake   # tracing off vs on
 
-A row `a-<wire>-<upstream>-pN` calls the fast upstream's `chatty` tool with a progress token:
-N progress notifications relayed per call; beside the same row without `-pN` it gives the CPU
-per relayed notification.
+A row `a-<wire>-fake-pN` calls the fast upstream's `chatty` tool with a progress token: N
+progress notifications 1 ms apart (each its own read at the proxy, as from an upstream that
+reports as it works), relayed to the client; beside the same row without `-pN` it gives the CPU
+per relayed notification (use N of 100 or more: per-call noise is divided by N).
 
 `floor` in place of a revision is bench/floor.py, the smallest correct aiohttp server in the
 proxy's place: for (a) rows a byte pass-through in front of the same upstream (on the legacy wire
@@ -112,9 +113,10 @@ def measure_row(
         lg_cpu = "0"
         call = dict(GREET)
         if chatty:  # -pN: the fake upstream's chatty tool, N progress notifications relayed per call
-            call.update(
-                tool="chatty", arguments={"name": "bench", "count": int(chatty[0][1:])}, progress=True
-            )
+            if upstream != "fake":
+                raise SystemExit(f"{row}: only the fake upstream has the chatty tool (a-<wire>-fake-pN)")
+            arguments = {"name": "bench", "count": int(chatty[0][1:]), "interval_ms": 1}
+            call.update(tool="chatty", arguments=arguments, progress=True)
         if name == FLOOR:  # a byte pass-through can only carry the wire its upstream speaks
             proxy, url = run.start_floor(workdir, "1", f"ab-{row}-floor", upstream=up_url)
             spec = {"mode": "legacy", **call}

@@ -6,8 +6,9 @@ notifications and client responses (202), `tools/call` answered over SSE:
 - `greet {name}`: at once;
 - `hold {seconds}`: SSE headers at once, then the result after `seconds` or when `POST /release` is called,
   whichever comes first (no progress notifications, so a detached call costs the proxy nothing but memory);
-- `chatty {count, name}`: `count` `notifications/progress` events (each its own write, with the
-  request's `progressToken`), then the result of `greet`: the progress-heavy upstream in one call.
+- `chatty {count, name, interval_ms}`: `count` `notifications/progress` events (each its own write,
+  `interval_ms` apart, default 0, with the request's `progressToken`), then the result of `greet`:
+  the progress-heavy upstream in one call.
 `GET /stats` returns `{"inflight": n, "calls": total}`.
 
     python bench/fake_upstream.py --port 0     # prints `listening on http://127.0.0.1:PORT/mcp`
@@ -83,8 +84,11 @@ async def mcp(request: web.Request) -> web.StreamResponse:
         if name == "chatty":
             token = (params.get("_meta") or {}).get("progressToken")
             count = int(args.get("count", 10))
+            pause = float(args.get("interval_ms", 0)) / 1000
             for i in range(count):
                 await resp.write(_progress(token, i + 1, count))
+                if pause:
+                    await asyncio.sleep(pause)
         await resp.write(_result(rid, f"Hello, {args.get('name', 'world')}!"))
     await resp.write_eof()
     return resp

@@ -58,7 +58,8 @@ def pass_through_app(upstream: str) -> web.Application:
 
     async def session(app: web.Application):
         app[SESSION] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
         yield
         await app[SESSION].close()
