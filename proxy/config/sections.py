@@ -70,8 +70,8 @@ class ListenConfig(_Strict):
         "its load balancer's health checks take it out first; a replica that stops sooner closes "
         "connections the balancer may be sending a request on (HAProxy then drops the client's "
         "connection unanswered). Set it above the balancer's check interval x fall count; at most "
-        "drain_detached. Kubernetes: a preStop sleep covers the Service's update before SIGTERM, so the grace "
-        "only adds its length to each pod's stop",
+        "drain_detached. Kubernetes: a preStop sleep covers the Service's update before SIGTERM, so "
+        "the grace only adds its length to each pod's stop",
     )
     legacy_session_idle: Duration = Field(
         "1h",
