@@ -134,15 +134,6 @@ class ListenConfig(_Strict):
             raise ValueError("legacy_session_idle must be longer than 0s")
         return value
 
-    @model_validator(mode="after")
-    def _drain_grace(self) -> ListenConfig:
-        if self.drain_grace > self.drain_detached:
-            raise ValueError(
-                f"drain_grace ({self.drain_grace:g}s) must not be longer than drain_detached "
-                f"({self.drain_detached:g}s): the grace is part of the drain"
-            )
-        return self
-
     @field_validator("trusted_proxies")
     @classmethod
     def _trusted_proxies(cls, value: list[str]) -> list[str]:
