@@ -103,11 +103,8 @@ async def release(request: web.Request) -> web.Response:
     return web.json_response(STATE)
 
 
-async def main(host: str, port: int) -> None:
-    app = web.Application()
-    app.router.add_route("*", "/mcp", mcp)
-    app.router.add_get("/stats", stats)
-    app.router.add_post("/release", release)
+async def serve(app: web.Application, host: str, port: int) -> None:
+    """Serve `app` on `host`:`port` (0: a free port) until cancelled, printing `listening on URL`."""
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     # proto=IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (a proto-0 socket gets
@@ -122,6 +119,14 @@ async def main(host: str, port: int) -> None:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+
+
+async def main(host: str, port: int) -> None:
+    app = web.Application()
+    app.router.add_route("*", "/mcp", mcp)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/release", release)
+    await serve(app, host, port)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 
 import aiohttp
 from aiohttp import web
+from fake_upstream import serve  # the same listener as the fast upstream (TCP_NODELAY)
 
 UP_HEADERS = (
     "Content-Type",
@@ -87,23 +87,6 @@ def json_app(ids: list[str]) -> web.Application:
     return app
 
 
-async def serve(app: web.Application, port: int) -> None:
-    """Serve `app` on 127.0.0.1:`port` (0: a free one) until cancelled; prints `listening on URL`."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    # proto=IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections, as on the proxy's listener.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    site = web.SockSite(runner, sock, backlog=4096)
-    await site.start()
-    print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", help="the upstream's Streamable HTTP URL (pass mode)")
@@ -117,7 +100,7 @@ def main() -> None:
     else:
         app = pass_through_app(args.upstream)
     try:
-        asyncio.run(serve(app, args.port))
+        asyncio.run(serve(app, "127.0.0.1", args.port))
     except KeyboardInterrupt:
         pass
 

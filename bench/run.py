@@ -577,6 +577,24 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
     generator on CPU 1."""
     px_cpu, lg_cpu = ("0", "1") if args.pin else (None, None)
     rows = []
+
+    def measure_points(server: Proc, url: str, ids_file: Path, n: int, store: str) -> None:
+        """One row per concurrency of tasks/get against `server` (the proxy or the floor)."""
+        for conc in args.b_concurrency:
+            cpu0 = cpu_seconds(server.pid, children=False)
+            spec = {"mode": "tasks_get", "url": url, "ids_file": str(ids_file), "concurrency": conc}
+            res = loadgen({**spec, "duration": args.duration, "warmup": args.warmup}, lg_cpu)
+            res["proxy_cpu_ms_per_call"] = round(
+                (cpu_seconds(server.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3
+            )
+            res.update(stored_tasks=n, store=store)
+            rows.append(res)
+            log(
+                f"  b: {store[:9]:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  "
+                f"p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
+                f"  errors {res['errors']}  CPU {res['proxy_cpu_ms_per_call']} ms/call"
+            )
+
     targets: list[tuple[str, int, Path | dict, list[str]]] = [
         ("diskcache", n, store, ids) for n, (store, ids) in sorted(stores.items())
     ]
@@ -595,29 +613,7 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
             cfg = write_config(workdir, f"b-proxy-{kind}-{n}", {"url": up_url}, store, durable=True)
             proxy, url, _ = start_proxy(workdir, f"b-proxy-{kind}-{n}", cfg, px_cpu)
             try:
-                for conc in args.b_concurrency:
-                    cpu0 = cpu_seconds(proxy.pid, children=False)
-                    res = loadgen(
-                        {
-                            "mode": "tasks_get",
-                            "url": url,
-                            "ids_file": str(ids_file),
-                            "concurrency": conc,
-                            "duration": args.duration,
-                            "warmup": args.warmup,
-                        },
-                        lg_cpu,
-                    )
-                    res["proxy_cpu_ms_per_call"] = round(
-                        (cpu_seconds(proxy.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3
-                    )
-                    res.update(stored_tasks=n, store=kind)
-                    rows.append(res)
-                    log(
-                        f"  b: {kind:9} {n:>7} tasks, concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  "
-                        f"p50 {res['p50_ms']} ms  p99 {res['p99_ms']} ms"
-                        f"  errors {res['errors']}  proxy CPU {res['proxy_cpu_ms_per_call']} ms/call"
-                    )
+                measure_points(proxy, url, ids_file, n, kind)
             finally:
                 proxy.stop()
         # The floor: a minimal aiohttp JSON handler answering tasks/get from a dict of the largest id set.
@@ -625,19 +621,7 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
         ids_file = workdir / f"ids-diskcache-{n}.json"
         floor, url = start_floor(workdir, px_cpu, "b-floor", ids_file=ids_file)
         try:
-            for conc in args.b_concurrency:
-                cpu0 = cpu_seconds(floor.pid, children=False)
-                spec = {"mode": "tasks_get", "url": url, "ids_file": str(ids_file), "concurrency": conc}
-                res = loadgen({**spec, "duration": args.duration, "warmup": args.warmup}, lg_cpu)
-                res["proxy_cpu_ms_per_call"] = round(
-                    (cpu_seconds(floor.pid, children=False) - cpu0) * 1000 / max(1, res["total_ok"]), 3
-                )
-                res.update(stored_tasks=n, store=FLOOR_STORE)
-                rows.append(res)
-                log(
-                    f"  b: floor (aiohttp JSON handler), concurrency {conc:>3}: {res['rps']:>8} tasks/get/s  "
-                    f"p50 {res['p50_ms']} ms  CPU {res['proxy_cpu_ms_per_call']} ms/call"
-                )
+            measure_points(floor, url, ids_file, n, FLOOR_STORE)
         finally:
             floor.stop()
     finally:
