@@ -43,9 +43,6 @@ class _Discard(asyncio.Queue[tuple[str, Any]]):
 
 _DISCARD = _Discard()  # the one shared stand-in queue
 
-# least time (s) between two statusMessage writes of one detached call, unless detach() is given
-# its tool's progress_interval (the config's default is the same)
-PROGRESS_WRITE_S = 1.0
 # how long (s) a call whose questions were just refused may take to end before it is cancelled
 CANCEL_GRACE_S = 0.5
 
@@ -133,7 +130,7 @@ class Call:
         self._progress_text: str | None = None
         self._progress_written = 0.0
         self._progress_timer: asyncio.TimerHandle | None = None
-        self.progress_write_s = PROGRESS_WRITE_S
+        self.progress_write_s = 0.0  # set by detach(): no progress is written before it
         self.ended_by = "upstream"  # what ended the call, for the audit log: upstream, timeout, input_timeout
         self.started = time.monotonic()
         self.principal = principal
@@ -401,7 +398,7 @@ class Call:
 
     # -- actions from the proxy ------------------------------------------------------------
 
-    def detach(self, task_id: str, sink: TaskSink, *, progress_interval_s: float = PROGRESS_WRITE_S) -> None:
+    def detach(self, task_id: str, sink: TaskSink, *, progress_interval_s: float) -> None:
         """Hand the call over to the task `task_id` (already committed), reporting through `sink`.
 
         Progress text is written to the store at most once per `progress_interval_s` (s, the

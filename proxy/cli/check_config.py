@@ -9,7 +9,7 @@ import shutil
 import sys
 from urllib.parse import urlsplit
 
-from proxy.config import Config, ConfigError, JwtConfig, load_config, redact_url
+from proxy.config import Config, ConfigError, JwtConfig, TaskPolicy, load_config, redact_url
 from proxy.front.tokens import AccessTokens, TokenError, load_jwks_file
 from proxy.replicas import advertised_url
 from proxy.runtime import event_loop, tracing
@@ -167,18 +167,7 @@ def describe(config: Config, source: str) -> str:
         lines.append(f"- {name}: {upstream}")
         lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")
         tasks = entry.tasks
-        overrides = {
-            k: getattr(tasks, k)
-            for k in (
-                "detach_after",
-                "ttl",
-                "poll_interval",
-                "progress_interval",
-                "input_timeout",
-                "idempotency_window",
-            )
-            if getattr(tasks, k) is not None
-        }
+        overrides = {k: getattr(tasks, k) for k in TaskPolicy.model_fields if getattr(tasks, k) is not None}
         if overrides:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:

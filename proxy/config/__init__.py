@@ -7,7 +7,7 @@ This package's face names what the rest of the proxy uses.
 
 from proxy.config.base import ConfigError, Duration, parse_duration, redact_url
 from proxy.config.load import SCHEMA_FILE, config_from_data, config_json_schema, load_config
-from proxy.config.model import Config, ResolvedPolicy, ServerEntry, ToolMode, UpstreamOAuth
+from proxy.config.model import Config, ResolvedPolicy, ServerEntry, TaskPolicy, ToolMode, UpstreamOAuth
 from proxy.config.sections import (
     AuthConfig,
     ConsoleConfig,
@@ -42,6 +42,7 @@ __all__ = [
     "ResolvedPolicy",
     "ServerEntry",
     "StoreConfig",
+    "TaskPolicy",
     "TracingConfig",
     "ToolMode",
     "TrustedHeaderConfig",
