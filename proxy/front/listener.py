@@ -11,11 +11,13 @@ descriptors the proxy needs for its upstreams, its store and `/healthz`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import re
 import resource
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import structlog
@@ -24,11 +26,37 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from proxy.config import Config
-from proxy.runtime import metrics
+from proxy.runtime import event_loop, metrics
 
 log = structlog.get_logger("proxy.front")
 
 _ACCEPT_ERRORS = ("socket.accept() out of system resource", "Error on reading from the event loop self pipe")
+# accept() failures that mean "out of a resource for now" (asyncio's own list): pause, then retry
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_RETRY_S = 1.0  # (s) how long accepting pauses after such a failure, as on asyncio's own loop
+
+
+class _AcceptFailures:
+    """Counts accept failures (out of descriptors) and logs them as one `accept_failed` line per
+    LOG_EVERY_S (s) with the count since the last line, not one traceback each."""
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self._last = 0.0
+        self._count = 0
+
+    def note(self, reason: str) -> None:
+        """One failure; `reason` is the error's text."""
+        metrics.LIMIT_REJECTIONS.labels("accept_failed").inc()
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self.LOG_EVERY_S:
+            log.error("accept_failed", reason=reason, failures=self._count)
+            self._last, self._count = now, 0
+
+
+_accept_failures = _AcceptFailures()
 
 
 def default_max_connections() -> int:
@@ -167,6 +195,104 @@ class JsonErrorRequestHandler(RequestHandler):
         return response
 
 
+class RetryingAcceptor(asyncio.AbstractServer):
+    """Accepts connections on the listening socket `sock` with Python's `accept()` and hands each
+    to `protocol_factory` through `loop.connect_accepted_socket`; used on uvloop, whose own accept
+    loop (libuv's) cannot back off: out of descriptors (EMFILE once libuv's spare descriptor is
+    spent, ENFILE) it retries `accept()` on every loop iteration, one CPU at 100 % and no log line.
+    Here a failure for want of a resource (EMFILE, ENFILE, ENOBUFS, ENOMEM) is counted in
+    `accept_failed` and accepting pauses ACCEPT_RETRY_S (s) before it resumes, as on asyncio's own
+    loop. At most `backlog` connections are accepted per readable event. `close()` stops
+    accepting; the socket stays its owner's (the site's)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol_factory: Callable[[], asyncio.Protocol],
+        backlog: int,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._factory = protocol_factory
+        self._backlog = backlog
+        self._serving = False
+        self._resume: asyncio.TimerHandle | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Start accepting."""
+        self._serving = True
+        self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    async def start_serving(self) -> None:
+        """Start accepting, unless it already does."""
+        if not self._serving:
+            self.start()
+
+    async def serve_forever(self) -> None:
+        """Not offered: the site starts and stops it. Raises NotImplementedError."""
+        raise NotImplementedError("RetryingAcceptor is started and closed by its site")
+
+    def _accept(self) -> None:
+        for _ in range(self._backlog):
+            try:
+                conn, _address = self._sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    log.warning("accept_error", reason=str(exc))
+                    return
+                _accept_failures.note(str(exc))
+                self._loop.remove_reader(self._sock.fileno())
+                self._resume = self._loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._connect(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._factory, conn)
+        except OSError as exc:
+            log.warning("accept_error", reason=str(exc))
+            conn.close()
+
+    def _resume_accepting(self) -> None:
+        self._resume = None
+        if self._serving:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        """Stop accepting (connections already accepted are the app's to close)."""
+        if not self._serving:
+            return
+        self._serving = False
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        elif self._sock.fileno() != -1:
+            self._loop.remove_reader(self._sock.fileno())
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop it accepts on."""
+        return self._loop
+
+    def is_serving(self) -> bool:
+        """Whether it accepts (or pauses after a failure and will resume)."""
+        return self._serving
+
+    async def wait_closed(self) -> None:
+        """Return at once: stopping is immediate."""
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        """The listening socket."""
+        return (self._sock,)
+
+
 class CappedSite(web.SockSite):
     """A `SockSite` that serves at most `max_connections` connections at a time."""
 
@@ -191,7 +317,12 @@ class CappedSite(web.SockSite):
                 return _Refuse(max_lingering=min(64, self.max_connections // 4))
             return JsonErrorRequestHandler(server, loop=loop, **server._kwargs)
 
-        self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)
+        if event_loop.running() == "uvloop":
+            acceptor = RetryingAcceptor(loop, self._sock, factory, self._backlog)
+            acceptor.start()
+            self._server = acceptor
+        else:
+            self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)
 
     def _note_refusal(self) -> None:
         metrics.LIMIT_REJECTIONS.labels("max_connections").inc()
@@ -206,7 +337,6 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """Replace asyncio's per-failure traceback for accept errors (EMFILE/ENFILE: out of file
     descriptors) with one log line per 10 s that counts them, and drop asyncio's accept retries that fire
     after shutdown closed the listening socket (ValueError: fd -1); other errors keep the default handler."""
-    state = {"last": 0.0, "count": 0}
     previous = loop.get_exception_handler()
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -217,13 +347,8 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
             log.debug("accept_retry_after_close")
             return
         if message.startswith(_ACCEPT_ERRORS):
-            metrics.LIMIT_REJECTIONS.labels("accept_failed").inc()
-            state["count"] += 1
-            now = time.monotonic()
-            if now - state["last"] >= 10.0:
-                exc = context.get("exception")
-                log.error("accept_failed", reason=str(exc) if exc else message, failures=state["count"])
-                state["last"], state["count"] = now, 0
+            exc = context.get("exception")
+            _accept_failures.note(str(exc) if exc else message)
             return
         if previous is not None:
             previous(loop, context)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 import structlog
 from mcp import ClientSession
@@ -229,6 +230,63 @@ def test_running_out_of_file_descriptors_is_survived_quietly(
         log.close()
     text = (tmp_path / "stderr.log").read_text()
     assert len(text) < 100_000, f"{len(text)} bytes of log"
+    assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_out_of_descriptors_past_the_spare_one_pauses_accepting_instead_of_spinning(
+    legacy_url: str, tmp_path: Path, event_loop: str
+) -> None:
+    """The process's descriptor limit drops below what it has open (as when every descriptor is
+    taken and libuv's spare one cannot help): each accept() fails with EMFILE. The proxy logs it,
+    pauses accepting (ACCEPT_RETRY_S) instead of retrying on every loop iteration (uvloop's own
+    accept loop burnt a whole CPU here: ~30,000 failed accept() calls a second), and serves again
+    once descriptors are back."""
+    config = _write_config(tmp_path, legacy_url, event_loop=event_loop)
+    log = (tmp_path / "stderr.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=ROOT,
+    )
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        base = proc.stdout.readline().strip().split(" at ")[-1].removesuffix("/servers/legacy/mcp")
+        port = int(base.rsplit(":", 1)[1])
+        assert asyncio.run(_healthz(base)) == 200
+        limits = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        process = psutil.Process(proc.pid)
+        # below every descriptor but stdin/out/err: whatever it closes, it cannot open another
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (3, limits[1]))
+        try:
+            before = process.cpu_times()
+            for _ in range(4):
+                socks.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(1.5)
+            after = process.cpu_times()
+        finally:
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
+        busy_s = (after.user + after.system) - (before.user + before.system)
+        assert busy_s < 0.5, f"{busy_s:.2f} s of CPU in 1.5 s of failing accept()"
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline and status != 200:
+            try:
+                status = asyncio.run(_healthz(base))
+            except (aiohttp.ClientError, OSError):
+                time.sleep(0.1)
+        assert status == 200
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+    text = (tmp_path / "stderr.log").read_text()
+    assert '"accept_failed"' in text and "Too many open files" in text
     assert "Traceback" not in text
 
 
