@@ -4,6 +4,7 @@ drifts between two separate runs; within one run every revision sees the same dr
     python bench/ab.py 0494dd5 eb020f5 HEAD   # rows: a-legacy, a-modern (SDK, fake upstream), b 100k / 1M
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
     python bench/ab.py HEAD HEAD+tracing --rows a-modern-fake,a-legacy-fake   # tracing off vs on
+    python bench/ab.py floor floor+uvloop HEAD HEAD+uvloop   # asyncio's loop vs uvloop, floor beside
 
 A row `a-<wire>-fake-pN` calls the fast upstream's `chatty` tool with a progress token: N
 progress notifications 1 ms apart (each its own read at the proxy, as from an upstream that
@@ -19,7 +20,8 @@ a ratio to the floor's.
 A revision ending in `+tracing` runs that revision with OpenTelemetry tracing on (sample ratio 1.0,
 `OTEL_EXPORTER_OTLP_ENDPOINT` pointed at a sink in this process that takes each OTLP export and
 drops it): the proxy's CPU then includes building, batching and encoding every span (its exporter
-thread is part of the process).
+thread is part of the process). A revision (or `floor`) ending in `+uvloop` runs on uvloop
+(`listen.event_loop: uvloop`; the floor's `--uvloop`); without it, on asyncio's own loop.
 
 Each round measures every row for every revision (the revision order alternates by round); a
 revision's proxy/ comes from `git archive` on PYTHONPATH (as bench/run.py --ref). Layout as in
@@ -55,6 +57,7 @@ GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, benc
 
 
 TRACING = "+tracing"
+UVLOOP = "+uvloop"
 FLOOR = "floor"
 
 
@@ -80,12 +83,14 @@ def start_sink() -> str:
 
 
 def extract(rev: str, workdir: Path) -> tuple[str, Path | None]:
-    """(name, source folder) of `rev` (a `+tracing` suffix kept in the name, the source shared);
-    `floor` has no source."""
+    """(name, source folder) of `rev` (`+tracing` and `+uvloop` suffixes kept in the name, the
+    source shared); `floor` has no source."""
+    rev, *flags = rev.split("+")
+    suffixes = "".join(f"+{flag}" for flag in flags)
+    if not {f"+{flag}" for flag in flags} <= {UVLOOP, TRACING}:
+        raise SystemExit(f"{rev}{suffixes}: the suffixes known are {UVLOOP} and {TRACING}")
     if rev == FLOOR:
-        return FLOOR, None
-    traced = rev.endswith(TRACING)
-    rev = rev.removesuffix(TRACING)
+        return FLOOR + suffixes, None
     short = subprocess.run(
         ["git", "rev-parse", "--short", rev], capture_output=True, text=True, cwd=run.ROOT, check=True
     ).stdout.strip()
@@ -96,7 +101,7 @@ def extract(rev: str, workdir: Path) -> tuple[str, Path | None]:
             ["git", "archive", short, "proxy"], capture_output=True, cwd=run.ROOT, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    return short + (TRACING if traced else ""), src
+    return short + suffixes, src
 
 
 def measure_row(
@@ -107,6 +112,8 @@ def measure_row(
     if name.endswith(TRACING):
         run.PROXY_ENV["OTEL_EXPORTER_OTLP_ENDPOINT"] = ups["otlp"]
     kind, _, what = row.partition("-")
+    floor, uv = name.split("+")[0] == FLOOR, UVLOOP in name
+    event_loop = "uvloop" if uv else "asyncio"
     if kind == "a":
         mode, upstream, *chatty = what.split("-")
         up_url = ups[upstream]
@@ -117,12 +124,13 @@ def measure_row(
                 raise SystemExit(f"{row}: only the fake upstream has the chatty tool (a-<wire>-fake-pN)")
             arguments = {"name": "bench", "count": int(chatty[0][1:]), "interval_ms": 1}
             call.update(tool="chatty", arguments=arguments, progress=True)
-        if name == FLOOR:  # a byte pass-through can only carry the wire its upstream speaks
-            proxy, url = run.start_floor(workdir, "1", f"ab-{row}-floor", upstream=up_url)
+        if floor:  # a byte pass-through can only carry the wire its upstream speaks
+            proxy, url = run.start_floor(workdir, "1", f"ab-{row}-{name}", upstream=up_url, uvloop=uv)
             spec = {"mode": "legacy", **call}
         else:
+            store = workdir / f"ab-store-{row}-{name}"
             cfg = run.write_config(
-                workdir, f"ab-{row}", {"url": up_url}, workdir / f"ab-store-{row}-{name}", durable=True
+                workdir, f"ab-{row}", {"url": up_url}, store, durable=True, event_loop=event_loop
             )
             proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "1")
             spec = {"mode": mode, **call}
@@ -131,13 +139,15 @@ def measure_row(
         store, ids_file = store_ids[n]
         lg_cpu = "1"
         spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
-        if name == FLOOR:
-            proxy, url = run.start_floor(workdir, "0", f"ab-{row}-floor", ids_file=ids_file)
+        if floor:
+            proxy, url = run.start_floor(workdir, "0", f"ab-{row}-{name}", ids_file=ids_file, uvloop=uv)
         else:
-            cfg = run.write_config(workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True)
+            cfg = run.write_config(
+                workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True, event_loop=event_loop
+            )
             proxy, url, _ = run.start_proxy(workdir, f"ab-{row}-{name}", cfg, "0")
     try:
-        if name != FLOOR:
+        if not floor:
             run.wait_ready(url.rsplit("/", 1)[0], proxy)
         cpu0 = run.cpu_seconds(proxy.pid, children=False)
         res = run.loadgen(

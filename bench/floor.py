@@ -24,6 +24,7 @@ import asyncio
 import json
 
 import aiohttp
+import uvloop
 from aiohttp import web
 from fake_upstream import serve  # the same listener as the fast upstream (TCP_NODELAY)
 
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="the minimal JSON handler instead")
     parser.add_argument("--ids-file", help="JSON list of task ids (json mode)")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's loop")
     args = parser.parse_args()
     if args.json:
         with open(args.ids_file) as f:
@@ -100,7 +102,8 @@ def main() -> None:
     else:
         app = pass_through_app(args.upstream)
     try:
-        asyncio.run(serve(app, "127.0.0.1", args.port))
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop if args.uvloop else None) as runner:
+            runner.run(serve(app, "127.0.0.1", args.port))
     except KeyboardInterrupt:
         pass
 

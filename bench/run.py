@@ -216,22 +216,36 @@ def start_fake_upstream(workdir: Path, cpus: str | None, name: str = "upstream-f
 
 
 def start_floor(
-    workdir: Path, cpus: str | None, name: str, *, upstream: str | None = None, ids_file: Path | None = None
+    workdir: Path,
+    cpus: str | None,
+    name: str,
+    *,
+    upstream: str | None = None,
+    ids_file: Path | None = None,
+    uvloop: bool = False,
 ) -> tuple[Proc, str]:
     """bench/floor.py: the aiohttp pass-through in front of `upstream`, or (with `ids_file`) the minimal
-    JSON handler answering tasks/get from memory. Returns (proc, /mcp URL)."""
+    JSON handler answering tasks/get from memory; on uvloop when `uvloop`. Returns (proc, /mcp URL)."""
     argv = [PY, str(BENCH / "floor.py"), "--port", "0"]
     argv += ["--json", "--ids-file", str(ids_file)] if ids_file is not None else ["--upstream", str(upstream)]
+    argv += ["--uvloop"] if uvloop else []
     proc = Proc(name, argv, workdir, cpus=cpus)
     return proc, proc.wait_line("listening on ")
 
 
 def write_config(
-    workdir: Path, name: str, server: dict, store: Path | dict, *, durable: bool, detach_after: str = "10s"
+    workdir: Path,
+    name: str,
+    server: dict,
+    store: Path | dict,
+    *,
+    durable: bool,
+    detach_after: str = "10s",
+    event_loop: str = "asyncio",
 ) -> Path:
     """A proxy config file; `store` is a diskcache directory or a whole `store` section (Redis)."""
     config = {
-        "listen": {"host": "127.0.0.1", "port": 0},
+        "listen": {"host": "127.0.0.1", "port": 0, "event_loop": event_loop},
         "store": store if isinstance(store, dict) else {"path": str(store), "durable": durable},
         "tasks": {"detach_after": detach_after, "ttl": "1h", "poll_interval": "500ms"},
         "mcpServers": {SERVER: server},
