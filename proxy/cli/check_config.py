@@ -130,6 +130,7 @@ def describe(config: Config, source: str) -> str:
             f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout "
             f"{config.replicas.hop_timeout:g}s, "
             f"drain_detached {config.listen.drain_detached:g}s, drain_grace {config.listen.drain_grace:g}s"
+            + (" (cut to drain_detached)" if config.listen.drain_grace > config.listen.drain_detached else "")
         )
     auth = config.auth
     if auth.mode == "jwt" and auth.jwt is not None:

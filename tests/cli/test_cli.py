@@ -487,3 +487,17 @@ def test_check_config_never_prints_a_password_in_an_upstream_url(tmp_path):
     checked = run_cli("check-config", str(config))
     assert checked.returncode == 0, checked.stderr
     assert "http://127.0.0.1:9/mcp" in checked.stdout and "PW-SECRET" not in checked.stdout + checked.stderr
+
+
+def test_check_config_says_when_a_drain_grace_is_cut_to_drain_detached(tmp_path):
+    config = tmp_path / "r.yaml"
+    config.write_text(
+        "listen: {port: 0, drain_detached: 10s, drain_grace: 30s}\nstore: {url: redis://127.0.0.1:1/0}\n"
+        f"replicas: {{secret: {'s' * 40}}}\nmcpServers:\n  a: {{url: http://127.0.0.1:1/mcp}}\n"
+    )
+    checked = run_cli("check-config", str(config))
+    assert checked.returncode == 0, checked
+    assert "drain_detached 10s, drain_grace 30s (cut to drain_detached)" in checked.stdout
+    config.write_text(config.read_text().replace("drain_grace: 30s", "drain_grace: 2s"))
+    checked = run_cli("check-config", str(config))
+    assert "drain_grace 2s" in checked.stdout and "cut to" not in checked.stdout, checked
