@@ -184,6 +184,12 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
     try:
         await stop.wait()
     finally:
+        server = runner.server
+        log.info(
+            "proxy_draining",
+            drain_timeout_s=config.listen.drain_timeout,
+            connections=len(server.connections) if server is not None else 0,
+        )
         again = asyncio.Event()  # a second SIGTERM or SIGINT ends a replica's wait for its detached calls
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, again.set)
