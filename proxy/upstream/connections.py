@@ -49,6 +49,19 @@ async def _on_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _
         attempt.reused = True
 
 
+def shed_traces(resp: aiohttp.ClientResponse) -> None:
+    """Let go of a reply's aiohttp `Trace` objects (with their trace contexts and `_Attempt`) once
+    the reply has arrived, when the only trace config on its session is the reuse one above (a
+    detached call holds its reply for hours, and they are ~0.3 KB of it). That
+    config listens to `on_connection_reuseconn` alone, which aiohttp sends before the request
+    goes out, so nothing it would still hear is lost. aiohttp keeps them in the reply's private
+    `_traces` list (the same list as its request's; checked in aiohttp 3.14), emptied here in place;
+    nothing is done when it is not a list."""
+    traces = getattr(resp, "_traces", None)
+    if type(traces) is list:
+        traces.clear()
+
+
 class UpstreamHttp:
     """The HTTP client of one upstream server (`server` names it in logs): a pooled aiohttp
     `ClientSession` whose idle connections live `keepalive_s` (s) at most, and a resend of a POST
@@ -59,10 +72,13 @@ class UpstreamHttp:
         self.server = server
         trace = aiohttp.TraceConfig()
         trace.on_connection_reuseconn.append(_on_reuse)
+        others = tracing.client_trace_configs()
+        # With no other trace config, a reply's traces are ours alone, and spent once it arrived.
+        self._shed_traces = not others
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
             auto_decompress=True,
-            trace_configs=[trace, *tracing.client_trace_configs()],
+            trace_configs=[trace, *others],
         )
         self._fresh = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True),
@@ -78,13 +94,16 @@ class UpstreamHttp:
         attempt = _Attempt()
         sent = time.monotonic()
         try:
-            return await self.session.request(method, url, trace_request_ctx=attempt, **kwargs)
+            resp = await self.session.request(method, url, trace_request_ctx=attempt, **kwargs)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if not attempt.reused or time.monotonic() - sent > RESEND_WITHIN_S:
                 raise
             log.info("upstream_resent", server=self.server, reason=exc.__class__.__name__)
             metrics.UPSTREAM_RESENT.labels(self.server).inc()
-        return await self._fresh.request(method, url, **kwargs)
+            return await self._fresh.request(method, url, **kwargs)
+        if self._shed_traces:
+            shed_traces(resp)
+        return resp
 
     async def post(self, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
         """`request("POST", url, ...)`."""
