@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -214,15 +214,17 @@ class Call:
             }
         self._finish(reply)
 
-    async def _send(self, session: Session) -> JsonObject:
+    def _send(self, session: Session) -> Coroutine[Any, Any, JsonObject]:
         """One attempt at the upstream request on `session` (`with_session` makes a second on a new
-        session when the upstream forgot this one), with the call's own progress token."""
+        session when the upstream forgot this one), with the call's own progress token: the
+        session's request coroutine, for `with_session` to await (no coroutine frame of its own: a
+        detached call holds its chain of frames for hours)."""
         params = dict(self.params)
         params["_meta"] = {**object_of(params.get("_meta")), "progressToken": self.progress_token}
         self.session = session
         self.upstream_request_id = session.next_id()
         self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
-        return await session.request(
+        return session.request(
             self.method,
             params,
             handler=self._on_message,
