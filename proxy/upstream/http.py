@@ -296,6 +296,8 @@ class UpstreamSession:
                     method not in CALL_METHODS and method != "initialize"
                 )
                 resp = await self._post(message)
+                # Sent: neither is read again (a detached call holds this frame for hours).
+                del message, params
                 handed_off = False
                 try:
                     if method == "initialize":
