@@ -107,9 +107,9 @@ class ListenConfig(_Strict):
     )
     event_loop: Literal["asyncio", "auto", "uvloop"] = Field(
         "asyncio",
-        description="the process's event loop: asyncio's own; uvloop (~10 % less CPU per request, but it "
-        "stops listening for good if it cannot accept for want of descriptors); auto = uvloop when "
-        "installed",
+        description="the process's event loop: asyncio's own; uvloop (0.81-1.13x the CPU per request, "
+        "median ~0.93x, in bench/README.md); auto = uvloop when installed. Out of descriptors, both "
+        "pause accepting 1 s and log accept_failed",
     )
 
     @field_validator("public_url")

@@ -1,10 +1,11 @@
 """The event loop the proxy process serves on: `listen.event_loop` (issue 16).
 
 `asyncio` (the default) is the standard loop. `uvloop` runs on uvloop (a dependency on Linux and
-macOS, not on Windows): ~10 % less CPU per call (bench/README.md, "2026-12-02, second session"),
-but when libuv cannot accept a connection for want of descriptors (ENFILE, or an EMFILE its reserve
-descriptor cannot absorb) uvloop closes the listening socket for good, where asyncio retries a
-second later; so it is opt-in. `auto` is uvloop when it is installed, else asyncio.
+macOS, not on Windows). Out of descriptors, libuv's own accept loop retried `accept()` on every
+loop iteration (a whole CPU, no log line), so on uvloop the proxy accepts through
+`front.listener.RetryingAcceptor`, which pauses 1 s and logs as asyncio does. Its gain in three
+interleaved runs (bench/README.md, "uvloop") was 0.81-1.13x the CPU per call, median ~0.93: not
+steady enough to make it the default. `auto` is uvloop when it is installed, else asyncio.
 """
 
 from __future__ import annotations
