@@ -16,6 +16,7 @@ class Drain:
         self._deadline: float | None = None
         self._started = asyncio.Event()
         self._at_deadline: list[Callable[[float], None]] = []
+        self._bounds: set[asyncio.Timeout] = set()  # the waits `start` ends early
 
     def at_deadline(self, fn: Callable[[float], None]) -> None:
         """Call `fn(timeout_s)` when the drain deadline passes (for work that is not a waiting handler: the
@@ -28,6 +29,9 @@ class Drain:
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout_s
         self._started.set()
+        for bound in self._bounds:
+            bound.reschedule(loop.time())  # the wait ends with TimeoutError at the next iteration
+        self._bounds.clear()
         for fn in self._at_deadline:
             loop.call_later(timeout_s, fn, timeout_s)
 
@@ -43,19 +47,19 @@ class Drain:
         return max(0.0, self._deadline - asyncio.get_running_loop().time())
 
     async def wait_for(self, awaitable: Awaitable[Any], timeout: float) -> Any:
-        """`asyncio.wait_for(awaitable, timeout)` (s), but a drain that starts meanwhile ends the wait
-        early (TimeoutError), so the caller re-plans against the drain deadline."""
-        if self._started.is_set():
-            return await asyncio.wait_for(awaitable, timeout)
-        getter = asyncio.ensure_future(awaitable)
-        started = asyncio.ensure_future(self._started.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {getter, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            started.cancel()
-        if getter in done:
-            return getter.result()
-        getter.cancel()
-        raise TimeoutError
+        """`awaitable` bounded by `timeout` (s), as `asyncio.wait_for`, but a drain that starts meanwhile
+        ends the wait early, so the caller re-plans against the drain deadline. Awaited in the
+        caller's own task (no task of its own). An awaitable that is ready at once (an event already
+        queued) is returned even when `timeout` is 0.
+
+        Raises TimeoutError when the time is up or a drain started; cancelling the caller cancels
+        `awaitable`.
+        """
+        async with asyncio.timeout(timeout) as bound:
+            if self._started.is_set():
+                return await awaitable
+            self._bounds.add(bound)
+            try:
+                return await awaitable
+            finally:
+                self._bounds.discard(bound)
