@@ -13,7 +13,15 @@ from enum import StrEnum
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from proxy.config.base import Duration, redact_url, url_problem
 from proxy.config.base import Strict as _Strict
@@ -276,7 +284,10 @@ class ServerEntry(_Strict):
 class ResolvedPolicy(BaseModel):
     """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s),
     `dedupe_window` (s) None when the tool does not join identical calls, `progress_interval` (s)
-    the least time between two store writes of one task's progress text."""
+    the least time between two store writes of one task's progress text. Read-only: `Config.policy`
+    hands the same instance to every call of a tool (`model_copy(update=...)` for a variant)."""
+
+    model_config = ConfigDict(frozen=True)
 
     mode: ToolMode
     on_restart: Literal["fail", "rerun"] = "fail"
@@ -293,6 +304,8 @@ class ResolvedPolicy(BaseModel):
 class Config(_Strict):
     """The whole config file."""
 
+    # Resolved policies, kept: a Config is read-only once a proxy serves it.
+    _policies: dict[tuple[str, str | None], ResolvedPolicy] = PrivateAttr(default_factory=dict)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
@@ -344,9 +357,17 @@ class Config(_Strict):
         return tool_cfg.mode if tool_cfg is not None else ToolMode.OPTIONAL
 
     def policy(self, server: str, tool: str) -> ResolvedPolicy:
-        """Resolve tool → server → defaults for one tool of one server."""
+        """Resolve tool → server → defaults for one tool of one server; resolved once per configured
+        tool and once per server for every other tool name (they share the server's policy), then
+        kept, so a client's arbitrary tool names cannot grow the memo."""
         entry = self.mcpServers[server]
-        tool_cfg = entry.tasks.tools.get(tool, ToolTasks())
+        key = (server, tool if tool in entry.tasks.tools else None)
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = self._policies[key] = self._resolve(entry, entry.tasks.tools.get(tool, ToolTasks()))
+        return policy
+
+    def _resolve(self, entry: ServerEntry, tool_cfg: ToolTasks) -> ResolvedPolicy:
         layers: list[TaskPolicy] = [tool_cfg, entry.tasks]
 
         def pick(field: str) -> float:
