@@ -77,6 +77,10 @@ class UpstreamTasks:
         """Forget the tools' task support (the upstream's tool list changed)."""
         self._support = None
 
+    def known_support(self, tool: str) -> tuple[bool, str | None]:
+        """`(True, what support answers)` once the upstream's tools were read; `(False, None)` before."""
+        return (False, None) if self._support is None else (True, self._support.get(tool))
+
     async def support(self, tool: str, capabilities: JsonObject, principal: str) -> str | None:
         """The upstream's `execution.taskSupport` for `tool` (`required`, `optional`), or None when the
         upstream has no task-augmented tools/call or the tool does not take tasks."""

@@ -196,11 +196,14 @@ class ServerDispatcher:
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise require_tasks_for(tool)
-        lookups = asyncio.ensure_future(self._lookups(tool, params, policy, envelope, principal))
-        if envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN:
+        known = self._known_lookups(tool, params, policy, principal)
+        if known is not None:  # both cached: no task, no wait
+            names, support = known
+        elif envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN:
+            lookups = asyncio.ensure_future(self._lookups(tool, params, policy, envelope, principal))
             names, support = await self._by_detach(lookups, arrived + policy.detach_after, tool)
         else:
-            names, support = await lookups
+            names, support = await self._lookups(tool, params, policy, envelope, principal)
         if names:
             check_param_headers(reply.headers, params.get("arguments"), names)
         # An upstream with v1 tasks of its own (upstream_tasks): its task backs the client's.
@@ -243,6 +246,19 @@ class ServerDispatcher:
             arrived=arrived,
             keyed=keyed,
         )
+
+    def _known_lookups(
+        self, tool: str, params: JsonObject, policy: ResolvedPolicy, principal: str
+    ) -> tuple[dict[str, str], str | None] | None:
+        """What `_lookups` would answer when both are cached already (the common case past a
+        principal's first call), else None."""
+        names = self.param_headers.known(tool, principal)
+        if names is None:
+            return None
+        if "requestState" in params or policy.mode is ToolMode.FORBIDDEN:
+            return names, None
+        read, support = self.upstream_tasks.known_support(tool)
+        return (names, support) if read else None
 
     async def _lookups(
         self, tool: str, params: JsonObject, policy: ResolvedPolicy, envelope: Envelope, principal: str

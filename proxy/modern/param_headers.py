@@ -32,6 +32,11 @@ class ParamHeaderIndex:
         """Forget everything (the upstream's tool list changed)."""
         self._by_principal.clear()
 
+    def known(self, tool: str, principal: str) -> dict[str, str] | None:
+        """What `names` would answer, when the principal's index is already built; else None."""
+        tools = self._by_principal.get(principal)
+        return None if tools is None else tools.get(tool, {})
+
     async def names(
         self, tool: str, principal: str, fetch: Callable[[JsonObject], Awaitable[JsonObject]]
     ) -> dict[str, str]:
