@@ -9,6 +9,7 @@ strings with units (`500ms`, `30s`, `10m`, `1h`); unknown keys are errors that n
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -285,7 +286,8 @@ class ResolvedPolicy(BaseModel):
     """The effective task policy of one tool: durations in seconds, `timeout` the hard limit (s),
     `dedupe_window` (s) None when the tool does not join identical calls, `progress_interval` (s)
     the least time between two store writes of one task's progress text. Read-only: `Config.policy`
-    hands the same instance to every call of a tool (`model_copy(update=...)` for a variant)."""
+    hands one instance to every call of a configured tool, and one to all other tools of a server
+    (`model_copy(update=...)` for a variant)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -304,7 +306,8 @@ class ResolvedPolicy(BaseModel):
 class Config(_Strict):
     """The whole config file."""
 
-    # Resolved policies, kept: a Config is read-only once a proxy serves it.
+    # Resolved policies, kept: a Config is read-only once a proxy serves it (changes after the first
+    # `policy` call are not seen); `model_copy` starts the copy's own.
     _policies: dict[tuple[str, str | None], ResolvedPolicy] = PrivateAttr(default_factory=dict)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -344,6 +347,12 @@ class Config(_Strict):
                         f"token of its own"
                     )
         return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Config:
+        """A copy, as pydantic's, whose resolved policies start empty (the copy may differ)."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied._policies = {}
+        return copied
 
     @property
     def servers(self) -> dict[str, ServerEntry]:

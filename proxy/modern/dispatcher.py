@@ -197,7 +197,7 @@ class ServerDispatcher:
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:
             raise require_tasks_for(tool)
         known = self._known_lookups(tool, params, policy, principal)
-        if known is not None:  # both cached: no task, no wait
+        if known is not None:  # what the call needs is cached: no task, no wait
             names, support = known
         elif envelope.declares_tasks and policy.mode is not ToolMode.FORBIDDEN:
             lookups = asyncio.ensure_future(self._lookups(tool, params, policy, envelope, principal))
@@ -250,8 +250,9 @@ class ServerDispatcher:
     def _known_lookups(
         self, tool: str, params: JsonObject, policy: ResolvedPolicy, principal: str
     ) -> tuple[dict[str, str], str | None] | None:
-        """What `_lookups` would answer when both are cached already (the common case past a
-        principal's first call), else None."""
+        """What `_lookups` would answer when what it needs is cached already (the common case past a
+        principal's first call), else None: the Mcp-Param names always, the upstream's task support
+        too unless the call resumes a `requestState` or the tool is `mode: forbidden`."""
         names = self.param_headers.known(tool, principal)
         if names is None:
             return None

@@ -16,7 +16,7 @@ class Drain:
         self._deadline: float | None = None
         self._started = asyncio.Event()
         self._at_deadline: list[Callable[[float], None]] = []
-        self._bounds: set[asyncio.Timeout] = set()  # the waits `start` ends early
+        self._bounds: set[asyncio.Timeout] = set()  # the waits `start` ends early (see `wait_for`)
 
     def at_deadline(self, fn: Callable[[float], None]) -> None:
         """Call `fn(timeout_s)` when the drain deadline passes (for work that is not a waiting handler: the
@@ -30,7 +30,10 @@ class Drain:
         self._deadline = loop.time() + timeout_s
         self._started.set()
         for bound in self._bounds:
-            bound.reschedule(loop.time())  # the wait ends with TimeoutError at the next iteration
+            # A bound whose timer fired already (its task not yet resumed) ends its wait by itself,
+            # and cannot be rescheduled; the others end at the next loop iteration.
+            if not bound.expired():
+                bound.reschedule(loop.time())
         self._bounds.clear()
         for fn in self._at_deadline:
             loop.call_later(timeout_s, fn, timeout_s)
@@ -49,12 +52,17 @@ class Drain:
     async def wait_for(self, awaitable: Awaitable[Any], timeout: float) -> Any:
         """`awaitable` bounded by `timeout` (s), as `asyncio.wait_for`, but a drain that starts meanwhile
         ends the wait early, so the caller re-plans against the drain deadline. Awaited in the
-        caller's own task (no task of its own). An awaitable that is ready at once (an event already
-        queued) is returned even when `timeout` is 0.
+        caller's own task (no task of its own). Before a drain, an awaitable that is ready at once
+        (an event already queued) is returned even when `timeout` is 0; once draining, a `timeout` of
+        0 or less raises at once, so a chatty upstream cannot hold the caller past the deadline.
 
         Raises TimeoutError when the time is up or a drain started; cancelling the caller cancels
         `awaitable`.
         """
+        if timeout <= 0 and self._started.is_set():
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()  # never awaited: no "was never awaited" warning
+            raise TimeoutError
         async with asyncio.timeout(timeout) as bound:
             if self._started.is_set():
                 return await awaitable

@@ -131,6 +131,15 @@ def test_minimal_json_values():
     assert config.policy("demo", "anything").timeout == 1800.0
 
 
+def test_resolved_policies_are_kept_per_configured_tool_and_not_shared_with_a_copy():
+    config = load_config(CONFIG_DIR / "minimal.json")
+    # Every tool the config does not name shares the server's one policy (arbitrary names add none).
+    assert config.policy("demo", "anything") is config.policy("demo", "something_else")
+    copied = config.model_copy(update={"tasks": config.tasks.model_copy(update={"detach_after": 3.0})})
+    assert copied.policy("demo", "anything").detach_after == 3.0
+    assert config.policy("demo", "anything").detach_after == 10.0
+
+
 def test_demo_yaml_values(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv("MCP_TASKS_STORE", raising=False)
     config = load_config(CONFIG_DIR / "demo.yaml")
