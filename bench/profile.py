@@ -4,6 +4,7 @@
     python bench/profile.py legacy              # (a) short tools/call, legacy relay, SDK upstream
     python bench/profile.py modern              # (a) short tools/call, 2026-07-28 path
     python bench/profile.py modern --fake       # same, in front of bench/fake_upstream.py
+    python bench/profile.py modern --fake --progress 200   # its chatty tool: 200 notifications per call
     python bench/profile.py tasks_get --store-size 100000
     python bench/profile.py legacy --ref 0494dd5 --out bench/profiles/a-legacy-before.txt
 
@@ -102,6 +103,12 @@ def main() -> int:
     ap.add_argument(
         "--fake", action="store_true", help="bench/fake_upstream.py instead of the SDK server (a)"
     )
+    ap.add_argument(
+        "--progress",
+        type=int,
+        default=0,
+        help="with --fake: call its chatty tool, this many progress notifications 1 ms apart per call",
+    )
     ap.add_argument("--store-size", type=int, default=100000, help="stored tasks for tasks_get")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--duration", type=float, default=10.0)
@@ -111,6 +118,8 @@ def main() -> int:
     ap.add_argument("--ref", help="profile proxy/ at this git revision (as bench/run.py --ref)")
     ap.add_argument("--out", help="text file to write (default: stdout only)")
     args = ap.parse_args()
+    if args.progress and (not args.fake or args.mode == "tasks_get"):
+        raise SystemExit("--progress needs --fake and a tools/call mode (legacy or modern)")
     pyspy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if not pyspy:
         raise SystemExit("py-spy not found: pip install py-spy")
@@ -163,6 +172,9 @@ def main() -> int:
                 "arguments": {"name": "bench"},
                 "expect": "Hello, bench!",
             }
+            if args.progress:
+                arguments = {"name": "bench", "count": args.progress, "interval_ms": 1}
+                spec.update(tool="chatty", arguments=arguments, progress=True)
             px_cpu, lg_cpu = "1", "0"
         cfg = run.write_config(workdir, "proxy", {"url": up_url}, store, durable=True)
         proxy, url, _ = run.start_proxy(workdir, "proxy", cfg, px_cpu)
@@ -199,8 +211,10 @@ def main() -> int:
         own, incl, total = summarize(raw, args.top)
     finally:
         run.Proc.stop_all()
-    what = f"{args.mode}{' (fake upstream)' if args.fake else ''}" + (
-        f", {args.store_size} stored" if args.mode == "tasks_get" else ""
+    what = (
+        f"{args.mode}{' (fake upstream)' if args.fake else ''}"
+        + (f", {args.progress} progress notifications per call" if args.progress else "")
+        + (f", {args.store_size} stored" if args.mode == "tasks_get" else "")
     )
     lines = [
         f"# py-spy profile of the proxy: {what}; proxy/ at {label}",

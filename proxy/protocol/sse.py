@@ -50,37 +50,45 @@ class SseParser:
         self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> tuple[list[SseEvent], EventTooLargeError | None]:
-        """The events `chunk` completes, and the error to raise after them (an event grew too large)."""
+        """The events `chunk` completes, and the error to raise after them (an event grew too large).
+
+        A chunk with no line end is only buffered (a long line costs its length once, not once per
+        chunk); one with line ends is split once, the buffered start joined to its first line."""
         out: list[SseEvent] = []
         buffer = self._buffer
-        start = len(buffer)
-        buffer += chunk
-        cut = buffer.find(b"\n", start)
-        while cut >= 0:
-            raw = bytes(buffer[:cut])
-            del buffer[: cut + 1]
-            cut = buffer.find(b"\n")
-            line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
-            self._size += len(raw) + 1
-            if not line:
-                if self._data or self._event:
-                    out.append(
-                        SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)
-                    )
-                self._data, self._event, self._size = [], "", 0
-                continue
-            if line.startswith(":"):
-                continue
-            field, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            if field == "data":
-                self._data.append(value)
-            elif field == "event":
-                self._event = value
-            elif field == "id":
-                self._last_id = value
-            elif field == "retry" and value.isdigit():
-                self._retry = int(value)
+        if b"\n" not in chunk:
+            buffer += chunk
+        else:
+            lines = chunk.split(b"\n")
+            tail = lines.pop()  # what follows the last line end (b"" when the chunk ends with one)
+            if buffer:
+                lines[0] = bytes(buffer) + lines[0]
+                buffer.clear()
+            buffer += tail
+            for raw in lines:
+                self._size += len(raw) + 1
+                if raw.endswith(b"\r"):
+                    raw = raw.rstrip(b"\r")
+                if not raw:
+                    if self._data or self._event:
+                        out.append(
+                            SseEvent(
+                                self._event or "message", "\n".join(self._data), self._last_id, self._retry
+                            )
+                        )
+                    self._data, self._event, self._size = [], "", 0
+                    continue
+                field, _, value = raw.partition(b":")
+                if value[:1] == b" ":
+                    value = value[1:]
+                if field == b"data":
+                    self._data.append(value.decode("utf-8", errors="replace"))
+                elif field == b"event":
+                    self._event = value.decode("utf-8", errors="replace")
+                elif field == b"id":
+                    self._last_id = value.decode("utf-8", errors="replace")
+                elif field == b"retry" and value.isdigit():
+                    self._retry = int(value)
         if self.max_event_bytes is not None and self._size + len(buffer) > self.max_event_bytes:
             return out, EventTooLargeError(f"an SSE event is larger than {self.max_event_bytes} bytes")
         return out, None

@@ -18,7 +18,7 @@ from support.clients import ModernClient
 from support.proxy import Serve, make_config
 
 from proxy.protocol import jsonrpc
-from proxy.protocol.sse import EventTooLargeError, ReaderEvents, iter_events
+from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent, SseParser, iter_events
 
 JSON_VALUES = st.recursive(
     st.none()
@@ -39,6 +39,7 @@ def test_codec_writes_and_reads_what_json_did(value: object) -> None:
     assert jsonrpc.dumps_str(value) == expected.decode()
     assert jsonrpc.loads(expected) == json.loads(expected)
     assert jsonrpc.loads(expected.decode()) == json.loads(expected)
+    assert jsonrpc.loads(bytearray(expected)) == json.loads(expected)
 
 
 def test_codec_writes_every_ascii_character_as_json_did() -> None:
@@ -46,6 +47,27 @@ def test_codec_writes_every_ascii_character_as_json_did() -> None:
     every = "".join(chr(c) for c in range(128))
     value = {every: [every, {c: c for c in every}]}
     assert jsonrpc.dumps(value) == json.dumps(value, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"taskId": "a1b2c3d4e5f6", "n": 1e-07, "m": [2.5e16, "4e5", ":4e5", "[1e5"]},
+        {"id": "4e5f", "progress": 17, "total": 200.0},
+        [1e-07],
+        1e16,
+        -2.5e-9,
+        {"s": "12345678901234567890123", "n": 12345678901234567890123, "m": -12345678901234567890},
+        [0.00001, "0.00001", 10.00001],
+    ],
+)
+def test_codec_tells_numbers_from_strings_that_look_like_them(value: object) -> None:
+    """Hex ids and digit runs inside strings take the fast path; the numbers beside them do not."""
+    expected = json.dumps(value, separators=(",", ":")).encode()
+    assert jsonrpc.dumps(value) == expected
+    for raw in (expected, json.dumps(value, indent=1).encode(), json.dumps(value)):
+        parsed = jsonrpc.loads(raw)
+        assert parsed == json.loads(raw) and json.dumps(parsed) == json.dumps(json.loads(raw))
 
 
 @pytest.mark.parametrize(
@@ -206,3 +228,35 @@ def test_reader_events_match_iter_events(parts: list[bytes], size: int, limit: i
     chunks = [raw[i : i + size] for i in range(0, len(raw), size)]
     a, b = asyncio.run(_both(chunks, limit))
     assert a == b
+
+
+def _parse(chunks: list[bytes]) -> list[SseEvent]:
+    parser = SseParser()
+    events = [event for chunk in chunks for event in parser.feed(chunk)[0]]
+    return events + parser.end()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [b"data: a", b"\n", b"\r\n", b"id: 7\n", b"retry: 3x\n", b"event: x\n", b":c\n", b"data:\xc3\xa9"]
+        ),
+        max_size=30,
+    ),
+    st.integers(1, 7),
+)
+def test_sse_events_do_not_depend_on_how_the_bytes_are_split(parts: list[bytes], size: int) -> None:
+    raw = b"".join(parts)
+    assert _parse([raw[i : i + size] for i in range(0, len(raw), size)]) == _parse([raw])
+
+
+def test_sse_parser_reads_fields_comments_and_split_characters() -> None:
+    chunks = [b": hi\r\nevent: up\r\nid: 4\nretry: 25\ndata: one\ndata:two\ndata: \xc3", b"\xa9\n", b"\r\n"]
+    assert _parse(chunks) == [SseEvent("up", "one\ntwo\n\u00e9", "4", 25)]
+    assert _parse([b"data: \xff\n\n", b"retry: \xd9\xa3\ndata: x\n"]) == [
+        SseEvent("message", "\ufffd", None, None),
+        SseEvent(
+            "message", "x", None, None
+        ),  # a non-ASCII digit is no retry; the last event ends with the stream
+    ]
