@@ -214,7 +214,15 @@ class CallRunner:
                 if remaining is not None:
                     wait = min(wait, remaining)
                 try:
-                    kind, item = await self.drain.wait_for(call.events.get(), timeout=wait)
+                    # One bound for the whole window: notifications relayed inside it cost no timer
+                    # each (a keepalive then follows `keepalive_s` after the window opened, chatty
+                    # or not).
+                    async with self.drain.bounded(wait):
+                        while True:
+                            kind, item = await call.events.get()
+                            if kind != "notification":
+                                break
+                            await reply.notify(item)
                 except TimeoutError:
                     if call.done or call.pending:
                         continue
@@ -246,9 +254,7 @@ class CallRunner:
                         return handle
                     await reply.keepalive()
                     continue
-                if kind == "notification":
-                    await reply.notify(item)
-                elif kind == "unsupported" and not call.done:
+                if kind == "unsupported" and not call.done:
                     call.cancel(f"the upstream needs the {item} capability")
                     raise JsonRpcError(
                         MISSING_REQUIRED_CLIENT_CAPABILITY,

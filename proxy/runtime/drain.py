@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,7 +16,7 @@ class Drain:
         self._deadline: float | None = None
         self._started = asyncio.Event()
         self._at_deadline: list[Callable[[float], None]] = []
-        self._bounds: set[asyncio.Timeout] = set()  # the waits `start` ends early (see `wait_for`)
+        self._bounds: set[asyncio.Timeout] = set()  # the waits `start` ends early (see `bounded`)
 
     def at_deadline(self, fn: Callable[[float], None]) -> None:
         """Call `fn(timeout_s)` when the drain deadline passes (for work that is not a waiting handler: the
@@ -49,25 +49,42 @@ class Drain:
             return None
         return max(0.0, self._deadline - asyncio.get_running_loop().time())
 
-    async def wait_for(self, awaitable: Awaitable[Any], timeout: float) -> Any:
-        """`awaitable` bounded by `timeout` (s), as `asyncio.wait_for`, but a drain that starts meanwhile
-        ends the wait early, so the caller re-plans against the drain deadline. Awaited in the
-        caller's own task (no task of its own). Before a drain, an awaitable that is ready at once
-        (an event already queued) is returned even when `timeout` is 0; once draining, a `timeout` of
-        0 or less raises at once, so a chatty upstream cannot hold the caller past the deadline.
+    def bounded(self, timeout_s: float) -> DrainBound:
+        """`async with drain.bounded(timeout_s):` bounds the block by `timeout_s` seconds, as
+        `asyncio.timeout`, but a drain that starts meanwhile ends it early, so the caller re-plans
+        against the drain deadline. One timer for the whole block, however many awaits it makes.
+        Before a drain, a block whose awaits are ready at once (events already queued) runs even
+        when `timeout_s` is 0; once draining, a `timeout_s` of 0 or less raises at entry, so a chatty
+        upstream cannot hold the caller past the deadline.
 
-        Raises TimeoutError when the time is up or a drain started; cancelling the caller cancels
-        `awaitable`.
-        """
-        if timeout <= 0 and self._started.is_set():
-            if asyncio.iscoroutine(awaitable):
-                awaitable.close()  # never awaited: no "was never awaited" warning
+        Raises TimeoutError (at entry or from the block) when the time is up or a drain started."""
+        return DrainBound(self._bounds, self._started, timeout_s)
+
+
+class DrainBound:
+    """The async context manager `Drain.bounded` returns: an `asyncio.Timeout` the drain's start
+    reschedules to now while the block runs. Enter it once."""
+
+    __slots__ = ("_bounds", "_started", "_timeout_s", "_timeout")
+
+    def __init__(self, bounds: set[asyncio.Timeout], started: asyncio.Event, timeout_s: float) -> None:
+        self._bounds = bounds  # the drain's: its start reschedules each to now
+        self._started = started
+        self._timeout_s = timeout_s
+        self._timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> DrainBound:
+        if self._timeout_s <= 0 and self._started.is_set():
             raise TimeoutError
-        async with asyncio.timeout(timeout) as bound:
-            if self._started.is_set():
-                return await awaitable
-            self._bounds.add(bound)
-            try:
-                return await awaitable
-            finally:
-                self._bounds.discard(bound)
+        self._timeout = asyncio.timeout(self._timeout_s)
+        await self._timeout.__aenter__()
+        if not self._started.is_set():
+            self._bounds.add(self._timeout)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        assert self._timeout is not None
+        self._bounds.discard(self._timeout)
+        await self._timeout.__aexit__(exc_type, exc, tb)  # turns its own cancellation into TimeoutError

@@ -124,6 +124,37 @@ async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningPro
         await plain.close()
 
 
+async def test_a_synchronous_call_relaying_progress_gets_every_notification_and_its_result(
+    legacy_url: str, tmp_path, serve: Serve
+) -> None:
+    """The call's wait for its next event is one bounded window: notifications relayed inside it do
+    end it early or add a keepalive per notification (one at most every `sse_keepalive`)."""
+    config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "10s"})
+    config.listen.sse_keepalive = 0.15  # progress comes every 0.1 s, inside every window
+    proxy = await serve(config)
+    plain = ModernClient(proxy.url(), capabilities={})
+    try:
+        params = {
+            "name": "slow_compute",
+            "arguments": {"seconds": 0.7, "label": "kept"},
+            "_meta": {**envelope({}), "progressToken": "p-2"},
+        }
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}
+        async with plain.http.post(
+            plain.url, data=json.dumps(body), headers=plain.headers_for("tools/call", params)
+        ) as resp:
+            raw = await asyncio.wait_for(resp.read(), timeout=10)
+        events = [
+            json.loads(line[len(b"data: ") :]) for line in raw.splitlines() if line.startswith(b"data: ")
+        ]
+        progress = [e for e in events if e.get("method") == "notifications/progress"]
+        assert len(progress) >= 4 and all(e["params"]["progressToken"] == "p-2" for e in progress)
+        assert raw.count(b": keepalive") <= 6, raw  # one per window at most (0.7 s / 0.15 s)
+        assert events[-1]["result"]["content"][0]["text"] == "computed kept after 0.7s"
+    finally:
+        await plain.close()
+
+
 async def test_tool_error_ends_completed_with_is_error(flow_client: ModernClient) -> None:
     created = (await flow_client.call("failing_job")).result
     assert created["resultType"] == "task"
