@@ -415,6 +415,11 @@ class Call:
         elif self.pending:
             self._write_inputs()
 
+    def wake(self, token: object) -> None:
+        """Queue `("timeout", token)` for the handler following this call (a `Drain.timer`'s fire):
+        its wait for the next event ends there, after what was queued before."""
+        self.events.put_nowait(("timeout", token))
+
     def answer(self, responses: JsonObject) -> list[str]:
         """Deliver input responses by key; unknown or already-answered keys are ignored.
 

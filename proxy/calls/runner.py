@@ -213,17 +213,20 @@ class CallRunner:
                 remaining = self.drain.remaining()
                 if remaining is not None:
                     wait = min(wait, remaining)
+                # One wake-up for the whole wait: notifications relayed before it rings cost no timer
+                # each (a keepalive follows `keepalive_s` after the wait began, chatty or not), and
+                # nothing awaited here is cancelled by it.
+                timer = self.drain.timer(wait, call.wake)
                 try:
-                    # One bound for the whole window: notifications relayed inside it cost no timer
-                    # each (a keepalive then follows `keepalive_s` after the window opened, chatty
-                    # or not).
-                    async with self.drain.bounded(wait):
-                        while True:
-                            kind, item = await call.events.get()
-                            if kind != "notification":
-                                break
+                    while True:
+                        kind, item = await call.events.get()
+                        if kind == "notification":
                             await reply.notify(item)
-                except TimeoutError:
+                        elif kind != "timeout" or item is timer:  # (a wake-up of an earlier wait: stale)
+                            break
+                finally:
+                    timer.cancel()
+                if kind == "timeout":
                     if call.done or call.pending:
                         continue
                     if self.drain.remaining() == 0.0:

@@ -83,15 +83,17 @@ def http_status_for(code: int) -> int:
 _OPTS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 # orjson output that json.dumps would write differently: floats in exponent form (`1e-07` vs
 # `1e-7`) or below 1e-4 (`1e-05` vs `0.00001`), DEL (json writes `\u007f`), and any non-ASCII
-# byte (json escapes it). Integers longer than 19 digits: orjson reads them as floats where json
-# keeps an int. Both are looked for in a copy with every digit made `0` and `E` made `e` (one C
-# pass), by patterns that start with a literal (the fast search of `re`) and look back one byte to
-# tell a number (after `:`, `,`, `[`, `-`, JSON whitespace, or at the start) from a string: a hex
-# id's `d4e5` does not match. A match inside a string (`"12e"`) only costs the slower, exact path.
+# byte (json escapes it). Integers beyond 64 bits (20 digits or more, or 19 after a `-`): orjson
+# reads them as floats where json keeps an int. Both are looked for in a copy with every digit made
+# `0` and `E` made `e` (one C pass), by patterns that start with a literal (the fast search of
+# `re`) and look back one byte to tell a number from a string: an exponent's digit follows `:`,
+# `,`, `[`, `-`, a digit or `.`; a long integer's first digit follows `:`, `,`, `[`, `-` or JSON
+# whitespace (or starts the text). A hex id's `d4e5` does not match; a match inside a string
+# (`"12e"`) only costs the slower, exact path.
 _FOLD = bytes.maketrans(b"0123456789E", b"0000000000e")
-_SMALL, _DEL, _DIGITS_20 = b"0.0000", b"\x7f", b"0" * 20
+_SMALL, _DEL, _DIGITS_19 = b"0.0000", b"\x7f", b"0" * 19
 _EXPONENT = re.compile(rb"0e(?<![^:,\[\-0.]0e)")
-_BIG_INT = re.compile(rb"0{20}(?<![^:,\[\- \t\r\n]0{20})")
+_BIG_INT = re.compile(rb"-0{19}|0{20}(?<![^:,\[\- \t\r\n]0{20})")
 
 
 def _json_writes_otherwise(out: bytes) -> bool:
@@ -103,9 +105,9 @@ def _json_writes_otherwise(out: bytes) -> bool:
 
 
 def _has_big_int(raw: bytes | bytearray) -> bool:
-    """True when the JSON text `raw` may hold an integer of 20 digits or more."""
+    """True when the JSON text `raw` may hold an integer beyond 64 bits (orjson would read a float)."""
     folded = raw.translate(_FOLD)
-    return _DIGITS_20 in folded and _BIG_INT.search(folded) is not None
+    return _DIGITS_19 in folded and _BIG_INT.search(folded) is not None
 
 
 class _NonFinite(float):

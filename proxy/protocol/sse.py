@@ -87,7 +87,7 @@ class SseParser:
                     self._event = value.decode("utf-8", errors="replace")
                 elif field == b"id":
                     self._last_id = value.decode("utf-8", errors="replace")
-                elif field == b"retry" and value.isdigit():
+                elif field == b"retry" and value.isdigit() and len(value) <= 10:  # ms; no absurd ints
                     self._retry = int(value)
         if self.max_event_bytes is not None and self._size + len(buffer) > self.max_event_bytes:
             return out, EventTooLargeError(f"an SSE event is larger than {self.max_event_bytes} bytes")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 
 class Drain:
@@ -16,7 +15,7 @@ class Drain:
         self._deadline: float | None = None
         self._started = asyncio.Event()
         self._at_deadline: list[Callable[[float], None]] = []
-        self._bounds: set[asyncio.Timeout] = set()  # the waits `start` ends early (see `bounded`)
+        self._timers: set[DrainTimer] = set()  # the wake-ups `start` brings forward (see `timer`)
 
     def at_deadline(self, fn: Callable[[float], None]) -> None:
         """Call `fn(timeout_s)` when the drain deadline passes (for work that is not a waiting handler: the
@@ -29,12 +28,9 @@ class Drain:
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout_s
         self._started.set()
-        for bound in self._bounds:
-            # A bound whose timer fired already (its task not yet resumed) ends its wait by itself,
-            # and cannot be rescheduled; the others end at the next loop iteration.
-            if not bound.expired():
-                bound.reschedule(loop.time())
-        self._bounds.clear()
+        for timer in list(self._timers):
+            timer.ring()
+        self._timers.clear()
         for fn in self._at_deadline:
             loop.call_later(timeout_s, fn, timeout_s)
 
@@ -49,42 +45,40 @@ class Drain:
             return None
         return max(0.0, self._deadline - asyncio.get_running_loop().time())
 
-    def bounded(self, timeout_s: float) -> DrainBound:
-        """`async with drain.bounded(timeout_s):` bounds the block by `timeout_s` seconds, as
-        `asyncio.timeout`, but a drain that starts meanwhile ends it early, so the caller re-plans
-        against the drain deadline. One timer for the whole block, however many awaits it makes.
-        Before a drain, a block whose awaits are ready at once (events already queued) runs even
-        when `timeout_s` is 0; once draining, a `timeout_s` of 0 or less raises at entry, so a chatty
-        upstream cannot hold the caller past the deadline.
+    def timer(self, timeout_s: float, fire: Callable[[DrainTimer], None]) -> DrainTimer:
+        """A wake-up for a waiting handler: `fire(timer)` is called once, `timeout_s` seconds from now
+        (at the next loop iteration when 0 or less) or at once when a drain starts first, so the
+        handler re-plans against the drain deadline; not at all after `timer.cancel()`.
 
-        Raises TimeoutError (at entry or from the block) when the time is up or a drain started."""
-        return DrainBound(self._bounds, self._started, timeout_s)
-
-
-class DrainBound:
-    """The async context manager `Drain.bounded` returns: an `asyncio.Timeout` the drain's start
-    reschedules to now while the block runs. Enter it once."""
-
-    __slots__ = ("_bounds", "_started", "_timeout_s", "_timeout")
-
-    def __init__(self, bounds: set[asyncio.Timeout], started: asyncio.Event, timeout_s: float) -> None:
-        self._bounds = bounds  # the drain's: its start reschedules each to now
-        self._started = started
-        self._timeout_s = timeout_s
-        self._timeout: asyncio.Timeout | None = None
-
-    async def __aenter__(self) -> DrainBound:
-        if self._timeout_s <= 0 and self._started.is_set():
-            raise TimeoutError
-        self._timeout = asyncio.timeout(self._timeout_s)
-        await self._timeout.__aenter__()
+        A handler waits on its own queue of events and `fire` puts a wake-up in it: nothing the
+        handler awaits is ever cancelled (a write to a slow client stays whole), and one timer
+        serves any number of events relayed before it rings."""
+        timer = DrainTimer(fire, self._timers, timeout_s)
         if not self._started.is_set():
-            self._bounds.add(self._timeout)
-        return self
+            self._timers.add(timer)
+        return timer
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> None:
-        assert self._timeout is not None
-        self._bounds.discard(self._timeout)
-        await self._timeout.__aexit__(exc_type, exc, tb)  # turns its own cancellation into TimeoutError
+
+class DrainTimer:
+    """One wake-up of `Drain.timer`: `ring()` fires it now, `cancel()` drops it; each at most once."""
+
+    __slots__ = ("_fire", "_timers", "_handle", "done")
+
+    def __init__(self, fire: Callable[[DrainTimer], None], timers: set[DrainTimer], timeout_s: float) -> None:
+        self._fire = fire
+        self._timers = timers  # the drain's: a drain that starts rings every one in it
+        self.done = False
+        self._handle = asyncio.get_running_loop().call_later(max(0.0, timeout_s), self.ring)
+
+    def ring(self) -> None:
+        """Fire now, unless fired or cancelled already."""
+        if not self.done:
+            self.cancel()
+            self._fire(self)
+
+    def cancel(self) -> None:
+        """Never fire (no effect once fired)."""
+        if not self.done:
+            self.done = True
+            self._handle.cancel()
+            self._timers.discard(self)

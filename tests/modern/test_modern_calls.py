@@ -127,8 +127,8 @@ async def test_progress_is_relayed_on_sse_for_synchronous_call(proxy: RunningPro
 async def test_a_synchronous_call_relaying_progress_gets_every_notification_and_its_result(
     legacy_url: str, tmp_path, serve: Serve
 ) -> None:
-    """The call's wait for its next event is one bounded window: notifications relayed inside it do
-    end it early or add a keepalive per notification (one at most every `sse_keepalive`)."""
+    """A call's wait for its next events has one wake-up: notifications relayed before it rings
+    neither end the wait early nor add a keepalive each (one at most every `sse_keepalive`)."""
     config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "10s"})
     config.listen.sse_keepalive = 0.15  # progress comes every 0.1 s, inside every window
     proxy = await serve(config)

@@ -1,80 +1,50 @@
-"""The drain deadline (runtime/drain.py): a block bounded by `Drain.bounded` ends early when a drain
-starts, even one whose own timer fired in the same loop iteration; once draining, a block with no
-time left ends at entry, whatever is queued."""
+"""The drain deadline (runtime/drain.py): a handler's wake-up (`Drain.timer`) rings after its time,
+or at once when a drain starts first, exactly once, and never after it was cancelled."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from proxy.runtime.drain import Drain
+from proxy.runtime.drain import Drain, DrainTimer
 
 
-async def _wait(drain: Drain, timeout_s: float) -> None:
-    async with drain.bounded(timeout_s):
-        await asyncio.Event().wait()
-
-
-async def test_a_starting_drain_ends_a_long_wait_early() -> None:
+async def test_a_wake_up_rings_once_after_its_time() -> None:
     drain = Drain()
-    waiting = asyncio.create_task(_wait(drain, 60.0))
-    await asyncio.sleep(0)  # the wait is registered
+    rung: asyncio.Queue[DrainTimer] = asyncio.Queue()
+    timer = drain.timer(0.02, rung.put_nowait)
+    assert await asyncio.wait_for(rung.get(), timeout=5.0) is timer
+    timer.ring()  # already rung: nothing more
+    await asyncio.sleep(0.03)
+    assert rung.empty() and timer.done
+
+
+async def test_a_starting_drain_rings_every_wake_up_at_once() -> None:
+    drain = Drain()
+    rung: list[DrainTimer] = []
+    timers = [drain.timer(60.0, rung.append) for _ in range(3)]
+    cancelled = drain.timer(60.0, rung.append)
+    cancelled.cancel()
     drain.start(5.0)
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(waiting, timeout=5.0)
+    assert len(rung) == 3 and set(rung) == set(timers)  # in start(); the cancelled one not at all
     assert 4.9 < (drain.remaining() or 0.0) <= 5.0
 
 
-async def test_start_skips_a_wait_whose_timer_fired_in_the_same_iteration() -> None:
+async def test_a_wake_up_made_while_draining_is_not_brought_forward_again() -> None:
     drain = Drain()
-    fired: list[float] = []
-    drain.at_deadline(fired.append)
     deadline_passed = asyncio.Event()
     drain.at_deadline(lambda _: deadline_passed.set())
-    waiting = asyncio.create_task(_wait(drain, 0.0))
-    await asyncio.sleep(0)  # the waiting task entered its bound, whose timer is now queued
-    await asyncio.sleep(0)  # the timer ran (the bound is expiring); the waiting task has not resumed
-    drain.start(0.01)  # must not trip over the expiring bound
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(waiting, timeout=5.0)
+    drain.start(0.01)
+    rung: asyncio.Queue[DrainTimer] = asyncio.Queue()
+    timer = drain.timer(drain.remaining() or 0.0, rung.put_nowait)
+    assert await asyncio.wait_for(rung.get(), timeout=5.0) is timer
     await asyncio.wait_for(deadline_passed.wait(), timeout=5.0)
-    assert fired == [0.01]
 
 
-async def test_one_bound_covers_many_awaits_until_its_time_is_up() -> None:
-    drain = Drain()
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    got: list[int] = []
-
-    async def feed() -> None:
-        for i in range(5):
-            await asyncio.sleep(0.001)
-            queue.put_nowait(i)
-
-    feeding = asyncio.create_task(feed())
-    with pytest.raises(TimeoutError):
-        async with drain.bounded(0.2):
-            while True:
-                got.append(await queue.get())
-    await feeding
-    assert got == [0, 1, 2, 3, 4]
-
-
-async def test_once_draining_a_block_with_no_time_left_ends_at_entry() -> None:
+async def test_a_zero_wake_up_comes_after_what_is_already_queued() -> None:
     drain = Drain()
     drain.start(0.0)
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    queue.put_nowait(1)
-    with pytest.raises(TimeoutError):
-        async with drain.bounded(0.0):
-            await queue.get()
-    assert queue.qsize() == 1  # not taken: the caller answers with the shutdown error instead
-
-
-async def test_before_a_drain_an_event_already_queued_is_taken_with_no_time_left() -> None:
-    drain = Drain()
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    queue.put_nowait(1)
-    async with drain.bounded(0.0):
-        assert await queue.get() == 1
+    events: asyncio.Queue[object] = asyncio.Queue()
+    events.put_nowait("notification")
+    timer = drain.timer(0.0, events.put_nowait)
+    assert await events.get() == "notification"
+    assert await asyncio.wait_for(events.get(), timeout=5.0) is timer

@@ -58,6 +58,7 @@ def test_codec_writes_every_ascii_character_as_json_did() -> None:
         1e16,
         -2.5e-9,
         {"s": "12345678901234567890123", "n": 12345678901234567890123, "m": -12345678901234567890},
+        [-9300000000000000001, -9223372036854775808, -9223372036854775809, 18446744073709551616],
         [0.00001, "0.00001", 10.00001],
     ],
 )
@@ -256,7 +257,6 @@ def test_sse_parser_reads_fields_comments_and_split_characters() -> None:
     assert _parse(chunks) == [SseEvent("up", "one\ntwo\n\u00e9", "4", 25)]
     assert _parse([b"data: \xff\n\n", b"retry: \xd9\xa3\ndata: x\n"]) == [
         SseEvent("message", "\ufffd", None, None),
-        SseEvent(
-            "message", "x", None, None
-        ),  # a non-ASCII digit is no retry; the last event ends with the stream
+        SseEvent("message", "x", None, None),  # a non-ASCII digit is no retry
     ]
+    assert _parse([b"retry: " + b"9" * 5000 + b"\ndata: y\n\n"]) == [SseEvent("message", "y", None, None)]
