@@ -62,8 +62,9 @@ class Call:
     call's stream; `on_task_message(task_id, notification)` a detached call's progress under the
     client's own token (v1 tasks keep the token valid for the task's life).
     `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
-    `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)` and
-    `("done", None)` items for the attached client.
+    `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)`,
+    `("done", None)` and the handler's own wake-ups `("timeout", token)` (`wake`) for the attached
+    client.
     """
 
     # Slots: ~10,000 detached calls may be alive at once, and a per-instance dict costs ~1.8 KB each.
@@ -405,7 +406,8 @@ class Call:
 
         Progress text is written to the store at most once per `progress_interval_s` (s, the
         tool's `progress_interval`), off the request path; the latest text always lands, with the
-        outcome at the latest."""
+        outcome at the latest. No handler may be waiting on `events` any more (the handler detaches
+        the call itself, or was cancelled): its events are dropped from here on."""
         self.task_id = task_id
         self.sink = sink
         self.progress_write_s = progress_interval_s

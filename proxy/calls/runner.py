@@ -215,13 +215,17 @@ class CallRunner:
                     wait = min(wait, remaining)
                 # One wake-up for the whole wait: notifications relayed before it rings cost no timer
                 # each (a keepalive follows `keepalive_s` after the wait began, chatty or not), and
-                # nothing awaited here is cancelled by it.
+                # it cancels nothing awaited here (a write to a slow client stays whole); it is
+                # acted on after the relay in progress, not after the whole queue.
                 timer = self.drain.timer(wait, call.wake)
                 try:
                     while True:
                         kind, item = await call.events.get()
                         if kind == "notification":
                             await reply.notify(item)
+                            if timer.done:  # it rang during the relays: its wake-up waits behind
+                                kind = "timeout"  # the queue, the deadline does not
+                                break
                         elif kind != "timeout" or item is timer:  # (a wake-up of an earlier wait: stale)
                             break
                 finally:

@@ -50,9 +50,10 @@ class Drain:
         (at the next loop iteration when 0 or less) or at once when a drain starts first, so the
         handler re-plans against the drain deadline; not at all after `timer.cancel()`.
 
-        A handler waits on its own queue of events and `fire` puts a wake-up in it: nothing the
-        handler awaits is ever cancelled (a write to a slow client stays whole), and one timer
-        serves any number of events relayed before it rings."""
+        A handler waits on its own queue of events and `fire` puts a wake-up in it: the timer
+        cancels nothing the handler awaits (a write to a slow client stays whole), one timer serves
+        any number of events relayed before it rings, and `done` tells a handler busy relaying
+        that it rang."""
         timer = DrainTimer(fire, self._timers, timeout_s)
         if not self._started.is_set():
             self._timers.add(timer)

@@ -130,7 +130,7 @@ async def test_a_synchronous_call_relaying_progress_gets_every_notification_and_
     """A call's wait for its next events has one wake-up: notifications relayed before it rings
     neither end the wait early nor add a keepalive each (one at most every `sse_keepalive`)."""
     config = make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "10s"})
-    config.listen.sse_keepalive = 0.15  # progress comes every 0.1 s, inside every window
+    config.listen.sse_keepalive = 0.15  # progress comes every 0.1 s: more often than the keepalive
     proxy = await serve(config)
     plain = ModernClient(proxy.url(), capabilities={})
     try:
@@ -149,7 +149,7 @@ async def test_a_synchronous_call_relaying_progress_gets_every_notification_and_
         ]
         progress = [e for e in events if e.get("method") == "notifications/progress"]
         assert len(progress) >= 4 and all(e["params"]["progressToken"] == "p-2" for e in progress)
-        assert raw.count(b": keepalive") <= 6, raw  # one per window at most (0.7 s / 0.15 s)
+        assert raw.count(b": keepalive") <= 6, raw  # one per 0.15 s at most in 0.7 s
         assert events[-1]["result"]["content"][0]["text"] == "computed kept after 0.7s"
     finally:
         await plain.close()

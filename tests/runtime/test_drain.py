@@ -29,7 +29,7 @@ async def test_a_starting_drain_rings_every_wake_up_at_once() -> None:
     assert 4.9 < (drain.remaining() or 0.0) <= 5.0
 
 
-async def test_a_wake_up_made_while_draining_is_not_brought_forward_again() -> None:
+async def test_a_wake_up_made_while_draining_rings_after_its_own_time() -> None:
     drain = Drain()
     deadline_passed = asyncio.Event()
     drain.at_deadline(lambda _: deadline_passed.set())
@@ -48,3 +48,14 @@ async def test_a_zero_wake_up_comes_after_what_is_already_queued() -> None:
     timer = drain.timer(0.0, events.put_nowait)
     assert await events.get() == "notification"
     assert await asyncio.wait_for(events.get(), timeout=5.0) is timer
+
+
+async def test_a_handler_busy_relaying_sees_its_wake_up_rang() -> None:
+    drain = Drain()
+    events: asyncio.Queue[object] = asyncio.Queue()
+    timer = drain.timer(60.0, events.put_nowait)
+    for _ in range(3):
+        events.put_nowait("notification")
+    assert not timer.done
+    drain.start(5.0)  # rings: the wake-up goes behind the three notifications
+    assert timer.done and events.qsize() == 4
