@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -94,6 +94,7 @@ class Call:
         "progress_token",
         "outcome",
         "events",
+        "relay",
         "task_id",
         "key",
         "session",
@@ -152,6 +153,8 @@ class Call:
         self.progress_token = "mtp-" + secrets.token_urlsafe(12)
         self.outcome: asyncio.Future[JsonObject] = asyncio.get_running_loop().create_future()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        # The following handler's direct writer, while one is attached (`Reply.relay`)
+        self.relay: Callable[[JsonObject], Awaitable[bool]] | None = None
         self.task_id: str | None = None
         self.key: KeyedCall | None = None  # the slot an idempotency key (or `dedupe`) gave the call
         self.session: Session | None = None
@@ -294,16 +297,27 @@ class Call:
             return
         params = object_of(msg.get("params"))
         if method == "notifications/progress" and params.get("progressToken") == self.progress_token:
-            self._on_progress(params)
+            relayed = self._on_progress(params)
+            if relayed is not None:
+                await self._to_client(relayed)
         elif method == "notifications/message":
             if self.relay_logs and self.task_id is None:
-                self.events.put_nowait(("notification", msg))
+                await self._to_client(msg)
         elif method == "notifications/cancelled":
             self._on_upstream_cancelled(params.get("requestId"))
         elif method in LIST_CHANGED_NOTIFICATIONS and self.on_server_notification is not None:
             self.on_server_notification(msg)
 
-    def _on_progress(self, params: JsonObject) -> None:
+    async def _to_client(self, notification: JsonObject) -> None:
+        """Relay a notification to the attached client: written at once by the handler's `relay`
+        when nothing is queued before it (no hand-over to the handler's task), else queued."""
+        if self.relay is not None and self.events.empty() and await self.relay(notification):
+            return
+        self.events.put_nowait(("notification", notification))
+
+    def _on_progress(self, params: JsonObject) -> JsonObject | None:
+        """Handle the upstream's progress on this call's token; returns the notification the
+        attached client gets, if any (a detached call's goes to the task's store and v1 client)."""
         if self.task_id is not None:
             progress, total, message = params.get("progress"), params.get("total"), params.get("message")
             text = (
@@ -326,7 +340,8 @@ class Call:
                 self.on_task_message(self.task_id, jsonrpc.notification("notifications/progress", relayed))
         elif self.client_progress_token is not None:
             relayed = dict(params, progressToken=self.client_progress_token)
-            self.events.put_nowait(("notification", jsonrpc.notification("notifications/progress", relayed)))
+            return jsonrpc.notification("notifications/progress", relayed)
+        return None
 
     def _write_progress(self) -> None:
         self._progress_timer = None

@@ -193,6 +193,9 @@ class CallRunner:
         deadline = arrived + policy.detach_after if may_detach else None
         shareable = call.key is not None and method == "tools/call" and policy.mode is not ToolMode.FORBIDDEN
         shadow_at = arrived + policy.detach_after if shareable and deadline is None else None
+        # While this handler follows the call, the upstream reader writes notifications to the
+        # client itself when it can (`Reply.relay`): no hand-over through `events` and this task.
+        call.relay = reply.relay
         try:
             while True:
                 if call.done:
@@ -276,6 +279,9 @@ class CallRunner:
                 else:  # a retry with its key joins it: it goes on without its client
                     self._spawn(self._carry_on(call, policy))
             raise
+        finally:
+            if call.relay == reply.relay:  # (not a later handler's, should one have taken over)
+                call.relay = None
 
     async def _carry_on(self, call: Call, policy: ResolvedPolicy) -> None:
         """A keyed call whose client went away goes on, as a task under its slot's task id (what

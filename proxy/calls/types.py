@@ -28,6 +28,11 @@ class Reply(Protocol):
     async def keepalive(self) -> None:
         """Send an SSE comment so idle-timeout intermediaries keep the connection."""
 
+    async def relay(self, message: JsonObject) -> bool:
+        """Write a notification at once from any task, when that cannot wait for the client: the
+        response is an SSE stream already and its connection takes the bytes without blocking.
+        False when not (the caller hands it to the handler's `notify`, which may wait)."""
+
 
 @dataclass(frozen=True)
 class KeyedCall:

@@ -69,6 +69,11 @@ def prefers_sse(accept: str | None) -> bool:
     return sse is not None and json_ is not None and sse[0] > 0 and sse > json_
 
 
+# The most a direct relay may leave in a connection's write buffer (bytes): well under asyncio's
+# high-water mark (64 KiB), so the write never pauses to wait for the client.
+RELAY_ROOM_BYTES = 32 * 1024
+
+
 class ModernReply(Reply):
     """The response of one modern request: plain JSON unless something must be streamed first,
     or the client's `Accept` prefers an SSE stream (then a successful result is one SSE event)."""
@@ -92,6 +97,23 @@ class ModernReply(Reply):
         """Send a notification ahead of the response (switches to SSE)."""
         stream = await self._start_sse()
         await stream.write(encode_message(message))
+
+    async def relay(self, message: JsonObject) -> bool:
+        """`Reply.relay`: only into a started SSE stream whose connection has room (its write
+        buffer stays under RELAY_ROOM_BYTES), so the write never waits for the client and a
+        cancelled writer cannot leave aiohttp's shared drain waiter cancelled."""
+        stream = self.stream
+        transport = self.request.transport
+        if stream is None or transport is None or transport.is_closing():
+            return False
+        frame = encode_message(message)
+        if transport.get_write_buffer_size() + len(frame) > RELAY_ROOM_BYTES:
+            return False
+        try:
+            await stream.write(frame)
+        except (ConnectionError, RuntimeError):  # closing, or ended meanwhile: the handler's to tell
+            return False
+        return True
 
     async def keepalive(self) -> None:
         """Send an SSE comment (switches to SSE) so idle-timeout intermediaries keep the connection."""

@@ -149,6 +149,8 @@ async def test_a_synchronous_call_relaying_progress_gets_every_notification_and_
         ]
         progress = [e for e in events if e.get("method") == "notifications/progress"]
         assert len(progress) >= 4 and all(e["params"]["progressToken"] == "p-2" for e in progress)
+        steps = [e["params"]["progress"] for e in progress]
+        assert steps == sorted(set(steps)), steps  # each once, in order, queued or written at once
         assert raw.count(b": keepalive") <= 6, raw  # one per 0.15 s at most in 0.7 s
         assert events[-1]["result"]["content"][0]["text"] == "computed kept after 0.7s"
     finally:
