@@ -64,7 +64,8 @@ class Call:
     `outcome` resolves to the upstream response message (`{"result": …}` or `{"error": …}`).
     `events` carries `("notification", msg)`, `("input", key)`, `("unsupported", capability)`,
     `("done", None)` and the handler's own wake-ups `("timeout", token)` (`wake`) for the attached
-    client.
+    client; while one follows the call, `relay` (its `Reply.relay`) writes notifications to it
+    directly when nothing is queued before them.
     """
 
     # Slots: ~10,000 detached calls may be alive at once, and a per-instance dict costs ~1.8 KB each.
@@ -422,7 +423,8 @@ class Call:
         Progress text is written to the store at most once per `progress_interval_s` (s, the
         tool's `progress_interval`), off the request path; the latest text always lands, with the
         outcome at the latest. No handler may be waiting on `events` any more (the handler detaches
-        the call itself, or was cancelled): its events are dropped from here on."""
+        the call itself, or was cancelled): its events are dropped from here on (and its `relay`
+        is cleared as the handler ends)."""
         self.task_id = task_id
         self.sink = sink
         self.progress_write_s = progress_interval_s

@@ -32,6 +32,7 @@ class Reply(Protocol):
         """Write a notification at once from any task, when that cannot wait for the client: the
         response is an SSE stream already and its connection takes the bytes without blocking.
         False when not (the caller hands it to the handler's `notify`, which may wait)."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,8 @@ def prefers_sse(accept: str | None) -> bool:
     return sse is not None and json_ is not None and sse[0] > 0 and sse > json_
 
 
-# The most a direct relay may leave in a connection's write buffer (bytes): well under asyncio's
-# high-water mark (64 KiB), so the write never pauses to wait for the client.
+# The most a direct relay may leave in a connection's write buffer (bytes): under the transports'
+# high-water mark (64 KiB), so a write into a connection not paused for its client cannot pause it.
 RELAY_ROOM_BYTES = 32 * 1024
 
 
@@ -99,12 +99,19 @@ class ModernReply(Reply):
         await stream.write(encode_message(message))
 
     async def relay(self, message: JsonObject) -> bool:
-        """`Reply.relay`: only into a started SSE stream whose connection has room (its write
-        buffer stays under RELAY_ROOM_BYTES), so the write never waits for the client and a
-        cancelled writer cannot leave aiohttp's shared drain waiter cancelled."""
+        """`Reply.relay`: only into a started SSE stream whose connection is not paused for its
+        client (a paused one stays paused until its buffer falls to the low-water mark: 16 KiB on
+        asyncio, 16 bytes on uvloop) and keeps its write buffer under RELAY_ROOM_BYTES: aiohttp's
+        write then never waits for the client (its `drain` returns at once), so a cancelled writer
+        cannot leave aiohttp's shared drain waiter cancelled."""
         stream = self.stream
         transport = self.request.transport
-        if stream is None or transport is None or transport.is_closing():
+        if (
+            stream is None
+            or transport is None
+            or transport.is_closing()
+            or self.request.protocol.writing_paused
+        ):
             return False
         frame = encode_message(message)
         if transport.get_write_buffer_size() + len(frame) > RELAY_ROOM_BYTES:
