@@ -163,7 +163,14 @@ class RelayStream:
         sent = after
         while True:
             wake = self._wake
-            pending = [(seq, frame) for seq, frame in self._events if seq > sent]
+            # The events after `sent`, read from the newest end (seqs only grow along the buffer):
+            # a writer that keeps up touches only what is new, not the whole replay buffer.
+            pending: list[tuple[int, bytes]] = []
+            for event in reversed(self._events):
+                if event[0] <= sent:
+                    break
+                pending.append(event)
+            pending.reverse()
             if pending:
                 for seq, frame in pending:
                     if ticket is not None and ticket != self.owner:
