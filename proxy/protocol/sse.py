@@ -71,11 +71,7 @@ class SseParser:
                     raw = raw.rstrip(b"\r")
                 if not raw:
                     if self._data or self._event:
-                        out.append(
-                            SseEvent(
-                                self._event or "message", "\n".join(self._data), self._last_id, self._retry
-                            )
-                        )
+                        out.append(self._event_so_far())
                     self._data, self._event, self._size = [], "", 0
                     continue
                 field, _, value = raw.partition(b":")
@@ -95,11 +91,10 @@ class SseParser:
 
     def end(self) -> list[SseEvent]:
         """The event left unterminated when the stream ended (if it has data)."""
-        return (
-            [SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)]
-            if self._data
-            else []
-        )
+        return [self._event_so_far()] if self._data else []
+
+    def _event_so_far(self) -> SseEvent:
+        return SseEvent(self._event or "message", "\n".join(self._data), self._last_id, self._retry)
 
 
 async def iter_events(

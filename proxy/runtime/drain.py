@@ -29,8 +29,7 @@ class Drain:
         self._deadline = loop.time() + timeout_s
         self._started.set()
         for timer in list(self._timers):
-            timer.ring()
-        self._timers.clear()
+            timer.ring()  # (each leaves the set as it rings)
         for fn in self._at_deadline:
             loop.call_later(timeout_s, fn, timeout_s)
 
