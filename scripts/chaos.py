@@ -66,7 +66,8 @@ Checks (exit status 1 on any violation):
   `unexplained` (e.g. `lost_to_a_node_never_killed`, `lost_before_its_node_was_killed`);
 - `double_runs`: extra upstream starts of a call label, beyond the re-runs the policy explains
   (`reruns`: with --rerun, a slow_compute task re-run at most once per kill or partition it was
-  running at);
+  running at, and once for the task a fenced -32800 named: its create may have landed, and then
+  another replica re-runs it; `fenced_reruns` counts those);
   split in `double_runs_by` by the task the client was handed: no_task_handed (the call's answer
   never came), task_never_at_a_kill (e.g. a request HAProxy re-sent after a cut or a 503: the
   handed task is the second replica's), task_at_a_kill (ran again without a re-run policy),
@@ -98,7 +99,7 @@ at the killed replica), transport_errors, transport{call_cut, poll_refused, ...}
 store_unavailable, unknown_ids, lost_results, terminal_changed, not_terminal, final{status: count},
 tasks_running_at_kills, failed_replica_lost, failed_expected, unexplained_failures
 (+ unexplained{kind: n} and samples), labels_started, double_runs (+ samples), reruns,
-rerun_completed, lost_despite_rerun, violations[...]; in replica mode also
+fenced_reruns, rerun_completed, lost_despite_rerun, violations[...]; in replica mode also
 requests_at_killed_replicas, redis_restarts, seen_completed_before_redis_restart and
 handed_out_before_redis_restart (the tasks whose survival across the Redis restart is checked);
 always failed_partition_lost, overlapping_runs (+ samples, overlapping_runs_by{task_at_a_partition,
@@ -861,6 +862,8 @@ class Replicas:
 
 # tool -> its own error text
 FENCED = "could not renew its lease"  # the -32800 of a call the fence stopped (TaskService._fence_call)
+# ... naming the task its create may have committed (another replica then re-runs that task once)
+FENCED_TASK = re.compile(r"\(task (\S+), if the store took it")
 EXPECTED_FAILURE = {
     "failing_job": "job failed",
     "instant_error": "instant_error exploded",
@@ -900,6 +903,9 @@ class Run:
     sent: dict[str, float] = field(default_factory=dict)  # task id -> monotonic time its call was sent
     # (tool, error) of sync JSON-RPC errors
     sync_failures: list[tuple[str, dict]] = field(default_factory=list)
+    # task id -> label: tasks a fenced -32800 named (their create may have landed, and be re-run)
+    fenced: dict[str, str] = field(default_factory=dict)
+    answers: dict[str, str] = field(default_factory=dict)  # label -> what the call got (for samples)
     completed: dict[str, Any] = field(default_factory=dict)  # task id -> result first seen
     completed_at: dict[str, float] = field(default_factory=dict)
     terminal: dict[str, tuple[str, Any]] = field(default_factory=dict)  # failed/cancelled first seen
@@ -1075,11 +1081,15 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 )
             except Transport as exc:
                 transport_error(run, exc, "call")  # no handle was delivered: not a task of ours
+                run.answers[arguments["label"]] = f"transport error ({exc.kind})"
                 await asyncio.sleep(0.05)
                 return
             finally:
                 del run.inflight_calls[i]
             result = reply.get("result") or {}
+            run.answers[arguments["label"]] = (
+                f"HTTP {reply['_http']}: {json.dumps(reply.get('error', result))[:160]}"
+            )
             if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
                 run.handed[result["taskId"]] = time.monotonic()
                 run.sent[result["taskId"]] = sent
@@ -1090,6 +1100,8 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
                 else:
                     run.counts["sync_errors"] += 1
                     run.sync_failures.append((tool, reply["error"]))
+                    if fenced := FENCED_TASK.search(str(reply["error"].get("message"))):
+                        run.fenced[fenced.group(1)] = arguments["label"]
             else:
                 run.counts["sync_results"] += 1
 
@@ -1476,7 +1488,8 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
     label started n > 1 times is n-1 `reruns` when its task was re-run by policy (at most once per
     kill or partition it was running at, and once more when it was running at some moment of the
     Redis outage: a replica that cannot renew its lease stops such calls before the lease lapses,
-    and they run again once the store is back), else `double_runs`. A label two of whose runs
+    and they run again once the store is back; and once when a fenced -32800 named its task, whose
+    create may have landed: `fenced_reruns`), else `double_runs`. A label two of whose runs
     overlapped in time counts in `overlapping_runs` (one call running twice at once), unless its
     task was running at a kill: a SIGKILLed process cannot stop its upstream call, which may go on
     while another re-runs it. Both are split by the task the client was handed (`double_runs_by`,
@@ -1516,6 +1529,7 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
         "upstream_unreachable": 0,
         "double_runs": 0,
         "reruns": 0,
+        "fenced_reruns": 0,
         "rerun_completed": 0,
         "lost_despite_rerun": 0,
         "overlapping_runs": 0,
@@ -1573,6 +1587,8 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
         for task_id, label in held.items():
             if label is not None:
                 task_of.setdefault(label, task_id)
+    for task_id, label in run.fenced.items():  # ... and one a fenced -32800 named
+        task_of.setdefault(label, task_id)
     doubles: list[str] = []
     double_kinds: Counter[str] = Counter()
     overlaps: list[str] = []
@@ -1583,12 +1599,14 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
             continue
         task_id = task_of.get(label, "")
         allowed = (
-            len(owned_at.get(task_id, ())) + (task_id in across_outage)
+            len(owned_at.get(task_id, ())) + (task_id in across_outage) + (task_id in run.fenced)
             if rerun and run.labels[label] == "slow_compute"
             else 0
         )
         reruns = min(n - 1, allowed)
         out["reruns"] += reruns
+        if reruns and task_id in run.fenced:
+            out["fenced_reruns"] += 1
         out["double_runs"] += n - 1 - reruns
         if reruns and finals.get(task_id, {}).get("status") == "completed":
             out["rerun_completed"] += 1
@@ -1606,7 +1624,7 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
             doubles.append(
                 f"{label} ({run.labels[label]}, task {task_id or 'none handed'}) started {n} times, "
                 f"running at {len(owned_at.get(task_id, ()))} kills or partitions; final "
-                f"{finals.get(task_id, {}).get('status')}"
+                f"{finals.get(task_id, {}).get('status')}; the call got {run.answers.get(label, 'nothing')}"
             )
         if task_id not in at_kills and runs.overlapping(label):
             out["overlapping_runs"] += 1
