@@ -28,7 +28,7 @@ from proxy.protocol.era import check_headers, is_modern_request, parse_envelope
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.replicas.forward import FORWARDED_HEADER
-from proxy.runtime import metrics, tracing
+from proxy.runtime import flow, metrics, tracing
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
 log = structlog.get_logger("proxy.front")
@@ -69,11 +69,6 @@ def prefers_sse(accept: str | None) -> bool:
     return sse is not None and json_ is not None and sse[0] > 0 and sse > json_
 
 
-# The most a direct relay may leave in a connection's write buffer (bytes): under the transports'
-# high-water mark (64 KiB), so a write into a connection not paused for its client cannot pause it.
-RELAY_ROOM_BYTES = 32 * 1024
-
-
 class ModernReply(Reply):
     """The response of one modern request: plain JSON unless something must be streamed first,
     or the client's `Accept` prefers an SSE stream (then a successful result is one SSE event)."""
@@ -99,28 +94,11 @@ class ModernReply(Reply):
         await stream.write(encode_message(message))
 
     async def relay(self, message: JsonObject) -> bool:
-        """`Reply.relay`: only into a started SSE stream whose connection is not paused for its
-        client (a paused one stays paused until its buffer falls to the low-water mark: 16 KiB on
-        asyncio, 16 bytes on uvloop) and keeps its write buffer under RELAY_ROOM_BYTES: aiohttp's
-        write then never waits for the client (its `drain` returns at once), so a cancelled writer
-        cannot leave aiohttp's shared drain waiter cancelled."""
-        stream = self.stream
-        transport = self.request.transport
-        if (
-            stream is None
-            or transport is None
-            or transport.is_closing()
-            or self.request.protocol.writing_paused
-        ):
+        """`Reply.relay`: only into a started SSE stream, and only when the write cannot wait for
+        the client (`flow.write_without_waiting`: not paused for it, room in its buffer)."""
+        if self.stream is None:
             return False
-        frame = encode_message(message)
-        if transport.get_write_buffer_size() + len(frame) > RELAY_ROOM_BYTES:
-            return False
-        try:
-            await stream.write(frame)
-        except (ConnectionError, RuntimeError):  # closing, or ended meanwhile: the handler's to tell
-            return False
-        return True
+        return await flow.write_without_waiting(self.request, self.stream, encode_message(message))
 
     async def keepalive(self) -> None:
         """Send an SSE comment (switches to SSE) so idle-timeout intermediaries keep the connection."""

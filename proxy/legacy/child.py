@@ -124,7 +124,7 @@ class StdioChild:
             if stream.json_only and jsonrpc.is_request(out):
                 await self._refuse(session, out)
                 return
-            stream.append_message(out)
+            await stream.push_message(out)
 
         answered = False
         try:

@@ -515,7 +515,7 @@ class HttpRelay:
                                 if answers and rewrite is not None:
                                     rewritten = await rewrite(jsonrpc.loads(out.data))
                                     out = SseEvent(out.event, jsonrpc.dumps_str(rewritten), None, out.retry)
-                                stream.append(out)
+                                await stream.push(out)
                                 if answers:
                                     answered = True
                                     return
@@ -704,7 +704,7 @@ class HttpRelay:
                 ):
                     out, _ = self._from_upstream(session, event, None, None)
                     if out is not None:
-                        stream.append(out)
+                        await stream.push(out)
         except (*_UPSTREAM_ERRORS, EventTooLargeError) as exc:
             log.info("legacy_get_stream_ended", server=self.name, reason=str(exc) or exc.__class__.__name__)
         finally:

@@ -17,7 +17,7 @@ import functools
 import re
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from proxy.protocol import jsonrpc
@@ -27,6 +27,10 @@ from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_event
 EVENT_SEQ = re.compile(r"[1-9][0-9]{0,17}")  # ASCII digits only (str.isdigit takes any script's)
 DEFAULT_REPLAY_EVENTS = 256
 DEFAULT_REPLAY_BYTES = 1 << 20
+
+# A writer's own write into its client connection, called from the pump's task: whether the frame
+# went out; False (nothing written) when that could have waited for the client (`proxy.runtime.flow`).
+Direct = Callable[[bytes], Awaitable[bool]]
 
 
 class RelayStream:
@@ -65,6 +69,8 @@ class RelayStream:
         self.last_data: str | None = None  # the data of the newest event (a reply's answer once closed)
         self.json_only = json_only
         self.ended: tuple[int, str] | None = None  # (JSON-RPC code, message) of `abandon`
+        self._direct: Direct | None = None  # the waiting writer's own write (see `frames`)
+        self._delivered = 0  # the newest event `push` wrote through `_direct`
 
     def event_id(self, seq: int) -> str:
         """The opaque id of event `seq` of this stream."""
@@ -77,8 +83,32 @@ class RelayStream:
 
     def append(self, event: SseEvent) -> None:
         """Number `event` (its upstream id is replaced), keep it, wake the writers. Ignored once closed."""
-        if self.closed:
+        if self._keep(event) is not None:
+            self._signal()
+
+    async def push(self, event: SseEvent) -> None:
+        """`append` from the task that feeds the stream (its pump): when the connection that has
+        the stream sent everything before and waits for more, the pump writes the frame into it
+        itself, if that cannot wait for the client (`Direct`, registered by `frames`), and wakes
+        nobody; else the writer is woken as by `append`. The frame is kept for replay either way."""
+        frame = self._keep(event)
+        if frame is None:
             return
+        direct = self._direct
+        if direct is not None and await direct(frame):
+            self._delivered = max(self._delivered, self._seq)
+            return
+        self._signal()
+
+    async def push_message(self, message: JsonObject) -> None:
+        """`push` one JSON-RPC message as a `message` event."""
+        await self.push(SseEvent("message", jsonrpc.dumps_str(message), None, None))
+
+    def _keep(self, event: SseEvent) -> bytes | None:
+        """Number `event`, keep its frame (dropping the oldest past the bounds) and return it; None
+        once closed."""
+        if self.closed:
+            return None
         self._seq += 1
         frame = encode_event(SseEvent(event.event, event.data, self.event_id(self._seq), event.retry))
         self._events.append((self._seq, frame))
@@ -87,7 +117,7 @@ class RelayStream:
         while len(self._events) > 1 and (len(self._events) > self.max_events or self._bytes > self.max_bytes):
             _, dropped = self._events.popleft()
             self._bytes -= len(dropped)
-        self._signal()
+        return frame
 
     def feed(self, pump: Coroutine[Any, Any, None], name: str) -> None:
         """Start `pump`, the task that feeds this stream from the upstream side (`name` names it);
@@ -134,6 +164,8 @@ class RelayStream:
         return self.owner
 
     def _signal(self) -> None:
+        """Wake the writers; a direct write stays off until its writer has caught up and waits again."""
+        self._direct = None
         self._wake.set()
         self._wake = asyncio.Event()
 
@@ -154,11 +186,15 @@ class RelayStream:
         first = self._events[0][0] if self._events else self._seq + 1
         return max(seq + 1, first), seq + 1 < first
 
-    async def frames(self, after: int, keepalive_s: float, ticket: int | None = None) -> AsyncIterator[bytes]:
+    async def frames(
+        self, after: int, keepalive_s: float, ticket: int | None = None, direct: Direct | None = None
+    ) -> AsyncIterator[bytes]:
         """The frames after event `after`, then live ones as they come, with `KEEPALIVE` after
-        each `keepalive_s` (s) of silence; ends once the stream is closed and everything was
+        each `keepalive_s` (s) of waiting; ends once the stream is closed and everything was
         yielded, when the stream is cut, or (with a `ticket` from `take_over`) as soon as another
-        connection took the stream over."""
+        connection took the stream over. With `direct` (the same connection's write that never
+        waits), while it waits with everything sent, the pump writes new events itself (`push`):
+        they are not yielded again, and its keepalive comes each `keepalive_s` chatty or not."""
         cuts = self.cuts
         sent = after
         while True:
@@ -181,11 +217,19 @@ class RelayStream:
             sent = max(sent, self._seq)  # events dropped meanwhile are not waited for
             if self.closed or self.cuts != cuts or (ticket is not None and ticket != self.owner):
                 return
+            if direct is not None:
+                self._direct = direct  # until the next `_signal`
+                self._delivered = sent
             try:
                 async with asyncio.timeout(keepalive_s):
                     await wake.wait()
             except TimeoutError:
                 yield KEEPALIVE
+            finally:
+                if direct is not None:
+                    if self._direct is direct:
+                        self._direct = None
+                    sent = max(sent, self._delivered)
 
 
 def _close_after(stream: RelayStream, _task: asyncio.Future[None]) -> None:

@@ -5,6 +5,7 @@ for a client that takes no SSE, and a reply that stays plain JSON when its answe
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import aiohttp
 import structlog
@@ -14,6 +15,7 @@ from proxy.legacy.replay import DEFAULT_REPLAY_BYTES, DEFAULT_REPLAY_EVENTS, Rel
 from proxy.legacy.session import LegacySession, LegacySessions
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.protocol.sse import SSE_HEADERS, SseEvent, encode_message
+from proxy.runtime import flow
 
 log = structlog.get_logger("proxy.legacy")
 
@@ -91,7 +93,8 @@ class StreamServer:
             await response.prepare(request)
             if notice is not None:
                 await response.write(encode_message(notice))
-            async for frame in stream.frames(after, self.keepalive_s, ticket):
+            direct = functools.partial(flow.write_without_waiting, request, response)
+            async for frame in stream.frames(after, self.keepalive_s, ticket, direct):
                 await response.write(frame)
             await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionError, OSError):

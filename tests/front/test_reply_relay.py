@@ -1,6 +1,6 @@
 """`ModernReply.relay` (front/endpoint.py): an upstream reader writes a notification to the client
 itself only when that cannot wait for the client: the reply is an SSE stream already, its connection
-is not paused for a slow client, and the frame leaves the write buffer under RELAY_ROOM_BYTES.
+is not paused for a slow client, and the frame leaves the write buffer under ROOM_BYTES.
 Otherwise it answers False and the handler's own `notify` (which may wait) sends it."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from proxy.front.endpoint import RELAY_ROOM_BYTES, ModernReply
+from proxy.front.endpoint import ModernReply
 from proxy.protocol import jsonrpc
 from proxy.protocol.sse import iter_events
+from proxy.runtime.flow import ROOM_BYTES
 
 
 def _progress(n: int, message: str = "") -> dict:
@@ -32,7 +33,7 @@ async def test_relay_writes_only_into_a_started_stream_with_room(
         answers.append(await reply.relay(_progress(1)))  # not SSE yet: the handler's to send
         await reply.notify(_progress(2))  # starts the stream
         answers.append(await reply.relay(_progress(3)))
-        answers.append(await reply.relay(_progress(4, "x" * RELAY_ROOM_BYTES)))  # no room for it
+        answers.append(await reply.relay(_progress(4, "x" * ROOM_BYTES)))  # no room for it
         request.protocol.pause_writing()  # as a transport does for a client that stopped reading
         answers.append(await reply.relay(_progress(5)))
         request.protocol.resume_writing()
