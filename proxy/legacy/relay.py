@@ -611,10 +611,10 @@ class HttpRelay:
     async def _send_once(
         self, method: str, raw: bytes, headers: dict[str, str], bound: float, headers_only: bool
     ) -> aiohttp.ClientResponse:
+        # No sock_read: `total` already bounds every read of the body (and a read timer, rescheduled
+        # at each chunk, costs a timer per relayed event).
         timeout = aiohttp.ClientTimeout(
-            total=None if headers_only else bound,
-            sock_connect=self.bounds.connect_timeout,
-            sock_read=None if headers_only else bound,
+            total=None if headers_only else bound, sock_connect=self.bounds.connect_timeout
         )
         async with asyncio.timeout(bound if headers_only else None):
             return await self.http.request(

@@ -202,6 +202,34 @@ async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
         await client.close()
 
 
+async def test_a_legacy_stream_that_stalls_midway_is_cut_at_the_calls_hard_timeout(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    """On the legacy relay, an upstream SSE stream that sent a notification and then went silent is
+    cut at the call's hard timeout (400 ms here), not left open: the notification reached the
+    client, then the proxy's JSON-RPC error for the unanswered call."""
+    proxy = await serve(hostile_config(hostile, tmp_path, "ok", timeout="400ms", request_timeout="5s"))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
+            session = {"Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "stall_sse", "arguments": {"seconds": 30}, "_meta": {"progressToken": "p"}},
+        }
+        started = time.monotonic()
+        async with http.post(proxy.url(), json=call, headers={**LEGACY_HEADERS, **session}) as resp:
+            text = await resp.text()
+        waited = time.monotonic() - started
+    events = [
+        json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()
+    ]
+    assert [e.get("method") for e in events] == ["notifications/progress", None], events
+    assert events[1]["id"] == 2 and events[1]["error"]["code"] == -32603, events
+    assert waited < 5, waited  # the hard timeout, far from the upstream's 30 s
+
+
 async def test_readyz_stays_ready_while_one_of_two_servers_is_broken(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
