@@ -666,10 +666,19 @@ def section_b(args, workdir: Path, log, stores: dict[int, tuple[Path, list[str]]
     return {"rows": rows, "layout": layout}
 
 
+# Section c's two loads on the SDK upstream: the same wait, with progress and without
+C_UPSTREAMS = {
+    "slow_compute": "SDK slow_compute (progress every 100 ms)",
+    "quiet_compute": "SDK quiet_compute (no progress)",
+}
+
+
 def section_c(args, workdir: Path, log) -> dict:
     """detach_after (50 ms) -> CreateTaskResult arrival; slow_compute on the SDK upstream (progress
-    every 0.1 s). Store settings: diskcache durable (fsync) and not; Redis (with --stores redis)
-    `appendfsync always` and `everysec`."""
+    every 0.1 s), and beside it in each round, on the same proxy, store and upstream, its
+    quiet_compute (the same wait, no progress: the baseline of the issue's 1.3x ratio). Store
+    settings: diskcache durable (fsync) and not; Redis (with --stores redis) `appendfsync always`
+    and `everysec`."""
     up_cpu, px_cpu, lg_cpu = ("0", "1", "0") if args.pin else (None, None, None)
     rows = []
     detach_ms = 50
@@ -725,12 +734,17 @@ def section_c(args, workdir: Path, log) -> dict:
                     )
                     # the warm-up's detached calls end before anything is measured
                     time.sleep(args.c_hold + 0.5)
-                    for conc, n in ((1, args.c_requests // 4), (16, args.c_requests)):
+                    measured = (
+                        ("slow_compute", 1, args.c_requests // 4),
+                        ("slow_compute", 16, args.c_requests),
+                        ("quiet_compute", 16, args.c_requests),
+                    )
+                    for tool, conc, n in measured:
                         res = loadgen(
                             {
                                 "mode": "detach",
                                 "url": url,
-                                "tool": "slow_compute",
+                                "tool": tool,
                                 "arguments": {"seconds": args.c_hold},
                                 "expect": '"resultType":"task"',
                                 "detach_after_s": detach_ms / 1000,
@@ -746,11 +760,13 @@ def section_c(args, workdir: Path, log) -> dict:
                             store=kind,
                             detach_after_ms=detach_ms,
                             round=rnd + 1,
-                            upstream="SDK slow_compute (progress every 100 ms)",
+                            upstream=C_UPSTREAMS[tool],
+                            progress=tool == "slow_compute",
                         )
                         rows.append(res)
                         log(
-                            f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} concurrency {conc:>2}: "
+                            f"  c: round {rnd + 1} {kind:9} durable={durable!s:<5} {tool:13} "
+                            f"concurrency {conc:>2}: "
                             f"{res['requests']} handles, late p50 {res['late_p50_ms']} ms"
                             f"  p99 {res['late_p99_ms']} ms  max {res['late_max_ms']} ms  errors "
                             f"{res['errors']}"
@@ -762,71 +778,32 @@ def section_c(args, workdir: Path, log) -> dict:
                         redis.stop()
     finally:
         upstream.stop()
-    summary = {}
+    summary: dict = {}
     for kind, durable in settings:
-        for conc in (1, 16):
+        name = ("" if kind == "diskcache" else "redis_") + ("durable" if durable else "normal")
+        for progress, conc, suffix in ((True, 1, "c1"), (True, 16, "c16"), (False, 16, "c16_quiet")):
             p99s = sorted(
                 r["late_p99_ms"]
                 for r in rows
-                if r["store"] == kind and r["durable"] == durable and r["concurrency"] == conc
+                if r["store"] == kind
+                and r["durable"] == durable
+                and r["concurrency"] == conc
+                and r["progress"] == progress
             )
-            # diskcache keys kept as before
-            name = ("" if kind == "diskcache" else "redis_") + ("durable" if durable else "normal")
-            summary[f"{name}_c{conc}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
+            summary[f"{name}_{suffix}_median_p99_ms"] = p99s[len(p99s) // 2] if p99s else None
+        with_progress, quiet = (
+            summary[f"{name}_c16_median_p99_ms"],
+            summary[f"{name}_c16_quiet_median_p99_ms"],
+        )
+        # The issue's ratio: p99 with progress over the same load without (target at most 1.3)
+        summary[f"{name}_c16_progress_over_quiet"] = (
+            round(with_progress / quiet, 2) if with_progress and quiet else None
+        )
     if summary.get("normal_c16_median_p99_ms"):
         summary["c16_durable_over_normal"] = round(
             summary["durable_c16_median_p99_ms"] / summary["normal_c16_median_p99_ms"], 2
         )
     log(f"  c: median p99 over {args.c_rounds} round(s): {summary}")
-    # Diagnostic: the same load on an upstream that sends no progress, so a detached call writes
-    # nothing to the store until it ends (isolates the cost of progress -> statusMessage writes).
-    upstream, up_url = start_fake_upstream(workdir, up_cpu, "c-upstream-fake")
-    try:
-        for durable in (True, False):
-            cfg = write_config(
-                workdir,
-                f"c-proxy-fake-{durable}",
-                {"url": up_url},
-                workdir / f"c-store-fake-{durable}",
-                durable=durable,
-                detach_after=f"{detach_ms}ms",
-            )
-            proxy, url, _ = start_proxy(
-                workdir, f"c-proxy-fake-{'durable' if durable else 'normal'}", cfg, px_cpu
-            )
-            wait_ready(url.rsplit("/", 1)[0], proxy)
-            try:
-                res = loadgen(
-                    {
-                        "mode": "detach",
-                        "url": url,
-                        "tool": "hold",
-                        "arguments": {"seconds": args.c_hold},
-                        "expect": '"resultType":"task"',
-                        "detach_after_s": detach_ms / 1000,
-                        "concurrency": 16,
-                        "max_requests": max(16, args.c_requests),
-                        "duration": 120,
-                        "warmup": 0,
-                    },
-                    lg_cpu,
-                )
-                res.update(
-                    durable=durable,
-                    store="diskcache",
-                    detach_after_ms=detach_ms,
-                    upstream="fake upstream hold (no progress)",
-                )
-                rows.append(res)
-                log(
-                    f"  c: no-progress upstream, durable={durable!s:<5} concurrency 16: late p50 "
-                    f"{res['late_p50_ms']} ms  p99 {res['late_p99_ms']} ms"
-                    f"  errors {res['errors']}"
-                )
-            finally:
-                proxy.stop()
-    finally:
-        upstream.stop()
     return {
         "rows": rows,
         "summary": summary,
