@@ -739,7 +739,9 @@ def section_c(args, workdir: Path, log) -> dict:
                         ("slow_compute", 16, args.c_requests),
                         ("quiet_compute", 16, args.c_requests),
                     )
-                    for tool, conc, n in measured:
+                    for k, (tool, conc, n) in enumerate(measured):
+                        if k:  # the previous load's detached calls end before this one is measured
+                            time.sleep(args.c_hold + 0.5)
                         res = loadgen(
                             {
                                 "mode": "detach",
