@@ -94,9 +94,9 @@ class RelayStream:
         frame = self._keep(event)
         if frame is None:
             return
-        direct = self._direct
+        seq, direct = self._seq, self._direct
         if direct is not None and await direct(frame):
-            self._delivered = max(self._delivered, self._seq)
+            self._delivered = max(self._delivered, seq)
             return
         self._signal()
 
@@ -193,8 +193,10 @@ class RelayStream:
         each `keepalive_s` (s) of waiting; ends once the stream is closed and everything was
         yielded, when the stream is cut, or (with a `ticket` from `take_over`) as soon as another
         connection took the stream over. With `direct` (the same connection's write that never
-        waits), while it waits with everything sent, the pump writes new events itself (`push`):
-        they are not yielded again, and its keepalive comes each `keepalive_s` chatty or not."""
+        waits) and a `ticket`, while it waits with everything sent, the pump writes new events
+        itself (`push`): they are not yielded again, and its keepalive comes each `keepalive_s`
+        chatty or not. (Without a ticket `direct` is not used: what `push` wrote directly is
+        counted per stream, so only the one connection that has the stream may take it.)"""
         cuts = self.cuts
         sent = after
         while True:
@@ -217,7 +219,7 @@ class RelayStream:
             sent = max(sent, self._seq)  # events dropped meanwhile are not waited for
             if self.closed or self.cuts != cuts or (ticket is not None and ticket != self.owner):
                 return
-            if direct is not None:
+            if direct is not None and ticket is not None:
                 self._direct = direct  # until the next `_signal`
                 self._delivered = sent
             try:
@@ -226,7 +228,7 @@ class RelayStream:
             except TimeoutError:
                 yield KEEPALIVE
             finally:
-                if direct is not None:
+                if direct is not None and ticket is not None:
                     if self._direct is direct:
                         self._direct = None
                     sent = max(sent, self._delivered)

@@ -24,14 +24,15 @@ async def write_without_waiting(request: web.Request, response: web.StreamRespon
     """Write `frame` (bytes of whole SSE events) into the prepared `response` of `request` when the
     write cannot wait for the client (see the module docstring); whether it was written. False,
     with nothing written, when the connection is closing or gone, paused for its client, or would
-    hold more than ROOM_BYTES; also when the response has ended (nothing raised)."""
+    hold more than ROOM_BYTES; also when the write fails (nothing raised: the caller, which may be
+    an upstream reader serving other requests, hands the frame to the response's own writer)."""
     transport = request.transport
     if transport is None or transport.is_closing() or request.protocol.writing_paused:
         return False
     if transport.get_write_buffer_size() + len(frame) > ROOM_BYTES:
         return False
     try:
-        await response.write(frame)
-    except (ConnectionError, RuntimeError):  # closing, or ended meanwhile: its writer's to tell
+        await response.write(frame)  # never suspends past the checks above (no drain to wait for)
+    except Exception:  # closing, ended meanwhile, or anything else: its own writer's to tell
         return False
     return True

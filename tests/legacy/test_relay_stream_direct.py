@@ -97,6 +97,7 @@ async def test_a_paused_connection_gets_its_events_through_the_writer(aiohttp_cl
 async def test_a_resumption_replays_events_the_pump_wrote_directly(aiohttp_client: Client) -> None:
     stream_box: list[RelayStream] = []
     first_done = asyncio.Event()
+    direct: list[int] = []
 
     async def first(request: web.Request) -> web.StreamResponse:
         stream = RelayStream(kind="post")
@@ -106,6 +107,7 @@ async def test_a_resumption_replays_events_the_pump_wrote_directly(aiohttp_clien
             await asyncio.sleep(0)
             for n in range(1, 4):
                 await stream.push(_event(n))
+            direct.append(stream._delivered)  # 3: all three went out through the pump's own writes
             stream.cut()  # the connection drops; the stream goes on
             await first_done.wait()
             await stream.push(_event(4))
@@ -123,11 +125,82 @@ async def test_a_resumption_replays_events_the_pump_wrote_directly(aiohttp_clien
     client = await aiohttp_client(app)
     async with client.get("/") as resp:  # type: ignore[attr-defined]
         seen = await _ids(resp)
-    assert [i.rpartition(":")[2] for i in seen] == ["1", "2", "3"]
+    assert [i.rpartition(":")[2] for i in seen] == ["1", "2", "3"] and direct == [3]
     first_done.set()
     async with client.get("/resume", params={"after": "1"}) as resp:  # type: ignore[attr-defined]
         resumed = await _ids(resp)
     assert [i.rpartition(":")[2] for i in resumed] == ["2", "3", "4"]
+
+
+async def test_a_frame_past_the_write_room_goes_through_the_writer(aiohttp_client: Client) -> None:
+    delivered: list[int] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        stream = RelayStream(kind="post")
+
+        async def pump() -> None:
+            await asyncio.sleep(0)
+            await stream.push(_event(1))
+            await stream.push(SseEvent("message", "x" * flow.ROOM_BYTES, None, None))  # no room for it
+            delivered.append(stream._delivered)
+            await asyncio.sleep(0.01)
+            await stream.push(_event(3))
+            delivered.append(stream._delivered)
+            stream.close()
+
+        stream.feed(pump(), "test pump")
+        return await _serve(request, stream)
+
+    client = await aiohttp_client(web_app(handler))
+    async with client.get("/") as resp:  # type: ignore[attr-defined]
+        ids = await _ids(resp)
+    assert delivered == [1, 3]  # the big one went through the woken writer, the next directly again
+    assert [i.rpartition(":")[2] for i in ids] == ["1", "2", "3"]
+
+
+async def test_a_connection_taking_the_stream_over_gets_the_rest_and_the_old_one_nothing_more(
+    aiohttp_client: Client,
+) -> None:
+    """A second connection takes the stream over (a client resuming while its first connection
+    still waits, registered for direct writes): no event goes out on both."""
+    box: list[RelayStream] = []
+    second_waiting = asyncio.Event()
+    first_read: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+
+    async def first(request: web.Request) -> web.StreamResponse:
+        stream = RelayStream(kind="post")
+        box.append(stream)
+
+        async def pump() -> None:
+            await asyncio.sleep(0)
+            for n in range(1, 6):
+                await stream.push(_event(n))
+            await second_waiting.wait()
+            for n in range(6, 11):
+                await stream.push(_event(n))
+            stream.close()
+
+        stream.feed(pump(), "test pump")
+        return await _serve(request, stream)
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        stream = box[0]
+        asyncio.get_running_loop().call_later(0.05, second_waiting.set)
+        return await _serve(request, stream, after=int(request.query["after"]))
+
+    app = web_app(first)
+    app.router.add_get("/resume", resume)
+    client = await aiohttp_client(app)
+    async with client.get("/") as resp:  # type: ignore[attr-defined]
+        first_ids: list[str] = []
+        async for event in iter_events(resp.content.iter_any()):  # type: ignore[attr-defined]
+            first_ids.append(event.id or "")
+            if len(first_ids) == 5:
+                async with client.get("/resume", params={"after": "3"}) as again:  # type: ignore[attr-defined]
+                    second_ids = await _ids(again)
+        first_read.set_result(first_ids)
+    assert [i.rpartition(":")[2] for i in await first_read] == ["1", "2", "3", "4", "5"]
+    assert [i.rpartition(":")[2] for i in second_ids] == [str(n) for n in range(4, 11)]
 
 
 def web_app(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
