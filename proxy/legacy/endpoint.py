@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 
 from proxy.calls.keys import call_key
-from proxy.legacy.replay import RelayStream, parse_event_id
+from proxy.legacy.replay import parse_event_id, replay_gap_notice
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound
 from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
@@ -293,30 +293,10 @@ class LegacyEndpoint:
                 reason="events after Last-Event-ID left the replay buffer",
             )
             metrics.LEGACY_REPLAY_GAPS.labels(self.name).inc()
-            notice = replay_gap_notice(parsed[1], start, lost, stream)
+            notice = replay_gap_notice(parsed[1], lost, stream, why="before this resumption")
         if stream.kind == "get" and (stream.pump is None or stream.pump.done()):
             await self.upstream.reopen_get(request, session, stream, sid)
         return await self.streams.serve(request, session, stream, start - 1, notice=notice)
-
-
-def replay_gap_notice(after: int, start: int, lost: int, stream: RelayStream) -> JsonObject:
-    """The `notifications/message` (level `error`, logger `mcp-tasks-proxy`) that opens a resumption
-    past the replay buffer: events `after`+1 to `start`-1 of `stream` (`lost` of them) are gone, and
-    the buffer's bounds (`stream.max_events` events, `stream.max_bytes` bytes) say why."""
-    text = (
-        f"{lost} event(s) after Last-Event-ID were dropped from the proxy's replay buffer before this "
-        f"resumption (it keeps the last {stream.max_events} events and {stream.max_bytes} bytes of a "
-        f"stream); what they carried cannot be delivered"
-    )
-    data = {
-        "error": "replay_gap",
-        "message": text,
-        "lostEvents": lost,
-        "firstLost": stream.event_id(after + 1),
-    }
-    return jsonrpc.notification(
-        "notifications/message", {"level": "error", "logger": "mcp-tasks-proxy", "data": data}
-    )
 
 
 def _validate(body: Any) -> None:

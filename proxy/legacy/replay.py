@@ -20,13 +20,18 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+import structlog
+
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
-from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_event
+from proxy.protocol.sse import KEEPALIVE, SseEvent, encode_event, encode_message
+from proxy.runtime import metrics
 
 EVENT_SEQ = re.compile(r"[1-9][0-9]{0,17}")  # ASCII digits only (str.isdigit takes any script's)
 DEFAULT_REPLAY_EVENTS = 256
 DEFAULT_REPLAY_BYTES = 1 << 20
+
+log = structlog.get_logger("proxy.legacy")
 
 # A writer's own write into its client connection, called from the pump's task: whether the frame
 # went out; False (nothing written) when that could have waited for the client (`proxy.runtime.flow`).
@@ -36,7 +41,8 @@ Direct = Callable[[bytes], Awaitable[bool]]
 class RelayStream:
     """One SSE stream toward a legacy client: numbered events, the last ones kept for replay.
 
-    `kind` is "post" (a request's reply) or "get" (the standalone stream). `max_events` and
+    `kind` is "post" (a request's reply) or "get" (the standalone stream); `server` names the
+    upstream (logs, metrics). `max_events` and
     `max_bytes` bound what is kept (older events are dropped first). `closed` turns True once the
     stream has said everything (its response, or its error); `cuts` counts the times the proxy
     dropped the client's connection on purpose (SSE polling, SEP-1699) so the client reconnects
@@ -48,11 +54,13 @@ class RelayStream:
         self,
         *,
         kind: str,
+        server: str = "",
         max_events: int = DEFAULT_REPLAY_EVENTS,
         max_bytes: int = DEFAULT_REPLAY_BYTES,
         json_only: bool = False,
     ) -> None:
         self.kind = kind
+        self.server = server  # the upstream it relays (logs and metrics)
         self.token = secrets.token_urlsafe(12)
         self.max_events = max(1, max_events)
         self.max_bytes = max(1024, max_bytes)
@@ -209,6 +217,17 @@ class RelayStream:
                     break
                 pending.append(event)
             pending.reverse()
+            if pending and pending[0][0] > sent + 1:  # its client read too slowly: never a silent gap
+                lost = pending[0][0] - 1 - sent
+                log.warning(
+                    "legacy_replay_gap",
+                    server=self.server,
+                    lost_events=lost,
+                    reason="events left the replay buffer before a client reading too slowly got them",
+                )
+                metrics.LEGACY_REPLAY_GAPS.labels(self.server).inc()
+                why = "before this connection could send them (its client read too slowly)"
+                yield encode_message(replay_gap_notice(sent, lost, self, why=why))
             if pending:
                 for seq, frame in pending:
                     if ticket is not None and ticket != self.owner:
@@ -232,6 +251,27 @@ class RelayStream:
                     if self._direct is direct:
                         self._direct = None
                     sent = max(sent, self._delivered)
+
+
+def replay_gap_notice(after: int, lost: int, stream: RelayStream, *, why: str) -> JsonObject:
+    """The `notifications/message` (level `error`, logger `mcp-tasks-proxy`) sent in place of
+    events `after`+1 to `after`+`lost` of `stream`, which left its replay buffer (bounded by
+    `stream.max_events` events and `stream.max_bytes` bytes) before they were sent: `why` says
+    when (before a resumption; while the connection's client read too slowly)."""
+    text = (
+        f"{lost} event(s) after event {stream.event_id(after)} were dropped from the proxy's replay buffer "
+        f"{why} (it keeps the last {stream.max_events} events and {stream.max_bytes} bytes of a stream); "
+        f"what they carried cannot be delivered"
+    )
+    data = {
+        "error": "replay_gap",
+        "message": text,
+        "lostEvents": lost,
+        "firstLost": stream.event_id(after + 1),
+    }
+    return jsonrpc.notification(
+        "notifications/message", {"level": "error", "logger": "mcp-tasks-proxy", "data": data}
+    )
 
 
 def _close_after(stream: RelayStream, _task: asyncio.Future[None]) -> None:

@@ -50,7 +50,11 @@ class StreamServer:
         ended ones go first past `session.MAX_STREAMS`; ended POST streams are forgotten once no
         client has read them for LINGER_S). A "get" stream replaces the session's standalone one."""
         stream = RelayStream(
-            kind=kind, max_events=self.replay_events, max_bytes=self.replay_bytes, json_only=json_only
+            kind=kind,
+            server=self.sessions.name,
+            max_events=self.replay_events,
+            max_bytes=self.replay_bytes,
+            json_only=json_only,
         )
         if kind == "get":
             previous = session.get_stream

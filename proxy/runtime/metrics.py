@@ -61,7 +61,8 @@ UPSTREAM_RESENT = Counter(
 )
 LEGACY_REPLAY_GAPS = Counter(
     "mcp_tasks_proxy_legacy_replay_gaps_total",
-    "legacy resumptions (Last-Event-ID) that came after events had left the replay buffer",
+    "legacy reply streams that skipped events gone from the replay buffer (a resumption with "
+    "Last-Event-ID after them, or a connected client reading too slowly)",
     ["server"],
 )
 LIMIT_REJECTIONS = Counter(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -179,3 +180,33 @@ def web_app(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> 
     app = web.Application()
     app.router.add_get("/", handler)
     return app
+
+
+async def test_a_client_too_slow_for_the_replay_buffer_is_told_what_it_lost(aiohttp_client: Client) -> None:
+    """A connected client that reads so slowly that events leave the replay buffer before its
+    connection can send them gets a `replay_gap` notice in their place, never a silent gap."""
+    pumped = asyncio.Event()
+    big = "x" * 64 * 1024
+
+    async def first(request: web.Request) -> web.StreamResponse:
+        stream = RelayStream(kind="post", server="slow", max_events=4)
+
+        async def pump() -> None:
+            for n in range(1, 201):  # 12.8 MB: more than the socket buffers hold for a client not reading
+                await stream.push(SseEvent("message", f"{n} {big}", None, None))
+                await asyncio.sleep(0)
+            stream.close()
+            pumped.set()
+
+        stream.feed(pump(), "test pump")
+        return await _serve(request, stream)
+
+    client = await aiohttp_client(web_app(first))
+    async with client.get("/") as resp:  # type: ignore[attr-defined]
+        await asyncio.wait_for(pumped.wait(), 30)  # reading nothing meanwhile
+        events = [event async for event in iter_events(resp.content.iter_any())]  # type: ignore[attr-defined]
+    numbered = [int(e.data.split(" ", 1)[0]) for e in events if not e.data.startswith("{")]
+    notices = [json.loads(e.data)["params"]["data"] for e in events if e.data.startswith("{")]
+    assert len(notices) >= 1 and all(n["error"] == "replay_gap" for n in notices), notices
+    assert numbered[-1] == 200 and len(numbered) + sum(n["lostEvents"] for n in notices) == 200
+    assert numbered == sorted(set(numbered))  # in order, each once
