@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 
 from proxy.calls.keys import call_key
-from proxy.legacy.replay import parse_event_id, replay_gap_notice
+from proxy.legacy.replay import parse_event_id
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound
 from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
@@ -285,15 +285,7 @@ class LegacyEndpoint:
         start, gap = stream.replay_from(parsed[1])
         notice = None
         if gap:
-            lost = start - 1 - parsed[1]
-            log.warning(
-                "legacy_replay_gap",
-                server=self.name,
-                lost_events=lost,
-                reason="events after Last-Event-ID left the replay buffer",
-            )
-            metrics.LEGACY_REPLAY_GAPS.labels(self.name).inc()
-            notice = replay_gap_notice(parsed[1], lost, stream, why="before this resumption")
+            notice = stream.gap_notice(parsed[1], start - 1 - parsed[1], "before this resumption")
         if stream.kind == "get" and (stream.pump is None or stream.pump.done()):
             await self.upstream.reopen_get(request, session, stream, sid)
         return await self.streams.serve(request, session, stream, start - 1, notice=notice)

@@ -188,6 +188,28 @@ class RelayStream:
         except TimeoutError:
             pass
 
+    def gap_notice(self, after: int, lost: int, why: str) -> JsonObject:
+        """The `notifications/message` (level `error`, logger `mcp-tasks-proxy`) sent in place of
+        events `after`+1 to `after`+`lost`, which left the replay buffer (`max_events`, `max_bytes`)
+        before they were sent; `why` says when (before a resumption; while the client read too
+        slowly). Logged (`legacy_replay_gap`) and counted (`LEGACY_REPLAY_GAPS`) here."""
+        log.warning("legacy_replay_gap", server=self.server, lost_events=lost, reason=f"dropped {why}")
+        metrics.LEGACY_REPLAY_GAPS.labels(self.server).inc()
+        text = (
+            f"{lost} event(s) after event {self.event_id(after)} were dropped from the proxy's replay buffer "
+            f"{why} (it keeps the last {self.max_events} events and {self.max_bytes} bytes of a stream); "
+            f"what they carried cannot be delivered"
+        )
+        data = {
+            "error": "replay_gap",
+            "message": text,
+            "lostEvents": lost,
+            "firstLost": self.event_id(after + 1),
+        }
+        return jsonrpc.notification(
+            "notifications/message", {"level": "error", "logger": "mcp-tasks-proxy", "data": data}
+        )
+
     def replay_from(self, seq: int) -> tuple[int, bool]:
         """Where a resumption after event `seq` starts: (first kept seq to send, whether events
         between were already dropped from the buffer)."""
@@ -218,16 +240,8 @@ class RelayStream:
                 pending.append(event)
             pending.reverse()
             if pending and pending[0][0] > sent + 1:  # its client read too slowly: never a silent gap
-                lost = pending[0][0] - 1 - sent
-                log.warning(
-                    "legacy_replay_gap",
-                    server=self.server,
-                    lost_events=lost,
-                    reason="events left the replay buffer before a client reading too slowly got them",
-                )
-                metrics.LEGACY_REPLAY_GAPS.labels(self.server).inc()
                 why = "before this connection could send them (its client read too slowly)"
-                yield encode_message(replay_gap_notice(sent, lost, self, why=why))
+                yield encode_message(self.gap_notice(sent, pending[0][0] - 1 - sent, why))
             if pending:
                 for seq, frame in pending:
                     if ticket is not None and ticket != self.owner:
@@ -251,27 +265,6 @@ class RelayStream:
                     if self._direct is direct:
                         self._direct = None
                     sent = max(sent, self._delivered)
-
-
-def replay_gap_notice(after: int, lost: int, stream: RelayStream, *, why: str) -> JsonObject:
-    """The `notifications/message` (level `error`, logger `mcp-tasks-proxy`) sent in place of
-    events `after`+1 to `after`+`lost` of `stream`, which left its replay buffer (bounded by
-    `stream.max_events` events and `stream.max_bytes` bytes) before they were sent: `why` says
-    when (before a resumption; while the connection's client read too slowly)."""
-    text = (
-        f"{lost} event(s) after event {stream.event_id(after)} were dropped from the proxy's replay buffer "
-        f"{why} (it keeps the last {stream.max_events} events and {stream.max_bytes} bytes of a stream); "
-        f"what they carried cannot be delivered"
-    )
-    data = {
-        "error": "replay_gap",
-        "message": text,
-        "lostEvents": lost,
-        "firstLost": stream.event_id(after + 1),
-    }
-    return jsonrpc.notification(
-        "notifications/message", {"level": "error", "logger": "mcp-tasks-proxy", "data": data}
-    )
 
 
 def _close_after(stream: RelayStream, _task: asyncio.Future[None]) -> None:
