@@ -732,16 +732,14 @@ def section_c(args, workdir: Path, log) -> dict:
                         },
                         lg_cpu,
                     )
-                    # the warm-up's detached calls end before anything is measured
-                    time.sleep(args.c_hold + 0.5)
                     measured = (
                         ("slow_compute", 1, args.c_requests // 4),
                         ("slow_compute", 16, args.c_requests),
                         ("quiet_compute", 16, args.c_requests),
                     )
-                    for k, (tool, conc, n) in enumerate(measured):
-                        if k:  # the previous load's detached calls end before this one is measured
-                            time.sleep(args.c_hold + 0.5)
+                    for tool, conc, n in measured:
+                        # the previous load's (or the warm-up's) detached calls end before this one
+                        time.sleep(args.c_hold + 0.5)
                         res = loadgen(
                             {
                                 "mode": "detach",

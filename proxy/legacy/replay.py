@@ -229,6 +229,8 @@ class RelayStream:
         counted per stream, so only the one connection that has the stream may take it.)"""
         cuts = self.cuts
         sent = after
+        if ticket is None:
+            direct = None
         while True:
             wake = self._wake
             # The events after `sent`, read from the newest end (seqs only grow along the buffer):
@@ -239,20 +241,19 @@ class RelayStream:
                     break
                 pending.append(event)
             pending.reverse()
-            if pending and pending[0][0] > sent + 1:  # its client read too slowly: never a silent gap
-                why = "before this connection could send them (its client read too slowly)"
-                yield encode_message(self.gap_notice(sent, pending[0][0] - 1 - sent, why))
             if pending:
+                if pending[0][0] > sent + 1:  # its client read too slowly: never a silent gap
+                    why = "before this connection could send them (its client read too slowly)"
+                    yield encode_message(self.gap_notice(sent, pending[0][0] - 1 - sent, why))
                 for seq, frame in pending:
                     if ticket is not None and ticket != self.owner:
                         return
                     yield frame
                     sent = seq
                 continue
-            sent = max(sent, self._seq)  # events dropped meanwhile are not waited for
             if self.closed or self.cuts != cuts or (ticket is not None and ticket != self.owner):
                 return
-            if direct is not None and ticket is not None:
+            if direct is not None:
                 self._direct = direct  # until the next `_signal`
                 self._delivered = sent
             try:
@@ -261,7 +262,7 @@ class RelayStream:
             except TimeoutError:
                 yield KEEPALIVE
             finally:
-                if direct is not None and ticket is not None:
+                if direct is not None:
                     if self._direct is direct:
                         self._direct = None
                     sent = max(sent, self._delivered)
