@@ -421,13 +421,16 @@ class Call:
         """Hand the call over to the task `task_id` (already committed), reporting through `sink`.
 
         Progress text is written to the store at most once per `progress_interval_s` (s, the
-        tool's `progress_interval`), off the request path; the latest text always lands, with the
-        outcome at the latest. No handler may be waiting on `events` any more (the handler detaches
+        tool's `progress_interval`), off the request path; the task's create counts as this
+        interval's write, so the first text lands one interval after the detach (not with the
+        creates of the calls detaching beside it); the latest text always lands, with the outcome
+        at the latest. No handler may be waiting on `events` any more (the handler detaches
         the call itself, or was cancelled): its events are dropped from here on (and its `relay`
         is cleared as the handler ends)."""
         self.task_id = task_id
         self.sink = sink
         self.progress_write_s = progress_interval_s
+        self._progress_written = time.monotonic()
         self.events = _DISCARD  # nobody is attached any more: keep no queue per detached call
         if self.done:  # it ended while the task was being committed
             self._record_outcome(self.outcome.result())

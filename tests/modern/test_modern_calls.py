@@ -10,6 +10,7 @@ import contextlib
 import json
 import re
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -89,22 +90,27 @@ async def test_progress_of_a_detached_call_is_written_at_most_once_per_progress_
     legacy_url: str, tmp_path, serve: Serve
 ) -> None:
     # slow_compute sends progress every 0.1 s: 15 notifications in 1.5 s. With progress_interval
-    # 400ms the record changes at most once per 0.4 s (the first at once), so a client polling every
-    # 20 ms sees at most 5 texts while the call works, where one write per notification shows ~15.
+    # 400ms the record changes at most once per 0.4 s, the task's create counting as the first
+    # write, so a client polling every 20 ms sees the create's text, then at most 4 progress texts
+    # while the call works (one write per notification shows ~15), the first of them no sooner
+    # than one interval after the handle (less the time the handle took to arrive).
     server = {"tasks": {"detach_after": "20ms", "progress_interval": "400ms"}}
     proxy = await serve(make_config(legacy_url, tmp_path / "s", server=server))
     client = ModernClient(proxy.url())
     try:
         created = (await client.call("slow_compute", {"seconds": 1.5, "label": "coalesced"})).result
-        seen: list[str] = []
+        handed = time.monotonic()
+        seen: list[tuple[float, str]] = []
         async with asyncio.timeout(10):
             while (task := (await client.get(created["taskId"])).result)["status"] == "working":
-                if task.get("statusMessage") and task["statusMessage"] not in seen:
-                    seen.append(task["statusMessage"])
+                if task.get("statusMessage") and task["statusMessage"] not in [text for _, text in seen]:
+                    seen.append((time.monotonic() - handed, task["statusMessage"]))
                 await asyncio.sleep(0.02)
         assert task["status"] == "completed", task
         assert re.match(r"^(\d+)/\1: tick \1$", task["statusMessage"]), task  # the last text landed
         assert 2 <= len(seen) <= 5, seen
+        assert "tick" not in seen[0][1], seen  # the create's own text first
+        assert seen[1][0] >= 0.3, seen  # no progress write right behind the create
     finally:
         await client.close()
 
