@@ -16,7 +16,7 @@ Sections (bench/README.md has the method and the latest figures):
  r. (only when asked: --sections r) 1 vs 3 replicas behind HAProxy on Redis, CPU per call per tier
  (bench/replicas.py).
 
-Every server is a child process on 127.0.0.1, stopped in a `finally` (SIGINT, then SIGKILL), also
+Every server is a child process on 127.0.0.1, stopped in a `finally` (SIGTERM, then SIGKILL), also
 on Ctrl-C / SIGTERM. Load comes from bench/loadgen.py in its own process, bounded in time and count.
 Results: a markdown table on stdout and JSON in bench/results/ (ignored by git).
 """
@@ -106,8 +106,10 @@ class Proc:
 
     def stop(self) -> None:
         if self.p.poll() is None:
-            # The whole process group: a peer's stdio children go with it.
-            for sig, wait in ((signal.SIGINT, 5), (signal.SIGTERM, 3), (signal.SIGKILL, 5)):
+            # The whole process group: a peer's stdio children go with it. SIGTERM, not SIGINT: a
+            # child started from a background shell job inherits SIGINT ignored (so do CI runners),
+            # and the Python servers here leave it so; every one of them stops on SIGTERM.
+            for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
                 try:
                     os.killpg(self.p.pid, sig)
                 except ProcessLookupError:
