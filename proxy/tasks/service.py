@@ -234,8 +234,10 @@ class TaskService:
         Other calls go on: no replica re-runs them, and if the store was down for every replica
         their outcome is still recorded; if another replica declared one lost, the sweep cancels it
         as soon as this node reaches the store again (`_stop_calls_ended_elsewhere`). A call whose
-        task is still being created is left to `detach`: with no record, nobody else can run it, so
-        if the create fails the call stays the client's (attached); if it commits, it is stopped then."""
+        task is still being created is stopped too, at once: its create may have reached the store
+        with only its reply cut off, and then the record exists and another replica re-runs it when
+        the lease lapses, long before the create here gives up (store.timeout). Its client gets
+        -32800 naming the task, or the handle if the create's reply still comes."""
         if self._stopping:
             return
         stopped = [
@@ -246,9 +248,11 @@ class TaskService:
         if not stopped:
             return
         for task_id, call in stopped:
-            if task_id in self._creating:
-                self._fenced_creating.add(task_id)
-            else:
+            if task_id not in self._creating:
+                self._fence_call(task_id, call)
+                continue
+            self._fenced_creating.add(task_id)  # what `create` and `_keep_unsure` check as it ends
+            if not call.outcome.done():  # (one that ended meanwhile keeps its outcome until then)
                 self._fence_call(task_id, call)
         log.error(
             "replica_fenced",
@@ -260,7 +264,10 @@ class TaskService:
     def _fence_call(self, task_id: str, call: LiveCall) -> None:
         """Stop the detached call of `task_id` for the fence: released, cancelled upstream, and its
         outcome never recorded (see `_end`); whoever sweeps the task next re-runs it. A call whose
-        create failed (`_keep_unsure`) learns the task id it may go on as."""
+        create failed (`_keep_unsure`) learns the task id it may go on as. Once per call: a call
+        stopped while its task was being created is not stopped again when the create ends."""
+        if call.ended_by == "fence":
+            return
         reason = "this replica could not renew its lease; another replica takes the task over"
         if task_id in self._unsure or task_id in self._fenced_creating:
             reason += f" (task {task_id}, if the store took it before it was cut off)"
@@ -445,7 +452,7 @@ class TaskService:
         which stays attached to its client, stays in `live` too: the fence stops it as it stops a
         task's (at once if the fence came while it was being created and it still runs), and when
         it ends its outcome is written to the record if there is one, so nobody re-runs it after."""
-        if task_id in self._fenced_creating and not call.outcome.done():
+        if task_id in self._fenced_creating and (call.ended_by == "fence" or not call.outcome.done()):
             self._fence_call(task_id, call)
             return
         self._unsure.add(task_id)

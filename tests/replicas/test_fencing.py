@@ -145,6 +145,51 @@ async def test_a_call_whose_task_is_being_created_when_the_fence_comes_is_stoppe
             await plain.close()
 
 
+async def test_a_call_whose_create_landed_but_whose_reply_the_cut_holds_is_stopped_at_the_fence(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """The cut falls between a task's create and its reply: Redis has committed the record (owned by
+    the cut-off replica), and the replica still waits for the reply (store.timeout 3 s). Its lease
+    lapses a second after the last renewal that landed, and another replica re-runs the task then;
+    so the fence stops the call at once, not when the create gives up: the upstream gets the cancel
+    before the re-run starts. (A chaos run once saw the two runs overlap by 0.55 s.)"""
+    label = f"landed-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        cut_off = await serve(replica(legacy_url, tmp_path / "a", relayed_url, redis_prefix, timeout="3s"))
+        other = await serve(replica(legacy_url, tmp_path / "b", redis_server.url, redis_prefix))
+        plain = ModernClient(other.url(), capabilities={})
+        client = ModernClient(cut_off.url())
+        try:
+            # a first task loads the store's scripts: the held reply must be the create's own
+            warm = await client.call(
+                "slow_compute", {"seconds": 0.1, "label": f"warm-{uuid.uuid4().hex[:8]}"}
+            )
+            assert "taskId" in warm.result, warm.result
+            assert (await client.wait_terminal(warm.result["taskId"], timeout=5))["status"] == "completed"
+            async with redis.asyncio.from_url(redis_server.url) as direct:
+                before = set(await direct.keys(f"{redis_prefix}task:*"))
+                relay.pause_after(label.encode())  # the create carries the call's arguments (to re-run it)
+                call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 5, "label": label}))
+                async with asyncio.timeout(5):  # the create landed; its reply, and all after it, is held
+                    while not set(await direct.keys(f"{redis_prefix}task:*")) - before:
+                        await asyncio.sleep(0.01)
+            async with asyncio.timeout(10):
+                while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
+                    await asyncio.sleep(0.05)
+            starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
+            cancels = await _cancels(plain, label)
+            relay.resume()
+            assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
+            answer = await asyncio.wait_for(call, timeout=10)
+            # the create's reply, once through, hands the task out; or it gave up and the call is fenced
+            assert "taskId" in (answer.result or {}) or (
+                answer.error["code"] == -32800 and "renew its lease" in answer.error["message"]
+            ), answer
+        finally:
+            await client.close()
+            await plain.close()
+
+
 async def test_a_call_declared_lost_during_a_cut_is_cancelled_as_soon_as_its_replica_is_back(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:

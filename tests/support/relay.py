@@ -12,7 +12,9 @@ from support.redis_server import RedisServer
 
 class TcpRelay:
     """Relays every connection to `host:port`. `pause()` holds every byte in both directions (a
-    network partition: nothing is refused, nothing arrives); `resume()` lets them on.
+    network partition: nothing is refused, nothing arrives); `pause_after(marker)` pauses right after
+    the next client bytes holding `marker` went through (a cut that falls between a command and its
+    reply); `resume()` lets them on.
 
     With `close_idle_s` (s), a connection that has carried bytes and then sat idle that long is
     closed when the client's next bytes arrive, which are never forwarded: what a keep-alive
@@ -24,6 +26,7 @@ class TcpRelay:
         self.closed_idle = 0  # connections closed by `close_idle_s`
         self._open = asyncio.Event()
         self._open.set()
+        self._pause_marker: bytes | None = None
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
 
@@ -34,6 +37,11 @@ class TcpRelay:
 
     def pause(self) -> None:
         self._open.clear()
+
+    def pause_after(self, marker: bytes) -> None:
+        """Pause once client bytes holding `marker` have been forwarded (a marker split across two
+        reads is not seen)."""
+        self._pause_marker = marker
 
     def resume(self) -> None:
         self._open.set()
@@ -83,6 +91,9 @@ class TcpRelay:
                 await self._open.wait()
                 writer.write(data)
                 await writer.drain()
+                if outbound and self._pause_marker is not None and self._pause_marker in data:
+                    self._pause_marker = None
+                    self.pause()
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
