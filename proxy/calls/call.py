@@ -171,7 +171,12 @@ class Call:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the upstream request in a task of its own."""
+        """Start the upstream request in a task of its own. A call cancelled before it started (the
+        fence came while its task was being created) never reaches the upstream: it ends as -32800."""
+        if self._cancel_reason:
+            why = self._cancel_reason
+            self._finish({"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled: {why}"}})
+            return
         self._runner = asyncio.get_running_loop().create_task(
             self._run(), name=f"{self.method} {self.server}/{self.tool}"
         )

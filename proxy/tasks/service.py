@@ -251,9 +251,11 @@ class TaskService:
             if task_id not in self._creating:
                 self._fence_call(task_id, call)
                 continue
-            self._fenced_creating.add(task_id)  # what `create` and `_keep_unsure` check as it ends
-            if not call.outcome.done():  # (one that ended meanwhile keeps its outcome until then)
-                self._fence_call(task_id, call)
+            # Stopped now, released when its create ends (`detach`, `_keep_unsure`): until then it
+            # stays in `live`, so nothing detaches it again. One that ended meanwhile is left to that.
+            self._fenced_creating.add(task_id)
+            if not call.outcome.done():
+                self._stop_fenced(task_id, call)
         log.error(
             "replica_fenced",
             node=self.node,
@@ -262,16 +264,23 @@ class TaskService:
         )
 
     def _fence_call(self, task_id: str, call: LiveCall) -> None:
-        """Stop the detached call of `task_id` for the fence: released, cancelled upstream, and its
-        outcome never recorded (see `_end`); whoever sweeps the task next re-runs it. A call whose
-        create failed (`_keep_unsure`) learns the task id it may go on as. Once per call: a call
-        stopped while its task was being created is not stopped again when the create ends."""
+        """Stop the detached call of `task_id` for the fence: released (if it is still this task's
+        call here), cancelled upstream (`_stop_fenced`), and its outcome never recorded (see
+        `_end`); whoever sweeps the task next re-runs it."""
+        if self.live.get(task_id) is call:
+            self.release(task_id)
+        self._stop_fenced(task_id, call)
+
+    def _stop_fenced(self, task_id: str, call: LiveCall) -> None:
+        """Cancel `call` upstream for the fence, once (a call stopped while its task was being
+        created is not stopped again when the create ends). Its client learns the task id it may go
+        on as when the task may exist without this node having seen it committed (a create failed,
+        or still waiting for its reply)."""
         if call.ended_by == "fence":
             return
         reason = "this replica could not renew its lease; another replica takes the task over"
         if task_id in self._unsure or task_id in self._fenced_creating:
             reason += f" (task {task_id}, if the store took it before it was cut off)"
-        self.release(task_id)
         call.ended_by = "fence"
         call.cancel(reason)
 
@@ -453,7 +462,7 @@ class TaskService:
         task's (at once if the fence came while it was being created and it still runs), and when
         it ends its outcome is written to the record if there is one, so nobody re-runs it after."""
         if task_id in self._fenced_creating and (call.ended_by == "fence" or not call.outcome.done()):
-            self._fence_call(task_id, call)
+            self._fence_call(task_id, call)  # (released now; stopped at the fence, or now)
             return
         self._unsure.add(task_id)
         call.add_done_callback(lambda done: self._spawn(self._unsure_ended(task_id, done)))
