@@ -182,7 +182,11 @@ class Call:
         )
 
     def add_done_callback(self, fn: Callable[[Call], None]) -> None:
-        """Call `fn(call)` once, when the outcome is known."""
+        """Call `fn(call)` once, when the outcome is known: soon (from the event loop, as asyncio's
+        futures do) if it is known already."""
+        if self.outcome.done():
+            asyncio.get_running_loop().call_soon(fn, self)
+            return
         self._on_done.append(fn)
 
     @property
