@@ -16,7 +16,7 @@ import redis.asyncio
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
-from support.relay import relay_to
+from support.relay import TcpRelay, relay_to
 
 from proxy.app import TASKS_KEY
 from proxy.config import Config
@@ -52,6 +52,20 @@ async def _cancels(client: ModernClient, label: str) -> list[dict]:
     return [c for c in await _log(client, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
 
 
+async def _cancelled_before_the_rerun(plain: ModernClient, relay: TcpRelay, label: str) -> list[dict]:
+    """Wait (10 s at most) for the second upstream run of `label` (another replica's re-run), heal
+    the cut, and check that the upstream had the first run's one cancel before that re-run started;
+    returns the cancels."""
+    async with asyncio.timeout(10):
+        while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
+            await asyncio.sleep(0.05)
+    starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
+    cancels = await _cancels(plain, label)
+    relay.resume()
+    assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
+    return cancels
+
+
 async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_reruns_them(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
@@ -73,13 +87,7 @@ async def test_a_replica_cut_off_from_redis_stops_its_calls_before_another_rerun
             async with redis.asyncio.from_url(redis_server.url) as direct:
                 renewed_ms = int(await direct.get(lease_key))
             lapses_at = renewed_ms / 1000 + 1.0  # LEASE
-            async with asyncio.timeout(10):
-                while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
-                    await asyncio.sleep(0.05)
-            starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
-            cancels = await _cancels(plain, label)
-            relay.resume()
-            assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
+            cancels = await _cancelled_before_the_rerun(plain, relay, label)
             # the fence came with room to spare: a quarter of the lease before it lapsed, less the
             # cancel's way to the upstream (a fence a sixth before, less a twelfth, fails this)
             assert lapses_at - cancels[0]["at"] > 0.15, (lapses_at, cancels)
@@ -173,13 +181,7 @@ async def test_a_call_whose_create_landed_but_whose_reply_the_cut_holds_is_stopp
                 async with asyncio.timeout(5):  # the create landed; its reply, and all after it, is held
                     while not set(await direct.keys(f"{redis_prefix}task:*")) - before:
                         await asyncio.sleep(0.01)
-            async with asyncio.timeout(10):
-                while (await _log(plain, "started_log")).get(label, 0) < 2:  # type: ignore[union-attr]
-                    await asyncio.sleep(0.05)
-            starts = (await _log(plain, "started_log", times=True))[label]  # type: ignore[index]
-            cancels = await _cancels(plain, label)
-            relay.resume()
-            assert len(cancels) == 1 and cancels[0]["at"] < starts[1], (cancels, starts)
+            await _cancelled_before_the_rerun(plain, relay, label)
             answer = await asyncio.wait_for(call, timeout=10)
             # the create's reply, once through, hands the task out; or it gave up and the call is fenced
             assert "taskId" in (answer.result or {}) or (
