@@ -174,8 +174,7 @@ class Call:
         """Start the upstream request in a task of its own. A call cancelled before it started (the
         fence came while its task was being created) never reaches the upstream: it ends as -32800."""
         if self._cancel_reason:
-            why = self._cancel_reason
-            self._finish({"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled: {why}"}})
+            self._finish(self._cancelled_reply())
             return
         self._runner = asyncio.get_running_loop().create_task(
             self._run(), name=f"{self.method} {self.server}/{self.tool}"
@@ -213,10 +212,7 @@ class Call:
             reply = {"error": {"code": INTERNAL_ERROR, "message": str(exc)}}
         except asyncio.CancelledError:
             if not self.outcome.done():
-                why = f": {self._cancel_reason}" if self._cancel_reason else ""
-                self._finish(
-                    {"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled{why}"}}
-                )
+                self._finish(self._cancelled_reply())
             raise
         except Exception as exc:  # a bug or a garbage upstream must not kill the proxy
             log.exception("call_crashed", server=self.server, tool=self.tool)
@@ -227,6 +223,11 @@ class Call:
                 }
             }
         self._finish(reply)
+
+    def _cancelled_reply(self) -> JsonObject:
+        """The -32800 outcome of a call cancelled here, naming why when `cancel` said."""
+        why = f": {self._cancel_reason}" if self._cancel_reason else ""
+        return {"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled{why}"}}
 
     def _send(self, session: Session) -> Coroutine[Any, Any, JsonObject]:
         """One attempt at the upstream request on `session` (`with_session` makes a second on a new

@@ -206,9 +206,9 @@ class TaskRecord:
     def from_dict(cls, data: dict[str, Any]) -> TaskRecord:
         """Inverse of `to_dict`; fields this version does not know are ignored. Raises TypeError when
         a field without a default is missing."""
-        if data.keys() <= cls.__dataclass_fields__.keys():  # the usual case: a record this version wrote
-            return cls(**data)
         known = cls.__dataclass_fields__
+        if data.keys() <= known.keys():  # the usual case: a record this version wrote
+            return cls(**data)
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
