@@ -30,6 +30,7 @@ from proxy.protocol.jsonrpc import (
 from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
+from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.model import TaskRecord
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result, validate_input_responses
@@ -308,6 +309,11 @@ class CallRunner:
         assert call.key is not None
         if call.key.task_id in self.tasks.live:  # shared before (an MRTR round resumed it)
             return
+        await uncancelled(self._share_as_task(call, policy), what=f"sharing a call of {self.name} as a task")
+
+    async def _share_as_task(self, call: Call, policy: ResolvedPolicy) -> None:
+        """`_share`'s commit and hand-over, which its client going away does not cut in two: a task
+        committed for the call always gets the call's outcome."""
         try:
             record = await self._commit(
                 call, policy, "running attached to its first request; retries with its key share it"
@@ -345,8 +351,24 @@ class CallRunner:
         limit (`max_tasks_per_principal`, 429) keeps the call attached instead (None is returned): the
         upstream call has started, so the answer must not be a cancel and a status a client or a
         load balancer would send again. A `mode: required` call the store
-        refuses ends with HTTP 500 (-32603) for the same reason."""
+        refuses ends with HTTP 500 (-32603) for the same reason.
+
+        The commit and the hand-over run to their end even if the client goes away meanwhile (its
+        handler is cancelled; `uncancelled`): a task the store may have taken always gets its call,
+        which then ends it (the handler cancels a call without a key as it leaves, and that outcome
+        is the task's) or runs on as it (a call with a key)."""
         self.parked.release(call)
+        answer = await uncancelled(
+            self._hand_over(call, policy, why, stay=stay), what=f"detaching a call of {self.name}"
+        )
+        if answer is not None:
+            structlog.contextvars.bind_contextvars(task_id=answer["taskId"])
+        return answer
+
+    async def _hand_over(
+        self, call: Call, policy: ResolvedPolicy, why: str, *, stay: bool
+    ) -> JsonObject | None:
+        """`_detach`'s commit, then the call handed to its task; the CreateTaskResult, or None (`stay`)."""
         try:
             record = await self._commit(call, policy, why)
         except JsonRpcError as exc:
@@ -364,7 +386,6 @@ class CallRunner:
         call.detach(record.task_id, self.tasks, progress_interval_s=policy.progress_interval)
         if call.method == "tools/call":
             metrics.count_call(self.name, call.tool, "detached")
-        structlog.contextvars.bind_contextvars(task_id=record.task_id)
         return create_task_result(record)
 
     async def _ask_client(

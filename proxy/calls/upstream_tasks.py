@@ -25,6 +25,7 @@ from proxy.config import ResolvedPolicy
 from proxy.protocol.era import Envelope, strip_envelope, upstream_capabilities
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
 from proxy.protocol.translate import modern_error, modern_result
+from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result
 from proxy.upstream.types import Pool, Session, UpstreamError, UpstreamUndeliveredError
@@ -153,7 +154,7 @@ class UpstreamTasks:
                 await self.keys.settle(keyed, {"error": exc.to_error()})
             raise
         except asyncio.CancelledError:  # the client left and its upstream task was cancelled
-            if keyed is not None:
+            if keyed is not None and keyed.task_id not in self.tasks.live:  # (else its task goes on)
                 error = {"code": REQUEST_CANCELLED, "message": "the call was cancelled: its client went away"}
                 self.keys.settle_later(keyed, {"error": error})
             raise
@@ -212,17 +213,34 @@ class UpstreamTasks:
         if not as_task:
             call.start()
             return await self._wait(call, reply)
-        record = await self.tasks.detach(
-            call,
-            server=self.name,
-            tool=tool,
-            method="tools/call",
-            ttl_s=policy.ttl,
-            poll_interval_s=policy.poll_interval,
-            status_message=f"running upstream on {self.name} as its own task",
-            rerun={"method": "tasks/result", "params": {"taskId": task_id}, "capabilities": caps},
-            task_id=None if keyed is None else keyed.task_id,
+        return await uncancelled(
+            self._hand_over(call, policy=policy, keyed=keyed),
+            what=f"following an upstream task of {self.name}",
         )
+
+    async def _hand_over(
+        self, call: UpstreamTaskCall, *, policy: ResolvedPolicy, keyed: KeyedCall | None
+    ) -> JsonObject:
+        """Commit the task that follows the upstream's task (`call`, not started yet), then start
+        following it; the flat v2 CreateTaskResult. Runs to its end even if the client goes away
+        meanwhile (`uncancelled`): a task the store may have taken always gets its call. Raises what
+        `TaskService.detach` raises (kept in the slot of `keyed` first: its client may be gone)."""
+        try:
+            record = await self.tasks.detach(
+                call,
+                server=self.name,
+                tool=call.tool,
+                method="tools/call",
+                ttl_s=policy.ttl,
+                poll_interval_s=policy.poll_interval,
+                status_message=f"running upstream on {self.name} as its own task",
+                rerun={"method": call.method, "params": call.params, "capabilities": call.capabilities},
+                task_id=None if keyed is None else keyed.task_id,
+            )
+        except JsonRpcError as exc:
+            if keyed is not None:  # (`call` keeps it again when its client is still there: same entry)
+                await self.keys.settle(keyed, {"error": exc.to_error()})
+            raise
         if keyed is not None:
             self.keys.settle_when_done(call, keyed)
         call.detach(record.task_id, self.tasks, progress_interval_s=policy.progress_interval)

@@ -24,7 +24,8 @@ from aiohttp import web
 
 from proxy.calls.call import Call
 from proxy.calls.keys import CallKeys, call_key
-from proxy.config import Config, ToolMode
+from proxy.calls.types import KeyedCall
+from proxy.config import Config, ResolvedPolicy, ToolMode
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.v1_methods import LIST_PAGE, V1_TASK_METHODS, V1TaskMethods
 from proxy.protocol import jsonrpc
@@ -39,6 +40,7 @@ from proxy.protocol.jsonrpc import (
 )
 from proxy.runtime import metrics
 from proxy.runtime.fanout import Overflow
+from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
@@ -433,11 +435,29 @@ class V1Front:
             if policy.on_restart == "rerun"
             else None
         )
+        return await uncancelled(
+            self._hand_over(call, ttl_s=ttl_s, policy=policy, rerun=rerun, keyed=keyed),
+            what=f"a v1 task of {self.server}",
+        )
+
+    async def _hand_over(
+        self,
+        call: Call,
+        *,
+        ttl_s: float | None,
+        policy: ResolvedPolicy,
+        rerun: JsonObject | None,
+        keyed: KeyedCall | None,
+    ) -> JsonObject:
+        """Commit the task of `call` (not started yet), then start the call as that task; the v1
+        CreateTaskResult. Runs to its end even if the client goes away meanwhile (`uncancelled`):
+        a task the store may have taken always gets its call. Raises what `TaskService.detach`
+        raises (the slot of `keyed` let go first: nothing reached the upstream)."""
         try:
             record = await self.tasks.detach(
                 call,
                 server=self.server,
-                tool=tool,
+                tool=call.tool,
                 method="tools/call",
                 ttl_s=ttl_s,
                 poll_interval_s=policy.poll_interval,

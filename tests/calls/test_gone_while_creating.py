@@ -1,0 +1,111 @@
+"""A client that goes away while its call's task is being created (its request cut between the
+detach deadline and the handle): the store may commit the task all the same, so the call must end
+up as that task's, never a record reading `working` for good with nothing behind it. The create is
+held by a TCP relay between the proxy and a real redis-server; the client's connection closes
+meanwhile, which cancels its handler (the command line's listener cancels handlers on a close)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from support.clients import ModernClient
+from support.proxy import make_config, running_proxy
+from support.redis_server import RedisServer
+from support.relay import relay_to
+from support.v1_client import V1Client
+
+from proxy.app import TASKS_KEY
+
+pytestmark = pytest.mark.redis
+
+
+async def test_a_call_whose_client_goes_away_while_its_task_is_created_still_ends_that_task(
+    legacy_url: str, tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Three calls detach while Redis is cut off (their creates held), and their clients go away:
+    a plain 2026-07-28 call is cancelled upstream and its task, once committed, ends `failed`
+    saying so; a call with an idempotency key goes on as its task and completes (a retry with the
+    key gets its result); a v1 task request (started upstream only once its task exists) runs as
+    its task. None stays `working`, none runs twice, and the proxy holds none of them after."""
+    plain_label, keyed_label, v1_label = (
+        f"{kind}-{uuid.uuid4().hex[:8]}" for kind in ("plain", "keyed", "v1")
+    )
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        config = make_config(legacy_url, tmp_path, tasks={"detach_after": "1s"})
+        store = {"url": relayed_url, "prefix": redis_prefix, "timeout": "5s", "lease": "20s"}
+        config.store = type(config.store).model_validate(store)
+        async with running_proxy(config) as proxy:
+            tasks = proxy.app[TASKS_KEY]
+            client = ModernClient(proxy.url())
+            untasked = ModernClient(proxy.url(), capabilities={})
+            v1 = V1Client(proxy.url())
+            try:
+                await client.warm_up()  # the upstream session, and the store's scripts loaded
+                await v1.initialize()
+                arguments = {"seconds": 1.5}
+                keyed = {"headers": {"Idempotency-Key": key}}
+                cut = [
+                    asyncio.ensure_future(client.call("slow_compute", {**arguments, "label": plain_label})),
+                    asyncio.ensure_future(
+                        client.call("slow_compute", {**arguments, "label": keyed_label}, **keyed)
+                    ),
+                ]
+                async with asyncio.timeout(5):  # both started upstream (the key claimed), not yet detached
+                    while not {plain_label, keyed_label} <= set(await _log(untasked, "started_log")):
+                        await asyncio.sleep(0.01)
+                relay.pause()  # the cut: before their detach deadline, and before the v1 call's create
+                cut.append(
+                    asyncio.ensure_future(v1.call_as_task("slow_compute", {**arguments, "label": v1_label}))
+                )
+                async with asyncio.timeout(5):  # all three detaching, their creates held by the cut
+                    while len(tasks.live) < 3:
+                        await asyncio.sleep(0.01)
+                labels = {task_id: call.params["arguments"]["label"] for task_id, call in tasks.live.items()}
+                task_ids = list(labels)
+                for request in cut:
+                    request.cancel()  # the clients go away
+                await asyncio.gather(*cut, return_exceptions=True)
+                async with asyncio.timeout(5):  # the plain call's handler is gone: its cancel is upstream
+                    while plain_label not in await _log(untasked, "cancelled_log"):
+                        await asyncio.sleep(0.02)
+                relay.resume()  # the creates land
+
+                by_label = {label: await _ended(client, task_id) for task_id, label in labels.items()}
+                assert by_label[plain_label]["status"] == "failed", by_label[plain_label]
+                assert "closed the request stream" in json.dumps(by_label[plain_label]), by_label[plain_label]
+                for label in (keyed_label, v1_label):
+                    assert by_label[label]["status"] == "completed", by_label[label]
+                retried = await client.call("slow_compute", {**arguments, "label": keyed_label}, **keyed)
+                assert retried.result["content"][0]["text"] == f"computed {keyed_label} after 1.5s", (
+                    retried.message
+                )
+                starts = await _log(untasked, "started_log")
+                assert [starts[label] for label in (plain_label, keyed_label, v1_label)] == [1, 1, 1], starts
+                assert not set(task_ids) & set(tasks.live), tasks.live
+            finally:
+                relay.resume()
+                await client.close()
+                await untasked.close()
+                await v1.close()
+
+
+async def _log(client: ModernClient, tool: str) -> dict:
+    """The upstream's `started_log` (label -> starts) or the labels of its `cancelled_log`."""
+    logged = json.loads((await client.call(tool, {})).result["content"][0]["text"])
+    return {c["label"]: c for c in logged} if isinstance(logged, list) else logged
+
+
+async def _ended(client: ModernClient, task_id: str) -> dict:
+    """`tasks/get` of `task_id` once terminal (10 s at most); an unknown task is asked again while
+    its create, just let through, may still be on its way to Redis."""
+    async with asyncio.timeout(10):
+        while True:
+            reply = await client.get(task_id)
+            if reply.message.get("result", {}).get("status") in ("completed", "failed", "cancelled"):
+                return reply.result
+            await asyncio.sleep(0.02)
