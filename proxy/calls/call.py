@@ -222,10 +222,13 @@ class Call:
                     "message": f"proxy error while calling upstream {self.server}: {exc.__class__.__name__}",
                 }
             }
+        if self._cancel_reason and object_of(reply.get("error")).get("code") == REQUEST_CANCELLED:
+            reply = self._cancelled_reply()  # the upstream's answer to the cancel sent: say why
         self._finish(reply)
 
     def _cancelled_reply(self) -> JsonObject:
-        """The -32800 outcome of a call cancelled here, naming why when `cancel` said."""
+        """The -32800 outcome of a call cancelled here, naming why when `cancel` said (also when the
+        upstream's own -32800, its answer to the cancel, came before the request was stopped)."""
         why = f": {self._cancel_reason}" if self._cancel_reason else ""
         return {"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled{why}"}}
 
@@ -504,7 +507,10 @@ class Call:
 
     def cancel(self, reason: str) -> None:
         """Abandon the call: release pending input requests, tell the upstream, stop reading. An
-        outcome not known yet becomes -32800 naming `reason`."""
+        outcome not known yet becomes -32800 naming `reason`. Once only: a second cancel (a client
+        leaving as the fence stops its call) changes nothing and sends nothing."""
+        if self._cancel_reason:
+            return
         self._cancel_reason = reason
         self._release(reason, {"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"})
 
