@@ -240,26 +240,28 @@ class TaskService:
         -32800 naming the task, or the handle if the create's reply still comes."""
         if self._stopping:
             return
-        stopped = [
+        fenced = [
             (task_id, call)
             for task_id, call in self.live.items()
             if (snapshot := self._snapshots.get(task_id)) is not None and snapshot.rerun is not None
         ]
-        if not stopped:
+        if not fenced:
             return
-        for task_id, call in stopped:
+        running = sum(1 for _, call in fenced if not call.outcome.done())
+        for task_id, call in fenced:
             if task_id not in self._creating:
                 self._fence_call(task_id, call)
                 continue
             # Stopped now, released when its create ends (`detach`, `_keep_unsure`): until then it
-            # stays in `live`, so nothing detaches it again. One that ended meanwhile is left to that.
+            # stays in `live`, so nothing detaches it again. One that had ended is left alone: its
+            # outcome goes into the task if the create commits it (nothing is left to re-run).
             self._fenced_creating.add(task_id)
             if not call.outcome.done():
                 self._stop_fenced(task_id, call)
         log.error(
             "replica_fenced",
             node=self.node,
-            calls=len(stopped),
+            calls=running,
             reason=f"the lease was not renewed for {self.lease_s * FENCE_AFTER:g} s",
         )
 
@@ -270,6 +272,11 @@ class TaskService:
         if self.live.get(task_id) is call:
             self.release(task_id)
         self._stop_fenced(task_id, call)
+
+    def _stopped_at_fence(self, task_id: str, call: LiveCall) -> bool:
+        """Whether the fence stopped `call`, whose task `task_id` was being created when it came (a
+        call that had ended before is not: its outcome is the task's)."""
+        return task_id in self._fenced_creating and call.ended_by == "fence"
 
     def _stop_fenced(self, task_id: str, call: LiveCall) -> None:
         """Cancel `call` upstream for the fence, once (a call stopped while its task was being
@@ -407,7 +414,7 @@ class TaskService:
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
         try:
             await self._create_owned(record)
-            if record.task_id in self._fenced_creating:
+            if self._stopped_at_fence(record.task_id, call):
                 self._fence_call(record.task_id, call)  # committed after the fence: taken over
         except LiveLimitError as exc:
             self._close_span(record.task_id, "refused")
@@ -461,8 +468,8 @@ class TaskService:
         which stays attached to its client, stays in `live` too: the fence stops it as it stops a
         task's (at once if the fence came while it was being created and it still runs), and when
         it ends its outcome is written to the record if there is one, so nobody re-runs it after."""
-        if task_id in self._fenced_creating and (call.ended_by == "fence" or not call.outcome.done()):
-            self._fence_call(task_id, call)  # (released now; stopped at the fence, or now)
+        if self._stopped_at_fence(task_id, call):
+            self._fence_call(task_id, call)  # (released now)
             return
         self._unsure.add(task_id)
         call.add_done_callback(lambda done: self._spawn(self._unsure_ended(task_id, done)))

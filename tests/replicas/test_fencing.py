@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio
+from structlog.testing import capture_logs
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
@@ -187,6 +188,37 @@ async def test_a_call_whose_create_landed_but_whose_reply_the_cut_holds_is_stopp
             assert "taskId" in (answer.result or {}) or (
                 answer.error["code"] == -32800 and "renew its lease" in answer.error["message"]
             ), answer
+        finally:
+            await client.close()
+            await plain.close()
+
+
+async def test_a_call_that_ended_while_its_task_was_being_created_keeps_its_outcome_past_the_fence(
+    legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """The cut holds a task's create (store.timeout 5 s) and the call ends upstream meanwhile; the
+    fence comes (3 s lease) and stops nothing, saying so; the cut heals before the lease lapses and
+    the create lands: the task reads the call's result, and nobody runs the call again."""
+    label = f"ended-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        config = replica(legacy_url, tmp_path, relayed_url, redis_prefix, lease="3s", timeout="5s")
+        cut_off = await serve(config)
+        client = ModernClient(cut_off.url())
+        plain = ModernClient(cut_off.url(), capabilities={})  # reaches the upstream, not the store
+        try:
+            with capture_logs() as logs:
+                relay.pause()
+                call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.5, "label": label}))
+                async with asyncio.timeout(5):
+                    while not (fenced := [e for e in logs if e["event"] == "replica_fenced"]):
+                        await asyncio.sleep(0.02)
+                relay.resume()
+            assert (await _cancels(plain, label)) == [] and fenced[0]["calls"] == 0, fenced
+            answer = await asyncio.wait_for(call, timeout=10)
+            done = await client.wait_terminal(answer.result["taskId"], timeout=10)
+            assert done["status"] == "completed", done
+            assert done["result"]["content"][0]["text"] == f"computed {label} after 0.5s", done
+            assert (await _log(plain, "started_log"))[label] == 1  # type: ignore[index]
         finally:
             await client.close()
             await plain.close()
