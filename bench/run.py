@@ -1156,8 +1156,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.quick:
-        args.duration, args.warmup, args.concurrency = 1.0, 0.3, 4
-        args.b_concurrency, args.store_sizes, args.c_requests, args.c_hold = "4", "200,1000", 12, 0.3
+        args.duration, args.warmup, args.concurrency = 0.5, 0.2, 4
+        args.b_concurrency, args.store_sizes, args.c_requests, args.c_hold = "4", "200,1000", 12, 0.2
         args.mem_calls, args.e_repeats, args.c_rounds = 200, 1, 1
     args.b_concurrency = [int(x) for x in str(args.b_concurrency).split(",")]
     sizes = [int(x) for x in args.store_sizes.split(",")]

@@ -27,7 +27,7 @@ def test_bench_quick_run_reports_every_section(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,  # ~75 s on the 2-core CI host
+        timeout=240,  # ~60 s on the 2-core CI host
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
