@@ -180,6 +180,14 @@ class Call:
             self._run(), name=f"{self.method} {self.server}/{self.tool}"
         )
 
+    def end_unsent(self, reason: str) -> None:
+        """End a call that was never started (its task could not be committed) without sending
+        anything: its outcome is -32800 naming `reason`. A task the store took all the same (its
+        reply lost) then reads that outcome (`TaskService._keep_unsure`), not `working` for good."""
+        if self._runner is None and not self.done:
+            self._cancel_reason = self._cancel_reason or reason  # (the fence's, if it came first)
+            self._finish(self._cancelled_reply())
+
     def add_done_callback(self, fn: Callable[[Call], None]) -> None:
         """Call `fn(call)` once, when the outcome is known: soon (from the event loop, as asyncio's
         futures do) if it is known already."""

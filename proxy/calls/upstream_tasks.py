@@ -238,6 +238,7 @@ class UpstreamTasks:
                 task_id=None if keyed is None else keyed.task_id,
             )
         except JsonRpcError as exc:
+            call.end_unsent(exc.message)  # (the upstream's task runs on, followed by nobody)
             if keyed is not None:  # (`call` keeps it again when its client is still there: same entry)
                 await self.keys.settle(keyed, {"error": exc.to_error()})
             raise

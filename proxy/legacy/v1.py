@@ -452,7 +452,8 @@ class V1Front:
         """Commit the task of `call` (not started yet), then start the call as that task; the v1
         CreateTaskResult. Runs to its end even if the client goes away meanwhile (`uncancelled`):
         a task the store may have taken always gets its call. Raises what `TaskService.detach`
-        raises (the slot of `keyed` let go first: nothing reached the upstream)."""
+        raises (the call ended unsent, and the slot of `keyed` let go: nothing reached the
+        upstream)."""
         try:
             record = await self.tasks.detach(
                 call,
@@ -465,7 +466,8 @@ class V1Front:
                 rerun=rerun,
                 task_id=None if keyed is None else keyed.task_id,
             )
-        except JsonRpcError:
+        except JsonRpcError as exc:
+            call.end_unsent(exc.message)
             if keyed is not None:  # refused before it started: a retry may run it
                 await self.keys.release(keyed)
             raise

@@ -476,9 +476,13 @@ class TaskService:
 
     async def _unsure_ended(self, task_id: str, call: LiveCall) -> None:
         """A call kept by `_keep_unsure` ended: its outcome goes to its record, if the create had
-        committed one (else nothing is written), unless the fence or a take-over stopped it first."""
+        committed one (else nothing is written), unless the fence or a take-over stopped it first;
+        an error's message becomes the status message (the create's would still read `running`)."""
         if self.live.get(task_id) is call:
-            await self._end(task_id, call.outcome.result(), None, by=call.ended_by)
+            outcome = call.outcome.result()
+            error = outcome.get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            await self._end(task_id, outcome, message if isinstance(message, str) else None, by=call.ended_by)
 
     def release(self, task_id: str) -> None:
         """The call of `task_id` is no longer this node's (it ended, or another replica stopped it)."""

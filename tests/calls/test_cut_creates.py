@@ -1,8 +1,8 @@
-"""A client that goes away while its call's task is being created (its request cut between the
-detach deadline and the handle): the store may commit the task all the same, so the call must end
-up as that task's, never a record reading `working` for good with nothing behind it. The create is
-held by a TCP relay between the proxy and a real redis-server; the client's connection closes
-meanwhile, which cancels its handler (the command line's listener cancels handlers on a close)."""
+"""A task whose create is cut short never stays `working` with nothing behind it: not when its
+client goes away meanwhile (its request cut between the detach deadline and the handle: the listener
+cancels the handler on a close), and not when the store's reply is lost (the client is told the
+task could not be created, and the store may hold it all the same). The creates are held by a TCP
+relay between the proxy and a real redis-server."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import redis.asyncio
 from support.clients import ModernClient
 from support.proxy import make_config, running_proxy
 from support.redis_server import RedisServer
@@ -109,3 +110,51 @@ async def _ended(client: ModernClient, task_id: str) -> dict:
             if reply.message.get("result", {}).get("status") in ("completed", "failed", "cancelled"):
                 return reply.result
             await asyncio.sleep(0.02)
+
+
+async def test_a_v1_task_whose_create_reply_is_lost_ends_failed_and_never_runs(
+    legacy_url: str, tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A v1 task request (its call starts only once its task exists) of an `on_restart: rerun`
+    tool: Redis commits the create, but its reply is held past `store.timeout` (500 ms), so the
+    client gets the store's refusal and the call never starts. The record the store holds ends
+    `failed` naming the refusal once the store answers again; nothing reaches the upstream, and
+    the proxy holds nothing for it."""
+    label = f"v1lost-{uuid.uuid4().hex[:8]}"
+    async with relay_to(redis_server) as (relay, relayed_url):
+        config = make_config(
+            legacy_url, tmp_path, server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}}
+        )
+        store = {"url": relayed_url, "prefix": redis_prefix, "timeout": "500ms", "lease": "20s"}
+        config.store = type(config.store).model_validate(store)
+        async with running_proxy(config) as proxy, redis.asyncio.from_url(redis_server.url) as direct:
+            tasks = proxy.app[TASKS_KEY]
+            v1 = V1Client(proxy.url())
+            untasked = ModernClient(proxy.url(), capabilities={})
+            try:
+                await v1.initialize()
+                await v1.call_as_task(
+                    "slow_compute", {"seconds": 0.1, "label": f"warm-{label}"}
+                )  # scripts loaded
+                before = set(await direct.keys(f"{redis_prefix}task:*"))
+                relay.pause_after(label.encode())  # the create carries the call's arguments (to re-run it)
+                params = {"name": "slow_compute", "arguments": {"seconds": 0.1, "label": label}, "task": {}}
+                status, refused, _ = await v1.request("tools/call", params)
+                assert status == 503 and "could not become a task" in refused["error"]["message"], refused
+                (key,) = set(await direct.keys(f"{redis_prefix}task:*")) - before  # it landed all the same
+                task_id = key.decode().rsplit(":", 1)[1]
+                relay.resume()
+                async with asyncio.timeout(10):
+                    while True:
+                        _, got, _ = await v1.request("tasks/get", {"taskId": task_id})
+                        if got["result"]["status"] != "working":
+                            break
+                        await asyncio.sleep(0.05)
+                assert got["result"]["status"] == "failed", got
+                assert "could not become a task" in got["result"].get("statusMessage", ""), got
+                assert label not in await _log(untasked, "started_log")
+                assert task_id not in tasks.live
+            finally:
+                relay.resume()
+                await v1.close()
+                await untasked.close()
