@@ -309,7 +309,11 @@ class CallRunner:
         assert call.key is not None
         if call.key.task_id in self.tasks.live:  # shared before (an MRTR round resumed it)
             return
-        await uncancelled(self._share_as_task(call, policy), what=f"sharing a call of {self.name} as a task")
+        await uncancelled(
+            self._share_as_task(call, policy),
+            what=f"sharing a call of {self.name} as a task",
+            expected=(JsonRpcError,),
+        )
 
     async def _share_as_task(self, call: Call, policy: ResolvedPolicy) -> None:
         """`_share`'s commit and hand-over, which its client going away does not cut in two: a task
@@ -359,7 +363,9 @@ class CallRunner:
         is the task's) or runs on as it (a call with a key)."""
         self.parked.release(call)
         answer = await uncancelled(
-            self._hand_over(call, policy, why, stay=stay), what=f"detaching a call of {self.name}"
+            self._hand_over(call, policy, why, stay=stay),
+            what=f"detaching a call of {self.name}",
+            expected=(JsonRpcError,),
         )
         if answer is not None:
             structlog.contextvars.bind_contextvars(task_id=answer["taskId"])

@@ -43,7 +43,10 @@ class UpstreamTaskCall(Call):
     __slots__ = ()
 
     def cancel(self, reason: str) -> None:
-        """Abandon the wait and cancel the upstream task (`tasks/cancel`, best effort)."""
+        """Abandon the wait and cancel the upstream task (`tasks/cancel`, best effort); once only,
+        as `Call.cancel`."""
+        if self._cancel_reason:
+            return
         super().cancel(reason)
         task_id = self.params.get("taskId")
         if self.session is not None and isinstance(task_id, str) and task_id:
@@ -216,6 +219,7 @@ class UpstreamTasks:
         return await uncancelled(
             self._hand_over(call, policy=policy, keyed=keyed),
             what=f"following an upstream task of {self.name}",
+            expected=(JsonRpcError,),
         )
 
     async def _hand_over(

@@ -438,6 +438,7 @@ class V1Front:
         return await uncancelled(
             self._hand_over(call, ttl_s=ttl_s, policy=policy, rerun=rerun, keyed=keyed),
             what=f"a v1 task of {self.server}",
+            expected=(JsonRpcError,),
         )
 
     async def _hand_over(

@@ -25,23 +25,30 @@ T = TypeVar("T")
 _WITHOUT_CALLER: set[asyncio.Task[Any]] = set()
 
 
-async def uncancelled(coro: Coroutine[Any, Any, T], *, what: str) -> T:
+async def uncancelled(
+    coro: Coroutine[Any, Any, T], *, what: str, expected: tuple[type[Exception], ...] = ()
+) -> T:
     """Await `coro`, run in a task of its own that a cancel of the caller does not stop: the caller
     gets CancelledError at once, and `coro` goes on to its end (each of its waits carries its own
     bound). Returns what `coro` returns and raises what it raises while the caller waits; once the
-    caller has gone, an exception of `coro` is logged (`ended_without_caller`, naming `what`), not
-    raised anywhere."""
+    caller has gone, an exception of `coro` is logged, not raised anywhere: one of the `expected`
+    kinds (a refusal the caller would have answered with) as `ended_without_caller` at info level,
+    naming `what`; any other at error level with its traceback (`failed_without_caller`)."""
     task = asyncio.ensure_future(coro)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         _WITHOUT_CALLER.add(task)
-        task.add_done_callback(partial(_ended, what))
+        task.add_done_callback(partial(_ended, what, expected))
         raise
 
 
-def _ended(what: str, task: asyncio.Task[Any]) -> None:
+def _ended(what: str, expected: tuple[type[Exception], ...], task: asyncio.Task[Any]) -> None:
     """A step whose caller had gone is over: let it go, and log what it raised."""
     _WITHOUT_CALLER.discard(task)
-    if not task.cancelled() and (exc := task.exception()) is not None:
+    if task.cancelled() or (exc := task.exception()) is None:
+        return
+    if isinstance(exc, expected):
         log.info("ended_without_caller", what=what, reason=f"{exc.__class__.__name__}: {exc}")
+    else:
+        log.error("failed_without_caller", what=what, exc_info=exc)

@@ -37,7 +37,7 @@ async def test_a_call_whose_client_goes_away_while_its_task_is_created_still_end
     )
     key = f"key-{uuid.uuid4().hex[:8]}"
     async with relay_to(redis_server) as (relay, relayed_url):
-        config = make_config(legacy_url, tmp_path, tasks={"detach_after": "1s"})
+        config = make_config(legacy_url, tmp_path, tasks={"detach_after": "2s"})
         store = {"url": relayed_url, "prefix": redis_prefix, "timeout": "5s", "lease": "20s"}
         config.store = type(config.store).model_validate(store)
         async with running_proxy(config) as proxy:
@@ -48,7 +48,7 @@ async def test_a_call_whose_client_goes_away_while_its_task_is_created_still_end
             try:
                 await client.warm_up()  # the upstream session, and the store's scripts loaded
                 await v1.initialize()
-                arguments = {"seconds": 1.5}
+                arguments = {"seconds": 3.5}
                 keyed = {"headers": {"Idempotency-Key": key}}
                 cut = [
                     asyncio.ensure_future(client.call("slow_compute", {**arguments, "label": plain_label})),
@@ -82,7 +82,7 @@ async def test_a_call_whose_client_goes_away_while_its_task_is_created_still_end
                 for label in (keyed_label, v1_label):
                     assert by_label[label]["status"] == "completed", by_label[label]
                 retried = await client.call("slow_compute", {**arguments, "label": keyed_label}, **keyed)
-                assert retried.result["content"][0]["text"] == f"computed {keyed_label} after 1.5s", (
+                assert retried.result["content"][0]["text"] == f"computed {keyed_label} after 3.5s", (
                     retried.message
                 )
                 starts = await _log(untasked, "started_log")

@@ -208,7 +208,7 @@ async def test_a_call_that_ended_while_its_task_was_being_created_keeps_its_outc
         try:
             with capture_logs() as logs:
                 relay.pause()
-                call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.5, "label": label}))
+                call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.3, "label": label}))
                 async with asyncio.timeout(5):
                     while not (fenced := [e for e in logs if e["event"] == "replica_fenced"]):
                         await asyncio.sleep(0.02)
@@ -217,7 +217,7 @@ async def test_a_call_that_ended_while_its_task_was_being_created_keeps_its_outc
             answer = await asyncio.wait_for(call, timeout=10)
             done = await client.wait_terminal(answer.result["taskId"], timeout=10)
             assert done["status"] == "completed", done
-            assert done["result"]["content"][0]["text"] == f"computed {label} after 0.5s", done
+            assert done["result"]["content"][0]["text"] == f"computed {label} after 0.3s", done
             assert (await _log(plain, "started_log"))[label] == 1  # type: ignore[index]
         finally:
             await client.close()
