@@ -326,11 +326,12 @@ class CallRunner:
             log.info("keyed_call_not_shared", server=self.name, tool=call.tool, reason=exc.message)
             return
         task_id = record.task_id
-        call.add_done_callback(
-            lambda done: self._spawn(
-                self.tasks.finish(task_id, done.outcome.result(), None, by=done.ended_by)
-            )
-        )
+
+        def ended(done: Call) -> None:
+            if done.task_id is None:  # (detached into this task since: its own end recorded it)
+                self._spawn(self.tasks.finish(task_id, done.outcome.result(), None, by=done.ended_by))
+
+        call.add_done_callback(ended)
 
     async def _commit(self, call: Call, policy: ResolvedPolicy, why: str) -> TaskRecord:
         """Commit the task of `call` (under its slot's task id when it has a key), with status

@@ -51,6 +51,7 @@ from proxy.tasks.store import (
     Listener,
     ListFilter,
     StoreUnavailableError,
+    TaskExistsError,
     TaskNotFoundError,
     owned_by,
 )
@@ -383,7 +384,7 @@ class DiskcacheStore:
 
         def op() -> None:
             if not self._cache.add("task:" + record.task_id, record.to_dict(), expire=self._expire_s(record)):
-                raise ValueError(f"task {record.task_id} already exists")
+                raise TaskExistsError(f"task {record.task_id} already exists")
             for key in self._index_keys(record):
                 self._cache.set(key, 1, expire=self._expire_s(record))
             self._cache.set(

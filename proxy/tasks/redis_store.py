@@ -54,6 +54,7 @@ from proxy.tasks.store import (
     ListFilter,
     LiveLimitError,
     StoreUnavailableError,
+    TaskExistsError,
     TaskNotFoundError,
     owned_by,
 )
@@ -209,7 +210,7 @@ class RedisTaskStore:
                 ],
             )
         if created == 0:
-            raise ValueError(f"task {record.task_id} already exists")
+            raise TaskExistsError(f"task {record.task_id} already exists")
         if created == 2:
             raise LeaseLapsedError(f"task store {self.where}: the lease of node {record.owner} has lapsed")
         if created < 0:

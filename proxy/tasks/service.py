@@ -52,6 +52,7 @@ from proxy.tasks.store import (
     LeaseLapsedError,
     LiveLimitError,
     StoreUnavailableError,
+    TaskExistsError,
     TaskNotFoundError,
     TaskStore,
 )
@@ -413,9 +414,16 @@ class TaskService:
         self._snapshots[record.task_id] = record
         self._creating.add(record.task_id)  # no record yet: not "ended elsewhere" (the sweep)
         try:
-            await self._create_owned(record)
+            try:
+                await self._create_owned(record)
+            except TaskExistsError:
+                record = await self._own_existing(record)
             if self._stopped_at_fence(record.task_id, call):
                 self._fence_call(record.task_id, call)  # committed after the fence: taken over
+        except JsonRpcError:  # (`_own_existing`: the id is not this call's task)
+            self._close_span(record.task_id, "refused")
+            self.release(record.task_id)
+            raise
         except LiveLimitError as exc:
             self._close_span(record.task_id, "refused")
             self.release(record.task_id)
@@ -460,6 +468,22 @@ class TaskService:
                 await self.store.create(record, max_live=self.max_tasks_per_principal, leased=True)
             except LeaseLapsedError as exc:
                 raise StoreUnavailableError(str(exc)) from None
+
+    async def _own_existing(self, record: TaskRecord) -> TaskRecord:
+        """The id of `record` is taken. A key's task id is minted for one call alone, so the record
+        holding it is this same call's task when this node owns it and it still runs: shared
+        before (`CallRunner._share`; an MRTR round then resumed the call with tasks), or committed
+        by a create whose reply was lost. Returns that record, whose task takes the call over; else
+        raises JsonRpcError -32603 (HTTP 409). Raises StoreUnavailableError."""
+        existing = await self.store.get(record.task_id)
+        if existing is None or existing.owner != self.node or existing.status.terminal:
+            raise JsonRpcError(
+                INTERNAL_ERROR,
+                f"the call could not become a task: task {record.task_id} exists already",
+                status=409,
+            )
+        self._snapshots[record.task_id] = existing
+        return existing
 
     def _keep_unsure(self, task_id: str, call: LiveCall) -> None:
         """The create of `task_id` (a tool re-run after its owner died) failed on a store that may

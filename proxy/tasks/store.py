@@ -26,6 +26,10 @@ class TaskNotFoundError(KeyError):
     """Raised when a task id is unknown or expired."""
 
 
+class TaskExistsError(ValueError):
+    """Raised by `TaskStore.create` when a record with the id already exists (nothing written)."""
+
+
 class LiveLimitError(Exception):
     """Raised by `TaskStore.create` when the principal already has `max_live` live (non-terminal)
     tasks in the store (nothing written); `live` is how many it has, `max_live` the cap."""
@@ -92,7 +96,7 @@ class TaskStore(Protocol):
     max_result_bytes: int  # the largest result (JSON bytes) a record keeps; a larger one becomes an error
 
     async def create(self, record: TaskRecord, *, max_live: int | None = None, leased: bool = False) -> None:
-        """Commit a new record before returning. Raises ValueError if the id already exists.
+        """Commit a new record before returning. Raises TaskExistsError if the id already exists.
 
         `max_live`: a store several processes create in (Redis) commits a non-terminal record only
         while its principal has fewer live tasks than that, counted in the store across them all,

@@ -17,7 +17,7 @@ import pytest
 from fastmcp import Client
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from support.clients import LEGACY_INITIALIZE, AuthClient, ModernClient, envelope
+from support.clients import LEGACY_INITIALIZE, TASKS_CAPS, AuthClient, ModernClient, envelope
 from support.console import CONSOLE_TOKEN, client_for, console_config
 from support.proxy import Serve, make_config, running_proxy, stdio_config, with_auth
 from support.servers import ROOT, ServerProcess, free_port
@@ -405,6 +405,38 @@ async def test_a_retry_that_lost_its_mrtr_round_gets_it_again(
         assert after.result == done.result
     finally:
         await client.close()
+
+
+async def test_a_shared_keyed_call_resumed_with_tasks_detaches_into_its_own_task(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed call without the tasks extension is shared as a task past `detach_after` (its key's
+    task), then asks a question (an MRTR round). The answer comes with the tasks extension, and the
+    call, still working past the deadline, detaches: into the task it was shared as, whose id
+    is taken already (not a second task, not an error)."""
+    proxy = await serve(make_config(legacy_url, tmp_path))
+    asker = ModernClient(proxy.url(), capabilities={"elicitation": {}})
+    key = fresh("key")
+    try:
+        arguments = {"delay": 0.3, "seconds": 0.6}
+        first = await asker.call("ask_then_work", arguments, headers={KEY: key})
+        assert first.result["resultType"] == "input_required", first.message
+        (question,) = first.result["inputRequests"]
+        params = {
+            "name": "ask_then_work",
+            "arguments": arguments,
+            "requestState": first.result["requestState"],
+            "inputResponses": {question: {"action": "accept", "content": {"name": "Ada"}}},
+        }
+        capabilities = {"elicitation": {}, **TASKS_CAPS}
+        resumed = await asker.request("tools/call", params, headers={KEY: key}, capabilities=capabilities)
+        assert resumed.result["resultType"] == "task", resumed.message
+        asker.capabilities = capabilities
+        done = await asker.wait_terminal(resumed.result["taskId"])
+        assert done["status"] == "completed", done
+        assert done["result"]["content"][0]["text"] == "Hello Ada, the work took 0.6s", done
+    finally:
+        await asker.close()
 
 
 async def test_a_call_that_never_reached_the_upstream_lets_its_key_go(tmp_path: Path, serve: Serve) -> None:
