@@ -262,7 +262,8 @@ class Call:
         if self.outcome.done():
             return
         self.outcome.set_result(reply)
-        metrics.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
+        if self._runner is not None:  # (not for a call ended before it was ever sent)
+            metrics.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
         error = reply.get("error")
         if (
             self.method == "tools/call"

@@ -106,6 +106,16 @@ LEASE_RENEWAL_FAILURES = Counter(
     "mcp_tasks_proxy_lease_renewal_failures_total",
     "renewals of this node's lease that the task store refused or did not answer in time",
 )
+FENCES = Counter(
+    "mcp_tasks_proxy_fences_total",
+    "times this replica fenced (the replica_fenced log line): its lease went unrenewed for 2/3 of "
+    "store.lease while it ran detached calls of tools configured on_restart: rerun, which it stopped "
+    "before another replica re-runs them",
+)
+FENCED_CALLS = Counter(
+    "mcp_tasks_proxy_fenced_calls_total",
+    "detached calls the fence stopped (cancelled upstream, nothing recorded: another replica re-runs them)",
+)
 REPLICAS = Gauge(
     "mcp_tasks_proxy_replicas",
     "live replicas on the shared store as this replica sees them at the scrape: itself and every peer "

@@ -173,7 +173,7 @@ class RedisTaskStore:
     async def create(self, record: TaskRecord, *, max_live: int | None = None, leased: bool = False) -> None:
         """See TaskStore.create: `max_live` is checked against the principal's `live:p` set (every
         replica's live tasks), and `leased` against the owner's `node:` key, inside the create
-        script. Raises ValueError (the id exists), LeaseLapsedError (`leased`, a live record whose
+        script. Raises TaskExistsError (the id exists), LeaseLapsedError (`leased`, a live record whose
         owner's lease has lapsed), LiveLimitError (the principal has `max_live` live tasks),
         StoreUnavailableError."""
         data = json.dumps(record.to_dict(), separators=(",", ":"))

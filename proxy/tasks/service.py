@@ -259,6 +259,8 @@ class TaskService:
             self._fenced_creating.add(task_id)
             if not call.outcome.done():
                 self._stop_fenced(task_id, call)
+        metrics.FENCES.inc()
+        metrics.FENCED_CALLS.inc(running)
         log.error(
             "replica_fenced",
             node=self.node,
@@ -392,8 +394,12 @@ class TaskService:
         `max_tasks_per_principal` (this node's calls, then, on a shared store, the principal's live
         tasks on every replica, counted by the store as it commits: two replicas creating the last
         allowed task at once never both succeed), or JsonRpcError -32603 naming the store when it
-        cannot write.
+        cannot write. A call already live here under `task_id` (shared as a task under its key,
+        `CallRunner._share`) detaches into that task, as it reads now (terminal, if the call ended
+        meanwhile): nothing is created, and a store that cannot be read is the same -32603 (503).
         """
+        if task_id is not None and self.live.get(task_id) is call:
+            return await self._already_its_task(task_id)
         self._check_local_capacity(call.principal)
         record = TaskRecord(
             task_id=task_id or new_task_id(),
@@ -469,12 +475,32 @@ class TaskService:
             except LeaseLapsedError as exc:
                 raise StoreUnavailableError(str(exc)) from None
 
+    async def _already_its_task(self, task_id: str) -> TaskRecord:
+        """The record of `task_id`, whose call is live here already (see `detach`). Raises
+        JsonRpcError -32603: HTTP 503 naming the store when it cannot be read (the call stays
+        this task's), HTTP 409 when the record is gone."""
+        try:
+            record = await self.store.get(task_id)
+        except StoreUnavailableError as exc:
+            self.store_failed(exc)
+            raise JsonRpcError(
+                INTERNAL_ERROR,
+                f"the call could not become a task: {exc}",
+                {"store": self.store.where},
+                status=503,
+            ) from None
+        if record is None:
+            raise JsonRpcError(
+                INTERNAL_ERROR, f"the call could not become a task: task {task_id} is gone", status=409
+            )
+        return record
+
     async def _own_existing(self, record: TaskRecord) -> TaskRecord:
-        """The id of `record` is taken. A key's task id is minted for one call alone, so the record
-        holding it is this same call's task when this node owns it and it still runs: shared
-        before (`CallRunner._share`; an MRTR round then resumed the call with tasks), or committed
-        by a create whose reply was lost. Returns that record, whose task takes the call over; else
-        raises JsonRpcError -32603 (HTTP 409). Raises StoreUnavailableError."""
+        """The id of `record` is taken, and no call here holds it. A key's task id is minted for one
+        call alone, so the record holding it is this same call's task when this node owns it and it
+        still runs: committed by a create whose reply was lost (the call then stayed attached, and
+        is detached again as its client left). Returns that record, whose task takes the call over;
+        else raises JsonRpcError -32603 (HTTP 409). Raises StoreUnavailableError."""
         existing = await self.store.get(record.task_id)
         if existing is None or existing.owner != self.node or existing.status.terminal:
             raise JsonRpcError(

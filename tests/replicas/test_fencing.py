@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio
-from structlog.testing import capture_logs
+from prometheus_client import REGISTRY
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.redis_server import RedisServer
@@ -51,6 +51,15 @@ async def _log(client: ModernClient, tool: str, **arguments: object) -> object:
 async def _cancels(client: ModernClient, label: str) -> list[dict]:
     """The upstream's record of the cancels it received for the calls labelled `label`."""
     return [c for c in await _log(client, "cancelled_log") if c["label"] == label]  # type: ignore[union-attr]
+
+
+def _fence_counts() -> tuple[float | None, float | None]:
+    """(`…_fences_total`, `…_fenced_calls_total`) of this process, where `serve` runs the proxies
+    (read from the registry: `/metrics` also reads the store, which a cut holds)."""
+    return (
+        REGISTRY.get_sample_value("mcp_tasks_proxy_fences_total"),
+        REGISTRY.get_sample_value("mcp_tasks_proxy_fenced_calls_total"),
+    )
 
 
 async def _cancelled_before_the_rerun(plain: ModernClient, relay: TcpRelay, label: str) -> list[dict]:
@@ -197,8 +206,9 @@ async def test_a_call_that_ended_while_its_task_was_being_created_keeps_its_outc
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
     """The cut holds a task's create (store.timeout 5 s) and the call ends upstream meanwhile; the
-    fence comes (3 s lease) and stops nothing, saying so; the cut heals before the lease lapses and
-    the create lands: the task reads the call's result, and nobody runs the call again."""
+    fence comes (3 s lease) and stops nothing (`…_fenced_calls_total` stays); the cut heals before
+    the lease lapses and the create lands: the task reads the call's result, and nobody runs the
+    call again."""
     label = f"ended-{uuid.uuid4().hex[:8]}"
     async with relay_to(redis_server) as (relay, relayed_url):
         config = replica(legacy_url, tmp_path, relayed_url, redis_prefix, lease="3s", timeout="5s")
@@ -206,14 +216,15 @@ async def test_a_call_that_ended_while_its_task_was_being_created_keeps_its_outc
         client = ModernClient(cut_off.url())
         plain = ModernClient(cut_off.url(), capabilities={})  # reaches the upstream, not the store
         try:
-            with capture_logs() as logs:
-                relay.pause()
-                call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.3, "label": label}))
-                async with asyncio.timeout(5):
-                    while not (fenced := [e for e in logs if e["event"] == "replica_fenced"]):
-                        await asyncio.sleep(0.02)
-                relay.resume()
-            assert (await _cancels(plain, label)) == [] and fenced[0]["calls"] == 0, fenced
+            fences, fenced_calls = _fence_counts()
+            relay.pause()
+            call = asyncio.ensure_future(client.call("slow_compute", {"seconds": 0.3, "label": label}))
+            async with asyncio.timeout(5):
+                while _fence_counts()[0] == fences:
+                    await asyncio.sleep(0.05)
+            relay.resume()
+            assert await _cancels(plain, label) == []
+            assert _fence_counts()[1] == fenced_calls  # it stopped no call
             answer = await asyncio.wait_for(call, timeout=10)
             done = await client.wait_terminal(answer.result["taskId"], timeout=10)
             assert done["status"] == "completed", done
