@@ -262,7 +262,7 @@ class Call:
         if self.outcome.done():
             return
         self.outcome.set_result(reply)
-        if self._runner is not None:  # (not for a call ended before it was ever sent)
+        if self._runner is not None:  # (not for a call ended before it was ever started)
             metrics.UPSTREAM_LATENCY.labels(self.server, self.method).observe(time.monotonic() - self.started)
         error = reply.get("error")
         if (

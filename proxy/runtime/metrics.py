@@ -114,7 +114,8 @@ FENCES = Counter(
 )
 FENCED_CALLS = Counter(
     "mcp_tasks_proxy_fenced_calls_total",
-    "detached calls the fence stopped (cancelled upstream, nothing recorded: another replica re-runs them)",
+    "calls of tasks (detached, or whose task was being created) the fence stopped: cancelled upstream, "
+    "nothing recorded, another replica re-runs them",
 )
 REPLICAS = Gauge(
     "mcp_tasks_proxy_replicas",

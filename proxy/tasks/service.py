@@ -396,10 +396,14 @@ class TaskService:
         allowed task at once never both succeed), or JsonRpcError -32603 naming the store when it
         cannot write. A call already live here under `task_id` (shared as a task under its key,
         `CallRunner._share`) detaches into that task, as it reads now (terminal, if the call ended
-        meanwhile): nothing is created, and a store that cannot be read is the same -32603 (503).
+        meanwhile) with `status_message`: nothing is created (unless that task's own create never
+        landed), and a store that cannot be reached is the same -32603 (503).
         """
         if task_id is not None and self.live.get(task_id) is call:
-            return await self._already_its_task(task_id)
+            existing = await self._already_its_task(task_id, status_message)
+            if existing is not None:
+                return existing
+            self._unsure.discard(task_id)  # an earlier create of it that never landed: create it now
         self._check_local_capacity(call.principal)
         record = TaskRecord(
             task_id=task_id or new_task_id(),
@@ -475,12 +479,21 @@ class TaskService:
             except LeaseLapsedError as exc:
                 raise StoreUnavailableError(str(exc)) from None
 
-    async def _already_its_task(self, task_id: str) -> TaskRecord:
-        """The record of `task_id`, whose call is live here already (see `detach`). Raises
-        JsonRpcError -32603: HTTP 503 naming the store when it cannot be read (the call stays
-        this task's), HTTP 409 when the record is gone."""
+    async def _already_its_task(self, task_id: str, status_message: str) -> TaskRecord | None:
+        """The record of `task_id`, whose call is live here already (see `detach`), with
+        `status_message` written if it still runs here (else as it reads: ended, or taken over);
+        None when there is none (an earlier create of it failed without landing). Raises
+        JsonRpcError -32603 (HTTP 503) naming the store when it cannot be reached: the call stays
+        as it was."""
         try:
-            record = await self.store.get(task_id)
+            try:
+                return await self.store.update(
+                    task_id, Change(status_message=status_message, expect_owner=self.node)
+                )
+            except (TerminalTaskError, ConflictError):
+                return await self.store.get(task_id)
+            except TaskNotFoundError:
+                return None
         except StoreUnavailableError as exc:
             self.store_failed(exc)
             raise JsonRpcError(
@@ -489,11 +502,6 @@ class TaskService:
                 {"store": self.store.where},
                 status=503,
             ) from None
-        if record is None:
-            raise JsonRpcError(
-                INTERNAL_ERROR, f"the call could not become a task: task {task_id} is gone", status=409
-            )
-        return record
 
     async def _own_existing(self, record: TaskRecord) -> TaskRecord:
         """The id of `record` is taken, and no call here holds it. A key's task id is minted for one

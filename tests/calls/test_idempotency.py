@@ -431,6 +431,7 @@ async def test_a_shared_keyed_call_resumed_with_tasks_detaches_into_its_own_task
         capabilities = {"elicitation": {}, **TASKS_CAPS}
         resumed = await asker.request("tools/call", params, headers={KEY: key}, capabilities=capabilities)
         assert resumed.result["resultType"] == "task", resumed.message
+        assert resumed.result["statusMessage"].startswith("still running upstream"), resumed.result
         asker.capabilities = capabilities
         done = await asker.wait_terminal(resumed.result["taskId"])
         assert done["status"] == "completed", done
