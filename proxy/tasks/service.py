@@ -439,18 +439,12 @@ class TaskService:
             self.release(record.task_id)
             raise self._over_capacity(call.principal, exc.live, exc.max_live) from None
         except StoreUnavailableError as exc:
-            self.store_failed(exc)
             self._close_span(record.task_id, "refused")
             if rerun is None:
                 self.release(record.task_id)
             else:
                 self._keep_unsure(record.task_id, call)
-            raise JsonRpcError(
-                INTERNAL_ERROR,
-                f"the call could not become a task: {exc}",
-                {"store": self.store.where},
-                status=503,
-            ) from None
+            raise self._no_task(exc) from None
         finally:
             self._creating.discard(record.task_id)
             self._fenced_creating.discard(record.task_id)
@@ -495,13 +489,18 @@ class TaskService:
             except TaskNotFoundError:
                 return None
         except StoreUnavailableError as exc:
-            self.store_failed(exc)
-            raise JsonRpcError(
-                INTERNAL_ERROR,
-                f"the call could not become a task: {exc}",
-                {"store": self.store.where},
-                status=503,
-            ) from None
+            raise self._no_task(exc) from None
+
+    def _no_task(self, exc: StoreUnavailableError) -> JsonRpcError:
+        """The -32603 (HTTP 503) naming the store for a call that could not become a task because
+        of `exc` (noted as a store failure: `store_failed`)."""
+        self.store_failed(exc)
+        return JsonRpcError(
+            INTERNAL_ERROR,
+            f"the call could not become a task: {exc}",
+            {"store": self.store.where},
+            status=503,
+        )
 
     async def _own_existing(self, record: TaskRecord) -> TaskRecord:
         """The id of `record` is taken, and no call here holds it. A key's task id is minted for one
