@@ -9,7 +9,9 @@ Both are installed on first run into ignored folders (`.node/ts-sdk/`, `.venv-mc
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -38,8 +40,15 @@ def _ext_tasks() -> Path:
     copied in, so its bare imports resolve there."""
     if not (EXT_TASKS_DIR / "node_modules" / "@modelcontextprotocol" / "ext-tasks").exists():
         npm_install(EXT_TASKS_DIR, *EXT_TASKS)
-    shutil.copy(FIXTURES / "ext_tasks_client.mjs", EXT_TASKS_DIR / "ext_tasks_client.mjs")
-    return EXT_TASKS_DIR / "ext_tasks_client.mjs"
+    # (the folder is shared by every checkout on this machine: the copy lands whole, under a name of
+    # its own, so two runs never read each other's half-written file)
+    source = FIXTURES / "ext_tasks_client.mjs"
+    script = EXT_TASKS_DIR / f"ext_tasks_client-{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}.mjs"
+    if not script.exists():
+        partial = script.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copy(source, partial)
+        os.replace(partial, script)
+    return script
 
 
 def _mcp1_python() -> Path:

@@ -1,14 +1,17 @@
 """Real servers the tests start: child processes that print `listening on URL`, Node and Python
-tools installed on first use into ignored folders of the checkout, small aiohttp apps on loopback."""
+tools installed on first use (once per machine, linked from ignored folders of the checkout), small
+aiohttp apps on loopback."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -73,37 +76,94 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Where the Node packages and the other SDKs' virtual environments are installed once per machine,
+# not once per checkout (a CI run starts from a clean clone each time): MCP_TASKS_PROXY_TEST_CACHE,
+# else $XDG_CACHE_HOME/mcp-tasks-proxy-tests, else ~/.cache/mcp-tasks-proxy-tests.
+CACHE = Path(
+    os.environ.get("MCP_TASKS_PROXY_TEST_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mcp-tasks-proxy-tests"
+)
+
+
+def _cached(folder: Path, what: str, build: Callable[[Path], None]) -> None:
+    """Make `folder` (an ignored folder of the checkout) a link to the machine-wide install of
+    `what` under CACHE, built there first by `build(target)` unless a finished one is there. Builds
+    are serialised by a lock file, and one left unfinished (a run killed midway) is built again.
+    Where CACHE cannot be written, the install is built in `folder` itself."""
+    target = CACHE / f"{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+    try:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        lock = open(CACHE / f"{target.name}.lock", "w")  # (held for the build below)
+    except OSError:
+        _build_once(folder, what, build)
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _build_once(target, what, build)
+    if folder.is_symlink() and folder.resolve() == target.resolve():
+        return
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.symlink_to(target, target_is_directory=True)
+
+
+def _build_once(target: Path, what: str, build: Callable[[Path], None]) -> None:
+    """`build(target)` into an emptied `target`, unless a finished build of `what` is there."""
+    finished = target / ".finished"
+    if finished.exists() and finished.read_text() == what:
+        return
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    build(target)
+    finished.write_text(what)
+
+
 def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
-    """`npm install packages` into `folder` (an ignored folder of the checkout, with its own
-    package.json), as the tests that need Node packages do on first run. Fails when npm is missing."""
+    """`npm install packages` for the tests that need Node packages: into the machine-wide CACHE on
+    first use, which `folder` (an ignored folder of the checkout, with its own package.json) then
+    links to. Fails when npm is missing."""
     npm = shutil.which("npm")
     assert npm, f"npm must be on the PATH to install {', '.join(packages)} (README: Run all tests)"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "package.json").write_text('{"private": true}\n')
-    subprocess.run(
-        [npm, "install", "--silent", "--no-audit", "--no-fund", *packages],
-        cwd=folder,
-        check=True,
-        timeout=timeout_s,
-    )
 
-
-def python_venv(folder: Path, requirement: str, *, timeout_s: float = 600) -> Path:
-    """A virtual environment in `folder` (an ignored folder of the checkout) with `requirement`
-    pip-installed, for tests that run an SDK other than the project's own (e.g. `mcp==1.26.0`).
-    Built on first use and reused while its marker file names the same requirement; returns its
-    `python`. Fails when the venv cannot be created or pip cannot install (network, index)."""
-    python = folder / "bin" / "python"
-    marker = folder / f".installed-{requirement}"
-    if not marker.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True, timeout=120)
+    def build(target: Path) -> None:
+        (target / "package.json").write_text('{"private": true}\n')
         subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement],
+            [npm, "install", "--silent", "--no-audit", "--no-fund", *packages],
+            cwd=target,
             check=True,
             timeout=timeout_s,
         )
-        marker.write_text("")
-    return python
+
+    _cached(folder, "npm " + " ".join(sorted(packages)), build)
+
+
+def python_venv(folder: Path, requirement: str, *, timeout_s: float = 600) -> Path:
+    """A virtual environment with `requirement` pip-installed, for tests that run an SDK other than
+    the project's own (e.g. `mcp==1.26.0`): built in the machine-wide CACHE on first use (for this
+    Python), which `folder` (an ignored folder of the checkout) then links to; returns its `python`.
+    Fails when the venv cannot be created or pip cannot install (network, index)."""
+
+    def build(target: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", str(target)], check=True, timeout=120)
+        subprocess.run(
+            [
+                str(target / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                requirement,
+            ],
+            check=True,
+            timeout=timeout_s,
+        )
+
+    _cached(folder, f"venv {requirement} python {sys.version.split()[0]} {sys.base_prefix}", build)
+    return folder / "bin" / "python"
 
 
 @asynccontextmanager
