@@ -78,47 +78,64 @@ def free_port() -> int:
 
 # Where the Node packages and the other SDKs' virtual environments are installed once per machine,
 # not once per checkout (a CI run starts from a clean clone each time): MCP_TASKS_PROXY_TEST_CACHE,
-# else $XDG_CACHE_HOME/mcp-tasks-proxy-tests, else ~/.cache/mcp-tasks-proxy-tests.
-CACHE = Path(
-    os.environ.get("MCP_TASKS_PROXY_TEST_CACHE")
-    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mcp-tasks-proxy-tests"
+# else $XDG_CACHE_HOME/mcp-tasks-proxy-tests (an absolute XDG_CACHE_HOME only, as the XDG spec
+# says), else ~/.cache/mcp-tasks-proxy-tests. Always an absolute path: the checkout links to it.
+_XDG_CACHE = os.environ.get("XDG_CACHE_HOME", "")
+CACHE = (
+    Path(
+        os.environ.get("MCP_TASKS_PROXY_TEST_CACHE")
+        or (Path(_XDG_CACHE) if os.path.isabs(_XDG_CACHE) else Path.home() / ".cache")
+        / "mcp-tasks-proxy-tests"
+    )
+    .expanduser()
+    .absolute()
 )
 
 
 def _cached(folder: Path, what: str, build: Callable[[Path], None]) -> None:
     """Make `folder` (an ignored folder of the checkout) a link to the machine-wide install of
-    `what` under CACHE, built there first by `build(target)` unless a finished one is there. Builds
-    are serialised by a lock file, and one left unfinished (a run killed midway) is built again.
+    `what` under CACHE, built there first by `build(target)` unless a finished one is there (a
+    finished one is used without the lock, so a read-only cache serves too). Builds are
+    serialised by a lock file, and one left unfinished (a run killed midway) is built again.
     Where CACHE cannot be written, the install is built in `folder` itself."""
     target = CACHE / f"{hashlib.sha256(what.encode()).hexdigest()[:16]}"
-    try:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        lock = open(CACHE / f"{target.name}.lock", "w")  # (held for the build below)
-    except OSError:
-        _build_once(folder, what, build)
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        _build_once(target, what, build)
+    if not _finished(target, what):
+        try:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            lock = open(CACHE / f"{target.name}.lock", "w")  # (held for the build below)
+        except OSError:
+            if folder.is_symlink():
+                folder.unlink()
+            _build_once(folder, what, build)
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _build_once(target, what, build)
     if folder.is_symlink() and folder.resolve() == target.resolve():
         return
-    if folder.is_symlink() or folder.is_file():
-        folder.unlink()
-    elif folder.exists():
+    if folder.is_dir() and not folder.is_symlink():
         shutil.rmtree(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    folder.symlink_to(target, target_is_directory=True)
+    link = folder.with_name(f".{folder.name}.{os.getpid()}.link")
+    link.unlink(missing_ok=True)
+    link.symlink_to(target, target_is_directory=True)
+    os.replace(link, folder)  # (whole: a file or an old link there is replaced at once)
+
+
+def _finished(target: Path, what: str) -> bool:
+    """Whether `target` holds a finished build of `what`."""
+    finished = target / ".finished"
+    return finished.exists() and finished.read_text() == what
 
 
 def _build_once(target: Path, what: str, build: Callable[[Path], None]) -> None:
     """`build(target)` into an emptied `target`, unless a finished build of `what` is there."""
-    finished = target / ".finished"
-    if finished.exists() and finished.read_text() == what:
+    if _finished(target, what):
         return
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     build(target)
-    finished.write_text(what)
+    (target / ".finished").write_text(what)
 
 
 def npm_install(folder: Path, *packages: str, timeout_s: float = 300) -> None:
