@@ -184,9 +184,9 @@ class Call:
         """End a call that was never started (its task could not be committed) without sending
         anything: its outcome is -32800 naming `reason`. A task the store took all the same (its
         reply lost) then reads that outcome (`TaskService._keep_unsure`), not `working` for good."""
-        if self._runner is None and not self.done:
+        if self._runner is None:
             self._cancel_reason = self._cancel_reason or reason  # (the fence's, if it came first)
-            self._finish(self._cancelled_reply())
+            self.start()  # (which ends a cancelled call unsent)
 
     def add_done_callback(self, fn: Callable[[Call], None]) -> None:
         """Call `fn(call)` once, when the outcome is known: soon (from the event loop, as asyncio's
