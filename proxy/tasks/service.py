@@ -272,9 +272,9 @@ class TaskService:
         """Stop the detached call of `task_id` for the fence: released (if it is still this task's
         call here), cancelled upstream (`_stop_fenced`), and its outcome never recorded (see
         `_end`); whoever sweeps the task next re-runs it."""
+        self._stop_fenced(task_id, call)  # (first: its message names the task while it is unsure)
         if self.live.get(task_id) is call:
             self.release(task_id)
-        self._stop_fenced(task_id, call)
 
     def _stopped_at_fence(self, task_id: str, call: LiveCall) -> bool:
         """Whether the fence stopped `call`, whose task `task_id` was being created when it came (a
