@@ -335,7 +335,7 @@ def test_demo_serves_and_stops_cleanly(demo_proxy: DemoProxy):
         pytest.fail("the proxy did not exit within 10 s of SIGINT")
     stderr = demo_proxy.stderr_path.read_text()
     assert rc == 0, stderr
-    assert '"proxy_draining"' in stderr and '"drain_timeout_s": 30.0' in stderr, stderr
+    assert '"proxy_draining"' in stderr and '"drain_timeout_s":30.0' in stderr, stderr
     deadline = time.monotonic() + 5
     while _alive(demo_children[0]) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -80,7 +80,7 @@ async def test_a_call_haproxy_cut_is_retried_with_its_key_and_runs_once(legacy_u
                 assert cut.status == 504, await cut.text()  # HAProxy's own page
             async with asyncio.timeout(2):  # the replica notices its client went (HAProxy closed it)
                 while not (
-                    ran_on := [i for i in range(2) if '"status": 499' in cluster.log_path(i).read_text()]
+                    ran_on := [i for i in range(2) if '"status":499' in cluster.log_path(i).read_text()]
                 ):
                     await asyncio.sleep(0.05)
             assert len(ran_on) == 1, ran_on  # the replica whose client HAProxy cut

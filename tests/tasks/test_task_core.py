@@ -359,7 +359,7 @@ def _logged(text: str, event: str, **fields: str | None) -> bool:
         if all(
             (f"{k}=" in line or f'"{k}":' in line)
             if v is None
-            else (f"{k}={v}" in line or f'"{k}": "{v}"' in line)
+            else (f"{k}={v}" in line or f'"{k}":"{v}"' in line)
             for k, v in fields.items()
         ):
             return True
