@@ -32,17 +32,20 @@ def _interpolation_message(exc: Exception) -> str:
     return f"cannot interpolate environment variables: {text}"
 
 
-def _interpolate(node: Any, path: str) -> Any:
+def _interpolate(node: Any, path: str, errors: list[str]) -> Any:
+    """`node` with `${VAR}` expanded in every string; each string that cannot be expanded is kept
+    as it is and adds one line (`key.path: what is wrong`) to `errors`, so one run names them all."""
     if isinstance(node, str):
         try:
             # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
             return expandvars.expand(node, nounset=True, environ=dict(os.environ))
         except expandvars.ExpandvarsException as exc:
-            raise ConfigError(f"{path or '<root>'}: {_interpolation_message(exc)}") from None
+            errors.append(f"{path or '<root>'}: {_interpolation_message(exc)}")
+            return node
     if isinstance(node, dict):
-        return {k: _interpolate(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+        return {k: _interpolate(v, f"{path}.{k}" if path else str(k), errors) for k, v in node.items()}
     if isinstance(node, list):
-        return [_interpolate(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return [_interpolate(v, f"{path}[{i}]", errors) for i, v in enumerate(node)]
     return node
 
 
@@ -58,10 +61,15 @@ def _format_errors(exc: ValidationError) -> str:
 
 
 def config_from_data(data: Any, *, source: str = "<config>") -> Config:
-    """Validate an already-parsed config tree (after `${VAR}` interpolation). Raises ConfigError."""
+    """Validate an already-parsed config tree (after `${VAR}` interpolation). Raises ConfigError,
+    with one line per string that cannot be interpolated (all of them, before validation), else one
+    line per invalid key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    data = _interpolate(data, "")
+    errors: list[str] = []
+    data = _interpolate(data, "", errors)
+    if errors:
+        raise ConfigError("\n".join(errors))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

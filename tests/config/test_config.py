@@ -303,6 +303,25 @@ def test_required_variable_syntax(monkeypatch: pytest.MonkeyPatch):
     assert "set the upstream url" in message
 
 
+def test_every_missing_variable_is_named_in_one_error(monkeypatch: pytest.MonkeyPatch):
+    for name in ("NOPE", "NOPE_TOO", "NOPE_AGAIN"):
+        monkeypatch.delenv(name, raising=False)
+    data = {
+        "store": {"path": "${NOPE}/tasks"},
+        "mcpServers": {"a": {"url": "${NOPE_TOO}", "headers": {"Authorization": "Bearer ${NOPE_AGAIN}"}}},
+    }
+    lines = config_error(data).splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        "store.path",
+        "mcpServers.a.url",
+        "mcpServers.a.headers.Authorization",
+    ], lines
+    assert all(
+        f"environment variable {name} is not set" in line
+        for name, line in zip(("NOPE", "NOPE_TOO", "NOPE_AGAIN"), lines, strict=True)
+    )
+
+
 def test_malformed_interpolation_names_key_path():
     message = config_error({"mcpServers": {"a": {"url": "http://h/${BROKEN"}}})
     assert message.startswith("mcpServers.a.url:")
