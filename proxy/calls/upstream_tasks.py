@@ -48,11 +48,22 @@ class UpstreamTaskCall(Call):
         if self._cancel_reason:
             return
         super().cancel(reason)
-        task_id = self.params.get("taskId")
-        if self.session is not None and isinstance(task_id, str) and task_id:
-            self._spawn(self._cancel_upstream(self.session, task_id))
+        if self.session is not None:
+            self._spawn(self._cancel_upstream(self.session))
 
-    async def _cancel_upstream(self, session: Session, task_id: str) -> None:
+    def end_unsent(self, reason: str, session: Session | None = None) -> None:
+        """`Call.end_unsent`, and the upstream task this call would have followed is cancelled on
+        `session` (the one that created it; `tasks/cancel`, best effort), so it does not run on
+        with nobody to follow it while the client, told it failed, tries again."""
+        started = self._runner is not None
+        super().end_unsent(reason)
+        if session is not None and not started:
+            self._spawn(self._cancel_upstream(session))
+
+    async def _cancel_upstream(self, session: Session) -> None:
+        task_id = self.params.get("taskId")
+        if not isinstance(task_id, str) or not task_id:
+            return
         try:
             await session.request("tasks/cancel", {"taskId": task_id}, handler=None)
         except UpstreamError as exc:
@@ -217,18 +228,19 @@ class UpstreamTasks:
             call.start()
             return await self._wait(call, reply)
         return await uncancelled(
-            self._hand_over(call, policy=policy, keyed=keyed),
+            self._hand_over(call, session, policy=policy, keyed=keyed),
             what=f"following an upstream task of {self.name}",
             expected=(JsonRpcError,),
         )
 
     async def _hand_over(
-        self, call: UpstreamTaskCall, *, policy: ResolvedPolicy, keyed: KeyedCall | None
+        self, call: UpstreamTaskCall, session: Session, *, policy: ResolvedPolicy, keyed: KeyedCall | None
     ) -> JsonObject:
-        """Commit the task that follows the upstream's task (`call`, not started yet), then start
-        following it; the flat v2 CreateTaskResult. Runs to its end even if the client goes away
-        meanwhile (`uncancelled`): a task the store may have taken always gets its call. Raises what
-        `TaskService.detach` raises (kept in the slot of `keyed` first: its client may be gone)."""
+        """Commit the task that follows the upstream's task (`call`, not started yet; the upstream
+        created its task on `session`), then start following it; the flat v2 CreateTaskResult. Runs
+        to its end even if the client goes away meanwhile (`uncancelled`): a task the store may have
+        taken always gets its call. Raises what `TaskService.detach` raises (kept in the slot of
+        `keyed` first: its client may be gone), after cancelling the upstream's task."""
         try:
             record = await self.tasks.detach(
                 call,
@@ -242,7 +254,7 @@ class UpstreamTasks:
                 task_id=None if keyed is None else keyed.task_id,
             )
         except JsonRpcError as exc:
-            call.end_unsent(exc.message)  # (the upstream's task runs on, followed by nobody)
+            call.end_unsent(exc.message, session)  # (and the upstream's task, followed by nobody, cancelled)
             if keyed is not None:  # (`call` keeps it again when its client is still there: same entry)
                 await self.keys.settle(keyed, {"error": exc.to_error()})
             raise

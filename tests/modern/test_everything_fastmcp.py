@@ -12,8 +12,11 @@ import fastmcp_tasks  # noqa: F401  (registers the tasks extension on every Clie
 import pytest
 from fastmcp import Client
 from support.proxy import Serve
+from support.redis_server import RedisServer
+from support.relay import relay_to
 from support.servers import ROOT, ServerProcess, npm_install
 
+from proxy.app import POOLS_KEY
 from proxy.calls.keys import KEY_META
 from proxy.config import config_from_data
 from proxy.tasks.model import TaskStatus
@@ -238,3 +241,54 @@ async def test_upstream_task_question_fails_a_call_without_the_extension_at_once
         assert reply.error["code"] == -32603 and "elicitation/create" in reply.error["message"], reply.message
     finally:
         await plain.close()
+
+
+@pytest.mark.redis
+async def test_an_upstream_task_whose_own_task_cannot_be_made_is_cancelled_upstream(
+    everything_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """The upstream made its own task, but the proxy's task that would follow it cannot be made:
+    Redis takes the create and its reply is held past `store.timeout` (500 ms). The client is told
+    so (-32603, HTTP 503), the task the store took reads `failed`, and the upstream's task is
+    cancelled (`tasks/cancel`) rather than left running with nobody to follow it while the client
+    tries again."""
+    from support.clients import ModernClient
+
+    async with relay_to(redis_server) as (relay, relayed_url):
+        store = {"url": relayed_url, "prefix": redis_prefix, "timeout": "500ms", "lease": "20s"}
+        config = config_from_data({"store": store, "mcpServers": {"everything": {"url": everything_url}}})
+        proxy = await serve(config)
+        client = ModernClient(proxy.url())
+        try:
+            # The upstream session, and the store's scripts loaded by a first task (cancelled at once).
+            warm = (await client.call("simulate-research-query", {"topic": "warm-up"})).result
+            await client.request("tasks/cancel", {"taskId": warm["taskId"]})
+            await client.wait_terminal(warm["taskId"])
+            relay.pause_after(b"simulate-research-query")  # the create of the proxy's task, its reply held
+            refused = await client.call("simulate-research-query", {"topic": "tides"})
+            assert refused.status == 503 and refused.error["code"] == -32603, refused.message
+            assert "could not become a task" in refused.error["message"], refused.message
+            relay.resume()
+            session = await proxy.app[POOLS_KEY]["everything"].session({})  # the session that created it
+            async with asyncio.timeout(10):
+                while True:
+                    listed = await session.request("tasks/list", {}, handler=None)
+                    statuses = [task["status"] for task in listed["result"]["tasks"]]
+                    if statuses and "working" not in statuses:
+                        break
+                    await asyncio.sleep(0.05)
+            assert statuses == ["cancelled", "cancelled"], listed
+            async with asyncio.timeout(10):  # the record the store took: ended with the refusal
+                while TaskStatus.WORKING in [r.status for r in await _records(proxy)]:
+                    await asyncio.sleep(0.05)
+            records = await _records(proxy)
+            assert [r.status for r in records] == [TaskStatus.CANCELLED, TaskStatus.FAILED], records
+        finally:
+            relay.resume()
+            await client.close()
+
+
+async def _records(proxy) -> list:
+    """The proxy's stored tasks, oldest first."""
+    records, _ = await proxy.store.list_tasks(ListFilter())
+    return sorted(records, key=lambda r: r.created_ms)
