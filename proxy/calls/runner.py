@@ -241,7 +241,10 @@ class CallRunner:
                         call.cancel("the proxy is shutting down")
                         raise JsonRpcError(
                             INTERNAL_ERROR,
-                            f"proxy shutdown: the call did not finish within drain_timeout "
+                            "proxy shutdown: the drain was cut short by a second SIGTERM or SIGINT and "
+                            "the call was abandoned"
+                            if self.drain.cut_short
+                            else f"proxy shutdown: the call did not finish within drain_timeout "
                             f"({self.drain.timeout_s:g} s) and was abandoned",
                         ) from None
                     if shadow_at is not None and loop.time() >= shadow_at:

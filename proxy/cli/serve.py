@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from proxy import __version__
-from proxy.app import build_app, drain
+from proxy.app import DRAIN_KEY, build_app, drain
 from proxy.cli.check_config import missing_commands, replica_problems
 from proxy.config import Config, ConfigError, TracingConfig, config_from_data, load_config
 from proxy.front import listener
@@ -190,9 +190,19 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
             drain_timeout_s=config.listen.drain_timeout,
             connections=len(server.connections) if server is not None else 0,
         )
-        again = asyncio.Event()  # a second SIGTERM or SIGINT ends a replica's wait for its detached calls
+        # A second SIGTERM or SIGINT cuts the drain short: a replica stops waiting for its detached
+        # calls, and synchronous calls are abandoned now (their clients get the shutdown's error),
+        # not at drain_timeout.
+        again = asyncio.Event()
+
+        def cut() -> None:
+            if not again.is_set():
+                log.warning("proxy_drain_cut", why="a second SIGTERM or SIGINT")
+            again.set()
+            app[DRAIN_KEY].cut()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, again.set)
+            loop.add_signal_handler(sig, cut)
         await drain(app, again)
         await runner.cleanup()
 

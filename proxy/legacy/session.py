@@ -303,10 +303,10 @@ class LegacySessions:
         """Every open session, and each principal's session-less one."""
         return [*self._sessions.values(), *self._sessionless.values()]
 
-    def drained(self, drain_timeout_s: float) -> None:
-        """At the drain deadline (SIGTERM + drain_timeout, s): each request still waiting gets its
-        JSON-RPC error naming the shutdown (`Drain.at_deadline`)."""
-        self.close(f"the proxy shut down (drain_timeout, {drain_timeout_s:g} s, passed)")
+    def drained(self, reason: str) -> None:
+        """At the drain deadline (SIGTERM + drain_timeout, s, or a second signal): each request
+        still waiting gets its JSON-RPC error naming the shutdown and `reason` (`Drain.at_deadline`)."""
+        self.close(f"the proxy shut down ({reason})")
 
     def close(self, reason: str = "the proxy shut down") -> None:
         """Stop every session's streams (proxy shutdown; `reason` goes into each unanswered

@@ -12,15 +12,27 @@ class Drain:
 
     def __init__(self) -> None:
         self.timeout_s = 0.0
+        self.cut_short = False  # `cut` ended the drain before its deadline
         self._deadline: float | None = None
         self._started = asyncio.Event()
-        self._at_deadline: list[Callable[[float], None]] = []
-        self._timers: set[DrainTimer] = set()  # the wake-ups `start` brings forward (see `timer`)
+        self._at_deadline: list[Callable[[str], None]] = []
+        self._deadline_call: asyncio.TimerHandle | None = None
+        self._passed = False
+        self._timers: set[DrainTimer] = set()  # the wake-ups `start` and `cut` bring forward (see `timer`)
 
-    def at_deadline(self, fn: Callable[[float], None]) -> None:
-        """Call `fn(timeout_s)` when the drain deadline passes (for work that is not a waiting handler: the
-        legacy relay's streams, which the upstream feeds whatever the handler does)."""
+    def at_deadline(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(reason)` once, when the drain deadline passes or `cut` ends the drain (for work
+        that is not a waiting handler: the legacy relay's streams, which the upstream feeds whatever
+        the handler does); `reason` is `Drain.reason`."""
         self._at_deadline.append(fn)
+
+    @property
+    def reason(self) -> str:
+        """Why the drain ended, for the errors of calls it abandons: "drain_timeout, 30 s, passed",
+        or the second signal that cut it short."""
+        if self.cut_short:
+            return "cut short by a second SIGTERM or SIGINT"
+        return f"drain_timeout, {self.timeout_s:g} s, passed"
 
     def start(self, timeout_s: float) -> None:
         """Begin draining now; `timeout_s` in seconds. The `at_deadline` callbacks run `timeout_s` later."""
@@ -28,10 +40,31 @@ class Drain:
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout_s
         self._started.set()
+        self._ring_all()
+        self._deadline_call = loop.call_later(timeout_s, self._deadline_passed)
+
+    def cut(self) -> None:
+        """End a started drain now (a second SIGTERM or SIGINT): the deadline is now, every waiting
+        handler wakes to abandon its call, and the `at_deadline` callbacks run. No effect before
+        `start` or after the deadline."""
+        if self._deadline is None or self._passed:
+            return
+        self.cut_short = True
+        self._deadline = asyncio.get_running_loop().time()
+        if self._deadline_call is not None:
+            self._deadline_call.cancel()
+        self._ring_all()
+        self._deadline_passed()
+
+    def _ring_all(self) -> None:
         for timer in list(self._timers):
             timer.ring()  # (each leaves the set as it rings)
-        for fn in self._at_deadline:
-            loop.call_later(timeout_s, fn, timeout_s)
+
+    def _deadline_passed(self) -> None:
+        if not self._passed:
+            self._passed = True
+            for fn in self._at_deadline:
+                fn(self.reason)
 
     @property
     def started(self) -> bool:
@@ -46,15 +79,15 @@ class Drain:
 
     def timer(self, timeout_s: float, fire: Callable[[DrainTimer], None]) -> DrainTimer:
         """A wake-up for a waiting handler: `fire(timer)` is called once, `timeout_s` seconds from now
-        (at the next loop iteration when 0 or less) or at once when a drain starts first, so the
-        handler re-plans against the drain deadline; not at all after `timer.cancel()`.
+        (at the next loop iteration when 0 or less) or at once when a drain starts or is cut first,
+        so the handler re-plans against the drain deadline; not at all after `timer.cancel()`.
 
         A handler waits on its own queue of events and `fire` puts a wake-up in it: the timer
         cancels nothing the handler awaits (a write to a slow client stays whole), one timer serves
         any number of events relayed before it rings, and `done` tells a handler busy relaying
         that it rang."""
         timer = DrainTimer(fire, self._timers, timeout_s)
-        if not self._started.is_set():
+        if not self._passed:
             self._timers.add(timer)
         return timer
 

@@ -242,3 +242,43 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
         assert time.monotonic() - started < 10  # the drain (1 s) plus clean-up, not the call's 20 s
     finally:
         proxy.stop()
+
+
+async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: Path) -> None:
+    """SIGTERM starts a 30 s drain; a SIGINT after it ends the drain at once: the synchronous calls
+    still running (a 2026-07-28 one and a legacy one relayed on the upstream's stream) get the
+    shutdown's JSON-RPC error naming the second signal, and the proxy exits within seconds, not at
+    drain_timeout."""
+    import time
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared.exceptions import MCPError
+
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "30s"})
+    proxy = _start(config_file)
+    plain = ModernClient(proxy.url, capabilities={})
+    try:
+        async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            legacy_call = asyncio.create_task(
+                session.call_tool("slow_compute", {"seconds": 40, "label": "legacy-cut"})
+            )
+            modern_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 40, "label": "cut"}))
+            await asyncio.sleep(0.5)  # both on their way upstream
+            proxy.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert proxy.proc.poll() is None and not modern_call.done()  # draining: 30 s for them
+            started = time.monotonic()
+            proxy.proc.send_signal(signal.SIGINT)
+            reply = await asyncio.wait_for(modern_call, 10)
+            with pytest.raises(MCPError) as raised:
+                await asyncio.wait_for(legacy_call, 10)
+        assert reply.error["code"] == -32603 and "second SIGTERM or SIGINT" in reply.error["message"], reply
+        assert raised.value.error.code == -32603
+        assert "second SIGTERM or SIGINT" in raised.value.error.message, raised.value.error.message
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+        assert time.monotonic() - started < 6  # not the 30 s drain_timeout
+    finally:
+        await plain.close()
+        proxy.stop()

@@ -59,3 +59,30 @@ async def test_a_handler_busy_relaying_sees_its_wake_up_rang() -> None:
     assert not timer.done
     drain.start(5.0)  # rings: the wake-up goes behind the three notifications
     assert timer.done and events.qsize() == 4
+
+
+async def test_a_cut_ends_the_drain_now_and_once() -> None:
+    drain = Drain()
+    reasons: list[str] = []
+    drain.at_deadline(reasons.append)
+    drain.cut()  # before the drain started: nothing
+    assert not drain.started and not drain.cut_short
+    drain.start(0.05)
+    rung: list[DrainTimer] = []
+    timer = drain.timer(drain.remaining() or 0.0, rung.append)  # a handler waiting while draining
+    drain.cut()
+    assert rung == [timer] and drain.remaining() == 0.0 and drain.cut_short
+    assert reasons == ["cut short by a second SIGTERM or SIGINT"]
+    drain.cut()
+    await asyncio.sleep(0.1)  # past the first deadline: the callbacks do not run again
+    assert reasons == ["cut short by a second SIGTERM or SIGINT"]
+
+
+async def test_the_deadline_passes_once_with_its_reason() -> None:
+    drain = Drain()
+    reasons: list[str] = []
+    drain.at_deadline(reasons.append)
+    drain.start(0.01)
+    await asyncio.sleep(0.1)
+    drain.cut()  # after the deadline: nothing
+    assert reasons == ["drain_timeout, 0.01 s, passed"] and not drain.cut_short
