@@ -117,7 +117,8 @@ def replica_problems(config: Config) -> list[str]:
 
 def describe(config: Config, source: str) -> str:
     """What a config will serve, as text: listen address, store, and per server its upstream,
-    routes and task policy (durations in seconds)."""
+    routes and task policy, each configured tool's whole effective policy (durations in seconds);
+    a note for replica-only settings given without a `replicas` section."""
     base = f"http://{config.listen.host}:{config.listen.port}"
     durability = "Redis persistence" if config.store.redis else config.store.durable
     lines = [
@@ -125,6 +126,12 @@ def describe(config: Config, source: str) -> str:
         f"listen {base}  store {config.store.where}  (durable: {durability})  event loop "
         f"{event_loop.describe(config.listen.event_loop)}",
     ]
+    ignored = sorted({"drain_detached", "drain_grace"} & config.listen.model_fields_set)
+    if config.replicas is None and ignored:
+        lines.append(
+            "note: " + " and ".join(f"listen.{key}" for key in ignored) + " apply to replicas only (no "
+            "`replicas` section): ignored here"
+        )
     if config.replicas is not None:
         lines.append(
             f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout "
@@ -173,10 +180,12 @@ def describe(config: Config, source: str) -> str:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:
             policy = config.policy(name, tool)
-            dedupe = "" if policy.dedupe_window is None else f", dedupe {policy.dedupe_window:g}s"
+            dedupe = "" if policy.dedupe_window is None else f", dedupe_window {policy.dedupe_window:g}s"
             lines.append(
-                f"    tool {tool}: mode {policy.mode.value}, detach_after {policy.detach_after:g}s, ttl "
-                f"{policy.ttl:g}s{dedupe}"
+                f"    tool {tool}: mode {policy.mode.value}, on_restart {policy.on_restart}, detach_after "
+                f"{policy.detach_after:g}s, timeout {policy.timeout:g}s, ttl {policy.ttl:g}s, poll_interval "
+                f"{policy.poll_interval:g}s, input_timeout {policy.input_timeout:g}s, progress_interval "
+                f"{policy.progress_interval:g}s, idempotency_window {policy.idempotency_window:g}s{dedupe}"
             )
     return "\n".join(lines)
 

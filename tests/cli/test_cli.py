@@ -503,3 +503,18 @@ def test_check_config_says_when_a_drain_grace_is_cut_to_drain_detached(tmp_path)
     config.write_text(config.read_text().replace("drain_grace: 30s", "drain_grace: 2s"))
     checked = run_cli("check-config", str(config))
     assert "drain_grace 2s" in checked.stdout and "cut to" not in checked.stdout, checked
+
+
+def test_check_config_shows_each_tools_policy_and_ignored_replica_settings(tmp_path):
+    config = tmp_path / "t.yaml"
+    config.write_text(
+        "listen: {port: 0, drain_grace: 30s}\nmcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
+        "    timeout: 2h\n"
+        "    tasks: {tools: {build: {mode: required, on_restart: rerun, input_timeout: 1m}}}\n"
+    )
+    checked = run_cli("check-config", str(config))
+    assert checked.returncode == 0, checked
+    assert "note: listen.drain_grace apply to replicas only" in checked.stdout, checked.stdout
+    tool = next(line for line in checked.stdout.splitlines() if line.strip().startswith("tool build:"))
+    for shown in ("mode required", "on_restart rerun", "timeout 7200s", "input_timeout 60s", "ttl 3600s"):
+        assert shown in tool, tool
