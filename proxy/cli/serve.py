@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import structlog
+from aiohttp import web
 
 from proxy import __version__
 from proxy.app import DRAIN_KEY, build_app, drain
@@ -29,6 +30,8 @@ from proxy.runtime.logs import configure_logging
 from proxy.tasks.dirlock import lock_directory, unlock_directory
 from proxy.tasks.store import StoreLockedError, StoreUnavailableError
 from proxy.upstream.stdio import die_with_parent
+
+CUT_GRACE_S = 1.0  # after a second signal, how long (s) open connections get before they are closed
 
 log = structlog.get_logger("proxy.cli")
 
@@ -192,12 +195,14 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
         )
         # A second SIGTERM or SIGINT cuts the drain short: a replica stops waiting for its detached
         # calls, and synchronous calls are abandoned now (their clients get the shutdown's error),
-        # not at drain_timeout.
+        # not at drain_timeout. A connection still open CUT_GRACE_S later (a client that stopped
+        # reading or sending) is closed, so nothing holds the exit to drain_timeout.
         again = asyncio.Event()
 
         def cut() -> None:
             if not again.is_set():
                 log.warning("proxy_drain_cut", why="a second SIGTERM or SIGINT")
+                loop.call_later(CUT_GRACE_S, _close_connections, runner)
             again.set()
             app[DRAIN_KEY].cut()
 
@@ -205,6 +210,12 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
             loop.add_signal_handler(sig, cut)
         await drain(app, again)
         await runner.cleanup()
+
+
+def _close_connections(runner: web.AppRunner) -> None:
+    closed = listener.close_connections(runner)
+    if closed:
+        log.warning("connections_closed_at_cut", connections=closed)
 
 
 def _demo_hint(base: str) -> str:

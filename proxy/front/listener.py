@@ -379,3 +379,16 @@ async def start(
     site = CappedSite(runner, sock, max_connections=listen.max_connections or default_max_connections())
     await site.start()
     return runner, site
+
+
+def close_connections(runner: web.AppRunner) -> int:
+    """Close every open client connection of `runner` now, in-flight requests included (their
+    handlers end with a connection error): the end of a shutdown that must not wait for a client
+    that stopped reading or sending. Returns how many were closed."""
+    server = runner.server
+    if server is None:
+        return 0
+    connections = list(server.connections)
+    for connection in connections:
+        connection.force_close()
+    return len(connections)

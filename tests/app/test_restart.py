@@ -247,8 +247,8 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
 async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: Path) -> None:
     """SIGTERM starts a 30 s drain; a SIGINT after it ends the drain at once: the synchronous calls
     still running (a 2026-07-28 one and a legacy one relayed on the upstream's stream) get the
-    shutdown's JSON-RPC error naming the second signal, and the proxy exits within seconds, not at
-    drain_timeout."""
+    shutdown's JSON-RPC error naming the second signal, a client that stopped sending its body has
+    its connection closed a second later, and the proxy exits within seconds, not at drain_timeout."""
     import time
 
     from mcp import ClientSession
@@ -265,7 +265,14 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
                 session.call_tool("slow_compute", {"seconds": 40, "label": "legacy-cut"})
             )
             modern_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 40, "label": "cut"}))
-            await asyncio.sleep(0.5)  # both on their way upstream
+            host, port = proxy.url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+            stalled_reader, stalled = await asyncio.open_connection(host, int(port))
+            stalled.write(
+                b"POST /mcp HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"jsonrpc": '  # and then nothing more (body_timeout: 30 s)
+            )
+            await stalled.drain()
+            await asyncio.sleep(0.5)  # both calls on their way upstream
             proxy.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             assert proxy.proc.poll() is None and not modern_call.done()  # draining: 30 s for them
@@ -279,6 +286,8 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
         assert "second SIGTERM or SIGINT" in raised.value.error.message, raised.value.error.message
         assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
         assert time.monotonic() - started < 6  # not the 30 s drain_timeout
+        assert await asyncio.wait_for(stalled_reader.read(), 5) == b""  # closed, unanswered
+        stalled.close()
     finally:
         await plain.close()
         proxy.stop()
