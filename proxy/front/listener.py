@@ -384,11 +384,16 @@ async def start(
 def close_connections(runner: web.AppRunner) -> int:
     """Close every open client connection of `runner` now, in-flight requests included (their
     handlers end with a connection error): the end of a shutdown that must not wait for a client
-    that stopped reading or sending. Returns how many were closed."""
+    that stopped reading or sending. The socket is aborted, not closed: a close waits for the
+    write buffer to empty, which a client that stopped reading never lets happen. Returns how many
+    were closed."""
     server = runner.server
     if server is None:
         return 0
     connections = list(server.connections)
     for connection in connections:
+        transport = connection.transport
         connection.force_close()
+        if transport is not None:
+            transport.abort()
     return len(connections)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.clients import ModernClient
+from support.clients import ModernClient, envelope
 from support.servers import ROOT, ServerProcess
 
 
@@ -247,8 +247,9 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
 async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: Path) -> None:
     """SIGTERM starts a 30 s drain; a SIGINT after it ends the drain at once: the synchronous calls
     still running (a 2026-07-28 one and a legacy one relayed on the upstream's stream) get the
-    shutdown's JSON-RPC error naming the second signal, a client that stopped sending its body has
-    its connection closed a second later, and the proxy exits within seconds, not at drain_timeout."""
+    shutdown's JSON-RPC error naming the second signal, a client that stopped sending its body and
+    one that stopped reading a 40 MB reply have their connections closed a second later, and the
+    proxy exits within seconds, not at drain_timeout."""
     import time
 
     from mcp import ClientSession
@@ -256,16 +257,32 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
     from mcp.shared.exceptions import MCPError
 
     config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "30s"})
+    config = yaml.safe_load(config_file.read_text())
+    config["mcpServers"]["legacy"]["max_response_bytes"] = 64 * 1024 * 1024
+    config_file.write_text(yaml.safe_dump(config))
     proxy = _start(config_file)
     plain = ModernClient(proxy.url, capabilities={})
     try:
+        host, port = proxy.url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+        big = {"name": "big_result", "arguments": {"kb": 40_000}, "_meta": envelope({})}
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": big}).encode()
+        head = {**plain.headers_for("tools/call", big), "Accept": "application/json"}
+        not_reading, not_reading_writer = await asyncio.open_connection(host, int(port))
+        not_reading_writer.write(
+            f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n".encode()
+            + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
+            + b"\r\n"
+            + body
+        )
+        await not_reading_writer.drain()
+        async with asyncio.timeout(30):  # its reply has begun; this client reads no more of it
+            assert (await not_reading.readexactly(12)) == b"HTTP/1.1 200"
         async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
             await session.initialize()
             legacy_call = asyncio.create_task(
                 session.call_tool("slow_compute", {"seconds": 40, "label": "legacy-cut"})
             )
             modern_call = asyncio.create_task(plain.call("slow_compute", {"seconds": 40, "label": "cut"}))
-            host, port = proxy.url.removeprefix("http://").split("/")[0].rsplit(":", 1)
             stalled_reader, stalled = await asyncio.open_connection(host, int(port))
             stalled.write(
                 b"POST /mcp HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
@@ -285,9 +302,10 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
         assert raised.value.error.code == -32603
         assert "second SIGTERM or SIGINT" in raised.value.error.message, raised.value.error.message
         assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
-        assert time.monotonic() - started < 6  # not the 30 s drain_timeout
+        assert time.monotonic() - started < 10  # not the 30 s drain_timeout
         assert await asyncio.wait_for(stalled_reader.read(), 5) == b""  # closed, unanswered
         stalled.close()
+        not_reading_writer.close()
     finally:
         await plain.close()
         proxy.stop()
