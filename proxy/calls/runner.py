@@ -239,14 +239,7 @@ class CallRunner:
                         continue
                     if self.drain.remaining() == 0.0:
                         call.cancel("the proxy is shutting down")
-                        raise JsonRpcError(
-                            INTERNAL_ERROR,
-                            "proxy shutdown: the drain was cut short by a second SIGTERM or SIGINT and "
-                            "the call was abandoned"
-                            if self.drain.cut_short
-                            else f"proxy shutdown: the call did not finish within drain_timeout "
-                            f"({self.drain.timeout_s:g} s) and was abandoned",
-                        ) from None
+                        raise JsonRpcError(INTERNAL_ERROR, self.drain.abandoned) from None
                     if shadow_at is not None and loop.time() >= shadow_at:
                         shadow_at = None
                         await self._share(call, policy)

@@ -172,8 +172,24 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
     # garbage collector need not walk it again on every full collection.
     gc.freeze()
     stop = asyncio.Event()
+    # A second SIGTERM or SIGINT cuts the drain short: a replica stops waiting for its detached
+    # calls, and synchronous calls are abandoned now (their clients get the shutdown's error), not
+    # at drain_timeout. A connection still open CUT_GRACE_S later (a client that stopped reading or
+    # sending) is closed, so nothing holds the exit to drain_timeout.
+    again = asyncio.Event()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            return
+        if not again.is_set():
+            log.warning("proxy_drain_cut", why="a second SIGTERM or SIGINT")
+            loop.call_later(CUT_GRACE_S, _close_connections, runner)
+        again.set()
+        app[DRAIN_KEY].cut()  # (before the drain starts: it starts cut)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     host, port = runner.addresses[0][:2]
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     log.info("proxy_listening", address=f"{host}:{port}", event_loop=event_loop.running())
@@ -193,21 +209,6 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
             drain_timeout_s=config.listen.drain_timeout,
             connections=len(server.connections) if server is not None else 0,
         )
-        # A second SIGTERM or SIGINT cuts the drain short: a replica stops waiting for its detached
-        # calls, and synchronous calls are abandoned now (their clients get the shutdown's error),
-        # not at drain_timeout. A connection still open CUT_GRACE_S later (a client that stopped
-        # reading or sending) is closed, so nothing holds the exit to drain_timeout.
-        again = asyncio.Event()
-
-        def cut() -> None:
-            if not again.is_set():
-                log.warning("proxy_drain_cut", why="a second SIGTERM or SIGINT")
-                loop.call_later(CUT_GRACE_S, _close_connections, runner)
-            again.set()
-            app[DRAIN_KEY].cut()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, cut)
         await drain(app, again)
         await runner.cleanup()
 

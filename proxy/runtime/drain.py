@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import structlog
+
+log = structlog.get_logger("proxy.runtime")
+
 
 class Drain:
     """Once started, synchronous calls have `timeout_s` seconds to finish; then their clients get a
@@ -31,25 +35,32 @@ class Drain:
         """Why the drain ended, for the errors of calls it abandons: "drain_timeout, 30 s, passed",
         or the second signal that cut it short."""
         if self.cut_short:
-            return "cut short by a second SIGTERM or SIGINT"
+            return "the drain was cut short by a second SIGTERM or SIGINT"
         return f"drain_timeout, {self.timeout_s:g} s, passed"
 
     def start(self, timeout_s: float) -> None:
-        """Begin draining now; `timeout_s` in seconds. The `at_deadline` callbacks run `timeout_s` later."""
+        """Begin draining now; `timeout_s` in seconds. The `at_deadline` callbacks run `timeout_s` later
+        (at once when `cut` came first)."""
         self.timeout_s = timeout_s
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout_s
         self._started.set()
+        if self.cut_short:
+            self.cut_short = False  # (`cut` sets it again as it ends the drain)
+            self.cut()
+            return
         self._ring_all()
         self._deadline_call = loop.call_later(timeout_s, self._deadline_passed)
 
     def cut(self) -> None:
-        """End a started drain now (a second SIGTERM or SIGINT): the deadline is now, every waiting
-        handler wakes to abandon its call, and the `at_deadline` callbacks run. No effect before
-        `start` or after the deadline."""
-        if self._deadline is None or self._passed:
+        """End the drain now (a second SIGTERM or SIGINT): the deadline is now, every waiting
+        handler wakes to abandon its call, and the `at_deadline` callbacks run. Before `start`, the
+        drain starts cut; after the deadline, no effect."""
+        if self._passed:
             return
         self.cut_short = True
+        if self._deadline is None:
+            return
         self._deadline = asyncio.get_running_loop().time()
         if self._deadline_call is not None:
             self._deadline_call.cancel()
@@ -60,11 +71,28 @@ class Drain:
         for timer in list(self._timers):
             timer.ring()  # (each leaves the set as it rings)
 
+    @property
+    def abandoned(self) -> str:
+        """The message of the -32603 a synchronous call still running when the drain ends gets."""
+        if self.cut_short:
+            return (
+                "proxy shutdown: the drain was cut short by a second SIGTERM or SIGINT and the call was "
+                "abandoned"
+            )
+        return (
+            f"proxy shutdown: the call did not finish within drain_timeout ({self.timeout_s:g} s) and was "
+            "abandoned"
+        )
+
     def _deadline_passed(self) -> None:
-        if not self._passed:
-            self._passed = True
-            for fn in self._at_deadline:
+        if self._passed:
+            return
+        self._passed = True
+        for fn in self._at_deadline:
+            try:
                 fn(self.reason)
+            except Exception:  # one server's streams must not keep the others' from their errors
+                log.exception("drain_callback_failed", callback=getattr(fn, "__qualname__", repr(fn)))
 
     @property
     def started(self) -> bool:

@@ -65,17 +65,15 @@ async def test_a_cut_ends_the_drain_now_and_once() -> None:
     drain = Drain()
     reasons: list[str] = []
     drain.at_deadline(reasons.append)
-    drain.cut()  # before the drain started: nothing
-    assert not drain.started and not drain.cut_short
     drain.start(0.05)
     rung: list[DrainTimer] = []
     timer = drain.timer(drain.remaining() or 0.0, rung.append)  # a handler waiting while draining
     drain.cut()
     assert rung == [timer] and drain.remaining() == 0.0 and drain.cut_short
-    assert reasons == ["cut short by a second SIGTERM or SIGINT"]
+    assert reasons == ["the drain was cut short by a second SIGTERM or SIGINT"]
     drain.cut()
     await asyncio.sleep(0.1)  # past the first deadline: the callbacks do not run again
-    assert reasons == ["cut short by a second SIGTERM or SIGINT"]
+    assert reasons == ["the drain was cut short by a second SIGTERM or SIGINT"]
 
 
 async def test_the_deadline_passes_once_with_its_reason() -> None:
@@ -86,3 +84,16 @@ async def test_the_deadline_passes_once_with_its_reason() -> None:
     await asyncio.sleep(0.1)
     drain.cut()  # after the deadline: nothing
     assert reasons == ["drain_timeout, 0.01 s, passed"] and not drain.cut_short
+
+
+async def test_a_cut_before_the_start_makes_the_drain_start_cut() -> None:
+    drain = Drain()
+    reasons: list[str] = []
+    drain.at_deadline(reasons.append)
+    rung: list[DrainTimer] = []
+    timer = drain.timer(60.0, rung.append)
+    drain.cut()  # a second signal the loop handled before the drain began
+    assert not drain.started and not rung and not reasons
+    drain.start(30.0)
+    assert drain.cut_short and drain.remaining() == 0.0 and rung == [timer]
+    assert reasons == ["the drain was cut short by a second SIGTERM or SIGINT"]
