@@ -25,6 +25,7 @@ from proxy.config import ResolvedPolicy
 from proxy.protocol.era import Envelope, strip_envelope, upstream_capabilities
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
 from proxy.protocol.translate import modern_error, modern_result
+from proxy.runtime.drain import Drain
 from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.service import TaskService
 from proxy.tasks.wire_v2 import create_task_result
@@ -80,11 +81,14 @@ class _NotSent(JsonRpcError):
 class UpstreamTasks:
     """What one server's upstream offers as v1 tasks, and calls that use them."""
 
-    def __init__(self, *, name: str, pool: Pool, tasks: TaskService, keepalive_s: float) -> None:
+    def __init__(
+        self, *, name: str, pool: Pool, tasks: TaskService, keepalive_s: float, drain: Drain
+    ) -> None:
         self.name = name
         self.pool = pool
         self.tasks = tasks
         self.keepalive_s = keepalive_s
+        self.drain = drain
         self.keys = CallKeys(tasks)
         self._support: dict[str, str] | None = None
 
@@ -269,7 +273,8 @@ class UpstreamTasks:
 
         A question the upstream's task asks cannot reach a client without the tasks extension: the
         upstream task is cancelled and the client gets -32603 saying so (not a wait for
-        `input_timeout`)."""
+        `input_timeout`). So does a call still waiting when the shutdown drain ends (`Drain`: at
+        drain_timeout, or at once on a second signal)."""
         try:
             while not call.done:
                 if call.pending:
@@ -282,11 +287,19 @@ class UpstreamTasks:
                         "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to "
                         "answer it through the task",
                     )
+                remaining = self.drain.remaining()
+                wait = self.keepalive_s if remaining is None else min(self.keepalive_s, remaining)
+                timer = self.drain.timer(wait, call.wake)  # (rung at once by a drain's start or cut)
                 try:
-                    # input, done, notifications
-                    await asyncio.wait_for(call.events.get(), timeout=self.keepalive_s)
-                except TimeoutError:
-                    await reply.keepalive()
+                    kind, item = await call.events.get()  # input, done, notifications, or the wake-up
+                finally:
+                    timer.cancel()
+                if kind != "timeout" or item is not timer or call.done or call.pending:
+                    continue
+                if self.drain.remaining() == 0.0:
+                    call.cancel("the proxy is shutting down")
+                    raise JsonRpcError(INTERNAL_ERROR, self.drain.abandoned)
+                await reply.keepalive()
         except asyncio.CancelledError:
             call.cancel("the client closed the request stream")
             raise

@@ -82,7 +82,9 @@ class ServerDispatcher:
         self.param_headers = ParamHeaderIndex(name)
         self._lookups_left: set[asyncio.Future[Any]] = set()  # `_lookups` that outlasted detach_after
         self.task_methods = TaskMethods(tasks, name)
-        self.upstream_tasks = UpstreamTasks(name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s)
+        self.upstream_tasks = UpstreamTasks(
+            name=name, pool=pool, tasks=tasks, keepalive_s=keepalive_s, drain=drain
+        )
         self.calls = CallRunner(
             name=name,
             pool=pool,

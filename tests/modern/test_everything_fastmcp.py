@@ -16,7 +16,7 @@ from support.redis_server import RedisServer
 from support.relay import relay_to
 from support.servers import ROOT, ServerProcess, npm_install
 
-from proxy.app import POOLS_KEY
+from proxy.app import DRAIN_KEY, POOLS_KEY
 from proxy.calls.keys import KEY_META
 from proxy.config import config_from_data
 from proxy.tasks.model import TaskStatus
@@ -292,3 +292,41 @@ async def _records(proxy) -> list:
     """The proxy's stored tasks, oldest first."""
     records, _ = await proxy.store.list_tasks(ListFilter())
     return sorted(records, key=lambda r: r.created_ms)
+
+
+async def test_a_synchronous_call_an_upstream_task_backs_gets_the_drains_error(
+    everything_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A client without the tasks extension waits on a tool the upstream runs as its own task
+    (about 4 s); the shutdown drain starts and is cut short (a second signal): the client gets the
+    shutdown's -32603 at once, not a cut connection at drain_timeout, and the upstream's task is
+    cancelled."""
+    from support.clients import ModernClient
+
+    config = config_from_data(
+        {"store": {"path": str(tmp_path / "store")}, "mcpServers": {"everything": {"url": everything_url}}}
+    )
+    proxy = await serve(config)
+    plain = ModernClient(proxy.url(), capabilities={})
+    try:
+        waiting = asyncio.create_task(plain.call("simulate-research-query", {"topic": "drained"}))
+        session = await proxy.app[POOLS_KEY]["everything"].session({})
+        async with asyncio.timeout(10):  # the upstream's task exists: the call waits on it
+            while not (await session.request("tasks/list", {}, handler=None))["result"]["tasks"]:
+                await asyncio.sleep(0.05)
+        drain = proxy.app[DRAIN_KEY]
+        drain.start(30.0)
+        drain.cut()
+        async with asyncio.timeout(3):
+            reply = await waiting
+        assert reply.error["code"] == -32603, reply.message
+        assert "cut short by a second SIGTERM or SIGINT" in reply.error["message"], reply.message
+        async with asyncio.timeout(10):
+            while True:
+                listed = await session.request("tasks/list", {}, handler=None)
+                if [task["status"] for task in listed["result"]["tasks"]] != ["working"]:
+                    break
+                await asyncio.sleep(0.05)
+        assert [task["status"] for task in listed["result"]["tasks"]] == ["cancelled"], listed
+    finally:
+        await plain.close()
