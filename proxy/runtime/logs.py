@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO, cast
@@ -30,11 +31,23 @@ def render_json(event_dict: dict[str, Any], default: Callable[[Any], Any]) -> st
     (a lone surrogate, an integer past 64 bits, a key that is not a string) is written by `json`
     instead, in the same compact form, so no value a client sent can make logging raise. Values
     neither knows go through `default` (structlog's: `__structlog__()` or `repr`). NaN and
-    infinities become `null` through orjson."""
+    infinities become `null` either way."""
     try:
         return orjson.dumps(event_dict, default=default).decode()
     except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(event_dict, default=default, separators=(",", ":"))
+        return json.dumps(_finite(event_dict), default=default, separators=(",", ":"))
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN and infinities (in dicts, lists and tuples) as None, as orjson writes them:
+    `json` would write the `NaN` and `Infinity` literals, which strict JSON readers refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def configure_logging(level: str = "info", *, cache_loggers: bool = True) -> None:

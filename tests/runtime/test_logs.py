@@ -17,6 +17,10 @@ class _Opaque:
         return "<opaque thing>"
 
 
+def _strict(literal: str) -> None:
+    raise ValueError(f"not strict JSON: {literal}")
+
+
 @pytest.fixture
 def json_lines(capsys: pytest.CaptureFixture[str]):
     """Logging configured as the proxy does on a non-terminal stderr; yields a function that returns
@@ -24,7 +28,7 @@ def json_lines(capsys: pytest.CaptureFixture[str]):
     configure_logging("info", cache_loggers=False)
 
     def lines() -> list[dict]:
-        return [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        return [json.loads(line, parse_constant=_strict) for line in capsys.readouterr().err.splitlines()]
 
     try:
         yield lines
@@ -51,8 +55,10 @@ def test_values_orjson_refuses_still_make_a_line(json_lines, capsys: pytest.Capt
     log.info("big", value=2**70)
     log.info("keys", mapping={1: "one", None: "none"})
     log.info("nan", value=math.nan)
-    surrogate, big, keys, nan = json_lines()
+    log.info("both", tool="bad\udc80name", values=[math.inf, {"x": -math.inf}])
+    surrogate, big, keys, nan, both = json_lines()
     assert surrogate["tool"] == "bad\udc80name"
     assert big["value"] == 2**70
     assert keys["mapping"] == {"1": "one", "null": "none"}
     assert nan["value"] is None
+    assert both["tool"] == "bad\udc80name" and both["values"] == [None, {"x": None}]
