@@ -129,8 +129,10 @@ def describe(config: Config, source: str) -> str:
     ignored = sorted({"drain_detached", "drain_grace"} & config.listen.model_fields_set)
     if config.replicas is None and ignored:
         lines.append(
-            "note: " + " and ".join(f"listen.{key}" for key in ignored) + " apply to replicas only (no "
-            "`replicas` section): ignored here"
+            "note: "
+            + " and ".join(f"listen.{key}" for key in ignored)
+            + (" apply" if len(ignored) > 1 else " applies")
+            + " to replicas only (no `replicas` section): ignored here"
         )
     if config.replicas is not None:
         lines.append(

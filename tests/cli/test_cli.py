@@ -514,7 +514,7 @@ def test_check_config_shows_each_tools_policy_and_ignored_replica_settings(tmp_p
     )
     checked = run_cli("check-config", str(config))
     assert checked.returncode == 0, checked
-    assert "note: listen.drain_grace apply to replicas only" in checked.stdout, checked.stdout
+    assert "note: listen.drain_grace applies to replicas only" in checked.stdout, checked.stdout
     tool = next(line for line in checked.stdout.splitlines() if line.strip().startswith("tool build:"))
     for shown in ("mode required", "on_restart rerun", "timeout 7200s", "input_timeout 60s", "ttl 3600s"):
         assert shown in tool, tool
