@@ -833,8 +833,9 @@ def run_fuzz(
     assert len(sent) >= max_examples * 5 // 6 and {c["server"] for c in sent} == {"http", "stdio"}
     versions = {c["headers"].get("MCP-Protocol-Version") for c in sent}
     assert {"2026-07-28", "2025-11-25"} <= versions  # both eras were exercised
-    # and many requests got through to a real answer
-    assert sum(1 for c in sent if c["status"] == 200) >= 20
+    # and many requests got through to a real answer (a result, or a notification or response
+    # accepted with 202); hypothesis draws differ per run: 200 alone read 18-60 of 300 cases
+    assert sum(1 for c in sent if c["status"] in (200, 202)) >= 20
     # and issue 26's cases were among them: raw header bytes, lone surrogates, methods not strings
     assert sum(1 for c in sent if c.get("raw")) >= 10
     planted = rb"\\u(" + b"|".join(f"{ord(c):04x}".encode() for c in SURROGATES) + rb")"
