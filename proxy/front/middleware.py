@@ -75,7 +75,8 @@ def access_log(*, payloads: bool):
         event = "request"
         try:
             if payloads and request.can_read_body:
-                log.info("request_payload", body=(await request.text())[:65536])
+                body = (await request.read())[:65536]  # (bytes: a body that is not UTF-8 is logged too)
+                log.info("request_payload", body=body.decode("utf-8", errors="replace"))
             response = await handler(request)
             status = response.status
             return response

@@ -194,6 +194,9 @@ async def test_log_payloads_true_logs_request_bodies(
         client = ModernClient(proxy.url())
         try:
             await client.call("greet", {"name": marker})
+            params = {"name": "greet", "arguments": {"name": "x"}}
+            not_utf8 = b'{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "\xff\xfe"}}'
+            refused = await client.post_raw(not_utf8, client.headers_for("tools/call", params))
         finally:
             await client.close()
         await proxy.stop()
@@ -203,6 +206,9 @@ async def test_log_payloads_true_logs_request_bodies(
 
         structlog.reset_defaults()
     assert "request_payload" in err and marker in err
+    # a body that is not UTF-8 is logged (replacement characters) and answered as without logging
+    assert refused.status == 400 and refused.error["code"] == -32700, refused.message
+    assert "\ufffd\ufffd" in err, err
 
 
 async def test_made_up_tool_names_add_no_series_and_never_break_metrics(
