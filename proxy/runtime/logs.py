@@ -27,26 +27,37 @@ class _CurrentStderr:
 
 def render_json(event_dict: dict[str, Any], default: Callable[[Any], Any]) -> str:
     """One log line as compact JSON text (no spaces after `,` and `:`), written by orjson (about
-    12 us less per line than `json`, on the one line every request writes). What orjson refuses
-    (a lone surrogate, an integer past 64 bits, a key that is not a string) is written by `json`
-    instead, in the same compact form, so no value a client sent can make logging raise. Values
-    neither knows go through `default` (structlog's: `__structlog__()` or `repr`). NaN and
-    infinities become `null` either way."""
+    6 us less per line than `json`, on the one line every request writes). What orjson refuses (a
+    lone surrogate, an integer past 64 bits, a key that is not a string) is written by `json`
+    instead, in the same compact form, after `_writable`: so no value a client sent can make
+    logging raise or write a line a strict JSON reader (jq, orjson) refuses. Values neither knows
+    go through `default` (structlog's: `__structlog__()` or `repr`). NaN and infinities become
+    `null` either way."""
     try:
         return orjson.dumps(event_dict, default=default).decode()
     except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(_finite(event_dict), default=default, separators=(",", ":"))
+        return json.dumps(_writable(event_dict), default=default, separators=(",", ":"), ensure_ascii=False)
 
 
-def _finite(value: Any) -> Any:
-    """`value` with NaN and infinities (in dicts, lists and tuples) as None, as orjson writes them:
-    `json` would write the `NaN` and `Infinity` literals, which strict JSON readers refuse."""
+_JSON_KEYS = (str, int, float, bool, type(None))  # the keys `json` writes itself
+
+
+def _writable(value: Any) -> Any:
+    """`value` as strict JSON can hold it, in dicts, lists and tuples: NaN and infinities as None
+    (`json` would write `NaN` and `Infinity`), a lone surrogate in a string or key as the text of
+    its escape (`\\udc80`: `json` would write an escape strict readers refuse), and a key `json`
+    cannot write (a tuple) as its `str`."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {
+            _writable(key if isinstance(key, _JSON_KEYS) else str(key)): _writable(item)
+            for key, item in value.items()
+        }
     if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
+        return [_writable(item) for item in value]
     return value
 
 

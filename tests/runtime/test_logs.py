@@ -1,11 +1,13 @@
 """The JSON log line: compact JSON written by orjson, and, for what orjson refuses, by `json`, so a
-value a client sent (a lone surrogate, a huge integer) never makes logging raise."""
+value a client sent (a lone surrogate, a huge integer) never makes logging raise, and every line
+is strict JSON (orjson, like jq, refuses NaN literals and escaped lone surrogates)."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import orjson
 import pytest
 import structlog
 
@@ -28,7 +30,10 @@ def json_lines(capsys: pytest.CaptureFixture[str]):
     configure_logging("info", cache_loggers=False)
 
     def lines() -> list[dict]:
-        return [json.loads(line, parse_constant=_strict) for line in capsys.readouterr().err.splitlines()]
+        lines = capsys.readouterr().err.splitlines()
+        strict = [orjson.loads(line) for line in lines if "2361183241434822606848" not in line]
+        assert len(strict) >= len(lines) - 1  # (orjson reads integers up to 64 bits only)
+        return [json.loads(line, parse_constant=_strict) for line in lines]
 
     try:
         yield lines
@@ -53,12 +58,12 @@ def test_values_orjson_refuses_still_make_a_line(json_lines, capsys: pytest.Capt
     log = structlog.get_logger("test")
     log.info("surrogate", tool="bad\udc80name")
     log.info("big", value=2**70)
-    log.info("keys", mapping={1: "one", None: "none"})
+    log.info("keys", mapping={1: "one", None: "none", ("a", 2): "tuple"})
     log.info("nan", value=math.nan)
     log.info("both", tool="bad\udc80name", values=[math.inf, {"x": -math.inf}])
     surrogate, big, keys, nan, both = json_lines()
-    assert surrogate["tool"] == "bad\udc80name"
+    assert surrogate["tool"] == "bad\\udc80name"  # the escape's text, not a lone surrogate
     assert big["value"] == 2**70
-    assert keys["mapping"] == {"1": "one", "null": "none"}
+    assert keys["mapping"] == {"1": "one", "null": "none", "('a', 2)": "tuple"}
     assert nan["value"] is None
-    assert both["tool"] == "bad\udc80name" and both["values"] == [None, {"x": None}]
+    assert both["tool"] == "bad\\udc80name" and both["values"] == [None, {"x": None}]
