@@ -31,7 +31,9 @@ from proxy.tasks.dirlock import lock_directory, unlock_directory
 from proxy.tasks.store import StoreLockedError, StoreUnavailableError
 from proxy.upstream.stdio import die_with_parent
 
-CUT_GRACE_S = 1.0  # after a second signal, how long (s) open connections get before they are closed
+# After the drain ends (its deadline, or a second signal), how long (s) open connections get before
+# they are aborted: a client that stopped reading or sending must not hold the exit.
+CLOSE_GRACE_S = 1.0
 
 log = structlog.get_logger("proxy.cli")
 
@@ -174,8 +176,8 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
     stop = asyncio.Event()
     # A second SIGTERM or SIGINT cuts the drain short: a replica stops waiting for its detached
     # calls, and synchronous calls are abandoned now (their clients get the shutdown's error), not
-    # at drain_timeout. A connection still open CUT_GRACE_S later (a client that stopped reading or
-    # sending) is closed, so nothing holds the exit to drain_timeout.
+    # at drain_timeout. A connection still open CLOSE_GRACE_S later (a client that stopped reading or
+    # sending) is aborted, so nothing holds the exit to drain_timeout.
     again = asyncio.Event()
 
     def on_signal() -> None:
@@ -184,7 +186,7 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
             return
         if not again.is_set():
             log.warning("proxy_drain_cut", why="a second SIGTERM or SIGINT")
-            loop.call_later(CUT_GRACE_S, _close_connections, runner)
+            loop.call_later(CLOSE_GRACE_S, _close_connections, runner, "a second SIGTERM or SIGINT")
         again.set()
         app[DRAIN_KEY].cut()  # (before the drain starts: it starts cut)
 
@@ -210,13 +212,20 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
             connections=len(server.connections) if server is not None else 0,
         )
         await drain(app, again)
-        await runner.cleanup()
+        # (drain_timeout is the bound: aiohttp's own shutdown would wait it out twice for a handler
+        # stuck writing to a client that stopped reading)
+        ends_in = app[DRAIN_KEY].remaining() or 0.0
+        closing = loop.call_later(ends_in + CLOSE_GRACE_S, _close_connections, runner, "the drain ended")
+        try:
+            await runner.cleanup()
+        finally:
+            closing.cancel()
 
 
-def _close_connections(runner: web.AppRunner) -> None:
+def _close_connections(runner: web.AppRunner, why: str) -> None:
     closed = listener.close_connections(runner)
     if closed:
-        log.warning("connections_closed_at_cut", connections=closed)
+        log.warning("connections_aborted", connections=closed, why=why)
 
 
 def _demo_hint(base: str) -> str:

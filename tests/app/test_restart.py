@@ -256,27 +256,11 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared.exceptions import MCPError
 
-    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "30s"})
-    config = yaml.safe_load(config_file.read_text())
-    config["mcpServers"]["legacy"]["max_response_bytes"] = 64 * 1024 * 1024
-    config_file.write_text(yaml.safe_dump(config))
-    proxy = _start(config_file)
+    proxy = _start(_big_replies(_write_config(tmp_path, legacy_url, listen={"drain_timeout": "30s"})))
     plain = ModernClient(proxy.url, capabilities={})
     try:
         host, port = proxy.url.removeprefix("http://").split("/")[0].rsplit(":", 1)
-        big = {"name": "big_result", "arguments": {"kb": 40_000}, "_meta": envelope({})}
-        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": big}).encode()
-        head = {**plain.headers_for("tools/call", big), "Accept": "application/json"}
-        not_reading, not_reading_writer = await asyncio.open_connection(host, int(port))
-        not_reading_writer.write(
-            f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n".encode()
-            + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
-            + b"\r\n"
-            + body
-        )
-        await not_reading_writer.drain()
-        async with asyncio.timeout(30):  # its reply has begun; this client reads no more of it
-            assert (await not_reading.readexactly(12)) == b"HTTP/1.1 200"
+        not_reading = await _not_reading_a_big_reply(proxy, plain)
         async with streamable_http_client(proxy.url) as (read, write), ClientSession(read, write) as session:
             await session.initialize()
             legacy_call = asyncio.create_task(
@@ -305,7 +289,57 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
         assert time.monotonic() - started < 10  # not the 30 s drain_timeout
         assert await asyncio.wait_for(stalled_reader.read(), 5) == b""  # closed, unanswered
         stalled.close()
-        not_reading_writer.close()
+        not_reading.close()
     finally:
         await plain.close()
         proxy.stop()
+
+
+async def test_a_client_that_stopped_reading_holds_the_exit_no_longer_than_the_drain(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """One SIGTERM, a 5 s drain, and a client that stopped reading a 40 MB reply: its connection is
+    aborted a second after the drain's deadline and the proxy exits then (aiohttp's own shutdown
+    would wait for the stuck write twice as long as the drain)."""
+    import time
+
+    proxy = _start(_big_replies(_write_config(tmp_path, legacy_url, listen={"drain_timeout": "5s"})))
+    plain = ModernClient(proxy.url, capabilities={})
+    try:
+        not_reading = await _not_reading_a_big_reply(proxy, plain)
+        started = time.monotonic()
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
+        assert time.monotonic() - started < 9  # the drain (5 s), the grace (1 s), the clean-up: not 12 s
+        not_reading.close()
+    finally:
+        await plain.close()
+        proxy.stop()
+
+
+def _big_replies(config_file: Path) -> Path:
+    """The config file, its `legacy` upstream allowed replies up to 64 MB."""
+    config = yaml.safe_load(config_file.read_text())
+    config["mcpServers"]["legacy"]["max_response_bytes"] = 64 * 1024 * 1024
+    config_file.write_text(yaml.safe_dump(config))
+    return config_file
+
+
+async def _not_reading_a_big_reply(proxy: ServerProcess, plain: ModernClient) -> asyncio.StreamWriter:
+    """A raw connection that asks for a 40 MB result, reads the first bytes of the reply (so the
+    proxy is writing it) and then no more; returns its writer, for the test to close."""
+    host, port = proxy.url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    big = {"name": "big_result", "arguments": {"kb": 40_000}, "_meta": envelope({})}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": big}).encode()
+    head = {**plain.headers_for("tools/call", big), "Accept": "application/json"}
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n".encode()
+        + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
+        + b"\r\n"
+        + body
+    )
+    await writer.drain()
+    async with asyncio.timeout(30):  # its reply has begun; this client reads no more of it
+        assert (await reader.readexactly(12)) == b"HTTP/1.1 200"
+    return writer
