@@ -244,6 +244,9 @@ class CallRunner:
                         shadow_at = None
                         await self._share(call, policy)
                         continue
+                    if deadline is not None and loop.time() >= deadline and self._draining_alone():
+                        deadline = None  # (a task made now would only be failed as the proxy stops)
+                        continue
                     if deadline is not None and loop.time() >= deadline:
                         handle = await self._detach(
                             call,
@@ -279,6 +282,12 @@ class CallRunner:
         finally:
             if call.relay == reply.relay:  # (not a later handler's, should one have taken over)
                 call.relay = None
+
+    def _draining_alone(self) -> bool:
+        """True while a proxy without replicas drains: no other replica would serve a task detached
+        now, and the shutdown fails every task still running, so a call reaching its detach deadline
+        stays attached and gets what is left of drain_timeout to finish."""
+        return self.drain.started and self.tasks.remote is None
 
     async def _carry_on(self, call: Call, policy: ResolvedPolicy) -> None:
         """A keyed call whose client went away goes on, as a task under its slot's task id (what

@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 from support.clients import ModernClient, envelope
+from support.proxy import Serve, make_config
 from support.servers import ROOT, ServerProcess
+
+from proxy.app import DRAIN_KEY
+from proxy.tasks.store import ListFilter
 
 
 def _start(config_file: Path) -> ServerProcess:
@@ -343,3 +347,25 @@ async def _not_reading_a_big_reply(proxy: ServerProcess, plain: ModernClient) ->
     async with asyncio.timeout(30):  # its reply has begun; this client reads no more of it
         assert (await reader.readexactly(12)) == b"HTTP/1.1 200"
     return writer
+
+
+async def test_without_replicas_a_call_reaching_its_detach_deadline_while_draining_stays_attached(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A proxy without replicas starts its drain while a call (with the tasks extension, 1 s long,
+    detach_after 300 ms) runs: the call does not become a task that the shutdown would fail, it
+    stays attached and its client gets the result within drain_timeout."""
+    proxy = await serve(make_config(legacy_url, tmp_path / "store", tasks={"detach_after": "300ms"}))
+    client = ModernClient(proxy.url())
+    try:
+        await client.warm_up()
+        call = asyncio.create_task(client.call("slow_compute", {"seconds": 1.0, "label": "drained"}))
+        await asyncio.sleep(0.1)
+        proxy.app[DRAIN_KEY].start(30.0)
+        reply = await asyncio.wait_for(call, 10)
+        assert reply.result.get("resultType") != "task", reply.message
+        assert reply.result["content"][0]["text"] == "computed drained after 1s", reply.message
+        records, _ = await proxy.store.list_tasks(ListFilter())
+        assert not [r for r in records if r.tool == "slow_compute"], records
+    finally:
+        await client.close()
