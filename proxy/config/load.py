@@ -34,14 +34,30 @@ def _interpolation_message(exc: Exception) -> str:
 
 def _interpolate(node: Any, path: str, errors: list[str]) -> Any:
     """`node` with `${VAR}` expanded in every string; each string that cannot be expanded is kept
-    as it is and adds one line (`key.path: what is wrong`) to `errors`, so one run names them all."""
+    as it is and adds one line (`key.path: what is wrong`) to `errors` per variable it lacks, so
+    one run names them all."""
     if isinstance(node, str):
-        try:
-            # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
-            return expandvars.expand(node, nounset=True, environ=dict(os.environ))
-        except expandvars.ExpandvarsException as exc:
-            errors.append(f"{path or '<root>'}: {_interpolation_message(exc)}")
-            return node
+        # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
+        environ = dict(os.environ)
+        problems: list[str] = []
+        while True:
+            try:
+                value = expandvars.expand(node, nounset=True, environ=environ)
+            except (expandvars.UnboundVariable, expandvars.ParameterNullOrNotSet) as exc:
+                problems.append(_interpolation_message(exc))
+                name = str(exc.args[0]).partition(": ")[0] if exc.args else ""
+                if not name or environ.get(name):
+                    break
+                environ[name] = "set"  # a stand-in, so the next one this string names is found too
+            except expandvars.ExpandvarsException as exc:
+                problems.append(_interpolation_message(exc))
+                break
+            else:
+                if not problems:
+                    return value
+                break
+        errors.extend(f"{path or '<root>'}: {problem}" for problem in problems)
+        return node
     if isinstance(node, dict):
         return {k: _interpolate(v, f"{path}.{k}" if path else str(k), errors) for k, v in node.items()}
     if isinstance(node, list):
@@ -69,7 +85,7 @@ def config_from_data(data: Any, *, source: str = "<config>") -> Config:
     errors: list[str] = []
     data = _interpolate(data, "", errors)
     if errors:
-        raise ConfigError("\n".join(errors))
+        raise ConfigError(f"{source}: cannot interpolate environment variables\n" + "\n".join(errors))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

@@ -291,15 +291,16 @@ def test_interpolation_does_not_change_the_environment(monkeypatch: pytest.Monke
 )
 def test_missing_variable_names_key_path_and_variable(monkeypatch: pytest.MonkeyPatch, data: dict, path: str):
     monkeypatch.delenv("NOPE", raising=False)
-    message = config_error(data)
-    assert message.startswith(f"{path}: environment variable NOPE is not set"), message
-    assert "'" not in message.split(":", 1)[1].split("(")[0]  # not the raw quoted KeyError text
+    header, line = config_error(data).splitlines()
+    assert header == "<config>: cannot interpolate environment variables", header
+    assert line.startswith(f"{path}: environment variable NOPE is not set"), line
+    assert "'" not in line.split(":", 1)[1].split("(")[0]  # not the raw quoted KeyError text
 
 
 def test_required_variable_syntax(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("NOPE", raising=False)
     message = config_error({"mcpServers": {"a": {"url": "${NOPE:?set the upstream url}"}}})
-    assert message.startswith("mcpServers.a.url: environment variable NOPE is not set")
+    assert message.splitlines()[1].startswith("mcpServers.a.url: environment variable NOPE is not set")
     assert "set the upstream url" in message
 
 
@@ -310,7 +311,7 @@ def test_every_missing_variable_is_named_in_one_error(monkeypatch: pytest.Monkey
         "store": {"path": "${NOPE}/tasks"},
         "mcpServers": {"a": {"url": "${NOPE_TOO}", "headers": {"Authorization": "Bearer ${NOPE_AGAIN}"}}},
     }
-    lines = config_error(data).splitlines()
+    lines = config_error(data).splitlines()[1:]
     assert [line.split(": ", 1)[0] for line in lines] == [
         "store.path",
         "mcpServers.a.url",
@@ -322,9 +323,20 @@ def test_every_missing_variable_is_named_in_one_error(monkeypatch: pytest.Monkey
     )
 
 
+def test_every_missing_variable_of_one_string_is_named(monkeypatch: pytest.MonkeyPatch):
+    for name in ("NOPE_HOST", "NOPE_PORT", "NOPE_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    lines = config_error(
+        {"mcpServers": {"a": {"url": "http://${NOPE_HOST}:${NOPE_PORT:?a port}/${NOPE_PATH}"}}}
+    ).splitlines()[1:]
+    assert [line.split(" is not set")[0] for line in lines] == [
+        f"mcpServers.a.url: environment variable {name}" for name in ("NOPE_HOST", "NOPE_PORT", "NOPE_PATH")
+    ], lines
+
+
 def test_malformed_interpolation_names_key_path():
     message = config_error({"mcpServers": {"a": {"url": "http://h/${BROKEN"}}})
-    assert message.startswith("mcpServers.a.url:")
+    assert message.splitlines()[1].startswith("mcpServers.a.url:")
 
 
 # --- unknown keys -------------------------------------------------------------------------------
