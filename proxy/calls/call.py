@@ -28,6 +28,7 @@ from proxy.protocol.inputs import (
 )
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, RequestId, object_of
 from proxy.runtime import metrics
+from proxy.runtime.drain import Drain
 from proxy.tasks.types import TaskSink
 from proxy.upstream.types import Pool, Session, UpstreamError, UpstreamUndeliveredError, with_session
 
@@ -522,6 +523,13 @@ class Call:
             return
         self._cancel_reason = reason
         self._release(reason, {"code": REQUEST_CANCELLED, "message": f"cancelled: {reason}"})
+
+    def abandon(self, drain: Drain) -> jsonrpc.JsonRpcError:
+        """Give the call up as the shutdown drain ends (`drain_timeout` passed, or a second signal):
+        cancelled upstream, logged (`call_abandoned`); returns the -32603 its client gets."""
+        self.cancel("the proxy is shutting down")
+        log.warning("call_abandoned", server=self.server, tool=self.tool, reason=drain.reason)
+        return jsonrpc.JsonRpcError(INTERNAL_ERROR, drain.abandoned)
 
     def _release(self, reason: str, error: JsonObject) -> None:
         """Answer the pending questions with `error` first; cancel the request only if it still runs

@@ -21,7 +21,6 @@ from proxy.calls.types import KeyedCall, Reply
 from proxy.config import ResolvedPolicy, ToolMode
 from proxy.protocol.era import TASKS_EXTENSION, Envelope, strip_envelope, upstream_capabilities
 from proxy.protocol.jsonrpc import (
-    INTERNAL_ERROR,
     MISSING_REQUIRED_CLIENT_CAPABILITY,
     JsonObject,
     JsonRpcError,
@@ -238,8 +237,7 @@ class CallRunner:
                     if call.done or call.pending:
                         continue
                     if self.drain.remaining() == 0.0:
-                        call.cancel("the proxy is shutting down")
-                        raise JsonRpcError(INTERNAL_ERROR, self.drain.abandoned) from None
+                        raise call.abandon(self.drain) from None
                     if shadow_at is not None and loop.time() >= shadow_at:
                         shadow_at = None
                         await self._share(call, policy)

@@ -297,8 +297,7 @@ class UpstreamTasks:
                 if kind != "timeout" or item is not timer or call.done or call.pending:
                     continue
                 if self.drain.remaining() == 0.0:
-                    call.cancel("the proxy is shutting down")
-                    raise JsonRpcError(INTERNAL_ERROR, self.drain.abandoned)
+                    raise call.abandon(self.drain)
                 await reply.keepalive()
         except asyncio.CancelledError:
             call.cancel("the client closed the request stream")
