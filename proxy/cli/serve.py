@@ -65,6 +65,9 @@ def run(argv: list[str]) -> int:
     SIGINT/SIGTERM, 2 for a config that cannot be used, 1 for a store in use or unusable, or an
     address that cannot be bound."""
     args = _parser().parse_args(argv)
+    # Until the event loop's own handlers are set, SIGTERM acts as Ctrl-C: what has started (the
+    # demo's child and temporary store) is cleaned up, not left behind by the default action.
+    signal.signal(signal.SIGTERM, _as_interrupt)
     configure_logging(args.log_level or "info")
     try:
         if args.config is None:
@@ -93,6 +96,10 @@ def run(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # (not a re-sent SIGINT: a process started in the background ignores it)
 
 
 @contextlib.asynccontextmanager

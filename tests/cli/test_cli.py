@@ -342,6 +342,23 @@ def test_demo_serves_and_stops_cleanly(demo_proxy: DemoProxy):
     assert not _alive(demo_children[0]), "the demo child outlived the proxy"
 
 
+def test_sigterm_while_the_demo_starts_leaves_nothing_behind(demo_proxy: DemoProxy, tmp_path: Path):
+    """SIGTERM as soon as the demo's upstream is up, which is before the proxy's event loop has its
+    signal handlers in most runs: the proxy exits 0 and leaves neither its child nor its temporary
+    store (before, the default action killed it with 143 and the store stayed)."""
+    demo_proxy.wait_for_line("demo upstream (a legacy MCP server) at ")
+    children = [pid for pid in _children(demo_proxy.proc.pid) if "proxy.demo.server" in _cmdline(pid)]
+    demo_proxy.child_pids = children
+    demo_proxy.proc.send_signal(signal.SIGTERM)
+    rc = demo_proxy.proc.wait(timeout=10)
+    assert rc == 0, demo_proxy.stderr_path.read_text()
+    assert not list(tmp_path.glob("mcp-tasks-proxy-demo-*"))
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(pid) for pid in children), "the demo child outlived the proxy"
+
+
 def test_shipped_json_schema_is_generated_from_the_models():
     from proxy.config import SCHEMA_FILE, config_json_schema
 
