@@ -9,7 +9,7 @@ import shutil
 import sys
 from urllib.parse import urlsplit
 
-from proxy.config import Config, ConfigError, JwtConfig, TaskPolicy, load_config, redact_url
+from proxy.config import Config, ConfigError, JwtConfig, TaskPolicy, ToolMode, load_config, redact_url
 from proxy.front.tokens import AccessTokens, TokenError, load_jwks_file
 from proxy.replicas import advertised_url
 from proxy.runtime import event_loop, tracing
@@ -38,9 +38,13 @@ def run(argv: list[str]) -> int:
     if problems:
         print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
-    print(describe(config, args.file))
-    for warning in auth_warnings(config):
-        print(f"warning: {warning}")
+    try:
+        print(describe(config, args.file))
+        for warning in auth_warnings(config):
+            print(f"warning: {warning}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # (`check-config FILE | head`): the reader took what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no error again at exit)
     return 0
 
 
@@ -120,7 +124,7 @@ def describe(config: Config, source: str) -> str:
     routes and task policy, each configured tool's whole effective policy (durations in seconds);
     a note for replica-only settings given without a `replicas` section."""
     base = f"http://{config.listen.host}:{config.listen.port}"
-    durability = "Redis persistence" if config.store.redis else config.store.durable
+    durability = "Redis persistence" if config.store.redis else ("yes" if config.store.durable else "no")
     lines = [
         f"{source}: valid",
         f"listen {base}  store {config.store.where}  (durable: {durability})  event loop "
@@ -182,6 +186,12 @@ def describe(config: Config, source: str) -> str:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:
             policy = config.policy(name, tool)
+            if policy.mode is ToolMode.FORBIDDEN:
+                lines.append(
+                    f"    tool {tool}: mode forbidden (never a task: always answered synchronously), timeout "
+                    f"{policy.timeout:g}s, idempotency_window {policy.idempotency_window:g}s"
+                )
+                continue
             dedupe = "" if policy.dedupe_window is None else f", dedupe_window {policy.dedupe_window:g}s"
             lines.append(
                 f"    tool {tool}: mode {policy.mode.value}, on_restart {policy.on_restart}, detach_after "

@@ -535,3 +535,28 @@ def test_check_config_shows_each_tools_policy_and_ignored_replica_settings(tmp_p
     tool = next(line for line in checked.stdout.splitlines() if line.strip().startswith("tool build:"))
     for shown in ("mode required", "on_restart rerun", "timeout 7200s", "input_timeout 60s", "ttl 3600s"):
         assert shown in tool, tool
+    config.write_text(config.read_text().replace("mode: required", "mode: forbidden"))
+    checked = run_cli("check-config", str(config))
+    tool = next(line for line in checked.stdout.splitlines() if line.strip().startswith("tool build:"))
+    assert "mode forbidden (never a task" in tool and "detach_after" not in tool, tool
+    assert "(durable: yes)" in checked.stdout, checked.stdout
+
+
+def test_check_config_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`check-config FILE | head`: a reader that stops early gets no BrokenPipeError traceback."""
+    config = tmp_path / "c.yaml"
+    config.write_text("mcpServers:\n  a: {url: http://127.0.0.1:1/mcp}\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "check-config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # gone before the command writes a line
+    try:
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=30) == 0, stderr
+    finally:
+        proc.stderr.close()
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
