@@ -89,7 +89,7 @@ def build_app(config: Config) -> web.Application:
     )
     throttle = FailedAttempts(config.limits.failed_auth)
     middlewares = [
-        access_log(payloads=config.logging.log_payloads),
+        access_log(),
         json_errors(),
         host_guard(allowed),
         auth_middleware(
@@ -267,6 +267,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                     forget_shared=router.forget if router is not None else None,
                 ),
                 body_timeout=config.listen.body_timeout,
+                log_payloads=config.logging.log_payloads,
                 router=router.route if router is not None else None,
                 scopes=ScopeCheck(app[RESOURCE_KEY], name, tasks) if config.auth.scopes else None,
             )

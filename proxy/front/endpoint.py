@@ -132,7 +132,8 @@ Router = Callable[[web.Request, Any, bytes | None, str], Awaitable[web.StreamRes
 class ServerEndpoint:
     """The MCP endpoint of one upstream server (`name`): the 2026-07-28 era through `dispatcher`,
     the handshake era through `legacy`, each request first offered to `router` (replicas), after
-    `scopes` (`auth.scopes`) had their say. `body_timeout` (s) bounds reading a request body."""
+    `scopes` (`auth.scopes`) had their say. `body_timeout` (s) bounds reading a request body; with
+    `log_payloads` each body read whole is logged (`request_payload`, its first 64 KiB as text)."""
 
     def __init__(
         self,
@@ -143,6 +144,7 @@ class ServerEndpoint:
         body_timeout: float,
         router: Router | None = None,
         scopes: ScopeCheck | None = None,
+        log_payloads: bool = False,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher
@@ -150,6 +152,7 @@ class ServerEndpoint:
         self.body_timeout = body_timeout
         self.router = router
         self.scopes = scopes
+        self.log_payloads = log_payloads
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
@@ -200,6 +203,8 @@ class ServerEndpoint:
             return _closing(
                 _json_error(None, JsonRpcError(PARSE_ERROR, f"the body cannot be read: {reason}"), status=400)
             )
+        if self.log_payloads:  # (after the body's own bounds; bytes that are not UTF-8 logged replaced)
+            log.info("request_payload", body=raw[:65536].decode("utf-8", errors="replace"))
         try:
             body = jsonrpc.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -1,7 +1,7 @@
 """The front's own middlewares: JSON-RPC errors for whatever fails outside a handler, and the
 access log (structlog with contextvars: one line per request with its request id, JSON-RPC method,
-server, tool, principal hash, status and duration in ms; payloads and secrets never, unless
-`logging.log_payloads: true`)."""
+server, tool, principal hash, status and duration in ms; payloads and secrets never: with
+`logging.log_payloads: true` the MCP endpoint logs the bodies it has read within its bounds)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def json_errors():
     return middleware
 
 
-def access_log(*, payloads: bool):
+def access_log():
     """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool and task
     id) to the log context and write one line per request with its status and duration in ms.
 
@@ -74,9 +74,6 @@ def access_log(*, payloads: bool):
         status = 500
         event = "request"
         try:
-            if payloads and request.can_read_body:
-                body = (await request.read())[:65536]  # (bytes: a body that is not UTF-8 is logged too)
-                log.info("request_payload", body=body.decode("utf-8", errors="replace"))
             response = await handler(request)
             status = response.status
             return response

@@ -190,10 +190,12 @@ async def test_log_payloads_true_logs_request_bodies(
     try:
         config = make_config(legacy_url, tmp_path / "store")
         config.logging.log_payloads = True
+        config.listen.max_body = 4096
         proxy = await serve(config)
         client = ModernClient(proxy.url())
         try:
             await client.call("greet", {"name": marker})
+            too_large = await client.call("greet", {"name": "x" * 8192})
             params = {"name": "greet", "arguments": {"name": "x"}}
             not_utf8 = b'{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "\xff\xfe"}}'
             refused = await client.post_raw(not_utf8, client.headers_for("tools/call", params))
@@ -206,6 +208,9 @@ async def test_log_payloads_true_logs_request_bodies(
 
         structlog.reset_defaults()
     assert "request_payload" in err and marker in err
+    # the body's own bounds come first: a body over max_body is the endpoint's JSON-RPC 413, not logged
+    assert too_large.status == 413 and too_large.error["code"] == -32600, too_large.message
+    assert "x" * 8192 not in err
     # a body that is not UTF-8 is logged (replacement characters) and answered as without logging
     assert refused.status == 400 and refused.error["code"] == -32700, refused.message
     assert "\ufffd\ufffd" in err, err
