@@ -36,7 +36,12 @@ def render_json(event_dict: dict[str, Any], default: Callable[[Any], Any]) -> st
     try:
         return orjson.dumps(event_dict, default=default).decode()
     except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(_writable(event_dict), default=default, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(
+            _writable(event_dict),
+            default=lambda value: _writable(default(value)),
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
 
 
 _JSON_KEYS = (str, int, float, bool, type(None))  # the keys `json` writes itself

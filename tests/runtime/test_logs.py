@@ -19,6 +19,11 @@ class _Opaque:
         return "<opaque thing>"
 
 
+class _OddRepr:
+    def __repr__(self) -> str:
+        return "odd\udc80repr"
+
+
 def _strict(literal: str) -> None:
     raise ValueError(f"not strict JSON: {literal}")
 
@@ -31,8 +36,8 @@ def json_lines(capsys: pytest.CaptureFixture[str]):
 
     def lines() -> list[dict]:
         lines = capsys.readouterr().err.splitlines()
-        strict = [orjson.loads(line) for line in lines if "2361183241434822606848" not in line]
-        assert len(strict) >= len(lines) - 1  # (orjson reads integers up to 64 bits only)
+        strict = [orjson.loads(line) for line in lines if "1180591620717411303424" not in line]
+        assert len(strict) >= len(lines) - 2  # (orjson reads integers up to 64 bits only)
         return [json.loads(line, parse_constant=_strict) for line in lines]
 
     try:
@@ -61,9 +66,11 @@ def test_values_orjson_refuses_still_make_a_line(json_lines, capsys: pytest.Capt
     log.info("keys", mapping={1: "one", None: "none", ("a", 2): "tuple"})
     log.info("nan", value=math.nan)
     log.info("both", tool="bad\udc80name", values=[math.inf, {"x": -math.inf}])
-    surrogate, big, keys, nan, both = json_lines()
+    log.info("repr", thing=_OddRepr(), value=2**70)  # (the fallback, and `default` gives a surrogate)
+    surrogate, big, keys, nan, both, odd = json_lines()
     assert surrogate["tool"] == "bad\\udc80name"  # the escape's text, not a lone surrogate
     assert big["value"] == 2**70
     assert keys["mapping"] == {"1": "one", "null": "none", "('a', 2)": "tuple"}
     assert nan["value"] is None
     assert both["tool"] == "bad\\udc80name" and both["values"] == [None, {"x": None}]
+    assert odd["thing"] == "odd\\udc80repr" and odd["value"] == 2**70
