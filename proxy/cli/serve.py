@@ -67,7 +67,17 @@ def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     # Until the event loop's own handlers are set, SIGTERM acts as Ctrl-C: what has started (the
     # demo's child and temporary store) is cleaned up, not left behind by the default action.
-    signal.signal(signal.SIGTERM, _as_interrupt)
+    previous = signal.signal(signal.SIGTERM, _as_interrupt)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`run` once its arguments are parsed and SIGTERM acts as Ctrl-C; the same exit statuses."""
     configure_logging(args.log_level or "info")
     try:
         if args.config is None:
@@ -93,12 +103,11 @@ def run(argv: list[str]) -> int:
     except OSError as exc:
         print(f"mcp-tasks-proxy: cannot listen: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
 def _as_interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends it
     raise KeyboardInterrupt  # (not a re-sent SIGINT: a process started in the background ignores it)
 
 
