@@ -186,13 +186,14 @@ def describe(config: Config, source: str) -> str:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:
             policy = config.policy(name, tool)
+            dedupe = "" if policy.dedupe_window is None else f", dedupe_window {policy.dedupe_window:g}s"
             if policy.mode is ToolMode.FORBIDDEN:
                 lines.append(
                     f"    tool {tool}: mode forbidden (never a task: always answered synchronously), timeout "
-                    f"{policy.timeout:g}s, idempotency_window {policy.idempotency_window:g}s"
+                    f"{policy.timeout:g}s, input_timeout {policy.input_timeout:g}s, idempotency_window "
+                    f"{policy.idempotency_window:g}s{dedupe}"
                 )
                 continue
-            dedupe = "" if policy.dedupe_window is None else f", dedupe_window {policy.dedupe_window:g}s"
             lines.append(
                 f"    tool {tool}: mode {policy.mode.value}, on_restart {policy.on_restart}, detach_after "
                 f"{policy.detach_after:g}s, timeout {policy.timeout:g}s, ttl {policy.ttl:g}s, poll_interval "
