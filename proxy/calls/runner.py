@@ -213,9 +213,7 @@ class CallRunner:
                 for due in (deadline, shadow_at):
                     if due is not None:
                         wait = min(wait, max(0.0, due - loop.time()))
-                remaining = self.drain.remaining()
-                if remaining is not None:
-                    wait = min(wait, remaining)
+                wait = self.drain.cap(wait)
                 # One wake-up for the whole wait: notifications relayed before it rings cost no timer
                 # each (a keepalive follows `keepalive_s` after the wait began, chatty or not), and
                 # it cancels nothing awaited here (a write to a slow client stays whole); it is

@@ -287,9 +287,7 @@ class UpstreamTasks:
                         "io.modelcontextprotocol/tasks extension cannot answer; declare the extension to "
                         "answer it through the task",
                     )
-                remaining = self.drain.remaining()
-                wait = self.keepalive_s if remaining is None else min(self.keepalive_s, remaining)
-                timer = self.drain.timer(wait, call.wake)  # (rung at once by a drain's start or cut)
+                timer = self.drain.timer(self.drain.cap(self.keepalive_s), call.wake)  # (rung by a drain)
                 try:
                     kind, item = await call.events.get()  # input, done, notifications, or the wake-up
                 finally:

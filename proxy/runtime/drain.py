@@ -105,6 +105,11 @@ class Drain:
             return None
         return max(0.0, self._deadline - asyncio.get_running_loop().time())
 
+    def cap(self, wait_s: float) -> float:
+        """`wait_s` (s), or the seconds left before the drain deadline when that is less."""
+        remaining = self.remaining()
+        return wait_s if remaining is None else min(wait_s, remaining)
+
     def timer(self, timeout_s: float, fire: Callable[[DrainTimer], None]) -> DrainTimer:
         """A wake-up for a waiting handler: `fire(timer)` is called once, `timeout_s` seconds from now
         (at the next loop iteration when 0 or less) or at once when a drain starts or is cut first,
