@@ -240,10 +240,10 @@ class CallRunner:
                         shadow_at = None
                         await self._share(call, policy)
                         continue
-                    if deadline is not None and loop.time() >= deadline and self._draining_alone():
-                        deadline = None  # (a task made now would only be failed as the proxy stops)
-                        continue
                     if deadline is not None and loop.time() >= deadline:
+                        if self._draining_alone():
+                            deadline = None  # (a task made now would only be failed as the proxy stops)
+                            continue
                         handle = await self._detach(
                             call,
                             policy,
