@@ -16,10 +16,15 @@ from proxy.config.base import ConfigError
 from proxy.config.model import Config
 
 
+def _variable(exc: Exception) -> str:
+    """The variable an expandvars failure names ("" when it names none)."""
+    return (str(exc.args[0]) if exc.args else "").partition(": ")[0]
+
+
 def _interpolation_message(exc: Exception) -> str:
     """A readable sentence for an expandvars failure (its KeyError-based messages print quoted)."""
     text = str(exc.args[0]) if exc.args else str(exc)
-    name, _, detail = text.partition(": ")
+    name, detail = _variable(exc), text.partition(": ")[2]
     if isinstance(exc, expandvars.UnboundVariable):
         return (
             f"environment variable {name} is not set (use ${{{name}:-default}} for a fallback, or \\$ for "
@@ -32,32 +37,33 @@ def _interpolation_message(exc: Exception) -> str:
     return f"cannot interpolate environment variables: {text}"
 
 
+def _expand(text: str) -> tuple[str, list[str]]:
+    """`text` with its variables expanded, and what stops that: one sentence per variable it lacks
+    (each found with the ones before it standing in as set), or the sentence for a malformed part."""
+    # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
+    environ = dict(os.environ)
+    problems: list[str] = []
+    while True:
+        try:
+            return expandvars.expand(text, nounset=True, environ=environ), problems
+        except (expandvars.UnboundVariable, expandvars.ParameterNullOrNotSet) as exc:
+            problems.append(_interpolation_message(exc))
+            name = _variable(exc)
+            if not name or environ.get(name):  # (standing in did not help: nothing more to find)
+                return text, problems
+            environ[name] = "set"
+        except expandvars.ExpandvarsException as exc:
+            return text, [*problems, _interpolation_message(exc)]
+
+
 def _interpolate(node: Any, path: str, errors: list[str]) -> Any:
     """`node` with `${VAR}` expanded in every string; each string that cannot be expanded is kept
     as it is and adds one line (`key.path: what is wrong`) to `errors` per variable it lacks, so
     one run names them all."""
     if isinstance(node, str):
-        # A copy of the environment: `${VAR:=default}` must not change the proxy's own environment.
-        environ = dict(os.environ)
-        problems: list[str] = []
-        while True:
-            try:
-                value = expandvars.expand(node, nounset=True, environ=environ)
-            except (expandvars.UnboundVariable, expandvars.ParameterNullOrNotSet) as exc:
-                problems.append(_interpolation_message(exc))
-                name = str(exc.args[0]).partition(": ")[0] if exc.args else ""
-                if not name or environ.get(name):
-                    break
-                environ[name] = "set"  # a stand-in, so the next one this string names is found too
-            except expandvars.ExpandvarsException as exc:
-                problems.append(_interpolation_message(exc))
-                break
-            else:
-                if not problems:
-                    return value
-                break
+        value, problems = _expand(node)
         errors.extend(f"{path or '<root>'}: {problem}" for problem in problems)
-        return node
+        return node if problems else value
     if isinstance(node, dict):
         return {k: _interpolate(v, f"{path}.{k}" if path else str(k), errors) for k, v in node.items()}
     if isinstance(node, list):
