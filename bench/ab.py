@@ -5,6 +5,7 @@ drifts between two separate runs; within one run every revision sees the same dr
     python bench/ab.py 0494dd5 HEAD --rounds 5 --duration 5 --rows a-modern-sdk,b-1000000
     python bench/ab.py HEAD HEAD+tracing --rows a-modern-fake,a-legacy-fake   # tracing off vs on
     python bench/ab.py floor floor+uvloop HEAD HEAD+uvloop   # asyncio's loop vs uvloop, floor beside
+    python bench/ab.py floor floor+store HEAD --rows b-100000   # tasks/get: floor from memory, from the store
 
 A row `a-<wire>-fake-pN` calls the fast upstream's `chatty` tool with a progress token: N
 progress notifications 1 ms apart (each its own read at the proxy, as from an upstream that
@@ -14,7 +15,8 @@ per relayed notification (use N of 100 or more: per-call noise is divided by N).
 `floor` in place of a revision is bench/floor.py, the smallest correct aiohttp server in the
 proxy's place: for (a) rows a byte pass-through in front of the same upstream (on the legacy wire
 for the `modern` rows too: a pass-through cannot translate), for (b) rows a minimal JSON handler
-answering `tasks/get` from a dict. `python bench/ab.py floor HEAD` gives the proxy's CPU per call as
+answering `tasks/get` from a dict (`floor+store`: from the seeded diskcache directory, one read per
+request, as the proxy stores it). `python bench/ab.py floor HEAD` gives the proxy's CPU per call as
 a ratio to the floor's.
 
 A revision ending in `+tracing` runs that revision with OpenTelemetry tracing on (sample ratio 1.0,
@@ -58,6 +60,7 @@ GREET = {"tool": "greet", "arguments": {"name": "bench"}, "expect": "Hello, benc
 
 TRACING = "+tracing"
 UVLOOP = "+uvloop"
+STORE = "+store"  # floor only: (b) rows read each record from the seeded diskcache directory
 FLOOR = "floor"
 
 
@@ -87,8 +90,10 @@ def extract(rev: str, workdir: Path) -> tuple[str, Path | None]:
     source shared); `floor` has no source."""
     rev, *flags = rev.split("+")
     suffixes = "".join(f"+{flag}" for flag in flags)
-    if not {f"+{flag}" for flag in flags} <= {UVLOOP, TRACING}:
-        raise SystemExit(f"{rev}{suffixes}: the suffixes known are {UVLOOP} and {TRACING}")
+    if not {f"+{flag}" for flag in flags} <= {UVLOOP, TRACING, STORE}:
+        raise SystemExit(f"{rev}{suffixes}: the suffixes known are {UVLOOP}, {TRACING} and {STORE}")
+    if STORE in suffixes and rev != FLOOR:
+        raise SystemExit(f"{rev}{suffixes}: {STORE} is for the floor (the proxy always reads its store)")
     if rev == FLOOR:
         return FLOOR + suffixes, None
     short = subprocess.run(
@@ -140,7 +145,10 @@ def measure_row(
         lg_cpu = "1"
         spec = {"mode": "tasks_get", "ids_file": str(ids_file)}
         if floor:
-            proxy, url = run.start_floor(workdir, "0", f"ab-{row}-{name}", ids_file=ids_file, uvloop=uv)
+            on_disk = store if STORE in name else None
+            proxy, url = run.start_floor(
+                workdir, "0", f"ab-{row}-{name}", ids_file=ids_file, store=on_disk, uvloop=uv
+            )
         else:
             cfg = run.write_config(
                 workdir, f"ab-{row}", {"url": ups["fake"]}, store, durable=True, event_loop=event_loop

@@ -12,9 +12,15 @@ Two modes, each one process on aiohttp both ways, as the proxy is:
   dict loaded from `--ids-file` (the ids the bench stored), answer a `tasks/get`-shaped result with
   `web.json_response`. The floor for `tasks/get`: what answering a small JSON request from memory
   costs on aiohttp, with no store behind it.
+- `json` with `--store DIR`: the same handler, the record read from the proxy's own diskcache
+  directory instead (one `Cache.get` of `task:<id>`, opened as the proxy opens it: its `DataDisk`
+  codec, `eviction_policy="none"`), its `taskId`, `status` and `ttl` answered. What a `tasks/get`
+  costs on aiohttp once it reads a durable store, and nothing else (no principal, no envelope, no
+  log line, no metrics).
 
     python bench/floor.py --upstream http://127.0.0.1:PORT/mcp --port 0   # prints `listening on URL`
     python bench/floor.py --json --ids-file ids.json --port 0
+    python bench/floor.py --json --ids-file ids.json --store STORE_DIR --port 0
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ import asyncio
 import json
 
 import aiohttp
+import diskcache
 import uvloop
 from aiohttp import web
 from fake_upstream import serve  # the same listener as the fast upstream (TCP_NODELAY)
+
+from proxy.tasks.datadisk import DataDisk  # the store's codec: records are JSON, read by orjson
 
 UP_HEADERS = (
     "Content-Type",
@@ -88,15 +97,37 @@ def json_app(ids: list[str]) -> web.Application:
     return app
 
 
+def store_app(store: str) -> web.Application:
+    """The JSON handler reading each record from the proxy's diskcache directory `store`."""
+    cache = diskcache.Cache(store, disk=DataDisk, eviction_policy="none", timeout=10)
+
+    async def answer(request: web.Request) -> web.Response:
+        message = json.loads(await request.read())
+        task_id = (message.get("params") or {}).get("taskId")
+        record = cache.get(f"task:{task_id}")
+        if record is None:
+            error = {"code": -32602, "message": "unknown task"}
+            return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "error": error})
+        result = {"taskId": task_id, "status": record.get("status"), "ttl": record.get("ttl_ms")}
+        return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "result": result})
+
+    app = web.Application()
+    app.router.add_post("/mcp", answer)
+    return app
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", help="the upstream's Streamable HTTP URL (pass mode)")
     parser.add_argument("--json", action="store_true", help="the minimal JSON handler instead")
     parser.add_argument("--ids-file", help="JSON list of task ids (json mode)")
+    parser.add_argument("--store", help="json mode: read each record from this diskcache directory")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's loop")
     args = parser.parse_args()
-    if args.json:
+    if args.json and args.store:
+        app = store_app(args.store)
+    elif args.json:
         with open(args.ids_file) as f:
             app = json_app(json.load(f))
     else:

@@ -224,12 +224,15 @@ def start_floor(
     *,
     upstream: str | None = None,
     ids_file: Path | None = None,
+    store: Path | None = None,
     uvloop: bool = False,
 ) -> tuple[Proc, str]:
     """bench/floor.py: the aiohttp pass-through in front of `upstream`, or (with `ids_file`) the minimal
-    JSON handler answering tasks/get from memory; on uvloop when `uvloop`. Returns (proc, /mcp URL)."""
+    JSON handler answering tasks/get from memory (from the diskcache directory `store` when given);
+    on uvloop when `uvloop`. Returns (proc, /mcp URL)."""
     argv = [PY, str(BENCH / "floor.py"), "--port", "0"]
     argv += ["--json", "--ids-file", str(ids_file)] if ids_file is not None else ["--upstream", str(upstream)]
+    argv += ["--store", str(store)] if store is not None else []
     argv += ["--uvloop"] if uvloop else []
     proc = Proc(name, argv, workdir, cpus=cpus)
     return proc, proc.wait_line("listening on ")
