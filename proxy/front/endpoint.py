@@ -207,10 +207,10 @@ class ServerEndpoint:
             log.info("request_payload", body=raw[:65536].decode("utf-8", errors="replace"))
         try:
             body = jsonrpc.loads(raw)
+        except jsonrpc.TooDeepError:
+            return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
         except (ValueError, UnicodeDecodeError) as exc:
             return _json_error(None, JsonRpcError(PARSE_ERROR, f"the body is not valid JSON: {exc}"))
-        except RecursionError:
-            return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
         if jsonrpc.nests_deeper_than(raw, body, MAX_JSON_DEPTH):
             return _json_error(None, JsonRpcError(PARSE_ERROR, TOO_DEEP))
         if isinstance(body, dict):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import jwt
 import structlog
 
 from proxy.config import ConfigError, JwtConfig, redact_url
+from proxy.protocol import jsonrpc
 
 log = structlog.get_logger("proxy.front")
 
@@ -307,7 +307,7 @@ class AccessTokens:
                 body = await resp.content.read(MAX_DOCUMENT_BYTES + 1)
             if len(body) > MAX_DOCUMENT_BYTES:
                 raise TokenError(f"{method} {redact_url(url)}: larger than {MAX_DOCUMENT_BYTES} bytes")
-            document = json.loads(body)
+            document = jsonrpc.loads(body)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             raise TokenError(f"{method} {redact_url(url)}: {exc.__class__.__name__}") from None
         if not isinstance(document, dict):

@@ -320,7 +320,7 @@ def observe(
         if ok and isinstance(reply, bytes) and reply[:1] == b"{":
             try:
                 message = jsonrpc.loads(reply)
-            except (ValueError, RecursionError):
+            except ValueError:
                 message = None
             if isinstance(message, dict):
                 ok = "error" not in message

@@ -64,7 +64,7 @@ def _decode(data: str) -> Any:
     """A JSON value from SSE data; None when empty or not JSON."""
     try:
         return jsonrpc.loads(data) if data.strip() else None
-    except (ValueError, RecursionError):
+    except ValueError:
         return None
 
 
@@ -729,7 +729,7 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
     else:
         try:
             message = jsonrpc.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
+        except (ValueError, UnicodeDecodeError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
             return (status if status < 500 else failed), data

@@ -133,16 +133,26 @@ def dumps_str(obj: Any) -> str:
     return dumps(obj).decode()
 
 
+class TooDeepError(ValueError):
+    """JSON text nested deeper than the parser can follow (about 1,000 levels: `json` raises
+    RecursionError there). A ValueError, so every reader that refuses text that is not JSON refuses
+    this too; one that must name the cause catches it first."""
+
+
 def loads(raw: bytes | bytearray | str) -> Any:
-    """Parse JSON like `json.loads` (same values, same errors: ValueError, UnicodeDecodeError,
-    RecursionError), with orjson where it reads the same values: big integers, NaN / Infinity,
-    lone surrogates, a BOM and bad input go through `json` so results and messages are unchanged."""
+    """Parse JSON like `json.loads` (same values, same errors: ValueError, UnicodeDecodeError),
+    with orjson where it reads the same values: big integers, NaN / Infinity, lone surrogates, a
+    BOM and bad input go through `json` so results and messages are unchanged. Text nested too
+    deeply to parse raises TooDeepError (a ValueError), never RecursionError."""
     if not _has_big_int(raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(raw, parse_constant=_NonFinite, parse_float=_float)
+    try:
+        return json.loads(raw, parse_constant=_NonFinite, parse_float=_float)
+    except RecursionError:
+        raise TooDeepError("the JSON text nests too deeply to parse") from None
 
 
 def nests_deeper_than(raw: bytes | bytearray, value: Any, limit: int) -> bool:

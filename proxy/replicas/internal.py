@@ -3,11 +3,10 @@ secret: the live half of `tasks/update` and `tasks/cancel` for calls running her
 
 from __future__ import annotations
 
-import json
-
 import structlog
 from aiohttp import web
 
+from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.node import Replicas
 from proxy.runtime import tracing
@@ -70,7 +69,7 @@ class InternalEndpoints:
         if not self._authentic(request):
             return _refuse(403, "replica secret missing or wrong")
         try:
-            payload = json.loads(await request.read())
+            payload = jsonrpc.loads(await request.read())
         except (ValueError, UnicodeDecodeError):
             return _refuse(400, "body must be a JSON object")
         if not isinstance(payload, dict) or not isinstance(payload.get("taskId"), str):

@@ -94,7 +94,7 @@ def decode(mode: int, data: bytes) -> Any:
     """The value `encode` wrote with `mode`; raises StoredValueError for bytes that are not JSON."""
     try:
         return orjson.loads(data) if mode == MODE_JSON else jsonrpc.loads(data)
-    except (ValueError, RecursionError) as exc:
+    except ValueError as exc:
         raise StoredValueError(f"a stored value is not valid JSON ({exc.__class__.__name__})") from None
 
 

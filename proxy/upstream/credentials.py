@@ -10,7 +10,6 @@ UpstreamError that names the token endpoint's answer, never the secret.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from urllib.parse import quote_plus
 
@@ -18,6 +17,7 @@ import aiohttp
 import structlog
 
 from proxy.config import UpstreamOAuth, redact_url
+from proxy.protocol import jsonrpc
 from proxy.upstream.types import UpstreamError
 
 log = structlog.get_logger("proxy.upstream")
@@ -89,7 +89,7 @@ class ClientCredentials:
                 ) as resp:
                     body = await resp.content.read(MAX_TOKEN_RESPONSE_BYTES + 1)
                     status = resp.status
-                answer = json.loads(body) if len(body) <= MAX_TOKEN_RESPONSE_BYTES else None
+                answer = jsonrpc.loads(body) if len(body) <= MAX_TOKEN_RESPONSE_BYTES else None
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 raise self._failed(f"the request failed: {exc.__class__.__name__}: {exc}") from None
             token = answer.get("access_token") if isinstance(answer, dict) else None

@@ -313,7 +313,7 @@ class UpstreamSession:
                     raw = await read_body(resp, self.bounds.max_response_bytes, self.server)
                     try:
                         body = jsonrpc.loads(raw)
-                    except (ValueError, UnicodeDecodeError, RecursionError):
+                    except (ValueError, UnicodeDecodeError):
                         if resp.status >= 400:
                             raise UpstreamError(
                                 f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}"

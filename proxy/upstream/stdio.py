@@ -375,9 +375,11 @@ class StdioSession:
                     )
                     continue
                 await self._dispatch(msg)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # whatever stops the reader stops the child: no caller waits on it
             log.warning("upstream_stdout_broken", server=self.server, error=str(exc))
-            self.broken = f"upstream {self.server} sent {exc}; the child was stopped"
+            sent = isinstance(exc, (OSError, ValueError))
+            what = f"sent {exc}" if sent else f"broke the proxy's reader ({exc!r})"
+            self.broken = f"upstream {self.server} {what}; the child was stopped"
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
             self._fail_all(self.broken)  # now: the child's exit below may take a while to be seen

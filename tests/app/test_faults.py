@@ -75,6 +75,20 @@ async def test_faults_fail_the_task_naming_the_cause(bad_url: str, tmp_path: Pat
         await client.close()
 
 
+async def test_an_event_too_deep_to_parse_is_skipped_and_the_call_answers(
+    bad_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """An upstream SSE event nested past what JSON parsing can follow is logged and skipped like
+    any event that is not JSON; the result after it still answers the call (it crashed the call)."""
+    proxy = await serve(fault_config(bad_url, tmp_path, required=False))
+    client = ModernClient(proxy.url(), capabilities={})
+    try:
+        reply = await client.call("deep_event")
+        assert reply.result["content"][0]["text"] == "ok", reply.message
+    finally:
+        await client.close()
+
+
 async def test_unreachable_upstream_fails_a_required_task_naming_the_cause(
     tmp_path: Path, serve: Serve
 ) -> None:

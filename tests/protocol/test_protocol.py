@@ -32,10 +32,12 @@ from proxy.protocol.jsonrpc import (
     INVALID_REQUEST,
     UNSUPPORTED_PROTOCOL_VERSION,
     JsonRpcError,
+    TooDeepError,
     http_status_for,
     is_notification,
     is_request,
     is_response,
+    loads,
     validate_request,
 )
 from proxy.protocol.translate import CACHEABLE_METHODS, modern_error, modern_result
@@ -684,3 +686,13 @@ def test_check_transition_from_terminal(terminal: TaskStatus, new: TaskStatus):
 def test_check_transition_from_live(current: TaskStatus, new: TaskStatus):
     assert not current.terminal
     check_transition(current, new)
+
+
+@pytest.mark.parametrize("text", ["[" * 5000 + "]" * 5000, '{"a":' * 5000 + "1" + "}" * 5000])
+def test_text_too_deep_to_parse_is_a_value_error_never_a_recursion_error(text: str) -> None:
+    """Every reader of client, upstream and token-endpoint JSON refuses it as it refuses text that
+    is not JSON (a RecursionError escaped `except ValueError` in the stdio reader and killed it)."""
+    for raw in (text, text.encode()):
+        with pytest.raises(TooDeepError) as caught:
+            loads(raw)
+        assert isinstance(caught.value, ValueError)

@@ -179,3 +179,51 @@ async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(
     assert any(line["event"] == "upstream_crash_loop" and line["server"] == "looping" for line in lines)
     assert 'mcp_tasks_proxy_upstream_processes_total{event="start_failed",server="missing"}' in metrics
     assert 'mcp_tasks_proxy_upstream_processes_total{event="crash_loop",server="looping"}' in metrics
+
+
+# A stdio server that, asked for `deep`, first writes a notification nested 1,100 arrays deep (more
+# than JSON parsing can follow), then answers like any other tool.
+_DEEP_LINE_SERVER = """
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    method = msg.get("method")
+    if method == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "deep-line", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": []}
+    else:
+        if method == "tools/call" and msg["params"]["name"] == "deep":
+            note = '{"jsonrpc":"2.0","method":"notifications/message","params":{"data":'
+            sys.stdout.write(note + "[" * 1100 + "]" * 1100 + "}}\\n")
+        result = {"content": [{"type": "text", "text": msg["params"]["name"] + " done"}], "isError": False}
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+async def test_a_line_too_deep_to_parse_is_skipped_and_the_child_keeps_serving(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """The line is logged as not JSON-RPC, like any other; the calls before and after it answer at
+    once. (It killed the reader: every call on that child then waited out its `timeout`.)"""
+    script = tmp_path / "deep_line.py"
+    script.write_text(_DEEP_LINE_SERVER)
+    config = config_from_data(
+        {
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "tasks": {"detach_after": "10s"},
+            "mcpServers": {"deep": {"command": sys.executable, "args": [str(script)], "timeout": "20s"}},
+        }
+    )
+    proxy = await serve(config)
+    client = ModernClient(proxy.url("deep"), capabilities={})
+    try:
+        async with asyncio.timeout(5):
+            assert (await client.call("deep")).result["content"][0]["text"] == "deep done"
+            assert (await client.call("after")).result["content"][0]["text"] == "after done"
+    finally:
+        await client.close()
