@@ -46,6 +46,7 @@ from cryptography import fernet
 from cryptography.fernet import InvalidToken
 
 from proxy.config import ConsoleConfig, ListenConfig
+from proxy.protocol import jsonrpc
 from proxy.tasks.rates import FailedAttempts
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError
@@ -261,8 +262,8 @@ class ConsoleAccess:
         token = ""
         if request.content_type == "application/json":
             try:
-                body = await request.json()
-            except (ValueError, LookupError):  # not JSON, or an unknown charset
+                body = jsonrpc.loads(await request.text())
+            except (ValueError, LookupError):  # not JSON (or too deep to parse), an unknown charset
                 return error(400, "the body is not JSON")
             token = body.get("token", "") if isinstance(body, dict) else ""
         else:

@@ -191,6 +191,11 @@ async def test_malformed_console_input_is_4xx_never_500(
         http, base + "/login", data=b'{"token":"\\ud800"}', headers={"Content-Type": "application/json"}
     )
     assert status == 401
+    deep = b'{"token":' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past what JSON parsing follows
+    status, _ = await post_json(
+        http, base + "/login", data=deep, headers={"Content-Type": "application/json"}
+    )
+    assert status == 400
     for ctype in ("application/json; charset=foo", "application/x-www-form-urlencoded; charset=foo"):
         status, _ = await post_json(http, base + "/login", data=b"token=x", headers={"Content-Type": ctype})
         assert status == 400, ctype
