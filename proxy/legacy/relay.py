@@ -377,6 +377,7 @@ class HttpRelay:
                         jsonrpc.error_response(request_id, {"code": code, "message": message})
                     )
                 stream.close()
+                session.answered(request_id, sent)  # no answer will come: its key and the session move on
                 raise
             except _UPSTREAM_ERRORS as exc:
                 timed_out = isinstance(exc, TimeoutError)

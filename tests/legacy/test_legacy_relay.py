@@ -1271,3 +1271,37 @@ async def test_a_silent_call_whose_connection_drops_is_resumed_from_the_priming_
             assert again.status == 200
             rest = [e for e in await asyncio.wait_for(read_events(again), 5) if e.data]
     assert [json.loads(e.data)["id"] for e in rest] == [8]
+
+
+async def test_a_keyed_call_cancelled_while_a_json_upstream_is_late_settles_its_key_at_once(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed call the client cancels and leaves while a JSON-mode upstream has not answered (the
+    late path, after `sse_keepalive`): the request leaves the session's in-flight set and its key
+    gets its outcome at once. Before, both stayed: the session never went idle, and each retry with
+    the key waited out the whole `timeout` for an outcome no one would write."""
+    proxy = await serve(relay_config(upstream, tmp_path, {"timeout": "8s"}, sse_keepalive="200ms"))
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+        body = {
+            "jsonrpc": "2.0",
+            "id": 7,
+            "method": "tools/call",
+            "params": {"name": "slow_json", "arguments": {"ms": 3000}},
+        }
+        keyed = client.headers(**{"Idempotency-Key": "late-cancel"})
+        resp = await http.post(proxy.url(), json=body, headers=keyed)
+        assert resp.headers["Content-Type"].startswith("text/event-stream")  # the late path
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7}}
+        assert await client.post(cancel) == 202
+        resp.close()  # the client goes away
+        session = proxy.app[ENDPOINTS_KEY]["bad"].legacy.sessions.get(client.sid, "anonymous")
+        assert session is not None
+        async with asyncio.timeout(4):  # the proxy gives up on the cancelled request 1 s after the cancel
+            while session.pending:
+                await asyncio.sleep(0.05)
+        started = time.monotonic()
+        async with http.post(proxy.url(), json={**body, "id": 8}, headers=keyed) as retry:
+            reply = await reply_of(retry)
+        assert time.monotonic() - started < 3, reply  # not the 8 s timeout
+        assert reply["error"]["code"] == -32603 and "whether it ran is unknown" in reply["error"]["message"]
