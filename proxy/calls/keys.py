@@ -216,6 +216,10 @@ class CallKeys:
         """`settle` in the background (for a caller that cannot wait: a callback, a cancel)."""
         self._spawn(self.settle(keyed, outcome))
 
+    def release_later(self, keyed: KeyedCall) -> None:
+        """`release` in the background (for a caller that cannot wait: a callback)."""
+        self._spawn(self.release(keyed))
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)

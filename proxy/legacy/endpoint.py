@@ -188,7 +188,8 @@ class LegacyEndpoint:
         """Relay a `tools/call`. With an idempotency key (or a `dedupe` tool; see `calls.keys`), a
         call that repeats the one its slot names gets that call's answer instead of reaching the
         upstream, and the first call goes on if its client leaves (its answer fills the slot; an
-        end without an answer fills it with an error saying so, since it may have run)."""
+        end without an answer fills it with an error saying so, since it may have run; a request
+        that never left the proxy, with no connection to the upstream, lets the slot go)."""
         params = object_of(body.get("params"))
         tool, request_id = params.get("name"), body["id"]
         rewrite = self._rewrite("tools/call")
@@ -227,7 +228,11 @@ class LegacyEndpoint:
                 settle({"result": message["result"]} if "result" in message else {"error": message["error"]})
             return await rewrite(message) if rewrite is not None else message
 
-        def unanswered() -> None:
+        def unanswered(sent: Outbound | None = None) -> None:
+            nonlocal settled
+            if sent is not None and sent.unsent and not settled:  # it never ran: a retry may run it
+                settled = True
+                keys.release_later(keyed)
             settle({"error": {"code": INTERNAL_ERROR, "message": UNANSWERED}})
 
         def relayed(done: asyncio.Future[web.StreamResponse]) -> None:

@@ -275,6 +275,8 @@ class HttpRelay:
         try:
             upstream = await opening
         except _UPSTREAM_ERRORS as exc:
+            if sent is not None and isinstance(exc, aiohttp.ClientConnectorError):
+                sent.unsent = True  # no connection: the request never left
             timed_out = isinstance(exc, TimeoutError)
             reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
             return _upstream_error(
@@ -380,6 +382,7 @@ class HttpRelay:
                 session.answered(request_id, sent)  # no answer will come: its key and the session move on
                 raise
             except _UPSTREAM_ERRORS as exc:
+                sent.unsent = isinstance(exc, aiohttp.ClientConnectorError)  # no connection: never left
                 timed_out = isinstance(exc, TimeoutError)
                 reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
                 error = {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"}

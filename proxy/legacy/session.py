@@ -44,13 +44,15 @@ MAX_OPEN_QUESTIONS = 1024  # upstream questions per session awaiting the client'
 class Outbound:
     """A client request in flight upstream: the proxy's `upstream_id` for it, the stdio child it
     went to (`target`; None for the session's HTTP upstream), the reply stream that carries its
-    answer, and the progress token the proxy sent in place of the client's (stdio)."""
+    answer, and the progress token the proxy sent in place of the client's (stdio). `unsent`: no
+    connection to the upstream could be made, so the request never left the proxy."""
 
     upstream_id: RequestId
     target: Any = None
     stream: RelayStream | None = None
     client_token: Any = None
     upstream_token: str | None = None
+    unsent: bool = False
 
 
 @dataclass(slots=True)
@@ -85,7 +87,8 @@ class LegacySession:
     questions: dict[str, Question] = field(default_factory=dict)  # proxy id → an upstream question
     streams: dict[str, RelayStream] = field(default_factory=dict)  # token → a reply stream
     get_stream: RelayStream | None = None
-    after_answer: dict[RequestId, Callable[[], None]] = field(default_factory=dict)  # client id → hook
+    # client id → hook, called with the request's Outbound once it is answered or failed
+    after_answer: dict[RequestId, Callable[[Outbound], None]] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)  # time.monotonic() (s) of its last request
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -121,7 +124,7 @@ class LegacySession:
             del self.pending[client_id]
             hook = self.after_answer.pop(client_id, None)
             if hook is not None:
-                hook()
+                hook(sent)
 
     def cancel(self, client_id: Any) -> Outbound | None:
         """The request a client's `notifications/cancelled` names, when it is still in flight here

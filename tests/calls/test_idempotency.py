@@ -461,6 +461,42 @@ async def test_a_call_that_never_reached_the_upstream_lets_its_key_go(tmp_path: 
         await plain.close()
 
 
+async def test_a_legacy_call_that_never_reached_the_upstream_lets_its_key_go(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """The same on the handshake-era wire: the upstream stops after the session opened, the keyed
+    call finds nothing listening, and the retry in a new session once it is back runs the call.
+    (The slot kept "whether it ran is unknown" for the whole window: the retry could never run.)"""
+    port = free_port()
+    proxy = await serve(make_config(f"http://127.0.0.1:{port}/mcp", tmp_path))
+    key, label = fresh("key"), fresh("legacy-down")
+    params = {"name": "slow_compute", "arguments": {"seconds": 0.01, "label": label}}
+    body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+
+    async def session(http: aiohttp.ClientSession) -> dict[str, str]:
+        async with http.post(proxy.url(), json=LEGACY_INITIALIZE, headers=LEGACY_HEADERS) as resp:
+            assert resp.status == 200, await resp.text()
+            return {**LEGACY_HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"], KEY: key}
+
+    async with aiohttp.ClientSession() as http:
+        upstream = ServerProcess([sys.executable, str(FIXTURE_SERVER), "--port", str(port)])
+        try:
+            headers = await session(http)
+        finally:
+            upstream.stop()
+        async with http.post(proxy.url(), json=body, headers=headers) as resp:
+            text = await resp.text()
+        assert "unreachable" in text, text
+        upstream = ServerProcess([sys.executable, str(FIXTURE_SERVER), "--port", str(port)])
+        try:
+            async with http.post(proxy.url(), json={**body, "id": 3}, headers=await session(http)) as resp:
+                text = await resp.text()
+        finally:
+            upstream.stop()
+    answer = json.loads(text.split("data: ")[-1]) if "data: " in text else json.loads(text)
+    assert answer["result"]["content"][0]["text"] == f"computed {label} after 0.01s", answer
+
+
 async def test_keys_are_read_the_same_whatever_their_spelling(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
