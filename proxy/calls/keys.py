@@ -213,8 +213,9 @@ class CallKeys:
             await asyncio.shield(writing)
 
     def settle_later(self, keyed: KeyedCall, outcome: JsonObject) -> None:
-        """`settle` in the background (for a caller that cannot wait: a callback, a cancel)."""
-        self._spawn(self.settle(keyed, outcome))
+        """`settle` in the background (a caller that leaves does not stop the write); `kept`
+        waits for it."""
+        self._ending[keyed.slot] = self._spawn(self.settle(keyed, outcome))
 
     def release_later(self, keyed: KeyedCall) -> None:
         """`release` in the background (for a caller that cannot wait: a callback)."""

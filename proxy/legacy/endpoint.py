@@ -29,6 +29,7 @@ from proxy.protocol.jsonrpc import (
     JsonRpcError,
     object_of,
 )
+from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.runtime import metrics
 from proxy.upstream.types import UpstreamTimeoutError
 
@@ -41,6 +42,51 @@ UNANSWERED = (
     "the first call with this idempotency key ended without an answer the proxy could keep (the "
     "upstream failed or its stream broke); whether it ran is unknown"
 )
+
+
+class JoinReply:
+    """The response of a keyed legacy `tools/call` that waits for the call its key names (a
+    `calls.types.Reply`): while it waits, keep-alive comments on an SSE stream when the client
+    accepts `text/event-stream` (so an idle-timeout balancer does not cut it), then the answer as
+    that stream's one event; plain JSON when nothing was streamed. Not resumable (no event ids)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.headers = request.headers
+        self.arrived: float | None = None
+        self.stream: web.StreamResponse | None = None
+        self.takes_sse = "text/event-stream" in request.headers.get("Accept", "")
+
+    async def notify(self, message: JsonObject) -> None:
+        """Not used: a joining request relays nothing of the first call's."""
+
+    async def relay(self, message: JsonObject) -> bool:
+        """Not used (see `notify`)."""
+        return False
+
+    async def keepalive(self) -> None:
+        """An SSE comment (the stream starts with the first one); nothing for a JSON-only client."""
+        if not self.takes_sse:
+            return
+        if self.stream is None:
+            stream = web.StreamResponse(status=200, headers={**self._session_header(), **SSE_HEADERS})
+            await stream.prepare(self.request)
+            self.stream = stream
+        await self.stream.write(KEEPALIVE)
+
+    async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
+        """Send the JSON-RPC answer: the stream's last event, or JSON with HTTP `status`."""
+        if self.stream is None:
+            return web.json_response(
+                message, status=status, headers=self._session_header(), dumps=jsonrpc.dumps_str
+            )
+        await self.stream.write(encode_message(message))
+        await self.stream.write_eof()
+        return self.stream
+
+    def _session_header(self) -> dict[str, str]:
+        sid = (self.request.headers.get("Mcp-Session-Id") or "").strip()
+        return {"Mcp-Session-Id": sid} if sid else {}
 
 
 class LegacyEndpoint:
@@ -196,6 +242,7 @@ class LegacyEndpoint:
         if not isinstance(tool, str) or not tool:
             return await self.upstream.request(request, session, body, rewrite)
         keys, policy = self.v1.keys, self.v1.config.policy(self.name, tool)
+        joining = JoinReply(request)
         try:
             keyed, answer = await keys.claim_or_join(
                 principal=principal,
@@ -205,14 +252,15 @@ class LegacyEndpoint:
                 key=call_key(request.headers, params),
                 policy=policy,
                 as_task=False,
-                reply=None,
+                reply=joining,
                 keepalive_s=self.streams.keepalive_s,
                 dialect="v1",
             )
             if answer is not None:
-                return web.json_response(jsonrpc.response(request_id, answer), dumps=jsonrpc.dumps_str)
+                return await joining.finish(jsonrpc.response(request_id, answer))
         except JsonRpcError as exc:
-            return error_reply(request_id, exc.code, exc.message, status=legacy_status(exc))
+            error = jsonrpc.error_response(request_id, exc.to_error())
+            return await joining.finish(error, status=legacy_status(exc))
         if keyed is None:
             return await self.upstream.request(request, session, body, rewrite)
         settled = False
@@ -226,6 +274,7 @@ class LegacyEndpoint:
         async def settling(message: JsonObject) -> JsonObject:
             if "result" in message or "error" in message:
                 settle({"result": message["result"]} if "result" in message else {"error": message["error"]})
+                await keys.kept(keyed)  # the answer goes out once its key keeps it
             return await rewrite(message) if rewrite is not None else message
 
         def unanswered(sent: Outbound | None = None) -> None:

@@ -353,6 +353,45 @@ async def test_a_legacy_call_cut_before_its_answer_is_joined_by_its_retry(
                 assert f"{label}-other" not in await resp.text()
 
 
+async def test_a_legacy_retry_that_waits_for_its_keyed_call_gets_keepalives(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """A handshake-era retry that joins its key's call still running waits on an SSE stream with
+    keep-alive comments every `sse_keepalive` (an idle-timeout balancer must not cut it), and gets
+    the answer as its event; a retry that takes only JSON gets JSON. (The wait was silent.)"""
+    label, key = fresh("legacy-join"), fresh("key")
+    config = make_config(legacy_url, tmp_path)
+    config.listen.sse_keepalive = 0.1
+    params = {"name": "slow_compute", "arguments": {"seconds": 1.2, "label": label}}
+    body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+    async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=LEGACY_INITIALIZE, headers=LEGACY_HEADERS) as resp:
+            headers = {**LEGACY_HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"], KEY: key}
+        with pytest.raises(asyncio.TimeoutError):
+            async with http.post(
+                proxy.url(), json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=0.05)
+            ) as cut:
+                await cut.read()
+        json_only = {**headers, "Accept": "application/json"}
+
+        async def join_as_json() -> aiohttp.ClientResponse:
+            async with http.post(proxy.url(), json={**body, "id": 4}, headers=json_only) as resp:
+                await resp.read()
+                return resp
+
+        waiting = asyncio.create_task(join_as_json())
+        async with http.post(proxy.url(), json={**body, "id": 3}, headers=headers) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert resp.headers["Mcp-Session-Id"] == headers["Mcp-Session-Id"]
+            text = await resp.text()
+        assert text.count(": keepalive") >= 5, text
+        answer = json.loads(text.split("data: ")[-1])
+        assert answer["id"] == 3 and answer["result"]["content"][0]["text"] == f"computed {label} after 1.2s"
+        resp = await waiting
+        assert resp.headers["Content-Type"].startswith("application/json")
+        assert (await resp.json())["result"] == answer["result"]
+
+
 async def test_a_task_capable_retry_of_a_call_attached_without_tasks_gets_a_task(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
