@@ -31,8 +31,10 @@ Cases (flags; each adds its checks and report fields, the checks below hold as w
   out a connection the server is closing, made certain (the proxy's pool keeps idle connections
   `keepalive_timeout`, 4 s by default: longer than S). The load comes in bursts of --concurrency
   calls, each burst followed (once answered) by an idle gap of 0.9-1.1 S. Checked: no call failed
-  with "upstream ... unreachable", connections were closed as requests arrived, and the proxy
-  re-sent POSTs on fresh connections (its `upstream_resent` log lines, counted across restarts).
+  with "upstream ... unreachable", connections were closed as requests arrived, and requests were
+  lost on them: a request safe to send twice is re-sent on a fresh connection (the proxy's
+  `upstream_resent` log lines, counted across restarts); a `tools/call` is not (it may have run),
+  and fails saying so (`failed_stale_connection`); no call ran twice.
 - `--partition` (replica mode): replica CUT_OFF reaches Redis through a relay in this process, and
   slow_compute calls last up to 3 leases (`--lease`); just before the Redis restart, once that
   replica runs a call with at least a lease left (waiting up to 15 s), the relay holds every byte
@@ -77,7 +79,8 @@ Checks (exit status 1 on any violation):
   unless its task was running at a kill (a SIGKILLed process cannot stop its upstream call);
 - `upstream_unreachable`: a call or task that failed because the upstream was "unreachable" (also
   counted in unexplained_failures: the chaos run never stops the upstream);
-- --keepalive: no connection closed as a request arrived, or no POST re-sent (the race never ran);
+- --keepalive: no connection closed as a request arrived, or no request lost on one (neither re-sent
+  nor failed as not sent again: the race never ran);
 - --partition: no partition, one not longer than the lease, no call at the cut-off replica
   outlasting the lease at the cut, or (with --rerun) no call fenced by the cut-off replica;
 - --damage: `damaged_starts_served` (a proxy came up on a damaged store), `damaged_starts_unclear`
@@ -869,6 +872,7 @@ EXPECTED_FAILURE = {
     "instant_error": "instant_error exploded",
 }
 LOST = re.compile(r"\(node ([0-9a-f]+)\) was lost|the proxy restarted while this call was running")
+STALE = re.compile(r"dropped a reused connection as the request arrived")  # a tools/call not resent
 UNREACHABLE = re.compile(r"upstream \S+ unreachable")  # the proxy's error when the upstream request failed
 CUT_OFF = 0  # --partition: the replica whose link to Redis is cut
 KEEPALIVE_RELAY_IDLE = 0.4  # --keepalive: the relay closes a connection idle this share of the keep-alive
@@ -1380,7 +1384,7 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
         "terminal_changed": len(run.changed),
         "not_terminal": len(not_terminal),
         "final": statuses,
-        **explain(run, finals, upstream_runs, args.rerun),
+        **explain(run, finals, upstream_runs, args.rerun, stale=bool(args.keepalive)),
     }
     if args.keepalive:
         assert target.upstream_relay is not None
@@ -1433,8 +1437,8 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     ]
     if args.keepalive and not report["upstream_closed_on_request"]:
         violations.append("--keepalive, but no upstream connection was closed as a request arrived")
-    if args.keepalive and not report["upstream_resent"]:
-        violations.append("--keepalive, but no upstream POST was resent")
+    if args.keepalive and not (report["upstream_resent"] or report["failed_stale_connection"]):
+        violations.append("--keepalive, but no upstream request was lost on a reused connection")
     if args.partition and not report["partitions"]:
         violations.append("--partition, but no partition happened")
     if report.get("partitions") and report["partition_s"] <= lease_s:
@@ -1469,11 +1473,15 @@ async def chaos(target: Target, args: argparse.Namespace) -> dict:
     return report
 
 
-def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) -> dict[str, Any]:
+def explain(
+    run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool, *, stale: bool = False
+) -> dict[str, Any]:
     """Why each task that did not complete ended so, and how often and when the upstream ran each call.
 
     `finals`: task id -> its last tasks/get result; `runs`: what the upstream recorded of each call;
-    `rerun`: slow_compute runs `on_restart: rerun`. A `failed` task is explained when its error is
+    `rerun`: slow_compute runs `on_restart: rerun`; `stale` (--keepalive): a call failed because the
+    upstream dropped a reused connection as it arrived (the proxy never sends a `tools/call` twice)
+    is explained (`failed_stale_connection`). A `failed` task is explained when its error is
     its tool's own (`failed_expected`) or names the loss of a process that was SIGKILLed while the
     task was running there (`failed_replica_lost`: a `(node X) was lost` error with X killed and the
     task among X's unfinished tasks at that kill, or the single proxy's restart error for a task
@@ -1525,6 +1533,7 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
         "failed_partition_lost": 0,
         "failed_expected": 0,
         "sync_fenced": 0,
+        "failed_stale_connection": 0,
         "unexplained_failures": 0,
         "upstream_unreachable": 0,
         "double_runs": 0,
@@ -1574,12 +1583,16 @@ def explain(run: Run, finals: dict[str, dict], runs: UpstreamRuns, rerun: bool) 
             )
         elif status == "failed" and tool in EXPECTED_FAILURE and EXPECTED_FAILURE[tool] in text:
             out["failed_expected"] += 1
+        elif status == "failed" and stale and STALE.search(text):
+            out["failed_stale_connection"] += 1
         else:
             unexplained(f"{status}_{tool}", f"{task_id} {tool} {label} ended {status}: {text[:250]}")
     for tool, error in run.sync_failures:
         cut_off = run.partitions or outage_at is not None  # a replica that could not renew its lease
         if cut_off and error.get("code") == -32800 and FENCED in str(error.get("message")):
             out["sync_fenced"] += 1
+        elif stale and STALE.search(str(error.get("message"))):
+            out["failed_stale_connection"] += 1
         elif tool not in EXPECTED_FAILURE or EXPECTED_FAILURE[tool] not in json.dumps(error):
             unexplained(f"sync_error_{tool}", f"sync {tool}: {json.dumps(error)[:250]}")
     task_of = {label: task_id for task_id, (_, label) in run.call_of.items()}

@@ -39,6 +39,7 @@ from proxy.upstream.types import (
     MAX_RESUME_ATTEMPTS,
     MAX_RETRY_WAIT_S,
     Bounds,
+    StaleConnectionError,
     UpstreamError,
     error_text,
     read_body,
@@ -254,7 +255,14 @@ class HttpRelay:
                 "connect_timeout + request_timeout",
             )
         opening = asyncio.ensure_future(
-            self._send(request.method, raw, headers, bound, headers_only=request.method == "GET")
+            self._send(
+                request.method,
+                raw,
+                headers,
+                bound,
+                headers_only=request.method == "GET",
+                resend=jsonrpc.safe_to_resend(body),
+            )
         )
         # A request whose answer may come on SSE (not initialize: its reply carries the session id)
         # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
@@ -279,9 +287,12 @@ class HttpRelay:
                 sent.unsent = True  # no connection: the request never left
             timed_out = isinstance(exc, TimeoutError)
             reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
-            return _upstream_error(
-                request_id, f"upstream {self.name} unreachable: {reason}", 504 if timed_out else 502
+            message = (
+                str(exc)
+                if isinstance(exc, StaleConnectionError)
+                else f"upstream {self.name} unreachable: {reason}"
             )
+            return _upstream_error(request_id, message, 504 if timed_out else 502)
         if request.method == "GET" and upstream.status == 405 and await self._status_only(session, sid):
             upstream.release()  # no GET stream upstream: the proxy's carries the v1 status alone
             stream = self.streams.open(session, "get")
@@ -385,7 +396,12 @@ class HttpRelay:
                 sent.unsent = isinstance(exc, aiohttp.ClientConnectorError)  # no connection: never left
                 timed_out = isinstance(exc, TimeoutError)
                 reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
-                error = {"code": INTERNAL_ERROR, "message": f"upstream {self.name} unreachable: {reason}"}
+                message = (
+                    str(exc)
+                    if isinstance(exc, StaleConnectionError)
+                    else f"upstream {self.name} unreachable: {reason}"
+                )
+                error = {"code": INTERNAL_ERROR, "message": message}
                 stream.append_message(jsonrpc.error_response(request_id, error))
                 stream.close()
                 session.answered(request_id, sent)  # (answered, with the error)
@@ -592,28 +608,36 @@ class HttpRelay:
         return True
 
     async def _send(
-        self, method: str, raw: bytes, headers: dict[str, str], bound: float, *, headers_only: bool = False
+        self,
+        method: str,
+        raw: bytes,
+        headers: dict[str, str],
+        bound: float,
+        *,
+        headers_only: bool = False,
+        resend: bool = False,
     ) -> aiohttp.ClientResponse:
         """One upstream HTTP exchange (redirects never followed: configured credentials stay here).
         Bounded by `bound` (s): the whole exchange, or with `headers_only` (a GET stream, which
         lasts as long as the client keeps it) only the wait for the response headers. With
         `credentials`, the proxy's token goes along, fetched again once on a 401. Raises
-        aiohttp.ClientError, OSError, TimeoutError or UpstreamError (no token)."""
+        aiohttp.ClientError, OSError, TimeoutError or UpstreamError (no token). With `resend` (the
+        body is safe to send twice), one lost on a stale pooled connection goes again on a fresh one."""
         if self.credentials is None:
-            return await self._send_once(method, raw, headers, bound, headers_only)
+            return await self._send_once(method, raw, headers, bound, headers_only, resend)
         headers = {**headers, **await self.credentials.ensure()}
-        resp = await self._send_once(method, raw, headers, bound, headers_only)
+        resp = await self._send_once(method, raw, headers, bound, headers_only, resend)
         if resp.status == 401:
             resp.release()
             headers = {**headers, **await self.credentials.refused(headers)}
-            resp = await self._send_once(method, raw, headers, bound, headers_only)
+            resp = await self._send_once(method, raw, headers, bound, headers_only, resend)
             if resp.status == 401:
                 resp.release()
                 raise UpstreamError(f"upstream {self.name} refused the proxy's token (HTTP 401)")
         return resp
 
     async def _send_once(
-        self, method: str, raw: bytes, headers: dict[str, str], bound: float, headers_only: bool
+        self, method: str, raw: bytes, headers: dict[str, str], bound: float, headers_only: bool, resend: bool
     ) -> aiohttp.ClientResponse:
         # No sock_read: `total` already bounds every read of the body (and a read timer, rescheduled
         # at each chunk, costs a timer per relayed event).
@@ -624,6 +648,7 @@ class HttpRelay:
             return await self.http.request(
                 method,
                 self.url,
+                resend=resend,
                 data=raw if method == "POST" else None,
                 headers=headers,
                 allow_redirects=False,

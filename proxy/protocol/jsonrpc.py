@@ -226,6 +226,36 @@ def is_notification(msg: Any) -> bool:
     return isinstance(msg, dict) and "method" in msg and "id" not in msg
 
 
+# Requests a server may receive twice with the effect of once: they only read, or (`initialize`)
+# at worst leave a session unused. A `tools/call` may act, so it is never among them.
+RESENDABLE_METHODS = frozenset(
+    {
+        "initialize",
+        "ping",
+        "tools/list",
+        "prompts/list",
+        "prompts/get",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+        "completion/complete",
+        "tasks/get",
+        "tasks/list",
+        "tasks/result",
+    }
+)
+
+
+def safe_to_resend(msg: Any) -> bool:
+    """True when sending `msg` to a server a second time does what sending it once did: a
+    request for one of RESENDABLE_METHODS, or a notification. Never a `tools/call` or another
+    request that may act (`tasks/cancel`), nor a response (a server may break on a second answer
+    to one of its requests)."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
+        return False
+    return "id" not in msg or msg["method"] in RESENDABLE_METHODS
+
+
 def is_response(msg: Any) -> bool:
     """True for a JSON-RPC response (has `id` and `result` or `error`, no `method`)."""
     return (

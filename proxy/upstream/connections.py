@@ -9,13 +9,14 @@ client gets "upstream unreachable" for a call that never ran. Two guards:
    5 s). aiohttp checks a connection's idle time when it hands it out, and our idle clock starts
    after the server's (when the answer was read), so a connection is never older on our side than
    on the server's.
-2. A POST that fails on a *reused* connection with a disconnect or a reset, within RESEND_WITHIN_S
-   of being sent and before any byte of an answer, is sent once more on a fresh connection (a
-   second pool that never keeps connections). A server that closes an idle connection never reads
-   what arrives on it, so that resend does not run a call twice; the one case it could repeat is a
-   server that read the request and died within that first second on a reused connection. A
-   failure later than that, or on a fresh connection, is never resent. GET and DELETE are
-   idempotent, and aiohttp resends those itself (RFC 9112 §9.3.1.1).
+2. A POST whose message is safe to send twice (`jsonrpc.safe_to_resend`: a request that only
+   reads, such as `tools/list` or `resources/read`, or a notification) that fails on a *reused*
+   connection with a disconnect or a reset, within RESEND_WITHIN_S of being sent and before any
+   byte of an answer, is sent once more on a fresh connection (a second pool that never keeps
+   connections). A `tools/call` is never resent: a server that read it and then closed the
+   connection (it crashed, or one of its workers did) cannot be told from one that closed an idle
+   connection unread, and a call must never run twice. For it, guard 1 is the guard. GET and
+   DELETE are idempotent, and aiohttp resends those itself (RFC 9112 §9.3.1.1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import aiohttp
 import structlog
 
 from proxy.runtime import metrics, tracing
+from proxy.upstream.types import StaleConnectionError
 
 log = structlog.get_logger("proxy.upstream")
 
@@ -86,9 +88,13 @@ class UpstreamHttp:
             trace_configs=tracing.client_trace_configs(),
         )
 
-    async def request(self, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
-        """`method` on `url` (aiohttp's keyword arguments); a POST lost on a stale pooled connection
-        is sent once more on a fresh one. Raises what aiohttp raises."""
+    async def request(
+        self, method: str, url: str, *, resend: bool = False, **kwargs: Any
+    ) -> aiohttp.ClientResponse:
+        """`method` on `url` (aiohttp's keyword arguments); with `resend` (the POSTed message is safe
+        to send twice: `jsonrpc.safe_to_resend`), a POST lost on a stale pooled connection is sent
+        once more on a fresh one; without it, that loss raises StaleConnectionError (an UpstreamError
+        saying the request was not sent again). Raises what aiohttp raises."""
         if method != "POST":
             return await self.session.request(method, url, **kwargs)
         attempt = _Attempt()
@@ -98,6 +104,13 @@ class UpstreamHttp:
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if not attempt.reused or time.monotonic() - sent > RESEND_WITHIN_S:
                 raise
+            if not resend:
+                log.warning("upstream_not_resent", server=self.server, reason=exc.__class__.__name__)
+                raise StaleConnectionError(
+                    f"upstream {self.server} dropped a reused connection as the request arrived "
+                    f"({exc.__class__.__name__}); it may act, so it was not sent again: whether it ran "
+                    f"is unknown (keepalive_timeout should be below the server's keep-alive)"
+                ) from exc
             log.info("upstream_resent", server=self.server, reason=exc.__class__.__name__)
             metrics.UPSTREAM_RESENT.labels(self.server).inc()
             return await self._fresh.request(method, url, **kwargs)
@@ -105,9 +118,9 @@ class UpstreamHttp:
             shed_traces(resp)
         return resp
 
-    async def post(self, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
-        """`request("POST", url, ...)`."""
-        return await self.request("POST", url, **kwargs)
+    async def post(self, url: str, *, resend: bool = False, **kwargs: Any) -> aiohttp.ClientResponse:
+        """`request("POST", url, resend=resend, ...)`."""
+        return await self.request("POST", url, resend=resend, **kwargs)
 
     def get(self, url: str, **kwargs: Any) -> Any:
         """aiohttp's `get` on the pool (awaitable, or an async context manager)."""

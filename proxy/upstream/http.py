@@ -447,6 +447,7 @@ class UpstreamSession:
         try:
             return await self.http.post(
                 self.url,
+                resend=jsonrpc.safe_to_resend(message),
                 data=jsonrpc.dumps(message),
                 headers=self._headers(),
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect

@@ -34,6 +34,12 @@ class UpstreamUndeliveredError(UpstreamError):
     """The request never reached the upstream: no connection to it could be made."""
 
 
+class StaleConnectionError(UpstreamError):
+    """A request that may act (a `tools/call`) was lost on a reused connection the server dropped as
+    it arrived: it is not sent again, since the server may have read it (see
+    `upstream.connections`), so whether it ran is unknown."""
+
+
 class UpstreamTimeoutError(UpstreamError):
     """The upstream did not answer `initialize` within `init_timeout` (a hung upstream, not a refusal)."""
 

@@ -109,8 +109,11 @@ def test_small_chaos_run_upstream_closing_idle_connections() -> None:
     )
     assert_proved(report, 2)
     assert report["keepalive_s"] == 0.5 and report["idle_gaps"] >= 5
-    # the race happened, and the proxy sent the POSTs it lost again on fresh connections (none failed)
-    assert report["upstream_closed_on_request"] > 0 and report["upstream_resent"] > 0
+    # the race happened: requests were lost on reused connections; a tools/call among them failed
+    # saying it was not sent again (never twice: assert_proved checks no double runs), none
+    # failed as unreachable
+    assert report["upstream_closed_on_request"] > 0
+    assert report["upstream_resent"] + report["failed_stale_connection"] > 0
     assert report["upstream_unreachable"] == 0
 
 

@@ -2,7 +2,8 @@
 round 2", item 1): the SDK fixture on uvicorn with its keep-alive scaled down to 500 ms, rounds of 30
 concurrent calls with idle gaps around that keep-alive, through both eras. With the pool's idle
 connections expiring first (`keepalive_timeout` below the server's) no stale connection is handed
-out at all; with a pool that keeps them too long, the resend on a fresh connection saves every call."""
+out at all; with a pool that keeps them too long, the resend on a fresh connection saves every
+request safe to send twice (here `prompts/get`), and a `tools/call` is never resent."""
 
 from __future__ import annotations
 
@@ -57,11 +58,18 @@ async def _rounds(call, gaps: list[float]) -> list[str]:
     return failures
 
 
-async def _modern_rounds(url: str, gaps: list[float] = GAPS_S) -> list[str]:
+PROMPT = (
+    "prompts/get",
+    {"name": "simple_prompt"},
+)  # safe to send twice: resent when a stale connection lost it
+GREET = ("tools/call", {"name": "greet", "arguments": {"name": "keep-alive"}})  # never resent
+
+
+async def _modern_rounds(url: str, gaps: list[float] = GAPS_S, what: tuple[str, dict] = GREET) -> list[str]:
     client = ModernClient(url, capabilities={})
 
     async def call(name: str) -> str:
-        reply = await client.call("greet", {"name": name})
+        reply = await client.request(*what)
         error = reply.message.get("error")
         return "" if error is None else str(error.get("message"))
 
@@ -71,12 +79,12 @@ async def _modern_rounds(url: str, gaps: list[float] = GAPS_S) -> list[str]:
         await client.close()
 
 
-async def _legacy_rounds(url: str, gaps: list[float] = GAPS_S) -> list[str]:
+async def _legacy_rounds(url: str, gaps: list[float] = GAPS_S, what: tuple[str, dict] = GREET) -> list[str]:
     client = V1Client(url, capabilities={})
     await client.initialize()
 
     async def call(name: str) -> str:
-        status, reply, _ = await client.request("tools/call", {"name": "greet", "arguments": {"name": name}})
+        status, reply, _ = await client.request(*what)
         return "" if status == 200 and "error" not in reply else f"{status} {reply}"[:200]
 
     try:
@@ -87,21 +95,31 @@ async def _legacy_rounds(url: str, gaps: list[float] = GAPS_S) -> list[str]:
 
 @pytest.mark.parametrize("era", ["modern", "legacy"])
 @pytest.mark.parametrize(
-    ("keepalive", "resends"),
+    ("keepalive", "resends", "what"),
     [
-        ("300ms", False),  # idle connections expire first: no stale one is ever handed out
-        ("30s", None),  # kept too long: the race may happen, and the resend on a fresh connection saves it
+        ("300ms", False, GREET),  # idle connections expire first: no stale one is ever handed out
+        (
+            "30s",
+            None,
+            PROMPT,
+        ),  # kept too long: the race may happen, and the resend on a fresh connection saves it
     ],
     ids=["expires-first", "kept-too-long"],
 )
 async def test_no_call_fails_behind_a_server_that_closes_idle_connections(
-    short_keep_alive: str, tmp_path: Path, serve: Serve, era: str, keepalive: str, resends: bool | None
+    short_keep_alive: str,
+    tmp_path: Path,
+    serve: Serve,
+    era: str,
+    keepalive: str,
+    resends: bool | None,
+    what: tuple[str, dict],
 ) -> None:
     proxy = await serve(
         make_config(short_keep_alive, tmp_path / "store", server={"keepalive_timeout": keepalive})
     )
     before = resent()
-    failures = await (_modern_rounds if era == "modern" else _legacy_rounds)(proxy.url())
+    failures = await (_modern_rounds if era == "modern" else _legacy_rounds)(proxy.url(), what=what)
     assert failures == []
     if resends is not None:
         assert (resent() > before) is resends
@@ -120,9 +138,36 @@ async def test_a_request_lost_on_a_connection_closed_as_it_was_sent_goes_again_o
         url = short_keep_alive.replace(f":{port}/", f":{relay_port}/")
         proxy = await serve(make_config(url, tmp_path / "store", server={"keepalive_timeout": "30s"}))
         before = resent()
-        failures = await (_modern_rounds if era == "modern" else _legacy_rounds)(proxy.url(), gaps=[0.3])
+        rounds = _modern_rounds if era == "modern" else _legacy_rounds
+        failures = await rounds(proxy.url(), gaps=[0.3], what=PROMPT)
     finally:
         await relay.close()
     assert failures == []
     assert relay.closed_idle > 0
     assert resent() - before >= relay.closed_idle
+
+
+@pytest.mark.parametrize("era", ["modern", "legacy"])
+async def test_a_tools_call_lost_on_a_connection_closed_as_it_was_sent_is_never_resent(
+    short_keep_alive: str, tmp_path: Path, serve: Serve, era: str
+) -> None:
+    """The same race for a `tools/call`: a server that closed the connection may have read the call
+    (and crashed, or one of its workers did), so it is not sent again; its client gets `-32603`
+    saying so. (It was resent within 1 s of a reused connection: a
+    server that read it and closed the connection ran it twice.)"""
+    host, port = short_keep_alive.removeprefix("http://").split("/")[0].split(":")
+    relay = TcpRelay(host, int(port), close_idle_s=0.2)
+    relay_port = await relay.start()
+    try:
+        url = short_keep_alive.replace(f":{port}/", f":{relay_port}/")
+        proxy = await serve(make_config(url, tmp_path / "store", server={"keepalive_timeout": "30s"}))
+        before = resent()
+        rounds = _modern_rounds if era == "modern" else _legacy_rounds
+        failures = await rounds(proxy.url(), gaps=[0.3], what=GREET)
+    finally:
+        await relay.close()
+    assert relay.closed_idle > 0 and failures, failures
+    assert all("dropped a reused connection as the request arrived" in failure for failure in failures), (
+        failures
+    )
+    assert resent() == before
