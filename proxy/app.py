@@ -64,6 +64,7 @@ REPLICAS_KEY = web.AppKey("replicas", Replicas)
 RESOURCE_KEY = web.AppKey("resource", ProtectedResource)  # the proxy as an OAuth protected resource
 THROTTLE_KEY = web.AppKey("throttle", FailedAttempts)  # wrong credentials per client address
 READY_CHECK_S = 1.5  # bound (s) of each /readyz check, run at once: under a balancer's usual 2 s
+ANSWER_GRACE_S = 0.5  # how long (s) requests the drain abandoned have to write their -32603 before cuts
 
 
 def build_app(config: Config) -> web.Application:
@@ -88,8 +89,9 @@ def build_app(config: Config) -> web.Application:
         replica_secret=config.replicas.secret if config.replicas is not None else None,
     )
     throttle = FailedAttempts(config.limits.failed_auth)
+    drain = Drain()
     middlewares = [
-        access_log(),
+        access_log(drain),
         json_errors(),
         host_guard(allowed),
         auth_middleware(
@@ -104,7 +106,7 @@ def build_app(config: Config) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
-    app[DRAIN_KEY] = Drain()
+    app[DRAIN_KEY] = drain
     app[RESOURCE_KEY] = resource
     app[THROTTLE_KEY] = throttle
     app.cleanup_ctx.append(_lifecycle)
@@ -480,7 +482,11 @@ async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
     finally:
         idle.cancel()
         stopped.cancel()
-    # Synchronous calls keep their drain_timeout (the shutdown waits for them); streams that last as
-    # long as their client would hold it that long: they are cut now, and their clients reconnect.
+    # Synchronous calls keep their drain_timeout (a second signal cuts it short): a request still
+    # running gets until then, and ANSWER_GRACE_S more to write the -32603 the drain gives it, before
+    # anything is cut. Streams that last as long as their client would hold it that long: they are
+    # cut then, and their clients reconnect.
+    await replicas.wait_idle((app[DRAIN_KEY].remaining() or 0.0) + ANSWER_GRACE_S, busy=lambda: False)
+    app[DRAIN_KEY].cutting = True
     streams = replicas.close_streams()
     log.info("replica_drained", node=replicas.node, still_running=len(tasks.live), streams_cut=streams)

@@ -239,6 +239,7 @@ async def _serve_locked(config: Config, *, announce: bool, demo: bool) -> None:
 
 
 def _close_connections(runner: web.AppRunner, why: str) -> None:
+    runner.app[DRAIN_KEY].cutting = True
     closed = listener.close_connections(runner)
     if closed:
         log.warning("connections_aborted", connections=closed, why=why)

@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from proxy.runtime import metrics
+from proxy.runtime.drain import Drain
 
 log = structlog.get_logger("proxy.access")
 ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the request reached the proxy
@@ -56,12 +57,13 @@ def json_errors():
     return middleware
 
 
-def access_log():
+def access_log(drain: Drain | None = None):
     """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool and task
     id) to the log context and write one line per request with its status and duration in ms.
 
     A client that goes away before its answer is logged as `client_disconnected` and counted with
-    status 499 (never 500)."""
+    status 499 (never 500); a request the proxy itself cut at the end of `drain` (`Drain.cutting`:
+    a stream, or a call stuck past it) is logged as `request_cut_at_shutdown`, counted the same way."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -81,7 +83,8 @@ def access_log():
             status = exc.status
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            status, event = CLIENT_CLOSED, "client_disconnected"
+            cut = drain is not None and drain.cutting
+            status, event = CLIENT_CLOSED, "request_cut_at_shutdown" if cut else "client_disconnected"
             raise
         finally:
             metrics.request_counter("console" if request.path.startswith("/console") else "mcp", status).inc()

@@ -17,6 +17,9 @@ class Drain:
     def __init__(self) -> None:
         self.timeout_s = 0.0
         self.cut_short = False  # `cut` ended the drain before its deadline
+        # the proxy is cutting what is still open (a replica's streams at the end of its drain,
+        # connections aborted after it): a handler cancelled from now on was cut by the shutdown
+        self.cutting = False
         self._deadline: float | None = None
         self._started = asyncio.Event()
         self._at_deadline: list[Callable[[str], None]] = []

@@ -678,6 +678,37 @@ async def test_sigterm_drains_detached_calls_while_the_others_serve_them(
         await asyncio.to_thread(cluster.restart, 1)
 
 
+async def test_a_synchronous_call_keeps_its_drain_timeout_past_drain_detached(legacy_url: str) -> None:
+    """One replica, `drain_detached` 1 s below `drain_timeout` 3 s: a synchronous call that needs
+    2 s gets its result, and the replica then exits; the listen stream it cuts at the end is logged
+    as cut by the shutdown. (At drain_detached the replica cut every request still running: the
+    client saw its connection close with no answer, and the log blamed the client.)"""
+    settings = {"MCP_LEASE": "1s", "MCP_DETACH_AFTER": "10s", "MCP_DRAIN_TIMEOUT": "3s"}
+    settings |= {"MCP_DRAIN_DETACHED": "1s", "MCP_DRAIN_GRACE": "0s"}
+    with Cluster(upstream_url=legacy_url, settings=settings, replicas=1) as one:
+        plain = ModernClient(one.replica_urls[0] + WEB, capabilities={})
+        try:
+            await plain.warm_up()
+            call = asyncio.ensure_future(plain.call("slow_compute", {"seconds": 2, "label": "kept-drain"}))
+            listen = asyncio.ensure_future(plain.request("subscriptions/listen", {"notifications": {}}))
+            await asyncio.sleep(0.3)
+            proc = one.procs[0]
+            assert proc is not None
+            proc.send_signal(signal.SIGTERM)
+            reply = await asyncio.wait_for(call, 10)
+            assert reply.result["content"][0]["text"] == "computed kept-drain after 2s", reply.message
+            assert await asyncio.to_thread(proc.wait, 10) == 0
+            with contextlib.suppress(aiohttp.ClientError):
+                await asyncio.wait_for(listen, 5)  # cut: the stream lasts as long as its client
+        finally:
+            await plain.close()
+        lines = [
+            json.loads(line) for line in one.log_path(0).read_text().splitlines() if line.startswith("{")
+        ]
+    events = [line["event"] for line in lines if line.get("rpc_method") == "subscriptions/listen"]
+    assert "request_cut_at_shutdown" in events and "client_disconnected" not in events, events
+
+
 async def test_draining_owner_keeps_its_legacy_question_while_another_replica_adopts_the_session(
     cluster: Cluster,
 ) -> None:
