@@ -15,11 +15,10 @@ import time
 import aiohttp
 import structlog
 from aiohttp import web
-from prometheus_client import Histogram
 
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.registry import Peer
-from proxy.runtime import tracing
+from proxy.runtime import metrics, tracing
 
 log = structlog.get_logger("proxy.replicas")
 
@@ -44,13 +43,6 @@ _HOP_BY_HOP = frozenset(
         FORWARDED_HEADER,
         RELAYED_PRINCIPAL_HEADER,
     )
-)
-
-HOP_SECONDS = Histogram(
-    "mcp_proxy_replica_hop_seconds",
-    "Replica-to-replica requests (internal operations), seconds",
-    ["op"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 
 
@@ -138,7 +130,7 @@ class Forwarder:
                 f"({reason})"
             ) from None
         finally:
-            HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
+            metrics.REPLICA_HOP_SECONDS.labels(op).observe(time.perf_counter() - started)
         if not isinstance(answer, dict):
             raise HopError(f"replica {peer.node} at {peer.url} answered something other than a JSON object")
         return answer

@@ -54,9 +54,15 @@ STORE_TASKS = Gauge(
     "mcp_tasks_proxy_store_tasks", "task records in the store (expired ones count until purged)"
 )
 STORE_BYTES = Gauge("mcp_tasks_proxy_store_bytes", "size of the task store on disk")
+REPLICA_HOP_SECONDS = Histogram(
+    "mcp_tasks_proxy_replica_hop_seconds",
+    "Replica-to-replica requests (internal operations), seconds",
+    ["op"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
 UPSTREAM_RESENT = Counter(
     "mcp_tasks_proxy_upstream_resent_total",
-    "POSTs sent once more on a fresh connection after a reused one was found closed by the upstream",
+    "POSTs safe to send twice sent once more on a fresh connection after a reused one was found closed",
     ["server"],
 )
 LEGACY_REPLAY_GAPS = Counter(

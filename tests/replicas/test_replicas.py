@@ -136,7 +136,7 @@ async def test_poll_answer_and_cancel_through_other_replicas(
     assert (await c1.get(task_id)).result["status"] == "working"
     assert (await c2.get(task_id)).result["status"] == "working"
     hops_before = await _metric(
-        cluster.replica_urls[2], 'mcp_proxy_replica_hop_seconds_count{op="tasks/cancel"}'
+        cluster.replica_urls[2], 'mcp_tasks_proxy_replica_hop_seconds_count{op="tasks/cancel"}'
     )
     assert (await c2.request("tasks/cancel", {"taskId": task_id})).result == {"resultType": "complete"}
     assert (await c1.get(task_id)).result["status"] == "cancelled"
@@ -145,7 +145,7 @@ async def test_poll_answer_and_cancel_through_other_replicas(
     seen = await _wait_cancelled_upstream(c1, "xr-cancel")
     assert seen["reason"] == "notifications/cancelled"
     assert (
-        await _metric(cluster.replica_urls[2], 'mcp_proxy_replica_hop_seconds_count{op="tasks/cancel"}')
+        await _metric(cluster.replica_urls[2], 'mcp_tasks_proxy_replica_hop_seconds_count{op="tasks/cancel"}')
         == hops_before + 1
     )
 
@@ -329,9 +329,10 @@ async def test_forward_hop_latency(cluster: Cluster, clients: list[ModernClient]
     def p(values: list[float], q: float) -> float:
         return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
-    hops = await _metric(cluster.replica_urls[1], "mcp_proxy_replica_hop_seconds_count")
-    within_10ms = await _metric(cluster.replica_urls[1], 'mcp_proxy_replica_hop_seconds_bucket{le="0.01"')
-    within_100ms = await _metric(cluster.replica_urls[1], 'mcp_proxy_replica_hop_seconds_bucket{le="0.1"')
+    hop = "mcp_tasks_proxy_replica_hop_seconds"
+    hops = await _metric(cluster.replica_urls[1], f"{hop}_count")
+    within_10ms = await _metric(cluster.replica_urls[1], f'{hop}_bucket{{le="0.01"')
+    within_100ms = await _metric(cluster.replica_urls[1], f'{hop}_bucket{{le="0.1"')
     print(
         f"\nreplica hop alone (replica 1 -> owner, its histogram): {hops:g} hops, {within_10ms / hops:.1%} "
         f"within 10 ms, "
