@@ -24,6 +24,7 @@ from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, python_venv
 from proxy.app import ENDPOINTS_KEY
 from proxy.config import config_from_data
 from proxy.protocol.sse import iter_events
+from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.http import UpstreamSession
 from proxy.upstream.types import SessionBrokenError, UpstreamError
 
@@ -480,7 +481,8 @@ async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(
         assert len(await upstream_sessions(upstream)) == len(before) + 1  # a new upstream session
     finally:
         await client.close()
-    async with aiohttp.ClientSession() as http:
+    http = UpstreamHttp(server="bad", keepalive_s=4)
+    try:
         session = UpstreamSession(http, upstream, server="bad")
         await session.open()
         with pytest.raises(UpstreamError):
@@ -489,10 +491,13 @@ async def test_broken_session_leaves_the_pool_and_undelivered_call_is_retried(
         with pytest.raises(SessionBrokenError):  # nothing came back on a broken session: not delivered
             await session.request("tools/call", {"name": "echo"}, handler=None)
         await session.close()
+    finally:
+        await http.close()
 
 
 async def test_second_answer_for_one_upstream_id_is_never_sent(upstream: str) -> None:
-    async with aiohttp.ClientSession() as http:
+    http = UpstreamHttp(server="bad", keepalive_s=4)
+    try:
         session = UpstreamSession(http, upstream, server="bad", capabilities={"elicitation": {}})
         await session.open()
 
@@ -510,6 +515,8 @@ async def test_second_answer_for_one_upstream_id_is_never_sent(upstream: str) ->
         ]
         sid = session.session_id
         await session.close()
+    finally:
+        await http.close()
     answers = [
         e for e in await upstream_log(upstream) if e["session"] == sid and "method" not in e["message"]
     ]
