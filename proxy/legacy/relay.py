@@ -747,7 +747,8 @@ class HttpRelay:
 def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
     """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
     an empty body passes for a success status (202 to a notification); anything else (an HTML
-    error page, plain text) becomes a JSON-RPC error naming the upstream's status. An upstream 5xx
+    error page, plain text, broken JSON) becomes a JSON-RPC error naming the upstream's status:
+    -32600 for an upstream 4xx (it refused the request), else -32603. An upstream 5xx
     answering a request (`request_id` not None) goes out as HTTP 200, the JSON-RPC error inside
     (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole transport
     dies); answering a notification or response, as 502. An upstream 4xx passes (404: session gone)."""
@@ -762,11 +763,12 @@ def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> 
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
             return (status if status < 500 else failed), data
-    code = INVALID_REQUEST if status < 500 else INTERNAL_ERROR
+    refused = 400 <= status < 500  # the upstream refused the request: the client's to fix
     text = data[:200].decode("utf-8", errors="replace").strip()
+    what = "" if status >= 400 else " with a body that is not JSON-RPC"
     error = {
-        "code": code,
-        "message": f"upstream {server} answered HTTP {status}" + (f": {text}" if text else ""),
+        "code": INVALID_REQUEST if refused else INTERNAL_ERROR,
+        "message": f"upstream {server} answered HTTP {status}{what}" + (f": {text}" if text else ""),
     }
     return (status if 400 <= status < 500 else failed), jsonrpc.dumps(
         jsonrpc.error_response(request_id, error)

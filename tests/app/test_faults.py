@@ -11,6 +11,7 @@ import pytest
 from support.clients import ModernClient
 from support.proxy import Serve
 from support.servers import ROOT, ServerProcess
+from support.v1_client import V1Client
 
 from proxy.config import config_from_data
 
@@ -85,6 +86,23 @@ async def test_an_event_too_deep_to_parse_is_skipped_and_the_call_answers(
     try:
         reply = await client.call("deep_event")
         assert reply.result["content"][0]["text"] == "ok", reply.message
+    finally:
+        await client.close()
+
+
+async def test_a_broken_reply_to_a_legacy_call_is_the_upstreams_fault(
+    bad_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """On the handshake-era wire too, an HTTP 200 whose body is not JSON-RPC is `-32603` naming the
+    upstream (in an HTTP 200), never `-32600`, which blames the client's request (it was)."""
+    proxy = await serve(fault_config(bad_url, tmp_path, required=False))
+    client = V1Client(proxy.url(), capabilities={})
+    try:
+        await client.initialize()
+        for tool in ("invalid_json", "not_jsonrpc"):
+            status, reply, _ = await client.request("tools/call", {"name": tool, "arguments": {}})
+            assert status == 200 and reply["error"]["code"] == -32603, (tool, reply)
+            assert "upstream bad" in reply["error"]["message"], reply
     finally:
         await client.close()
 
