@@ -106,6 +106,7 @@ class Call:
         "_runner",
         "_on_done",
         "_cancel_reason",
+        "_cancel_outcome",
         "on_server_notification",
         "on_task_message",
         "__weakref__",
@@ -135,7 +136,8 @@ class Call:
         self._progress_written = 0.0
         self._progress_timer: asyncio.TimerHandle | None = None
         self.progress_write_s = 0.0  # set by detach(): no progress is written before it
-        self.ended_by = "upstream"  # what ended the call, for the audit log: upstream, timeout, input_timeout
+        # what ended the call, for the audit log: upstream, timeout, input_timeout, shutdown (the drain)
+        self.ended_by = "upstream"
         self.started = time.monotonic()
         self.principal = principal
         self.pool = pool
@@ -166,6 +168,7 @@ class Call:
         self._runner: asyncio.Task[None] | None = None
         self._on_done: list[Callable[[Call], None]] = []
         self._cancel_reason = ""  # why `cancel` stopped the call, for its outcome
+        self._cancel_outcome: JsonObject | None = None  # that outcome, when not the usual -32800
         self.on_server_notification = on_server_notification
         self.on_task_message = on_task_message
 
@@ -237,7 +240,10 @@ class Call:
 
     def _cancelled_reply(self) -> JsonObject:
         """The -32800 outcome of a call cancelled here, naming why when `cancel` said (also when the
-        upstream's own -32800, its answer to the cancel, came before the request was stopped)."""
+        upstream's own -32800, its answer to the cancel, came before the request was stopped); the
+        drain's -32603 for a call it abandoned (`abandon`)."""
+        if self._cancel_outcome is not None:
+            return self._cancel_outcome
         why = f": {self._cancel_reason}" if self._cancel_reason else ""
         return {"error": {"code": REQUEST_CANCELLED, "message": f"the call was cancelled{why}"}}
 
@@ -526,10 +532,15 @@ class Call:
 
     def abandon(self, drain: Drain) -> jsonrpc.JsonRpcError:
         """Give the call up as the shutdown drain ends (`drain_timeout` passed, or a second signal):
-        cancelled upstream, logged (`call_abandoned`); returns the -32603 its client gets."""
+        cancelled upstream, logged (`call_abandoned`); returns the -32603 its client gets, which is
+        also the call's outcome (its task's, its idempotency key's) unless its answer came first."""
+        error = jsonrpc.JsonRpcError(INTERNAL_ERROR, drain.abandoned)
+        if not self._cancel_reason:
+            self._cancel_outcome = {"error": error.to_error()}
+            self.ended_by = "shutdown"
         self.cancel("the proxy is shutting down")
         log.warning("call_abandoned", server=self.server, tool=self.tool, reason=drain.reason)
-        return jsonrpc.JsonRpcError(INTERNAL_ERROR, drain.abandoned)
+        return error
 
     def _release(self, reason: str, error: JsonObject) -> None:
         """Answer the pending questions with `error` first; cancel the request only if it still runs

@@ -207,6 +207,38 @@ async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
         proxy.stop()
 
 
+async def test_a_keyed_call_the_drain_abandoned_gives_its_retry_the_same_error(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """A keyed synchronous call (shared as a task once `detach_after` passed) outlives the drain:
+    its client gets the drain's -32603, and a retry with the key on the next process gets that same
+    error (it got "-32800 the call was cancelled: the proxy is shutting down", which its first
+    request never saw)."""
+    config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
+    key = {"Idempotency-Key": "abandoned-by-the-drain"}
+    arguments = {"seconds": 20, "label": "abandoned"}
+    proxy = _start(config_file)
+    plain = ModernClient(proxy.url, capabilities={})
+    try:
+        first = asyncio.create_task(plain.call("quiet_compute", arguments, headers=key))
+        await asyncio.sleep(0.5)
+        proxy.proc.send_signal(signal.SIGTERM)
+        abandoned = (await first).error
+        assert abandoned["code"] == -32603 and "drain_timeout" in abandoned["message"], abandoned
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+    finally:
+        await plain.close()
+        proxy.stop()
+    again = _start(config_file)
+    plain = ModernClient(again.url, capabilities={})
+    try:
+        retry = await plain.call("quiet_compute", arguments, headers=key)
+        assert retry.error == abandoned, retry.message
+    finally:
+        await plain.close()
+        again.stop()
+
+
 @pytest.mark.parametrize("upstream", ["http", "stdio"])
 async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
     legacy_url: str, tmp_path: Path, upstream: str
