@@ -296,7 +296,7 @@ class Call:
         assert self.task_id is not None and self.sink is not None
         if "result" in reply:
             outcome: JsonObject = {"result": reply["result"]}
-            message = self._progress_text if self._progress_timer is not None else None
+            message = self._progress_text  # the latest, whether or not a write of it already went
         else:
             error = reply.get("error")
             outcome = {"error": error}

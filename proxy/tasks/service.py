@@ -63,8 +63,8 @@ log = structlog.get_logger("proxy.tasks")
 SHUTDOWN_MESSAGE = "the proxy shut down while this call was running; the upstream call was abandoned"
 RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
 LOST_MESSAGE = (
-    "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease; "
-    "the upstream call was lost"
+    "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease (it "
+    "died, or could not reach the store and stopped its calls); the upstream call was lost or stopped"
 )
 # Of a lease without renewal: stop this node's calls, after one last renewal bounded by LAST_RENEWAL
 # of a lease; so they stop by 3/4 of the lease, a quarter before it lapses and another replica takes
@@ -623,6 +623,8 @@ class TaskService:
         self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream"
     ) -> None:
         """Record the call's outcome (the raw upstream answer, or the proxy's error) and release the call.
+        `status_message` is the task's last: a completed call's last progress text (None clears what
+        the task said while it ran), an error's message (None keeps the last progress text).
 
         `by` says what ended it, for the audit log (`upstream`, `timeout`, `input_timeout`). A write the
         store refuses is retried with backoff for `outcome_retry_s`; after that the task goes on
@@ -643,7 +645,9 @@ class TaskService:
             input_requests={},
             expect_owner=self.node,
         )
-        if status_message is not None:  # None leaves the last progress text in place
+        # A completed call's last progress text (None: it reported none, and what the task said
+        # while it ran, "re-running: ...", a detach's note, no longer holds); an error's message.
+        if status_message is not None or "result" in outcome:
             change = replace(change, status_message=status_message)
         try:
             record = await self._retrying(lambda: self.store.update(task_id, change))

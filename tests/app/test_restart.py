@@ -82,11 +82,18 @@ def _write_config(tmp_path: Path, legacy_url: str, **extra) -> Path:
 async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(
     legacy_url: str, tmp_path: Path
 ) -> None:
+    """A re-run task's "re-running: ..." message gives way when it completes: to the last progress
+    text (exactly the last: it lands with the outcome), or to none for a tool that reports none (it
+    stayed, as if still re-running)."""
     config_file = _write_config(tmp_path, legacy_url)
+    config = yaml.safe_load(config_file.read_text())
+    config["mcpServers"]["legacy"]["tasks"]["tools"]["quiet_compute"] = {"on_restart": "rerun"}
+    config_file.write_text(yaml.safe_dump(config))
     proxy = _start(config_file)
     try:
         client = ModernClient(proxy.url)
         rerun_id = (await client.call("slow_compute", {"seconds": 1.0, "label": "rerun-me"})).result["taskId"]
+        quiet_id = (await client.call("quiet_compute", {"seconds": 0.5})).result["taskId"]
         failed_id = (await client.call("confirm_delete", {"filename": "f.txt", "delay": 5})).result["taskId"]
         await client.close()
     finally:
@@ -101,6 +108,9 @@ async def test_idempotent_tool_marked_rerun_is_run_again_after_sigkill(
             done["status"] == "completed"
             and done["result"]["content"][0]["text"] == "computed rerun-me after 1s"
         )
+        assert done["statusMessage"] == "10/10: tick 10", done
+        quiet = await client.wait_terminal(quiet_id)
+        assert quiet["status"] == "completed" and "statusMessage" not in quiet, quiet
         assert (await client.get(failed_id)).result["status"] == "failed"
         await client.close()
     finally:
