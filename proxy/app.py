@@ -20,7 +20,7 @@ from proxy.console import CONSOLE_KEY, ConsoleData, build_console
 from proxy.front.auth import Authenticator, auth_middleware, too_many_failures
 from proxy.front.endpoint import ServerEndpoint
 from proxy.front.guards import default_allowed_hosts, expect_continue, host_guard
-from proxy.front.middleware import access_log, json_errors
+from proxy.front.middleware import access_log, json_errors, request_id_header
 from proxy.front.resource import ProtectedResource
 from proxy.front.scopes import ScopeCheck
 from proxy.legacy.child import StdioChild
@@ -104,6 +104,7 @@ def build_app(config: Config) -> web.Application:
         ),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=config.listen.max_body_bytes)
+    app.on_response_prepare.append(request_id_header)
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
     app[DRAIN_KEY] = drain

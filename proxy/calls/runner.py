@@ -152,12 +152,14 @@ class CallRunner:
                 call, policy, may_detach, digest, principal=principal, reply=reply, arrived=arrived
             )
         except JsonRpcError as exc:
+            _bind_upstream_ids(call)
             if call.key is not None and call.task_id is None:
                 if call.done:  # its outcome is being kept (`settle_when_done`)
                     await self.keys.kept(call.key)
                 else:
                     await self._keep(call, {"error": exc.to_error()})
             raise
+        _bind_upstream_ids(call)
         if call.key is not None and call.task_id is None:
             if answer.get("resultType") == "input_required":
                 await self.keys.keep_round(call.key, answer)
@@ -458,3 +460,12 @@ def require_tasks_for(tool: str) -> JsonRpcError:
         f"tool {tool!r} always runs as a task; declare the {TASKS_EXTENSION} extension",
         {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
     )
+
+
+def _bind_upstream_ids(call: Call) -> None:
+    """The upstream's JSON-RPC id of `call` and the progress token it carried, in the request's log
+    context (its access line): what the upstream's own logs know the call by."""
+    if call.upstream_request_id is not None:
+        structlog.contextvars.bind_contextvars(
+            upstream_request_id=call.upstream_request_id, upstream_progress_token=call.progress_token
+        )

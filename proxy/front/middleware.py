@@ -17,6 +17,8 @@ from proxy.runtime.drain import Drain
 
 log = structlog.get_logger("proxy.access")
 ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the request reached the proxy
+REQUEST_ID_KEY = web.RequestKey("request_id", str)  # the proxy's id of the request, in its log lines
+MAX_CLIENT_REQUEST_ID = 128  # longest client `X-Request-Id` logged (characters)
 
 CLIENT_CLOSED = 499  # the status recorded (never sent) when the client went away before the answer
 
@@ -58,8 +60,12 @@ def json_errors():
 
 
 def access_log(drain: Drain | None = None):
-    """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool and task
-    id) to the log context and write one line per request with its status and duration in ms.
+    """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool, task id
+    and the upstream's request id) to the log context and write one line per request with its
+    status and duration in ms. The request id goes back to the client as `X-Request-Id`
+    (`request_id_header`); a client's own `X-Request-Id` (printable ASCII, at most
+    MAX_CLIENT_REQUEST_ID characters) is logged beside it as `client_request_id`, never used as
+    ours. `mcp_tasks_proxy_http_requests_in_flight{kind}` counts the requests being answered.
 
     A client that goes away before its answer is logged as `client_disconnected` and counted with
     status 499 (never 500); a request the proxy itself cut at the end of `drain` (`Drain.cutting`:
@@ -70,7 +76,16 @@ def access_log(drain: Drain | None = None):
         if request.path in ("/healthz", "/readyz", "/metrics"):
             return await handler(request)
         structlog.contextvars.clear_contextvars()
-        structlog.contextvars.bind_contextvars(request_id=secrets.token_hex(8))
+        request_id = secrets.token_hex(8)
+        request[REQUEST_ID_KEY] = request_id
+        theirs = request.headers.get("X-Request-Id")
+        if theirs and len(theirs) <= MAX_CLIENT_REQUEST_ID and theirs.isascii() and theirs.isprintable():
+            structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=theirs)
+        else:
+            structlog.contextvars.bind_contextvars(request_id=request_id)
+        kind = "console" if request.path.startswith("/console") else "mcp"
+        in_flight = metrics.REQUESTS_IN_FLIGHT.labels(kind)
+        in_flight.inc()
         started = time.perf_counter()
         request[ARRIVED_KEY] = asyncio.get_running_loop().time()  # a call's detach clock starts here
         status = 500
@@ -87,7 +102,8 @@ def access_log(drain: Drain | None = None):
             status, event = CLIENT_CLOSED, "request_cut_at_shutdown" if cut else "client_disconnected"
             raise
         finally:
-            metrics.request_counter("console" if request.path.startswith("/console") else "mcp", status).inc()
+            in_flight.dec()
+            metrics.request_counter(kind, status).inc()
             log.info(
                 event,
                 http_method=request.method,
@@ -98,3 +114,11 @@ def access_log(drain: Drain | None = None):
             structlog.contextvars.clear_contextvars()
 
     return middleware
+
+
+async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare` hook: the proxy's request id (`access_log`'s) as `X-Request-Id` on
+    the response, JSON or SSE alike, so a client can name the request to an operator."""
+    request_id = request.get(REQUEST_ID_KEY)
+    if request_id is not None:
+        response.headers["X-Request-Id"] = request_id

@@ -98,6 +98,7 @@ class StdioChild:
             client_token=client_token,
             upstream_token=upstream_token,
         )
+        structlog.contextvars.bind_contextvars(upstream_request_id=sent.upstream_id)
         pump = self._pump(session, stream, child, body["method"], params or None, client_id, sent, rewrite)
         stream.feed(pump, f"legacy stdio request {self.name}")
         return await self.streams.reply(request, session, stream)

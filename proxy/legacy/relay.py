@@ -114,6 +114,7 @@ class HttpRelay:
     ) -> web.StreamResponse:
         """Relay a request under a fresh id of the session's own."""
         sent = session.send(body["id"], session.mint())
+        structlog.contextvars.bind_contextvars(upstream_request_id=sent.upstream_id)
         return await self._forward(
             request, session, {**body, "id": sent.upstream_id}, body["id"], sent, rewrite
         )

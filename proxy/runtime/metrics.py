@@ -82,6 +82,11 @@ UPSTREAM_PROCESSES = Counter(
 REQUESTS = Counter(
     "mcp_tasks_proxy_http_requests_total", "HTTP requests by route kind and status", ["kind", "status"]
 )
+REQUESTS_IN_FLIGHT = Gauge(
+    "mcp_tasks_proxy_http_requests_in_flight",
+    "HTTP requests being answered now, by route kind (a synchronous call, a stream, a poll)",
+    ["kind"],
+)
 UPSTREAM_ERRORS = Counter(
     "mcp_tasks_proxy_upstream_errors_total",
     "tools/call whose upstream answered with a JSON-RPC error or gave no answer (unreachable, broken "

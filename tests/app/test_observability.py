@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -113,6 +114,51 @@ async def test_one_log_line_per_request_and_per_transition_without_payloads(
     assert [t["to"] for t in transitions] == ["working", "completed"]
     assert transitions[-1]["from"] == "working" and transitions[-1]["age_ms"] >= 0
     assert secret_argument not in json.dumps(lines)
+
+
+async def test_one_call_can_be_followed_from_client_to_upstream(
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
+) -> None:
+    """Each answer names its request (`X-Request-Id`, the id of its log line); the line names what
+    the upstream knows the call by (its JSON-RPC id, and the progress token the proxy sent), and
+    the client's own `X-Request-Id`; `/metrics` counts the requests being answered."""
+    configure_logging("info")
+    try:
+        proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+        modern = ModernClient(proxy.url(), capabilities={})
+        legacy = V1Client(proxy.url(), capabilities={})
+        try:
+            reply = await modern.call("greet", {"name": "traced"}, headers={"X-Request-Id": "client-42"})
+            await legacy.initialize()
+            async with aiohttp.ClientSession() as http:
+                body = {"jsonrpc": "2.0", "id": 7, "method": "tools/call"}
+                body["params"] = {"name": "greet", "arguments": {"name": "relayed"}}
+                async with http.post(proxy.url(), json=body, headers=legacy._headers()) as resp:
+                    relayed_id = resp.headers["X-Request-Id"]
+                    await resp.read()
+            slow = asyncio.ensure_future(modern.call("slow_compute", {"seconds": 0.6, "label": "in-flight"}))
+            await asyncio.sleep(0.3)
+            in_flight = metric(
+                await scrape(proxy.base), "mcp_tasks_proxy_http_requests_in_flight", kind="mcp"
+            )
+            assert (await slow).status == 200
+        finally:
+            await modern.close()
+            await legacy.close()
+        await proxy.stop()
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        import structlog
+
+        structlog.reset_defaults()
+    assert in_flight == 1  # the slow call (the scrape itself is not an MCP request)
+    assert reply.request_id
+    modern_line = next(e for e in lines if e["event"] == "request" and e["request_id"] == reply.request_id)
+    assert modern_line["client_request_id"] == "client-42" and modern_line["tool"] == "greet"
+    assert isinstance(modern_line["upstream_request_id"], int)
+    assert modern_line["upstream_progress_token"].startswith("mtp-")
+    relayed_line = next(e for e in lines if e["event"] == "request" and e["request_id"] == relayed_id)
+    assert relayed_line["era"] == "legacy" and isinstance(relayed_line["upstream_request_id"], int)
 
 
 async def test_readyz_names_the_failing_check(tmp_path: Path, serve: Serve) -> None:

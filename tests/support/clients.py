@@ -50,6 +50,7 @@ class Reply:
     message: dict
     notifications: list[dict]
     content_type: str
+    request_id: str = ""  # the proxy's `X-Request-Id` response header
 
     @property
     def result(self) -> dict:
@@ -124,9 +125,10 @@ class ModernClient:
                         final = msg
                     else:
                         notes.append(msg)
-                return Reply(resp.status, final, notes, ctype)
+                return Reply(resp.status, final, notes, ctype, resp.headers.get("X-Request-Id", ""))
             text = await resp.text()
-            return Reply(resp.status, json.loads(text) if text else {}, notes, ctype)
+            message = json.loads(text) if text else {}
+            return Reply(resp.status, message, notes, ctype, resp.headers.get("X-Request-Id", ""))
 
     async def call(self, tool: str, arguments: dict | None = None, **kwargs: Any) -> Reply:
         """`tools/call`."""
