@@ -84,7 +84,7 @@ def access_log(drain: Drain | None = None):
         else:
             structlog.contextvars.bind_contextvars(request_id=request_id)
         kind = "console" if request.path.startswith("/console") else "mcp"
-        in_flight = metrics.REQUESTS_IN_FLIGHT.labels(kind)
+        in_flight = metrics.requests_in_flight(kind)
         in_flight.inc()
         started = time.perf_counter()
         request[ARRIVED_KEY] = asyncio.get_running_loop().time()  # a call's detach clock starts here

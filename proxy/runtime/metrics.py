@@ -190,6 +190,12 @@ def succeeded(reply: object) -> bool:
     return isinstance(result, dict) and result.get("isError") is not True
 
 
+@functools.lru_cache(maxsize=8)
+def requests_in_flight(kind: str) -> Any:
+    """The `REQUESTS_IN_FLIGHT` child for `kind`, looked up once (see `request_counter`)."""
+    return REQUESTS_IN_FLIGHT.labels(kind)
+
+
 @functools.lru_cache(maxsize=512)
 def request_counter(kind: str, status: int) -> Any:
     """The `REQUESTS` child for (kind, status), looked up once (a label lookup costs ~3 µs a request)."""
