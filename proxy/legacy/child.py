@@ -178,6 +178,7 @@ class StdioChild:
         proxy's -32800 now); one the child has gets `notifications/cancelled` under its own id."""
         child: StdioSession = sent.target
         if not child.sent(sent.upstream_id):
+            sent.unsent = True  # (its idempotency key, if any, lets go: a retry may run it)
             if sent.stream is not None:
                 sent.stream.abandon(REQUEST_CANCELLED, "cancelled by the client before it was sent")
             return web.Response(status=202)

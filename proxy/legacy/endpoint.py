@@ -27,6 +27,7 @@ from proxy.protocol.jsonrpc import (
     REQUEST_CANCELLED,
     JsonObject,
     JsonRpcError,
+    RequestId,
     object_of,
 )
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
@@ -277,23 +278,35 @@ class LegacyEndpoint:
                 await keys.kept(keyed)  # the answer goes out once its key keeps it
             return await rewrite(message) if rewrite is not None else message
 
-        def unanswered(sent: Outbound | None = None) -> None:
+        upstream_ids: list[RequestId] = []  # the upstream's id of the request, once it was answered
+
+        def unanswered(sent: Outbound) -> None:
             nonlocal settled
-            if sent is not None and sent.unsent and not settled:  # it never ran: a retry may run it
+            upstream_ids.append(sent.upstream_id)
+            if sent.unsent and not settled:  # it never left the proxy: a retry may run it
                 settled = True
                 keys.release_later(keyed)
             settle({"error": {"code": INTERNAL_ERROR, "message": UNANSWERED}})
 
         def relayed(done: asyncio.Future[web.StreamResponse]) -> None:
+            nonlocal settled
             if not done.cancelled() and done.exception() is not None:
                 log.info("legacy_keyed_call_relay_ended", server=self.name, reason=repr(done.exception()))
-            if request_id not in session.pending:  # answered (else the answer's hook settles it)
-                unanswered()
+            if request_id not in session.pending and not settled:
+                # never sent: it failed before it went upstream (no child, no session), so the answer
+                # hook never ran; a retry may run it
+                session.after_answer.pop(request_id, None)
+                settled = True
+                keys.release_later(keyed)
 
         session.after_answer[request_id] = unanswered
         relay = asyncio.ensure_future(self.upstream.request(request, session, body, settling))
         relay.add_done_callback(relayed)
-        return await asyncio.shield(relay)  # a client that leaves does not stop it
+        try:
+            return await asyncio.shield(relay)  # a client that leaves does not stop it
+        finally:
+            if upstream_ids:  # (the relay ran in a task of its own: its log context is not this one)
+                structlog.contextvars.bind_contextvars(upstream_request_id=upstream_ids[0])
 
     def _rewrite(self, method: str) -> Rewrite | None:
         """How the answer to `method` is rewritten for v1 tasks (`initialize`, `tools/list`), or None."""

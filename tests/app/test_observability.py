@@ -136,6 +136,10 @@ async def test_one_call_can_be_followed_from_client_to_upstream(
                 async with http.post(proxy.url(), json=body, headers=legacy._headers()) as resp:
                     relayed_id = resp.headers["X-Request-Id"]
                     await resp.read()
+                keyed = {**legacy._headers(), "Idempotency-Key": "followed"}  # (relayed in a task of its own)
+                async with http.post(proxy.url(), json={**body, "id": 8}, headers=keyed) as resp:
+                    keyed_id = resp.headers["X-Request-Id"]
+                    await resp.read()
             slow = asyncio.ensure_future(modern.call("slow_compute", {"seconds": 0.6, "label": "in-flight"}))
             await asyncio.sleep(0.3)
             in_flight = metric(
@@ -157,8 +161,9 @@ async def test_one_call_can_be_followed_from_client_to_upstream(
     assert modern_line["client_request_id"] == "client-42" and modern_line["tool"] == "greet"
     assert isinstance(modern_line["upstream_request_id"], int)
     assert modern_line["upstream_progress_token"].startswith("mtp-")
-    relayed_line = next(e for e in lines if e["event"] == "request" and e["request_id"] == relayed_id)
-    assert relayed_line["era"] == "legacy" and isinstance(relayed_line["upstream_request_id"], int)
+    for request_id in (relayed_id, keyed_id):
+        relayed_line = next(e for e in lines if e["event"] == "request" and e["request_id"] == request_id)
+        assert relayed_line["era"] == "legacy" and isinstance(relayed_line["upstream_request_id"], int)
 
 
 async def test_readyz_names_the_failing_check(tmp_path: Path, serve: Serve) -> None:

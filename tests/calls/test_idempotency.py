@@ -536,6 +536,40 @@ async def test_a_legacy_call_that_never_reached_the_upstream_lets_its_key_go(
     assert answer["result"]["content"][0]["text"] == f"computed {label} after 0.01s", answer
 
 
+async def test_a_keyed_stdio_call_cancelled_before_the_child_had_it_lets_its_key_go(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed legacy call queued for a stdio child's one slot (`max_concurrency: 1`) and cancelled
+    there never reached the child: its key lets go, and the retry runs it. (The slot kept "whether
+    it ran is unknown" for the whole window.)"""
+    proxy = await serve(stdio_config(tmp_path, server={"max_concurrency": 1}))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=LEGACY_INITIALIZE, headers=LEGACY_HEADERS) as resp:
+            headers = {**LEGACY_HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
+        busy = {"name": "slow_compute", "arguments": {"seconds": 1.0, "label": fresh("busy")}}
+        label = fresh("queued")
+        queued = {"name": "slow_compute", "arguments": {"seconds": 0.01, "label": label}}
+
+        async def post(body: dict, extra: dict) -> str:
+            async with http.post(proxy.url(), json=body, headers={**headers, **extra}) as resp:
+                return await resp.text()
+
+        first = asyncio.ensure_future(
+            post({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": busy}, {})
+        )
+        await asyncio.sleep(0.3)
+        body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": queued}
+        waiting = asyncio.ensure_future(post(body, {KEY: label}))
+        await asyncio.sleep(0.3)
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 2}}
+        assert await post(cancel, {}) == ""
+        assert "before it was sent" in await waiting
+        await first
+        text = await post({**body, "id": 3}, {KEY: label})
+    answer = json.loads(text.split("data: ")[-1]) if "data: " in text else json.loads(text)
+    assert answer["result"]["content"][0]["text"] == f"computed {label} after 0.01s", answer
+
+
 async def test_keys_are_read_the_same_whatever_their_spelling(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
