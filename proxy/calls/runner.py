@@ -152,14 +152,14 @@ class CallRunner:
                 call, policy, may_detach, digest, principal=principal, reply=reply, arrived=arrived
             )
         except JsonRpcError as exc:
-            _bind_upstream_ids(call)
             if call.key is not None and call.task_id is None:
                 if call.done:  # its outcome is being kept (`settle_when_done`)
                     await self.keys.kept(call.key)
                 else:
                     await self._keep(call, {"error": exc.to_error()})
             raise
-        _bind_upstream_ids(call)
+        finally:
+            _bind_upstream_ids(call)  # (also on the line of a client that left)
         if call.key is not None and call.task_id is None:
             if answer.get("resultType") == "input_required":
                 await self.keys.keep_round(call.key, answer)

@@ -226,8 +226,9 @@ def is_notification(msg: Any) -> bool:
     return isinstance(msg, dict) and "method" in msg and "id" not in msg
 
 
-# Requests a server may receive twice with the effect of once: they only read, or (`initialize`)
-# at worst leave a session unused. A `tools/call` may act, so it is never among them.
+# Requests a server may receive twice with the effect of once: they only read, set a state to the
+# same value, or (`initialize`) at worst leave a session unused. A `tools/call` may act, so it is
+# never among them; nor is `tasks/cancel` (a second one answers "already cancelled").
 RESENDABLE_METHODS = frozenset(
     {
         "initialize",
@@ -239,6 +240,9 @@ RESENDABLE_METHODS = frozenset(
         "resources/templates/list",
         "resources/read",
         "completion/complete",
+        "logging/setLevel",
+        "resources/subscribe",
+        "resources/unsubscribe",
         "tasks/get",
         "tasks/list",
         "tasks/result",
@@ -247,13 +251,17 @@ RESENDABLE_METHODS = frozenset(
 
 
 def safe_to_resend(msg: Any) -> bool:
-    """True when sending `msg` to a server a second time does what sending it once did: a
-    request for one of RESENDABLE_METHODS, or a notification. Never a `tools/call` or another
-    request that may act (`tasks/cancel`), nor a response (a server may break on a second answer
-    to one of its requests)."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
+    """True when sending `msg` to a server a second time does what sending it once did: a request
+    for one of RESENDABLE_METHODS, a notification, or a response (the client's answer to one of the
+    server's questions: lost, the server's call would wait for it until its timeout; a server that
+    closed the connection unread never saw the first, and one that read it and died has no session
+    left to be confused by a second). Never a `tools/call` or another request that may act."""
+    if not isinstance(msg, dict):
         return False
-    return "id" not in msg or msg["method"] in RESENDABLE_METHODS
+    method = msg.get("method")
+    if method is None:
+        return "id" in msg and ("result" in msg or "error" in msg)
+    return isinstance(method, str) and ("id" not in msg or method in RESENDABLE_METHODS)
 
 
 def is_response(msg: Any) -> bool:

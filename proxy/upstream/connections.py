@@ -10,7 +10,8 @@ client gets "upstream unreachable" for a call that never ran. Two guards:
    after the server's (when the answer was read), so a connection is never older on our side than
    on the server's.
 2. A POST whose message is safe to send twice (`jsonrpc.safe_to_resend`: a request that only
-   reads, such as `tools/list` or `resources/read`, or a notification) that fails on a *reused*
+   reads, such as `tools/list` or `resources/read`, a notification, or an answer to one of the
+   server's questions) that fails on a *reused*
    connection with a disconnect or a reset, within RESEND_WITHIN_S of being sent and before any
    byte of an answer, is sent once more on a fresh connection (a second pool that never keeps
    connections). A `tools/call` is never resent: a server that read it and then closed the

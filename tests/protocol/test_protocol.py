@@ -38,6 +38,7 @@ from proxy.protocol.jsonrpc import (
     is_request,
     is_response,
     loads,
+    safe_to_resend,
     validate_request,
 )
 from proxy.protocol.translate import CACHEABLE_METHODS, modern_error, modern_result
@@ -696,3 +697,25 @@ def test_text_too_deep_to_parse_is_a_value_error_never_a_recursion_error(text: s
         with pytest.raises(TooDeepError) as caught:
             loads(raw)
         assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("message", "safe"),
+    [
+        ({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "x"}}, False),
+        ({"jsonrpc": "2.0", "id": 1, "method": "tasks/cancel", "params": {"taskId": "t"}}, False),
+        ({"jsonrpc": "2.0", "id": 1, "method": "vendor/anything"}, False),
+        ({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, True),
+        ({"jsonrpc": "2.0", "id": 1, "method": "resources/read", "params": {"uri": "x"}}, True),
+        ({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}, True),
+        ({"jsonrpc": "2.0", "id": 5, "result": {"action": "accept"}}, True),  # an answer to elicitation
+        ({"jsonrpc": "2.0", "id": 5, "error": {"code": -32601, "message": "no"}}, True),
+        ({"jsonrpc": "2.0", "id": 5}, False),
+        ("not a message", False),
+    ],
+)
+def test_what_may_be_sent_again_on_a_fresh_connection(message: object, safe: bool) -> None:
+    """A message lost on a stale pooled connection goes again only when a second copy does what the
+    first did: never a `tools/call` (it may act, and must not run twice); an answer to one of the
+    server's questions does (lost, the server's call would wait for it until its timeout)."""
+    assert safe_to_resend(message) is safe
