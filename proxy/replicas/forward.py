@@ -26,6 +26,8 @@ SECRET_HEADER = "X-Mcp-Replica-Secret"  # the shared replicas.secret (compared i
 FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request: the node that relayed it
 # on a relayed request: whom the relaying replica authenticated
 RELAYED_PRINCIPAL_HEADER = "X-Mcp-Replica-Principal"
+# on a relayed request: the relaying replica's request id (the one its client got as X-Request-Id)
+RELAYED_REQUEST_ID_HEADER = "X-Mcp-Replica-Request-Id"
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -139,8 +141,9 @@ class Forwarder:
         self, request: web.Request, peer: Peer, raw: bytes | None, principal: str
     ) -> web.StreamResponse | None:
         """Send the client's request (method, path, headers, `raw` body) to `peer`, with the
-        `principal` this replica authenticated (the peer takes it as is), and stream its
-        response back. None when the peer cannot be reached (nothing was sent to the client then).
+        `principal` this replica authenticated (the peer takes it as is) and this request's id (the
+        peer logs it as `relayed_request_id`), and stream its response back. None when the peer
+        cannot be reached (nothing was sent to the client then).
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
         `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
@@ -158,6 +161,9 @@ class Forwarder:
         headers[FORWARDED_HEADER] = self.node
         # authenticated here (front.auth.Authenticator.principal)
         headers[RELAYED_PRINCIPAL_HEADER] = principal
+        request_id = structlog.contextvars.get_contextvars().get("request_id")
+        if isinstance(request_id, str):  # the peer logs it beside its own: one call, two lines, one id
+            headers[RELAYED_REQUEST_ID_HEADER] = request_id
         try:
             upstream = await self._session().request(
                 request.method,

@@ -189,7 +189,7 @@ async def test_a_cancel_through_another_replica_reaches_the_upstream_before_any_
             await other.close()
 
 
-async def test_mrtr_rounds_on_different_replicas(clients: list[ModernClient]) -> None:
+async def test_mrtr_rounds_on_different_replicas(cluster: Cluster, clients: list[ModernClient]) -> None:
     c0, c1, c2 = clients
     await c0.warm_up()
     first = (await c0.call("ask_then_work", {"seconds": 0})).result
@@ -203,6 +203,12 @@ async def test_mrtr_rounds_on_different_replicas(clients: list[ModernClient]) ->
     }
     second = await c1.request("tools/call", retry)
     assert second.result["content"][0]["text"] == "Hello Ada, the work took 0s"
+    # relayed to replica 0, which holds the call: its line names the id the client got from replica 1
+    lines = [
+        json.loads(line) for line in cluster.log_path(0).read_text().splitlines() if line.startswith("{")
+    ]
+    served = [line for line in lines if line.get("relayed_request_id") == second.request_id]
+    assert second.request_id and [line["event"] for line in served] == ["request"], served
     replayed = await c2.request("tools/call", retry)  # single use, whichever replica sees it
     assert replayed.error["code"] == -32602
 
