@@ -81,10 +81,10 @@ async def test_an_oversized_stdout_message_is_an_error_and_the_child_restarts(
         await client.close()
 
 
-# A stdio server that, asked for `big`, starts a grandchild holding its stdout open, then writes one
-# line past the proxy's limit and never answers: the child's exit cannot be seen while the grandchild
-# lives, which must never keep the caller waiting.
-_HELD_STDOUT_SERVER = """
+# A raw stdio server: the handshake, an empty tools/list, and for any other request the lines given
+# (at the indent of a block under `else:`, a tool's name in `tool`): they set `result` (the answer),
+# or `continue` to answer nothing.
+_STDIO_SCRIPT = """
 import json, subprocess, sys
 for line in sys.stdin:
     msg = json.loads(line)
@@ -93,21 +93,36 @@ for line in sys.stdin:
     method = msg.get("method")
     if method == "initialize":
         result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
-                  "serverInfo": {"name": "held-stdout", "version": "1"}}
+                  "serverInfo": {"name": "raw-stdio", "version": "1"}}
     elif method == "tools/list":
         result = {"tools": []}
-    elif method == "tools/call" and msg["params"]["name"] == "big":
-        grandchild = subprocess.Popen(["sleep", "60"])
-        with open(sys.argv[1], "a") as pids:
-            pids.write(f"{grandchild.pid}\\n")
-        sys.stdout.write("x" * 200_000 + "\\n")
-        sys.stdout.flush()
-        continue
     else:
-        result = {"content": [{"type": "text", "text": "ok"}], "isError": False}
+        tool = (msg.get("params") or {}).get("name")  # (None for a method other than tools/call)
+TOOLS_CALL
     sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\\n")
     sys.stdout.flush()
 """
+
+
+def _stdio_script(tools_call: str) -> str:
+    """_STDIO_SCRIPT with `tools_call` (lines already indented 8 spaces) as its `tools/call` branch."""
+    return _STDIO_SCRIPT.replace("TOOLS_CALL\n", tools_call)
+
+
+# Asked for `big`, it starts a grandchild holding its stdout open, then writes one line past the
+# proxy's limit and never answers: the child's exit cannot be seen while the grandchild lives, which
+# must never keep the caller waiting.
+_HELD_STDOUT_SERVER = _stdio_script(
+    """        if tool == "big":
+            grandchild = subprocess.Popen(["sleep", "60"])
+            with open(sys.argv[1], "a") as pids:
+                pids.write(f"{grandchild.pid}\\n")
+            sys.stdout.write("x" * 200_000 + "\\n")
+            sys.stdout.flush()
+            continue
+        result = {"content": [{"type": "text", "text": "ok"}], "isError": False}
+"""
+)
 
 
 async def test_an_oversized_message_fails_at_once_while_a_grandchild_holds_stdout(
@@ -181,28 +196,15 @@ async def test_a_command_that_cannot_start_or_crash_loops_is_logged_and_counted(
     assert 'mcp_tasks_proxy_upstream_processes_total{event="crash_loop",server="looping"}' in metrics
 
 
-# A stdio server that, asked for `deep`, first writes a notification nested 1,100 arrays deep (more
-# than JSON parsing can follow), then answers like any other tool.
-_DEEP_LINE_SERVER = """
-import json, sys
-for line in sys.stdin:
-    msg = json.loads(line)
-    if "id" not in msg:
-        continue
-    method = msg.get("method")
-    if method == "initialize":
-        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
-                  "serverInfo": {"name": "deep-line", "version": "1"}}
-    elif method == "tools/list":
-        result = {"tools": []}
-    else:
-        if method == "tools/call" and msg["params"]["name"] == "deep":
+# Asked for `deep`, it first writes a notification nested 1,100 arrays deep (more than JSON parsing
+# can follow), then answers like any other tool.
+_DEEP_LINE_SERVER = _stdio_script(
+    """        if tool == "deep":
             note = '{"jsonrpc":"2.0","method":"notifications/message","params":{"data":'
             sys.stdout.write(note + "[" * 1100 + "]" * 1100 + "}}\\n")
-        result = {"content": [{"type": "text", "text": msg["params"]["name"] + " done"}], "isError": False}
-    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\\n")
-    sys.stdout.flush()
+        result = {"content": [{"type": "text", "text": f"{tool} done"}], "isError": False}
 """
+)
 
 
 async def test_a_line_too_deep_to_parse_is_skipped_and_the_child_keeps_serving(
