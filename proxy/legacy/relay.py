@@ -326,6 +326,8 @@ class HttpRelay:
         if sid:
             if upstream.status == 404 or (request.method == "DELETE" and upstream.status < 300):
                 self.sessions.end(sid)
+            if upstream.status == 404 and sent is not None:
+                sent.unsent = True  # the upstream knows no such session: it ran nothing
             out_headers["Mcp-Session-Id"] = sid
         elif new_upstream_sid:
             asked = jsonrpc.object_of(body.get("params") if isinstance(body, dict) else None)
@@ -411,6 +413,7 @@ class HttpRelay:
                 opening.cancel()  # this task was cancelled while waiting: so is the exchange
             if upstream.status == 404 and sid:
                 self.sessions.end(sid)
+                sent.unsent = True  # the upstream knows no such session: it ran nothing
             if (
                 upstream.headers.get("Content-Type", "").startswith("text/event-stream")
                 and upstream.status < 300

@@ -44,8 +44,9 @@ MAX_OPEN_QUESTIONS = 1024  # upstream questions per session awaiting the client'
 class Outbound:
     """A client request in flight upstream: the proxy's `upstream_id` for it, the stdio child it
     went to (`target`; None for the session's HTTP upstream), the reply stream that carries its
-    answer, and the progress token the proxy sent in place of the client's (stdio). `unsent`: no
-    connection to the upstream could be made, so the request never left the proxy."""
+    answer, and the progress token the proxy sent in place of the client's (stdio). `unsent`: the
+    upstream never ran it (no connection could be made, a stdio child never had it, or the upstream
+    answered 404: it knows no such session)."""
 
     upstream_id: RequestId
     target: Any = None

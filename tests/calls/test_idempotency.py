@@ -504,7 +504,8 @@ async def test_a_legacy_call_that_never_reached_the_upstream_lets_its_key_go(
     tmp_path: Path, serve: Serve
 ) -> None:
     """The same on the handshake-era wire: the upstream stops after the session opened, the keyed
-    call finds nothing listening, and the retry in a new session once it is back runs the call.
+    call finds nothing listening; once it is back (a new process), the retry on the old session
+    gets its 404 (no such session: it ran nothing), and the retry in a new session runs the call.
     (The slot kept "whether it ran is unknown" for the whole window: the retry could never run.)"""
     port = free_port()
     proxy = await serve(make_config(f"http://127.0.0.1:{port}/mcp", tmp_path))
@@ -528,7 +529,9 @@ async def test_a_legacy_call_that_never_reached_the_upstream_lets_its_key_go(
         assert "unreachable" in text, text
         upstream = ServerProcess([sys.executable, str(FIXTURE_SERVER), "--port", str(port)])
         try:
-            async with http.post(proxy.url(), json={**body, "id": 3}, headers=await session(http)) as resp:
+            async with http.post(proxy.url(), json={**body, "id": 3}, headers=headers) as resp:
+                assert resp.status == 404, await resp.text()  # the new process knows no such session
+            async with http.post(proxy.url(), json={**body, "id": 4}, headers=await session(http)) as resp:
                 text = await resp.text()
         finally:
             upstream.stop()
