@@ -263,7 +263,9 @@ class ConsoleAccess:
         if request.content_type == "application/json":
             try:
                 body = jsonrpc.loads(await request.text())
-            except (ValueError, LookupError):  # not JSON (or too deep to parse), an unknown charset
+            except jsonrpc.TooDeepError:
+                return error(400, "the body nests JSON too deeply to read")
+            except (ValueError, LookupError):  # not JSON, or an unknown charset
                 return error(400, "the body is not JSON")
             token = body.get("token", "") if isinstance(body, dict) else ""
         else:

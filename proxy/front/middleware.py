@@ -71,6 +71,9 @@ def access_log(drain: Drain | None = None):
     status 499 (never 500); a request the proxy itself cut at the end of `drain` (`Drain.cutting`:
     a stream, or a call stuck past it) is logged as `request_cut_at_shutdown`, counted the same way."""
 
+    for kind in ("mcp", "console"):  # each series exists from the start, at 0
+        metrics.requests_in_flight(kind)
+
     @web.middleware
     async def middleware(request: web.Request, handler):
         if request.path in ("/healthz", "/readyz", "/metrics"):
