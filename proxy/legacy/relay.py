@@ -634,14 +634,23 @@ class HttpRelay:
         if resp.status == 401:
             resp.release()
             headers = {**headers, **await self.credentials.refused(headers)}
-            resp = await self._send_once(method, raw, headers, bound, headers_only, resend)
+            # on a fresh connection: a server may close the one it answered 401 on
+            resp = await self._send_once(method, raw, headers, bound, headers_only, resend, fresh=True)
             if resp.status == 401:
                 resp.release()
                 raise UpstreamError(f"upstream {self.name} refused the proxy's token (HTTP 401)")
         return resp
 
     async def _send_once(
-        self, method: str, raw: bytes, headers: dict[str, str], bound: float, headers_only: bool, resend: bool
+        self,
+        method: str,
+        raw: bytes,
+        headers: dict[str, str],
+        bound: float,
+        headers_only: bool,
+        resend: bool,
+        *,
+        fresh: bool = False,
     ) -> aiohttp.ClientResponse:
         # No sock_read: `total` already bounds every read of the body (and a read timer, rescheduled
         # at each chunk, costs a timer per relayed event).
@@ -653,6 +662,7 @@ class HttpRelay:
                 method,
                 self.url,
                 resend=resend,
+                fresh=fresh,
                 data=raw if method == "POST" else None,
                 headers=headers,
                 allow_redirects=False,

@@ -90,12 +90,16 @@ class UpstreamHttp:
         )
 
     async def request(
-        self, method: str, url: str, *, resend: bool = False, **kwargs: Any
+        self, method: str, url: str, *, resend: bool = False, fresh: bool = False, **kwargs: Any
     ) -> aiohttp.ClientResponse:
         """`method` on `url` (aiohttp's keyword arguments); with `resend` (the POSTed message is safe
         to send twice: `jsonrpc.safe_to_resend`), a POST lost on a stale pooled connection is sent
         once more on a fresh one; without it, that loss raises StaleConnectionError (an UpstreamError
-        saying the request was not sent again). Raises what aiohttp raises."""
+        saying the request was not sent again). With `fresh`, on a new connection from the start
+        (a request sent again after the server refused it with a 401, which a server may follow by
+        closing the connection). Raises what aiohttp raises."""
+        if fresh:
+            return await self._fresh.request(method, url, **kwargs)
         if method != "POST":
             return await self.session.request(method, url, **kwargs)
         attempt = _Attempt()
@@ -119,9 +123,11 @@ class UpstreamHttp:
             shed_traces(resp)
         return resp
 
-    async def post(self, url: str, *, resend: bool = False, **kwargs: Any) -> aiohttp.ClientResponse:
-        """`request("POST", url, resend=resend, ...)`."""
-        return await self.request("POST", url, resend=resend, **kwargs)
+    async def post(
+        self, url: str, *, resend: bool = False, fresh: bool = False, **kwargs: Any
+    ) -> aiohttp.ClientResponse:
+        """`request("POST", url, resend=resend, fresh=fresh, ...)`."""
+        return await self.request("POST", url, resend=resend, fresh=fresh, **kwargs)
 
     def get(self, url: str, **kwargs: Any) -> Any:
         """aiohttp's `get` on the pool (awaitable, or an async context manager)."""

@@ -209,7 +209,7 @@ class UpstreamSession:
         if resp.status == 401 and self.credentials is not None:  # the proxy's token expired early
             resp.release()
             await self.credentials.refused(self.credentials.header())
-            resp = await self._post_once(message, timeout)
+            resp = await self._post_once(message, timeout, fresh=True)  # (the 401's connection may close)
             if resp.status == 401:
                 resp.release()
                 raise UpstreamError(f"upstream {self.server} refused the proxy's token (HTTP 401)")
@@ -442,12 +442,13 @@ class UpstreamSession:
         return msg if isinstance(msg, dict) else None
 
     async def _post_once(
-        self, message: JsonObject, timeout: aiohttp.ClientTimeout | None
+        self, message: JsonObject, timeout: aiohttp.ClientTimeout | None, *, fresh: bool = False
     ) -> aiohttp.ClientResponse:
         try:
             return await self.http.post(
                 self.url,
                 resend=jsonrpc.safe_to_resend(message),
+                fresh=fresh,
                 data=jsonrpc.dumps(message),
                 headers=self._headers(),
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect
