@@ -343,7 +343,8 @@ async def test_listen_pushes_own_task_transitions_and_nothing_for_another_princi
     alice = AuthClient(proxy.url(), {"Authorization": "Bearer alice-secret"}, capabilities=caps)
     bob = AuthClient(proxy.url(), {"Authorization": "Bearer bob-secret"}, capabilities=caps)
     try:
-        mine = (await alice.call("confirm_delete", {"filename": "f", "delay": 0.3})).result["taskId"]
+        # asks after 1 s: both listeners are subscribed by then, even on a loaded host
+        mine = (await alice.call("confirm_delete", {"filename": "f", "delay": 1.0})).result["taskId"]
         theirs = (await bob.call("slow_compute", {"seconds": 0.4})).result["taskId"]
         frames: list[dict] = []
         bob_frames: list[dict] = []
