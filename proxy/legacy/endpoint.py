@@ -272,6 +272,12 @@ class LegacyEndpoint:
                 settled = True
                 keys.settle_later(keyed, outcome)
 
+        def release() -> None:  # the call never left the proxy: its key lets go, a retry may run it
+            nonlocal settled
+            if not settled:
+                settled = True
+                keys.release_later(keyed)
+
         async def settling(message: JsonObject) -> JsonObject:
             if "result" in message or "error" in message:
                 settle({"result": message["result"]} if "result" in message else {"error": message["error"]})
@@ -281,23 +287,19 @@ class LegacyEndpoint:
         upstream_ids: list[RequestId] = []  # the upstream's id of the request, once it was answered
 
         def unanswered(sent: Outbound) -> None:
-            nonlocal settled
             upstream_ids.append(sent.upstream_id)
-            if sent.unsent and not settled:  # it never left the proxy: a retry may run it
-                settled = True
-                keys.release_later(keyed)
+            if sent.unsent:
+                release()
             settle({"error": {"code": INTERNAL_ERROR, "message": UNANSWERED}})
 
         def relayed(done: asyncio.Future[web.StreamResponse]) -> None:
-            nonlocal settled
             if not done.cancelled() and done.exception() is not None:
                 log.info("legacy_keyed_call_relay_ended", server=self.name, reason=repr(done.exception()))
             if request_id not in session.pending and not settled:
                 # never sent: it failed before it went upstream (no child, no session), so the answer
-                # hook never ran; a retry may run it
+                # hook never ran
                 session.after_answer.pop(request_id, None)
-                settled = True
-                keys.release_later(keyed)
+                release()
 
         session.after_answer[request_id] = unanswered
         relay = asyncio.ensure_future(self.upstream.request(request, session, body, settling))
