@@ -221,7 +221,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 keepalive_s=config.listen.sse_keepalive,
                 drain=drain,
             )
-            sessions = LegacySessions(name, node=node if replicas is not None else "")
+            sessions = LegacySessions(
+                name,
+                node=node if replicas is not None else "",
+                max_per_principal=config.limits.max_sessions_per_principal,
+            )
             drain.at_deadline(sessions.drained)
             stack.callback(sessions.close)  # every reply stream's pump
             streams = StreamServer(

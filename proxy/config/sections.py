@@ -498,7 +498,10 @@ class AuthConfig(_Strict):
 class LimitsConfig(_Strict):
     """Limits; each refusal is a JSON-RPC error naming the limit (HTTP 429 for rates and counts).
 
-    `max_tasks_per_principal`: live (non-terminal) tasks one principal may have. `max_ttl`: upper
+    `max_tasks_per_principal`: live (non-terminal) tasks one principal may have.
+    `max_sessions_per_principal`: legacy sessions one principal may hold open on one server of one
+    replica, its initializes in flight included (more: HTTP 429 before the upstream sees the
+    initialize; a DELETE or `listen.legacy_session_idle` frees a place). `max_ttl`: upper
     bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
     largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
     tasks/* calls per principal, as `N/second`, `N/minute` (a moving window). `failed_auth`:
@@ -506,6 +509,12 @@ class LimitsConfig(_Strict):
     """
 
     max_tasks_per_principal: int | None = Field(None, ge=1)
+    max_sessions_per_principal: int | None = Field(
+        None,
+        ge=1,
+        description="legacy sessions one principal may hold open on one server of one replica (its "
+        "initializes in flight included); more: HTTP 429 naming the limit. null: no cap",
+    )
     max_ttl: Duration | None = None
     max_result_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     tasks_rate: str | None = Field(

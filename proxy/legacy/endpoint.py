@@ -186,13 +186,11 @@ class LegacyEndpoint:
                 request, v1_body, principal=principal, capabilities=found.capabilities
             )
         if request.method == "POST" and body.get("method") == "initialize":
-            opening = found or self.sessions.sessionless(principal)
-            try:
-                stripped = await self.v1.strip_initialize(body)
-            # the proxy's own initialize timed out: one init_timeout in all, not a second for this one
-            except UpstreamTimeoutError as exc:
-                return error_reply(request_id, INTERNAL_ERROR, str(exc))
-            return await self.upstream.initialize(request, opening, stripped, self._rewrite("initialize"))
+            if (refusal := self.sessions.over_cap(principal)) is not None:
+                error = jsonrpc.error_response(request_id, refusal.to_error())
+                return web.json_response(error, status=refusal.http_status, dumps=jsonrpc.dumps_str)
+            with self.sessions.opening(principal):
+                return await self._initialize(request, found, body, request_id, principal)
         if found is None and not self.upstream.sessionless:
             return error_reply(
                 request_id, INVALID_REQUEST, "missing Mcp-Session-Id: initialize first", status=400
@@ -309,6 +307,24 @@ class LegacyEndpoint:
         finally:
             if upstream_ids:  # (the relay ran in a task of its own: its log context is not this one)
                 structlog.contextvars.bind_contextvars(upstream_request_id=upstream_ids[0])
+
+    async def _initialize(
+        self,
+        request: web.Request,
+        found: LegacySession | None,
+        body: JsonObject,
+        request_id: Any,
+        principal: str,
+    ) -> web.StreamResponse:
+        """Relay `initialize` (v1 task capabilities stripped when the proxy serves them); the
+        upstream's new session becomes one of the proxy's."""
+        opening = found or self.sessions.sessionless(principal)
+        try:
+            stripped = await self.v1.strip_initialize(body)
+        # the proxy's own initialize timed out: one init_timeout in all, not a second for this one
+        except UpstreamTimeoutError as exc:
+            return error_reply(request_id, INTERNAL_ERROR, str(exc))
+        return await self.upstream.initialize(request, opening, stripped, self._rewrite("initialize"))
 
     def _rewrite(self, method: str) -> Rewrite | None:
         """How the answer to `method` is rewritten for v1 tasks (`initialize`, `tools/list`), or None."""

@@ -19,9 +19,11 @@ opened it (for anyone else it does not exist) and holds the ids the proxy owns t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +32,8 @@ import structlog
 
 from proxy.legacy.replay import RelayStream
 from proxy.protocol import jsonrpc
-from proxy.protocol.jsonrpc import JsonObject, RequestId, object_of
+from proxy.protocol.jsonrpc import JsonObject, JsonRpcError, RequestId, limit_error, object_of
+from proxy.runtime import metrics
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
 log = structlog.get_logger("proxy.legacy")
@@ -229,28 +232,82 @@ class LegacySession:
 class LegacySessions:
     """Downstream legacy sessions of server `name` by the proxy's session id (in memory; lost on
     restart, then 404), and each principal's session-less traffic. `node` is this replica's id
-    (named in the ids of the questions sessions relay; "" without replicas)."""
+    (named in the ids of the questions sessions relay; "" without replicas). `max_per_principal`
+    (`limits.max_sessions_per_principal`, None: no cap) bounds the sessions one principal holds
+    here at once, its initializes still in flight included (`opening`)."""
 
-    def __init__(self, name: str, *, node: str = "") -> None:
+    def __init__(self, name: str, *, node: str = "", max_per_principal: int | None = None) -> None:
         self.name = name
         self.node = node
+        self.max_per_principal = max_per_principal
         self._sessions: dict[str, LegacySession] = {}
+        self._held: Counter[str] = Counter()  # principal → its sessions in `_sessions`
+        self._opening: Counter[str] = Counter()  # principal → its initializes in flight
         self._sessionless: dict[str, LegacySession] = {}  # principal → its session-less traffic
         self._sessionless_ids = itertools.count(1)  # shared: one upstream sees every principal's ids
+
+    def over_cap(self, principal: str) -> JsonRpcError | None:
+        """The `max_sessions_per_principal` limit error (HTTP 429, -32603 with `data.limit`), logged
+        (`limit_refused`) and counted, when `principal`'s sessions here and initializes in flight
+        already reach the cap; else None. Asked before an `initialize` reaches the upstream."""
+        cap = self.max_per_principal
+        if cap is None or self._held[principal] + self._opening[principal] < cap:
+            return None
+        log.warning("limit_refused", limit="max_sessions_per_principal", principal=principal_hash(principal))
+        metrics.LIMIT_REJECTIONS.labels("max_sessions_per_principal").inc()
+        return limit_error(
+            "max_sessions_per_principal",
+            f"this principal already holds {self._held[principal]} sessions on server {self.name}; end "
+            "one (DELETE) or let it expire",
+            max=cap,
+        )
+
+    @contextlib.contextmanager
+    def opening(self, principal: str) -> Iterator[None]:
+        """Count one `initialize` of `principal` in flight (for `over_cap`) while it is relayed; the
+        session it opens is counted on its own."""
+        self._opening[principal] += 1
+        try:
+            yield
+        finally:
+            self._opening[principal] -= 1
+            if not self._opening[principal]:
+                del self._opening[principal]
+
+    def held(self, principal: str) -> int:
+        """How many sessions `principal` holds here."""
+        return self._held[principal]
 
     def open(self, upstream_id: str | None, principal: str, capabilities: JsonObject, version: str) -> str:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new session of `principal`
         (toward upstream session `upstream_id`, None for a stdio child) whose client declared
         `capabilities` and asked for revision `version` in its initialize."""
         sid = secrets.token_urlsafe(24)
-        self._sessions[sid] = LegacySession(
-            upstream_id=upstream_id,
-            principal=principal,
-            capabilities=dict(capabilities),
-            version=version,
-            node=self.node,
+        self._hold(
+            sid,
+            LegacySession(
+                upstream_id=upstream_id,
+                principal=principal,
+                capabilities=dict(capabilities),
+                version=version,
+                node=self.node,
+            ),
         )
         return sid
+
+    def _hold(self, sid: str, session: LegacySession) -> None:
+        """Keep `session` under `sid`, counted for its principal."""
+        self._sessions[sid] = session
+        self._held[session.principal] += 1
+
+    def _drop(self, sid: str) -> LegacySession | None:
+        """Forget the session under `sid` (None when unknown), uncounted for its principal."""
+        session = self._sessions.pop(sid, None)
+        if session is not None:
+            self._held[session.principal] -= 1
+            if not self._held[session.principal]:
+                del self._held[session.principal]
+        return session
 
     def get(self, sid: str, principal: str) -> LegacySession | None:
         """The session behind `sid`, or None when unknown, ended, or opened by another principal
@@ -271,7 +328,7 @@ class LegacySessions:
         expired = [
             sid for sid, session in self._sessions.items() if session.last_used <= deadline and session.idle()
         ]
-        sessions = [(sid, self._sessions.pop(sid)) for sid in expired]
+        sessions = [(sid, session) for sid in expired if (session := self._drop(sid)) is not None]
         for _, session in sessions:
             session.end(self._ended("the session expired (listen.legacy_session_idle)"))
         return sessions
@@ -296,7 +353,7 @@ class LegacySessions:
     def end(self, sid: str) -> None:
         """Forget `sid` (DELETE, or the upstream expired it) and stop its streams: a reply still
         waiting gets a JSON-RPC error saying the session ended."""
-        session = self._sessions.pop(sid, None)
+        session = self._drop(sid)
         if session is not None:
             session.end(self._ended("the session ended (DELETE, or the upstream expired it)"))
 
@@ -335,13 +392,17 @@ class LegacySessions:
         """Hold under its own id a session another replica opened on an HTTP upstream (the
         upstream session is the same). Its upstream request ids start at a random base (< 2**53),
         so they never meet the ones `previous_owner` still has in flight on that upstream session."""
-        self._sessions[sid] = LegacySession(
-            upstream_id=upstream_id,
-            principal=principal,
-            capabilities=dict(capabilities),
-            node=self.node,
-            previous_owner=previous_owner,
-            _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
+        self._drop(sid)  # adopted twice (two requests racing): counted once
+        self._hold(
+            sid,
+            LegacySession(
+                upstream_id=upstream_id,
+                principal=principal,
+                capabilities=dict(capabilities),
+                node=self.node,
+                previous_owner=previous_owner,
+                _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
+            ),
         )
 
     def cancel_elsewhere(self, sid: str, body: Any) -> str | None:

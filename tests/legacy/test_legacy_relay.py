@@ -24,6 +24,7 @@ from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, python_venv
 from proxy.app import ENDPOINTS_KEY
 from proxy.config import config_from_data
 from proxy.protocol.sse import iter_events
+from proxy.runtime import metrics
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.http import UpstreamSession
 from proxy.upstream.types import SessionBrokenError, UpstreamError
@@ -739,6 +740,77 @@ async def test_sessionless_ids_and_cancels_are_scoped_to_the_principal(
     cancels = [m["params"]["requestId"] for m in seen if m.get("method") == "notifications/cancelled"]
     assert len(calls) == 2 and calls[0] != calls[1]  # a fresh upstream id per request
     assert len(cancels) == 1 and cancels[0] in calls
+
+
+async def test_sessions_per_principal_are_capped_before_an_initialize_reaches_the_upstream(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
+    """limits.max_sessions_per_principal: three initializes of one principal at once open two
+    sessions; the third gets HTTP 429 naming the limit, no session id, and never reaches the upstream.
+    Another principal is not held back, and a DELETE frees a place."""
+    config = config_from_data(
+        {
+            "auth": {
+                "mode": "header",
+                "header": {"name": "X-Forwarded-User", "trusted_peers": ["127.0.0.1"]},
+            },
+            "limits": {"max_sessions_per_principal": 2},
+            "store": {"path": str(tmp_path / "store"), "durable": False},
+            "mcpServers": {"bad": {"url": upstream, "timeout": "5s"}},
+        }
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": LEGACY,
+    }
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": "init",
+        "method": "initialize",
+        "params": {
+            "protocolVersion": LEGACY,
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    refused = metrics.LIMIT_REJECTIONS.labels("max_sessions_per_principal")
+    refused_before = refused._value.get()
+    proxy = await serve(config)
+
+    async def initializes_seen() -> int:
+        return len([m for m in await upstream_log(upstream) if m["message"].get("method") == "initialize"])
+
+    seen_before = await initializes_seen()
+    async with aiohttp.ClientSession() as http:
+
+        async def open_session(user: str) -> tuple[int, str | None, dict]:
+            async with http.post(
+                proxy.url(), json=initialize, headers={**headers, "X-Forwarded-User": user}
+            ) as resp:
+                return resp.status, resp.headers.get("Mcp-Session-Id"), await reply_of(resp)
+
+        opened = await asyncio.gather(*(open_session("alice") for _ in range(3)))
+        assert sorted(status for status, _, _ in opened) == [200, 200, 429]
+        ((_, sid, reply),) = [o for o in opened if o[0] == 429]
+        assert sid is None and reply["id"] == "init"
+        assert reply["error"]["code"] == -32603 and reply["error"]["data"] == {
+            "limit": "max_sessions_per_principal",
+            "max": 2,
+        }
+        assert await initializes_seen() - seen_before == 2  # the refused one never left the proxy
+        assert refused._value.get() - refused_before == 1
+        status, bob_sid, _ = await open_session("bob")
+        assert status == 200 and bob_sid
+        alice_sid = next(sid for status, sid, _ in opened if status == 200)
+        async with http.delete(
+            proxy.url(), headers={**headers, "X-Forwarded-User": "alice", "Mcp-Session-Id": alice_sid or ""}
+        ) as resp:
+            assert resp.status == 200
+        status, again, _ = await open_session("alice")
+        assert status == 200 and again
+        assert (await open_session("alice"))[0] == 429
+    await proxy.stop()
 
 
 async def test_get_and_delete_on_an_upstream_that_never_answers_are_bounded(
