@@ -160,6 +160,7 @@ class ServerEndpoint:
         if request.method == "POST":
             return await self._post(request)
         if request.headers.get("Mcp-Session-Id"):
+            structlog.contextvars.bind_contextvars(era="legacy")  # (on a relaying replica's line too)
             routed = (
                 await self.router(request, None, None, principal_of(request))
                 if self.router is not None
@@ -234,6 +235,8 @@ class ServerEndpoint:
 
     async def _serve(self, request: web.Request, body: Any, raw: bytes) -> web.StreamResponse:
         """Serve a parsed POST: the scope check, then another replica (the router) or this one."""
+        modern = is_modern_request(request.headers, body)
+        structlog.contextvars.bind_contextvars(era="modern" if modern else "legacy")
         if self.scopes is not None and (refused := await self.scopes.refusal(request, body)) is not None:
             return refused
         routed = (
@@ -241,14 +244,13 @@ class ServerEndpoint:
         )
         if routed is not None:
             return routed
-        if is_modern_request(request.headers, body):
+        if modern:
             return await self._modern(request, body)
         return await self._legacy(request, body)
 
     # -- modern ------------------------------------------------------------------------------
 
     async def _modern(self, request: web.Request, body: Any) -> web.StreamResponse:
-        structlog.contextvars.bind_contextvars(era="modern")
         request_id = body.get("id") if isinstance(body, dict) else None
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             request_id = None  # never echo an id of the wrong type
@@ -279,7 +281,6 @@ class ServerEndpoint:
     # -- legacy ------------------------------------------------------------------------------
 
     async def _legacy(self, request: web.Request, body: Any) -> web.StreamResponse:
-        structlog.contextvars.bind_contextvars(era="legacy", server=self.name)
         return await self.legacy.handle(request, body=body, principal=principal_of(request))
 
 

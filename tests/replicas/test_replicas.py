@@ -209,6 +209,15 @@ async def test_mrtr_rounds_on_different_replicas(cluster: Cluster, clients: list
     ]
     served = [line for line in lines if line.get("relayed_request_id") == second.request_id]
     assert second.request_id and [line["event"] for line in served] == ["request"], served
+    relaying = [
+        json.loads(line) for line in cluster.log_path(1).read_text().splitlines() if line.startswith("{")
+    ]
+    ends = [
+        line
+        for line in relaying
+        if line.get("request_id") == second.request_id and line["event"] == "request"
+    ]
+    assert [(line["era"], line["rpc_method"]) for line in ends] == [("modern", "tools/call")], ends
     replayed = await c2.request("tools/call", retry)  # single use, whichever replica sees it
     assert replayed.error["code"] == -32602
 
