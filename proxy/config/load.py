@@ -56,6 +56,35 @@ def _expand(text: str) -> tuple[str, list[str]]:
             return text, [*problems, _interpolation_message(exc)]
 
 
+MAX_CONFIG_DEPTH = 32  # levels of mappings and lists a config may nest (the model itself needs fewer than 10)
+MAX_CONFIG_VALUES = 100_000  # values a config tree may hold once YAML aliases are followed
+
+
+def _check_shape(data: Any, source: str) -> None:
+    """Raise ConfigError when the tree nests deeper than MAX_CONFIG_DEPTH (an alias to one of its
+    own ancestors never ends) or holds more than MAX_CONFIG_VALUES values once aliases are followed
+    (a "billion laughs" file): both refused after at most that many steps, before anything walks
+    the tree recursively. Walked without recursion."""
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"{source}: the config holds more than {MAX_CONFIG_VALUES} values (YAML aliases "
+                "repeating one another?)"
+            )
+        if isinstance(node, (dict, list)):
+            if depth >= MAX_CONFIG_DEPTH:
+                raise ConfigError(
+                    f"{source}: the config nests more than {MAX_CONFIG_DEPTH} levels deep (a YAML alias "
+                    "inside what it names?)"
+                )
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+
+
 def _interpolate(node: Any, path: str, errors: list[str]) -> Any:
     """`node` with `${VAR}` expanded in every string; each string that cannot be expanded is kept
     as it is and adds one line (`key.path: what is wrong`) to `errors` per variable it lacks, so
@@ -84,10 +113,11 @@ def _format_errors(exc: ValidationError) -> str:
 
 def config_from_data(data: Any, *, source: str = "<config>") -> Config:
     """Validate an already-parsed config tree (after `${VAR}` interpolation). Raises ConfigError,
-    with one line per string that cannot be interpolated (all of them, before validation), else one
-    line per invalid key."""
+    for a tree too deep or too large (`_check_shape`), with one line per string that cannot be
+    interpolated (all of them, before validation), else one line per invalid key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
+    _check_shape(data, source)
     errors: list[str] = []
     data = _interpolate(data, "", errors)
     if errors:
@@ -102,19 +132,25 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read a YAML or JSON config file (by content: JSON is valid YAML) and validate it.
 
     Relative `store.path` and `auth.jwt.jwks_file` values are taken relative to the config file's folder.
-    Raises ConfigError naming the file and, for invalid values, each key's path.
+    Raises ConfigError naming the file and, for invalid values, each key's path; also for a file
+    that is not UTF-8, nests too deeply, or expands (aliases) past MAX_CONFIG_VALUES values.
     """
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{file}: cannot read: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+        ) from None
+    kind = "JSON" if file.suffix == ".json" else "YAML"
     try:
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"{file}: not valid {'JSON' if file.suffix == '.json' else 'YAML'}: {exc}"
-        ) from None
+        raise ConfigError(f"{file}: not valid {kind}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{file}: the {kind} nests too deeply to read") from None
     config = config_from_data(data, source=str(file))
     if not os.path.isabs(config.store.path):
         config.store.path = str((file.parent / config.store.path).resolve())

@@ -7,6 +7,7 @@ as soon as it is added.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,43 @@ def test_unreadable_and_malformed_files(tmp_path: Path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def _alias_bomb() -> str:
+    """Eight levels of nine aliases each: 9**8 (43 million) values once followed."""
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join([*lines, "mcpServers: {a: {url: 'http://127.0.0.1:1/mcp'}}"]) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("binary.yaml", b"\xff\xfe\x00garbage", "cannot read: not UTF-8 text (byte 0xff at offset 0)"),
+        ("recursive.yaml", b"a: &a [*a]\n", "nests more than 32 levels deep"),
+        ("deep.yaml", b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "the YAML nests too deeply to read"),
+        ("deep.json", b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "the JSON nests too deeply to read"),
+        ("bomb.yaml", _alias_bomb().encode(), "holds more than 100000 values"),
+    ],
+)
+def test_hostile_files_are_refused_with_a_config_error(
+    tmp_path: Path, name: str, content: bytes, message: str
+):
+    """Not UTF-8, an alias inside what it names, nesting past the parser, an alias bomb: each a
+    ConfigError naming the file (exit 2 from the CLI), never a traceback or a walk without end."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(message)) as raised:
+        load_config(tmp_path / name)
+    assert str(tmp_path / name) in str(raised.value)
+
+
+def test_aliases_within_the_bounds_still_load(tmp_path: Path):
+    (tmp_path / "aliases.yaml").write_text(
+        "mcpServers:\n  a: &server {url: 'http://127.0.0.1:1/mcp', timeout: 1m}\n"
+        "  b: {<<: *server, url: 'http://127.0.0.1:2/mcp'}\n"
+    )
+    config = load_config(tmp_path / "aliases.yaml")
+    assert config.servers["b"].timeout == 60
 
 
 # --- durations ----------------------------------------------------------------------------------
