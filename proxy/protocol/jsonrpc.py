@@ -143,14 +143,15 @@ def loads(raw: bytes | bytearray | str) -> Any:
     """Parse JSON like `json.loads` (same values, same errors: ValueError, UnicodeDecodeError),
     with orjson where it reads the same values: big integers, NaN / Infinity, lone surrogates, a
     BOM and bad input go through `json` so results and messages are unchanged. Text nested too
-    deeply to parse raises TooDeepError (a ValueError), never RecursionError."""
+    deeply to parse raises TooDeepError (a ValueError), never RecursionError; an integer past
+    Python's digit limit a ValueError naming its length."""
     if not _has_big_int(raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(raw, parse_constant=_NonFinite, parse_float=_float)
+        return json.loads(raw, parse_constant=_NonFinite, parse_float=_float, parse_int=_int)
     except RecursionError:
         raise TooDeepError("the JSON text nests too deeply to parse") from None
 
@@ -170,6 +171,15 @@ def nests_deeper_than(raw: bytes | bytearray, value: Any, limit: int) -> bool:
                 return True
             stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
     return False
+
+
+def _int(text: str) -> int:
+    """An integer of the fallback parser; one longer than Python converts (sys.int_info's default
+    of 4300 digits) raises a ValueError that says so in JSON's terms."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"a number has {len(text.lstrip('-'))} digits, more than can be read") from None
 
 
 def _float(text: str) -> float:

@@ -25,6 +25,17 @@ async def test_malformed_json_is_a_parse_error(client: ModernClient) -> None:
     assert reply.status == 400 and reply.error["code"] == -32700 and reply.message["id"] is None
 
 
+async def test_an_integer_too_long_to_read_is_a_parse_error_that_says_so(client: ModernClient) -> None:
+    """A 5,000-digit id: -32700 naming the number's length, not Python's own advice."""
+    body = b'{"jsonrpc": "2.0", "id": ' + b"7" * 5000 + b', "method": "tools/list"}'
+    reply = await client.post_raw(body, modern_headers("tools/list"))
+    assert reply.status == 400 and reply.error["code"] == -32700 and reply.message["id"] is None
+    assert (
+        reply.error["message"]
+        == "the body is not valid JSON: a number has 5000 digits, more than can be read"
+    )
+
+
 async def test_batch_and_wrong_shapes_are_invalid_requests(client: ModernClient) -> None:
     for body in (
         [{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}],
