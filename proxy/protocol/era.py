@@ -198,12 +198,16 @@ def parse_envelope(params: Any) -> Envelope:
     missing or of the wrong type (2026-07-28 basic/index, "Statelessness").
     """
     meta = params.get("_meta") if isinstance(params, dict) else None
-    if not isinstance(meta, dict):
+    if meta is None:
         raise JsonRpcError(
             INVALID_PARAMS, "missing params._meta: a 2026-07-28 request must carry the envelope"
         )
+    if not isinstance(meta, dict):
+        raise JsonRpcError(INVALID_PARAMS, "params._meta must be an object (the 2026-07-28 envelope)")
     version = meta.get(META_PROTOCOL_VERSION)
-    if not isinstance(version, str) or not version:
+    if version is not None and not isinstance(version, str):
+        raise JsonRpcError(INVALID_PARAMS, f"_meta[{META_PROTOCOL_VERSION!r}] must be a string")
+    if not version:
         raise JsonRpcError(INVALID_PARAMS, f"missing _meta[{META_PROTOCOL_VERSION!r}]")
     caps = meta.get(META_CLIENT_CAPABILITIES)
     if not isinstance(caps, dict):

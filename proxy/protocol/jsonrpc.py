@@ -293,9 +293,11 @@ def validate_request(msg: Any) -> None:
     if msg.get("jsonrpc") != "2.0":
         raise JsonRpcError(INVALID_REQUEST, 'the body must carry "jsonrpc": "2.0"')
     if "method" not in msg:
-        raise JsonRpcError(
-            INVALID_REQUEST, "a client may send requests and notifications only, not responses"
-        )
+        if "result" in msg or "error" in msg:
+            raise JsonRpcError(
+                INVALID_REQUEST, "a client may send requests and notifications only, not responses"
+            )
+        raise JsonRpcError(INVALID_REQUEST, "the request has no `method`")
     if not isinstance(msg["method"], str) or not msg["method"]:
         raise JsonRpcError(INVALID_REQUEST, "`method` must be a non-empty string")
     if "id" in msg and (isinstance(msg["id"], bool) or not isinstance(msg["id"], (str, int))):

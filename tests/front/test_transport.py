@@ -49,15 +49,26 @@ async def test_batch_and_wrong_shapes_are_invalid_requests(client: ModernClient)
 
 
 async def test_missing_envelope_is_invalid_params(client: ModernClient) -> None:
-    for meta in (
-        None,
-        {"io.modelcontextprotocol/clientCapabilities": {}},
-        {"io.modelcontextprotocol/protocolVersion": "2026-07-28"},
+    caps = {"io.modelcontextprotocol/clientCapabilities": {}}
+    for meta, message in (
+        (None, "missing params._meta"),
+        ("x", "params._meta must be an object"),
+        (caps, "missing _meta['io.modelcontextprotocol/protocolVersion']"),
+        ({**caps, "io.modelcontextprotocol/protocolVersion": 5}, "protocolVersion'] must be a string"),
+        ({"io.modelcontextprotocol/protocolVersion": "2026-07-28"}, "clientCapabilities"),
     ):
         params = {} if meta is None else {"_meta": meta}
         body = {"jsonrpc": "2.0", "id": 5, "method": "tools/list", "params": params}
         reply = await client.post_raw(json.dumps(body).encode(), modern_headers("tools/list"))
         assert reply.status == 400 and reply.error["code"] == -32602 and reply.message["id"] == 5
+        assert message in reply.error["message"], (meta, reply.error)
+
+
+async def test_a_request_without_method_is_named_so(client: ModernClient) -> None:
+    reply = await client.post_raw(b'{"jsonrpc": "2.0", "id": 3}', modern_headers("tools/list"))
+    assert reply.status == 400 and reply.error == {"code": -32600, "message": "the request has no `method`"}
+    answer = await client.post_raw(b'{"jsonrpc": "2.0", "id": 3, "result": {}}', modern_headers("tools/list"))
+    assert answer.status == 400 and "not responses" in answer.error["message"]
 
 
 async def test_version_header_mismatch_then_unsupported_version(client: ModernClient) -> None:
