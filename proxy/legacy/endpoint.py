@@ -186,6 +186,8 @@ class LegacyEndpoint:
                 request, v1_body, principal=principal, capabilities=found.capabilities
             )
         if request.method == "POST" and body.get("method") == "initialize":
+            if found is not None and self.upstream.kind == "http":  # the relay keeps this session
+                return await self._initialize(request, found, body, request_id, principal)
             if (refusal := self.sessions.over_cap(principal)) is not None:
                 error = jsonrpc.error_response(request_id, refusal.to_error())
                 return web.json_response(error, status=refusal.http_status, dumps=jsonrpc.dumps_str)
@@ -381,6 +383,8 @@ def _validate(body: Any) -> None:
     if isinstance(body, dict) and "method" in body:
         jsonrpc.validate_request(body)
     elif not jsonrpc.is_response(body):
+        if isinstance(body, dict) and "id" not in body and ("result" in body or "error" in body):
+            raise JsonRpcError(INVALID_REQUEST, "a response needs the `id` of the request it answers")
         jsonrpc.validate_request(body)
     elif isinstance(body["id"], bool) or not isinstance(body["id"], (str, int)):
         raise JsonRpcError(INVALID_REQUEST, "`id` must be a string or an integer")

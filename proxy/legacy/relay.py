@@ -323,13 +323,14 @@ class HttpRelay:
             return _upstream_error(request_id, message, 502)
         out_headers = {n: upstream.headers[n] for n in FORWARD_RESPONSE_HEADERS if n in upstream.headers}
         new_upstream_sid = upstream.headers.get("Mcp-Session-Id")
+        opened: tuple[str, LegacySession] | None = None  # a session this initialize opened
         if sid:
             if upstream.status == 404 or (request.method == "DELETE" and upstream.status < 300):
                 self.sessions.end(sid)
             if upstream.status == 404 and sent is not None:
                 sent.unsent = True  # the upstream knows no such session: it ran nothing
             out_headers["Mcp-Session-Id"] = sid
-        elif new_upstream_sid:
+        elif new_upstream_sid and upstream.status < 400:  # (an initialize the upstream refused opens none)
             asked = jsonrpc.object_of(body.get("params") if isinstance(body, dict) else None)
             new_sid = self.sessions.open(
                 new_upstream_sid,
@@ -339,13 +340,18 @@ class HttpRelay:
             )
             out_headers["Mcp-Session-Id"] = new_sid
             new = self.sessions.get(new_sid, session.principal)
+            if new is not None:
+                opened = new_sid, new
             if new is not None and sent is not None and request_id is not None:
                 # the initialize request now belongs to the new session
                 new.takes_over(request_id, sent, session)
                 session = owner[0] = new
         if not is_sse:
             async with upstream:
-                return await self._plain(upstream, out_headers, request_id, sent, rewrite)
+                reply = await self._plain(upstream, out_headers, request_id, sent, rewrite)
+            if opened is not None and "Mcp-Session-Id" not in reply.headers:
+                await self._unannounced(*opened)
+            return reply
         if request.method == "GET":
             stream = self.streams.open(session, "get")
             stream.feed(self._pump_get(session, stream, upstream, sid), f"legacy GET relay {self.name}")
@@ -362,6 +368,13 @@ class HttpRelay:
         if stream.json_only:
             return await self.streams.serve_json(stream, out_headers)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
+
+    async def _unannounced(self, new_sid: str, session: LegacySession) -> None:
+        """End session `new_sid`, just opened by an initialize whose reply failed on its way (an
+        unreadable or foreign answer: the client gets an error without the session's id, so it could
+        never use nor end it), and its upstream side (`forget`, bounded by `request_timeout`)."""
+        self.sessions.end(new_sid)
+        await self.forget(session)
 
     async def _late_post(
         self,

@@ -242,7 +242,8 @@ class LegacySessions:
         self.max_per_principal = max_per_principal
         self._sessions: dict[str, LegacySession] = {}
         self._held: Counter[str] = Counter()  # principal → its sessions in `_sessions`
-        self._opening: Counter[str] = Counter()  # principal → its initializes in flight
+        self._opening: Counter[str] = Counter()  # principal → its initializes in flight, none opened yet
+        self._opened: Counter[str] = Counter()  # principal → of those, the ones that have opened theirs
         self._sessionless: dict[str, LegacySession] = {}  # principal → its session-less traffic
         self._sessionless_ids = itertools.count(1)  # shared: one upstream sees every principal's ids
 
@@ -255,34 +256,36 @@ class LegacySessions:
             return None
         log.warning("limit_refused", limit="max_sessions_per_principal", principal=principal_hash(principal))
         metrics.LIMIT_REJECTIONS.labels("max_sessions_per_principal").inc()
+        held, opening = self._held[principal], self._opening[principal]
         return limit_error(
             "max_sessions_per_principal",
-            f"this principal already holds {self._held[principal]} sessions on server {self.name}; end "
-            "one (DELETE) or let it expire",
+            f"this principal holds {held} sessions on server {self.name} and opens {opening} more; end "
+            "one (DELETE) or let one expire",
             max=cap,
         )
 
     @contextlib.contextmanager
     def opening(self, principal: str) -> Iterator[None]:
-        """Count one `initialize` of `principal` in flight (for `over_cap`) while it is relayed; the
-        session it opens is counted on its own."""
+        """Count one `initialize` of `principal` in flight (for `over_cap`) while it is relayed; once
+        it has opened its session (`open`), that session counts instead. The counts are per
+        principal, not per request: which of its initializes opened one does not matter."""
         self._opening[principal] += 1
         try:
             yield
         finally:
-            self._opening[principal] -= 1
-            if not self._opening[principal]:
-                del self._opening[principal]
-
-    def held(self, principal: str) -> int:
-        """How many sessions `principal` holds here."""
-        return self._held[principal]
+            if self._opened[principal]:
+                _take_one(self._opened, principal)
+            else:
+                _take_one(self._opening, principal)
 
     def open(self, upstream_id: str | None, principal: str, capabilities: JsonObject, version: str) -> str:
         """Mint a proxy session id (visible ASCII, 192 bits) for a new session of `principal`
         (toward upstream session `upstream_id`, None for a stdio child) whose client declared
         `capabilities` and asked for revision `version` in its initialize."""
         sid = secrets.token_urlsafe(24)
+        if self._opening[principal]:  # the initialize in flight that opens it no longer counts
+            _take_one(self._opening, principal)
+            self._opened[principal] += 1
         self._hold(
             sid,
             LegacySession(
@@ -304,10 +307,12 @@ class LegacySessions:
         """Forget the session under `sid` (None when unknown), uncounted for its principal."""
         session = self._sessions.pop(sid, None)
         if session is not None:
-            self._held[session.principal] -= 1
-            if not self._held[session.principal]:
-                del self._held[session.principal]
+            _take_one(self._held, session.principal)
         return session
+
+    def counts(self, principal: str) -> tuple[int, int]:
+        """(sessions held, initializes in flight that have opened none yet) of `principal` here."""
+        return self._held[principal], self._opening[principal]
 
     def get(self, sid: str, principal: str) -> LegacySession | None:
         """The session behind `sid`, or None when unknown, ended, or opened by another principal
@@ -417,3 +422,10 @@ class LegacySessions:
         if isinstance(request_id, (str, int)) and request_id not in session.pending:
             return session.previous_owner
         return None
+
+
+def _take_one(counts: Counter[str], principal: str) -> None:
+    """One less for `principal` in `counts`; a count that reaches 0 leaves (no empty entries kept)."""
+    counts[principal] -= 1
+    if counts[principal] <= 0:
+        del counts[principal]

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import aiohttp
 import pytest
@@ -747,7 +748,8 @@ async def test_sessions_per_principal_are_capped_before_an_initialize_reaches_th
 ) -> None:
     """limits.max_sessions_per_principal: three initializes of one principal at once open two
     sessions; the third gets HTTP 429 naming the limit, no session id, and never reaches the upstream.
-    Another principal is not held back, and a DELETE frees a place."""
+    An initialize on a session held is not refused; one that failed holds no place. Another
+    principal is not held back, and a DELETE frees a place."""
     config = config_from_data(
         {
             "auth": {
@@ -784,9 +786,11 @@ async def test_sessions_per_principal_are_capped_before_an_initialize_reaches_th
     seen_before = await initializes_seen()
     async with aiohttp.ClientSession() as http:
 
-        async def open_session(user: str) -> tuple[int, str | None, dict]:
+        async def open_session(user: str, sid: str = "", client: str = "raw") -> tuple[int, str | None, dict]:
+            body = {**initialize, "params": {**initialize["params"], "clientInfo": {"name": client}}}
+            extra = {"Mcp-Session-Id": sid} if sid else {}
             async with http.post(
-                proxy.url(), json=initialize, headers={**headers, "X-Forwarded-User": user}
+                proxy.url(), json=body, headers={**headers, "X-Forwarded-User": user, **extra}
             ) as resp:
                 return resp.status, resp.headers.get("Mcp-Session-Id"), await reply_of(resp)
 
@@ -800,9 +804,20 @@ async def test_sessions_per_principal_are_capped_before_an_initialize_reaches_th
         }
         assert await initializes_seen() - seen_before == 2  # the refused one never left the proxy
         assert refused._value.get() - refused_before == 1
+        alice_sid = next(sid for status, sid, _ in opened if status == 200)
+        assert await open_session("alice", sid=alice_sid or "") == (
+            200,
+            alice_sid,
+            {"jsonrpc": "2.0", "id": "init", "result": ANY},
+        )  # initialize again on a session held: it opens none, so the cap does not refuse it
+        # An initialize the upstream refused, or whose answer is unreadable, leaves no session
+        # behind: the client never got its id, so it holds no place.
+        for client in ("refused", "garbled"):
+            status, sid, reply = await open_session("carol", client=client)
+            assert sid is None and "error" in reply, (client, status, reply)
+        assert [(await open_session("carol"))[0] for _ in range(3)] == [200, 200, 429]
         status, bob_sid, _ = await open_session("bob")
         assert status == 200 and bob_sid
-        alice_sid = next(sid for status, sid, _ in opened if status == 200)
         async with http.delete(
             proxy.url(), headers={**headers, "X-Forwarded-User": "alice", "Mcp-Session-Id": alice_sid or ""}
         ) as resp:
