@@ -57,7 +57,7 @@ def _expand(text: str) -> tuple[str, list[str]]:
 
 
 MAX_CONFIG_DEPTH = 32  # levels of mappings and lists a config may nest (the model itself needs fewer than 10)
-MAX_CONFIG_VALUES = 100_000  # values a config tree may hold once YAML aliases are followed
+MAX_CONFIG_VALUES = 1_000_000  # values a config tree may hold once YAML aliases are followed
 
 
 def _check_shape(data: Any, source: str) -> None:
@@ -72,14 +72,14 @@ def _check_shape(data: Any, source: str) -> None:
         seen += 1
         if seen > MAX_CONFIG_VALUES:
             raise ConfigError(
-                f"{source}: the config holds more than {MAX_CONFIG_VALUES} values (YAML aliases "
-                "repeating one another?)"
+                f"{source}: the config holds more than {MAX_CONFIG_VALUES} values once YAML aliases are "
+                "followed (a fixed bound)"
             )
         if isinstance(node, (dict, list)):
             if depth >= MAX_CONFIG_DEPTH:
                 raise ConfigError(
-                    f"{source}: the config nests more than {MAX_CONFIG_DEPTH} levels deep (a YAML alias "
-                    "inside what it names?)"
+                    f"{source}: the config nests more than {MAX_CONFIG_DEPTH} levels deep (a fixed bound; "
+                    "a YAML alias inside what it names never ends)"
                 )
             children = node.values() if isinstance(node, dict) else node
             stack.extend((child, depth + 1) for child in children)
@@ -147,7 +147,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     kind = "JSON" if file.suffix == ".json" else "YAML"
     try:
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # (ValueError: JSON, and a number too long to read)
         raise ConfigError(f"{file}: not valid {kind}: {exc}") from None
     except RecursionError:
         raise ConfigError(f"{file}: the {kind} nests too deeply to read") from None

@@ -196,7 +196,9 @@ def _alias_bomb() -> str:
         ("recursive.yaml", b"a: &a [*a]\n", "nests more than 32 levels deep"),
         ("deep.yaml", b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "the YAML nests too deeply to read"),
         ("deep.json", b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "the JSON nests too deeply to read"),
-        ("bomb.yaml", _alias_bomb().encode(), "holds more than 100000 values"),
+        ("bomb.yaml", _alias_bomb().encode(), "holds more than 1000000 values"),
+        ("long.yaml", b"a: " + b"7" * 5000 + b"\n", "not valid YAML: Exceeds the limit"),
+        ("long.json", b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON: Exceeds the limit"),
     ],
 )
 def test_hostile_files_are_refused_with_a_config_error(
@@ -211,6 +213,7 @@ def test_hostile_files_are_refused_with_a_config_error(
 
 
 def test_aliases_within_the_bounds_still_load(tmp_path: Path):
+    """A merge key that repeats one server's settings for another loads as before."""
     (tmp_path / "aliases.yaml").write_text(
         "mcpServers:\n  a: &server {url: 'http://127.0.0.1:1/mcp', timeout: 1m}\n"
         "  b: {<<: *server, url: 'http://127.0.0.1:2/mcp'}\n"
