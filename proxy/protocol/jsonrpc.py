@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 import orjson
@@ -144,16 +145,21 @@ def loads(raw: bytes | bytearray | str) -> Any:
     with orjson where it reads the same values: big integers, NaN / Infinity, lone surrogates, a
     BOM and bad input go through `json` so results and messages are unchanged. Text nested too
     deeply to parse raises TooDeepError (a ValueError), never RecursionError; an integer past
-    Python's digit limit a ValueError naming its length."""
+    Python's digit limit a ValueError naming the limit."""
     if not _has_big_int(raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(raw, parse_constant=_NonFinite, parse_float=_float, parse_int=_int)
+        return json.loads(raw, parse_constant=_NonFinite, parse_float=_float)
     except RecursionError:
         raise TooDeepError("the JSON text nests too deeply to parse") from None
+    except ValueError as exc:
+        if "max_str_digits" not in str(exc):  # (Python's advice for an integer past its digit limit)
+            raise
+        limit = sys.get_int_max_str_digits()
+        raise ValueError(f"a number has more than {limit} digits, too long to read") from None
 
 
 def nests_deeper_than(raw: bytes | bytearray, value: Any, limit: int) -> bool:
@@ -171,15 +177,6 @@ def nests_deeper_than(raw: bytes | bytearray, value: Any, limit: int) -> bool:
                 return True
             stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
     return False
-
-
-def _int(text: str) -> int:
-    """An integer of the fallback parser; one longer than Python converts (sys.int_info's default
-    of 4300 digits) raises a ValueError that says so in JSON's terms."""
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"a number has {len(text.lstrip('-'))} digits, more than can be read") from None
 
 
 def _float(text: str) -> float:

@@ -32,7 +32,7 @@ async def test_an_integer_too_long_to_read_is_a_parse_error_that_says_so(client:
     assert reply.status == 400 and reply.error["code"] == -32700 and reply.message["id"] is None
     assert (
         reply.error["message"]
-        == "the body is not valid JSON: a number has 5000 digits, more than can be read"
+        == "the body is not valid JSON: a number has more than 4300 digits, too long to read"
     )
 
 
@@ -65,10 +65,15 @@ async def test_missing_envelope_is_invalid_params(client: ModernClient) -> None:
 
 
 async def test_a_request_without_method_is_named_so(client: ModernClient) -> None:
+    """No `method`: a request without one is named so; a response is refused as one (2026 wire),
+    and a legacy response without `id` is told it needs one."""
     reply = await client.post_raw(b'{"jsonrpc": "2.0", "id": 3}', modern_headers("tools/list"))
     assert reply.status == 400 and reply.error == {"code": -32600, "message": "the request has no `method`"}
     answer = await client.post_raw(b'{"jsonrpc": "2.0", "id": 3, "result": {}}', modern_headers("tools/list"))
     assert answer.status == 400 and "not responses" in answer.error["message"]
+    legacy = {**BASE_HEADERS, "MCP-Protocol-Version": "2025-11-25"}  # where a client may answer
+    unnamed = await client.post_raw(b'{"jsonrpc": "2.0", "result": {}}', legacy)
+    assert unnamed.status == 400 and "a response needs the `id`" in unnamed.error["message"]
 
 
 async def test_version_header_mismatch_then_unsupported_version(client: ModernClient) -> None:
