@@ -251,7 +251,8 @@ def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
     """Validate the 2026-07-28 routing headers against the body, in the order the spec's probes expect.
 
     `headers` is a case-insensitive multi-dict (aiohttp's `CIMultiDictProxy`).
-    Raises JsonRpcError -32020 on a missing or mismatched header and -32022 on an unserved version.
+    Raises JsonRpcError -32020 on a missing or mismatched header, -32022 on an unserved version,
+    and -32602 when the field `Mcp-Name` mirrors is there but not a string.
     `Mcp-Name` is required for tools/call, prompts/get, resources/read; for tasks/* it is checked
     only when present (protocol.md §5 item 14).
     """
@@ -282,6 +283,8 @@ def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
     header_name = _single_header(headers, "Mcp-Name")
     if method in NAME_FIELDS:
         expected = params.get(NAME_FIELDS[method])
+        if expected is not None and not isinstance(expected, str):
+            raise JsonRpcError(INVALID_PARAMS, f"params.{NAME_FIELDS[method]} must be a string")
         if header_name is None:
             raise JsonRpcError(HEADER_MISMATCH, f"missing Mcp-Name header for {method}")
         if header_name != expected:

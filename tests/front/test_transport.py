@@ -64,6 +64,19 @@ async def test_missing_envelope_is_invalid_params(client: ModernClient) -> None:
         assert message in reply.error["message"], (meta, reply.error)
 
 
+async def test_a_name_that_is_not_a_string_is_invalid_params(client: ModernClient) -> None:
+    body = {
+        "jsonrpc": "2.0",
+        "id": 4,
+        "method": "tools/call",
+        "params": {"name": 5, "arguments": {}, "_meta": envelope()},
+    }
+    reply = await client.post_raw(
+        json.dumps(body).encode(), modern_headers("tools/call", **{"Mcp-Name": "5"})
+    )
+    assert reply.status == 400 and reply.error == {"code": -32602, "message": "params.name must be a string"}
+
+
 async def test_a_request_without_method_is_named_so(client: ModernClient) -> None:
     """No `method`: a request without one is named so; a response is refused as one (2026 wire),
     and a legacy response without `id` is told it needs one."""
