@@ -41,7 +41,9 @@ TOO_DEEP = f"the body nests JSON more than {MAX_JSON_DEPTH} levels deep"
 
 def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -> web.Response:
     return web.json_response(
-        jsonrpc.error_response(request_id, exc.to_error()), status=status or exc.http_status
+        jsonrpc.error_response(request_id, exc.to_error()),
+        status=status or exc.http_status,
+        dumps=jsonrpc.dumps_str,
     )
 
 

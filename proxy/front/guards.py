@@ -14,7 +14,9 @@ from proxy.protocol.jsonrpc import INVALID_REQUEST, JsonRpcError
 
 
 def _json_error(exc: JsonRpcError, status: int) -> web.Response:
-    return web.json_response(jsonrpc.error_response(None, exc.to_error()), status=status)
+    return web.json_response(
+        jsonrpc.error_response(None, exc.to_error()), status=status, dumps=jsonrpc.dumps_str
+    )
 
 
 @functools.lru_cache(maxsize=256)  # a handful of distinct values in practice; parsing each request cost ~3 µs

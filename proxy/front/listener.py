@@ -26,6 +26,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from proxy.config import Config
+from proxy.protocol import jsonrpc
 from proxy.runtime import event_loop, metrics
 
 log = structlog.get_logger("proxy.front")
@@ -173,7 +174,7 @@ class JsonErrorRequestHandler(RequestHandler):
                 "id": None,
                 "error": {"code": -32600, "message": "the only Expect value served is 100-continue"},
             }
-            response = web.json_response(body, status=417)
+            response = web.json_response(body, status=417, dumps=jsonrpc.dumps_str)
             response.force_close()
             return response
         if status >= 500:
@@ -190,7 +191,7 @@ class JsonErrorRequestHandler(RequestHandler):
             "id": None,
             "error": {"code": code, "message": f"malformed HTTP request: {reason}"},
         }
-        response = web.json_response(body, status=status)
+        response = web.json_response(body, status=status, dumps=jsonrpc.dumps_str)
         response.force_close()
         return response
 

@@ -12,6 +12,7 @@ import time
 import structlog
 from aiohttp import web
 
+from proxy.protocol import jsonrpc
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 
@@ -46,7 +47,7 @@ def json_errors():
                 },
             }
             headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
-            return web.json_response(body, status=exc.status, headers=headers)
+            return web.json_response(body, status=exc.status, headers=headers, dumps=jsonrpc.dumps_str)
         except Exception:
             log.exception("unhandled_error", path=request.path)
             body = {
@@ -54,7 +55,7 @@ def json_errors():
                 "id": None,
                 "error": {"code": -32603, "message": "internal proxy error; see the proxy log"},
             }
-            return web.json_response(body, status=500)
+            return web.json_response(body, status=500, dumps=jsonrpc.dumps_str)
 
     return middleware
 

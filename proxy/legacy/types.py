@@ -12,6 +12,7 @@ from aiohttp import web
 
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.session import LegacySession, Outbound, Question
+from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
 
 # Rewrites the answer to one request before it reaches the client (v1 tasks: `initialize` and
@@ -75,4 +76,4 @@ class LegacyUpstream(Protocol):
 def error_reply(request_id: Any, code: int, message: str, *, status: int = 200) -> web.Response:
     """A JSON-RPC error response under `request_id` with HTTP `status`."""
     body = {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, dumps=jsonrpc.dumps_str)

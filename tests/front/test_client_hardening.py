@@ -163,6 +163,15 @@ async def test_malformed_input_is_4xx_never_500(legacy_url: str, tmp_path: Path)
                         label,
                         answer,
                     )
+        # a request line aiohttp cannot parse: compact JSON like every other reply, its bytes not echoed
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        writer.write(b"GARBAGE / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        async with asyncio.timeout(5):
+            raw = await reader.read()
+        writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 400") and body.startswith(b'{"jsonrpc":"2.0","id":null,"error":{')
+        assert b"GARBAGE" not in body
         assert await healthy(base)
 
 

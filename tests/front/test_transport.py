@@ -36,6 +36,17 @@ async def test_an_integer_too_long_to_read_is_a_parse_error_that_says_so(client:
     )
 
 
+async def test_errors_before_the_body_is_read_are_compact_json_like_the_rest(client: ModernClient) -> None:
+    """A GET without a session (refused before any body) and a body past max_body: the same
+    compact JSON as every other reply (no spaces after `,` and `:`)."""
+    async with client.http.get(client.url) as resp:
+        assert resp.status == 405
+        assert (await resp.read()).startswith(b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,')
+    huge = b"x" * (5 * 1024 * 1024)  # past the default max_body (4 MiB)
+    async with client.http.post(client.url, data=huge, headers=BASE_HEADERS) as resp:
+        assert resp.status == 413 and b'-32600,"message":"request body too large' in await resp.read()
+
+
 async def test_batch_and_wrong_shapes_are_invalid_requests(client: ModernClient) -> None:
     for body in (
         [{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}],
