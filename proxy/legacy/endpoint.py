@@ -189,8 +189,9 @@ class LegacyEndpoint:
             if found is not None and self.upstream.kind == "http":  # the relay keeps this session
                 return await self._initialize(request, found, body, request_id, principal)
             if (refusal := self.sessions.over_cap(principal)) is not None:
-                error = jsonrpc.error_response(request_id, refusal.to_error())
-                return web.json_response(error, status=refusal.http_status, dumps=jsonrpc.dumps_str)
+                return error_reply(
+                    request_id, refusal.code, refusal.message, status=refusal.http_status, data=refusal.data
+                )
             with self.sessions.opening(principal):
                 return await self._initialize(request, found, body, request_id, principal)
         if found is None and not self.upstream.sessionless:

@@ -342,10 +342,10 @@ class HttpRelay:
             new = self.sessions.get(new_sid, session.principal)
             if new is not None:
                 opened = new_sid, new
-            if new is not None and sent is not None and request_id is not None:
-                # the initialize request now belongs to the new session
-                new.takes_over(request_id, sent, session)
-                session = owner[0] = new
+                if sent is not None and request_id is not None:
+                    # the initialize request now belongs to the new session
+                    new.takes_over(request_id, sent, session)
+                    session = owner[0] = new
         if not is_sse:
             async with upstream:
                 reply = await self._plain(upstream, out_headers, request_id, sent, rewrite)

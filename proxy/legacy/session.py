@@ -252,11 +252,11 @@ class LegacySessions:
         (`limit_refused`) and counted, when `principal`'s sessions here and initializes in flight
         already reach the cap; else None. Asked before an `initialize` reaches the upstream."""
         cap = self.max_per_principal
-        if cap is None or self._held[principal] + self._opening[principal] < cap:
+        held, opening = self.counts(principal)
+        if cap is None or held + opening < cap:
             return None
         log.warning("limit_refused", limit="max_sessions_per_principal", principal=principal_hash(principal))
         metrics.LIMIT_REJECTIONS.labels("max_sessions_per_principal").inc()
-        held, opening = self._held[principal], self._opening[principal]
         return limit_error(
             "max_sessions_per_principal",
             f"this principal holds {held} sessions on server {self.name} and opens {opening} more; end "
@@ -286,22 +286,22 @@ class LegacySessions:
         if self._opening[principal]:  # the initialize in flight that opens it no longer counts
             _take_one(self._opening, principal)
             self._opened[principal] += 1
-        self._hold(
-            sid,
-            LegacySession(
-                upstream_id=upstream_id,
-                principal=principal,
-                capabilities=dict(capabilities),
-                version=version,
-                node=self.node,
-            ),
-        )
+        self._hold(sid, upstream_id, principal, capabilities, version=version)
         return sid
 
-    def _hold(self, sid: str, session: LegacySession) -> None:
-        """Keep `session` under `sid`, counted for its principal."""
-        self._sessions[sid] = session
-        self._held[session.principal] += 1
+    def _hold(
+        self, sid: str, upstream_id: str | None, principal: str, capabilities: JsonObject, **fields: Any
+    ) -> None:
+        """Keep a new session of `principal` under `sid` on this replica, counted for its principal
+        (`fields`: the other `LegacySession` fields)."""
+        self._sessions[sid] = LegacySession(
+            upstream_id=upstream_id,
+            principal=principal,
+            capabilities=dict(capabilities),
+            node=self.node,
+            **fields,
+        )
+        self._held[principal] += 1
 
     def _drop(self, sid: str) -> LegacySession | None:
         """Forget the session under `sid` (None when unknown), uncounted for its principal."""
@@ -400,14 +400,11 @@ class LegacySessions:
         self._drop(sid)  # adopted twice (two requests racing): counted once
         self._hold(
             sid,
-            LegacySession(
-                upstream_id=upstream_id,
-                principal=principal,
-                capabilities=dict(capabilities),
-                node=self.node,
-                previous_owner=previous_owner,
-                _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
-            ),
+            upstream_id,
+            principal,
+            capabilities,
+            previous_owner=previous_owner,
+            _ids=itertools.count(1 + secrets.randbelow(1 << 40) * 4096),
         )
 
     def cancel_elsewhere(self, sid: str, body: Any) -> str | None:

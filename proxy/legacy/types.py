@@ -73,7 +73,10 @@ class LegacyUpstream(Protocol):
         upstream session (bounded, failures logged); a stdio child has nothing to end."""
 
 
-def error_reply(request_id: Any, code: int, message: str, *, status: int = 200) -> web.Response:
-    """A JSON-RPC error response under `request_id` with HTTP `status`."""
-    body = {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+def error_reply(
+    request_id: Any, code: int, message: str, *, status: int = 200, data: Any = None
+) -> web.Response:
+    """A JSON-RPC error response under `request_id` with HTTP `status` (`data`: the error's
+    optional detail)."""
+    body = jsonrpc.error_response(request_id, jsonrpc.error_object(code, message, data))
     return web.json_response(body, status=status, dumps=jsonrpc.dumps_str)
