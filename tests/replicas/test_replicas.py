@@ -91,6 +91,19 @@ async def _metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+async def _request_lines(cluster: Cluster, i: int, field: str, request_id: str) -> list[dict]:
+    """Replica `i`'s log lines whose `field` is `request_id`, once its `request` line is among them
+    (written as the response ends, which the client may see first); waits at most 5 s."""
+    async with asyncio.timeout(5):
+        while True:
+            text = cluster.log_path(i).read_text(errors="replace")
+            lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+            found = [e for e in lines if e.get(field) == request_id]
+            if any(e["event"] == "request" for e in found):
+                return found
+            await asyncio.sleep(0.02)
+
+
 def _node_of(cluster: Cluster, i: int) -> str:
     """Replica `i`'s node id, from its latest start line in its log."""
     nodes = re.findall(r'"node": ?"([^"]+)"', cluster.log_path(i).read_text(errors="replace"))
@@ -204,19 +217,11 @@ async def test_mrtr_rounds_on_different_replicas(cluster: Cluster, clients: list
     second = await c1.request("tools/call", retry)
     assert second.result["content"][0]["text"] == "Hello Ada, the work took 0s"
     # relayed to replica 0, which holds the call: its line names the id the client got from replica 1
-    lines = [
-        json.loads(line) for line in cluster.log_path(0).read_text().splitlines() if line.startswith("{")
-    ]
-    served = [line for line in lines if line.get("relayed_request_id") == second.request_id]
-    assert second.request_id and [line["event"] for line in served] == ["request"], served
-    relaying = [
-        json.loads(line) for line in cluster.log_path(1).read_text().splitlines() if line.startswith("{")
-    ]
-    ends = [
-        line
-        for line in relaying
-        if line.get("request_id") == second.request_id and line["event"] == "request"
-    ]
+    assert second.request_id
+    served = await _request_lines(cluster, 0, "relayed_request_id", second.request_id)
+    assert [line["event"] for line in served] == ["request"], served
+    relaying = await _request_lines(cluster, 1, "request_id", second.request_id)
+    ends = [line for line in relaying if line["event"] == "request"]
     assert [(line["era"], line["rpc_method"]) for line in ends] == [("modern", "tools/call")], ends
     replayed = await c2.request("tools/call", retry)  # single use, whichever replica sees it
     assert replayed.error["code"] == -32602
