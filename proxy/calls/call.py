@@ -29,6 +29,7 @@ from proxy.protocol.inputs import (
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, RequestId, object_of
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
+from proxy.runtime.running import bind
 from proxy.tasks.types import TaskSink
 from proxy.upstream.types import Pool, Session, UpstreamError, UpstreamUndeliveredError, with_session
 
@@ -256,6 +257,8 @@ class Call:
         params["_meta"] = {**object_of(params.get("_meta")), "progressToken": self.progress_token}
         self.session = session
         self.upstream_request_id = session.next_id()
+        # (the call's own log context, and the console's entry of the request that started it)
+        bind(upstream_request_id=self.upstream_request_id, upstream_progress_token=self.progress_token)
         self.sent = False  # True once the request left the max_concurrency queue (stdio) / was POSTed
         return session.request(
             self.method,

@@ -29,6 +29,7 @@ from proxy.protocol.jsonrpc import (
 from proxy.protocol.translate import outcome_answer
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
+from proxy.runtime.running import bind
 from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.model import TaskRecord
 from proxy.tasks.service import TaskService
@@ -139,6 +140,7 @@ class CallRunner:
                 params["requestState"], principal=principal, server=self.name, digest=digest
             )
             call.resume(meta.get("progressToken"))
+            _bind_upstream_ids(call)  # the upstream request this retry waits on
             call.answer(responses or {})
             if call.key is not None:  # the round a retry could be given is answered
                 await self.keys.keep_round(call.key, None)
@@ -372,7 +374,7 @@ class CallRunner:
             expected=(JsonRpcError,),
         )
         if answer is not None:
-            structlog.contextvars.bind_contextvars(task_id=answer["taskId"])
+            bind(task_id=answer["taskId"])
         return answer
 
     async def _hand_over(
@@ -466,6 +468,4 @@ def _bind_upstream_ids(call: Call) -> None:
     """The upstream's JSON-RPC id of `call` and the progress token it carried, in the request's log
     context (its access line): what the upstream's own logs know the call by."""
     if call.upstream_request_id is not None:
-        structlog.contextvars.bind_contextvars(
-            upstream_request_id=call.upstream_request_id, upstream_progress_token=call.progress_token
-        )
+        bind(upstream_request_id=call.upstream_request_id, upstream_progress_token=call.progress_token)

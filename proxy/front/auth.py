@@ -23,6 +23,7 @@ from proxy.front.tokens import AccessTokens, TokenError
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST
 from proxy.replicas.forward import RELAYED_PRINCIPAL_HEADER, SECRET_HEADER
+from proxy.runtime.running import bind
 from proxy.tasks.model import ANONYMOUS, principal_hash
 from proxy.tasks.rates import FailedAttempts
 
@@ -222,7 +223,7 @@ def auth_middleware(
         request[PRINCIPAL_KEY] = principal
         if scopes is not None:
             request[SCOPES_KEY] = scopes
-        structlog.contextvars.bind_contextvars(principal=principal_hash(principal))
+        bind(principal=principal_hash(principal))
         return await handler(request)
 
     return middleware

@@ -29,6 +29,7 @@ from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR,
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.replicas.forward import FORWARDED_HEADER
 from proxy.runtime import flow, metrics, tracing
+from proxy.runtime.running import bind
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
 log = structlog.get_logger("proxy.front")
@@ -158,11 +159,11 @@ class ServerEndpoint:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
-        structlog.contextvars.bind_contextvars(server=self.name)
+        bind(server=self.name)
         if request.method == "POST":
             return await self._post(request)
         if request.headers.get("Mcp-Session-Id"):
-            structlog.contextvars.bind_contextvars(era="legacy")  # (on a relaying replica's line too)
+            bind(era="legacy")  # (on a relaying replica's line too)
             routed = (
                 await self.router(request, None, None, principal_of(request))
                 if self.router is not None
@@ -238,7 +239,7 @@ class ServerEndpoint:
     async def _serve(self, request: web.Request, body: Any, raw: bytes) -> web.StreamResponse:
         """Serve a parsed POST: the scope check, then another replica (the router) or this one."""
         modern = is_modern_request(request.headers, body)
-        structlog.contextvars.bind_contextvars(era="modern" if modern else "legacy")
+        bind(era="modern" if modern else "legacy")
         if self.scopes is not None and (refused := await self.scopes.refusal(request, body)) is not None:
             return refused
         routed = (
@@ -307,7 +308,7 @@ def bind_request(body: JsonObject) -> None:
     task_id = params.get("taskId")
     if isinstance(task_id, str):
         fields["task_id"] = task_id[:128]
-    structlog.contextvars.bind_contextvars(**fields)
+    bind(**fields)
 
 
 def principal_of(request: web.Request) -> str:

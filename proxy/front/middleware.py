@@ -15,6 +15,7 @@ from aiohttp import web
 from proxy.protocol import jsonrpc
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
+from proxy.runtime.running import RunningRequests, bind
 
 log = structlog.get_logger("proxy.access")
 ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the request reached the proxy
@@ -60,13 +61,14 @@ def json_errors():
     return middleware
 
 
-def access_log(drain: Drain | None = None):
+def access_log(drain: Drain | None = None, running: RunningRequests | None = None):
     """Middleware: bind a request id (and, once known, era, JSON-RPC method, server, tool, task id
     and the upstream's request id) to the log context and write one line per request with its
-    status and duration in ms. The request id goes back to the client as `X-Request-Id`
-    (`request_id_header`); a client's own `X-Request-Id` (printable ASCII, at most
-    MAX_CLIENT_REQUEST_ID characters) is logged beside it as `client_request_id`, never used as
-    ours. `mcp_tasks_proxy_http_requests_in_flight{kind}` counts the requests being answered.
+    status and duration in ms. While the request is answered it is listed in `running` (the
+    console's "Running now"), with the same identifiers. The request id goes back to the client
+    as `X-Request-Id` (`request_id_header`); a client's own `X-Request-Id` (printable ASCII, at
+    most MAX_CLIENT_REQUEST_ID characters) is logged beside it as `client_request_id`, never used
+    as ours. `mcp_tasks_proxy_http_requests_in_flight{kind}` counts the requests being answered.
 
     A client that goes away before its answer is logged as `client_disconnected` and counted with
     status 499 (never 500); a request the proxy itself cut at the end of `drain` (`Drain.cutting`:
@@ -80,14 +82,15 @@ def access_log(drain: Drain | None = None):
         if request.path in ("/healthz", "/readyz", "/metrics"):
             return await handler(request)
         structlog.contextvars.clear_contextvars()
+        kind = "console" if request.path.startswith("/console") else "mcp"
+        entry = running.begin(request.method) if running is not None and kind == "mcp" else None
         request_id = secrets.token_hex(8)
         request[REQUEST_ID_KEY] = request_id
         theirs = request.headers.get("X-Request-Id")
         if theirs and len(theirs) <= MAX_CLIENT_REQUEST_ID and theirs.isascii() and theirs.isprintable():
-            structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=theirs)
+            bind(request_id=request_id, client_request_id=theirs)
         else:
-            structlog.contextvars.bind_contextvars(request_id=request_id)
-        kind = "console" if request.path.startswith("/console") else "mcp"
+            bind(request_id=request_id)
         in_flight = metrics.requests_in_flight(kind)
         in_flight.inc()
         started = time.perf_counter()
@@ -106,6 +109,8 @@ def access_log(drain: Drain | None = None):
             status, event = CLIENT_CLOSED, "request_cut_at_shutdown" if cut else "client_disconnected"
             raise
         finally:
+            if entry is not None and running is not None:
+                running.end(entry)
             in_flight.dec()
             metrics.request_counter(kind, status).inc()
             log.info(

@@ -31,6 +31,7 @@ from proxy.protocol.jsonrpc import (
     RequestId,
     object_of,
 )
+from proxy.runtime.running import bind
 from proxy.upstream.stdio import StdioSession
 from proxy.upstream.stdio_pool import StdioPool
 from proxy.upstream.types import UpstreamError
@@ -98,7 +99,7 @@ class StdioChild:
             client_token=client_token,
             upstream_token=upstream_token,
         )
-        structlog.contextvars.bind_contextvars(upstream_request_id=sent.upstream_id)
+        bind(upstream_request_id=sent.upstream_id)
         pump = self._pump(session, stream, child, body["method"], params or None, client_id, sent, rewrite)
         stream.feed(pump, f"legacy stdio request {self.name}")
         return await self.streams.reply(request, session, stream)

@@ -32,6 +32,7 @@ from proxy.protocol.jsonrpc import (
 )
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.runtime import metrics
+from proxy.runtime.running import bind
 from proxy.upstream.types import UpstreamTimeoutError
 
 log = structlog.get_logger("proxy.legacy")
@@ -309,7 +310,7 @@ class LegacyEndpoint:
             return await asyncio.shield(relay)  # a client that leaves does not stop it
         finally:
             if upstream_ids:  # (the relay ran in a task of its own: its log context is not this one)
-                structlog.contextvars.bind_contextvars(upstream_request_id=upstream_ids[0])
+                bind(upstream_request_id=upstream_ids[0])
 
     async def _initialize(
         self,

@@ -33,6 +33,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
 from proxy.protocol.sse import EventTooLargeError, ReaderEvents, SseEvent
 from proxy.runtime import tracing
+from proxy.runtime.running import bind
 from proxy.upstream.connections import UpstreamHttp
 from proxy.upstream.credentials import ClientCredentials
 from proxy.upstream.types import (
@@ -114,7 +115,7 @@ class HttpRelay:
     ) -> web.StreamResponse:
         """Relay a request under a fresh id of the session's own."""
         sent = session.send(body["id"], session.mint())
-        structlog.contextvars.bind_contextvars(upstream_request_id=sent.upstream_id)
+        bind(upstream_request_id=sent.upstream_id)
         return await self._forward(
             request, session, {**body, "id": sent.upstream_id}, body["id"], sent, rewrite
         )

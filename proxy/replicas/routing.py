@@ -23,6 +23,7 @@ from proxy.protocol.era import is_modern_request
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
 from proxy.replicas.forward import FORWARDED_HEADER, RELAYED_REQUEST_ID_HEADER
 from proxy.replicas.node import Replicas
+from proxy.runtime.running import bind
 from proxy.tasks.model import principal_hash
 from proxy.tasks.store import StoreUnavailableError
 
@@ -104,7 +105,7 @@ class EndpointRouter:
         if self.replicas.forwarded(request):
             relayed_id = request.headers.get(RELAYED_REQUEST_ID_HEADER, "")
             if relayed_id.isascii() and relayed_id.isalnum() and len(relayed_id) <= 32:
-                structlog.contextvars.bind_contextvars(relayed_request_id=relayed_id)
+                bind(relayed_request_id=relayed_id)
             # Served here, except a cancel relayed by a third replica (the map names this replica
             # since it adopted the session) for a request the previous owner sent: one more hop, at most.
             previous = self.sessions.cancel_elsewhere(sid, body) if sid and request.method == "POST" else None

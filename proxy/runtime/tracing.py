@@ -43,6 +43,7 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.config import TracingConfig
+from proxy.runtime.running import bind
 
 SHUTDOWN_FLUSH_S = 3.0  # bound (s) on the last export at shutdown
 EXPORT_TIMEOUT_S = 5.0  # bound (s) on one export to the collector, retries included
@@ -401,9 +402,7 @@ def inbound_span(
         ) as span:
             ids = span.get_span_context()
             if ids.is_valid and ids.trace_flags.sampled:  # also on the request's own log line, once ended
-                structlog.contextvars.bind_contextvars(
-                    trace_id=f"{ids.trace_id:032x}", span_id=f"{ids.span_id:016x}"
-                )
+                bind(trace_id=f"{ids.trace_id:032x}", span_id=f"{ids.span_id:016x}")
             yield span
     finally:
         if token is not None:
