@@ -39,6 +39,7 @@ from proxy.replicas.internal import add_routes as add_replica_routes
 from proxy.runtime import metrics, tracing
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
+from proxy.runtime.running import RunningRequests
 from proxy.tasks.model import new_node_id, use_principal_hash_key
 from proxy.tasks.open_store import open_store, rate_storage
 from proxy.tasks.rates import FailedAttempts, close_rate_storage
@@ -59,6 +60,7 @@ TASKS_KEY = web.AppKey("tasks", TaskService)
 ENDPOINTS_KEY = web.AppKey("endpoints", dict[str, ServerEndpoint])
 POOLS_KEY = web.AppKey("pools", dict[str, Pool])
 DRAIN_KEY = web.AppKey("drain", Drain)
+RUNNING_KEY = web.AppKey("running", RunningRequests)  # the requests being answered (console, replicas)
 PARKED_KEY = web.AppKey("parked", ParkedCalls)
 REPLICAS_KEY = web.AppKey("replicas", Replicas)
 RESOURCE_KEY = web.AppKey("resource", ProtectedResource)  # the proxy as an OAuth protected resource
@@ -90,8 +92,9 @@ def build_app(config: Config) -> web.Application:
     )
     throttle = FailedAttempts(config.limits.failed_auth)
     drain = Drain()
+    running = RunningRequests()
     middlewares = [
-        access_log(drain),
+        access_log(drain, running),
         json_errors(),
         host_guard(allowed),
         auth_middleware(
@@ -108,6 +111,7 @@ def build_app(config: Config) -> web.Application:
     app[CONFIG_KEY] = config
     app[ENDPOINTS_KEY] = {}
     app[DRAIN_KEY] = drain
+    app[RUNNING_KEY] = running
     app[RESOURCE_KEY] = resource
     app[THROTTLE_KEY] = throttle
     app.cleanup_ctx.append(_lifecycle)
@@ -280,12 +284,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             )
         app[TASKS_KEY], app[POOLS_KEY], app[PARKED_KEY] = tasks, pools, parked
         if config.console is not None:
-            app[CONSOLE_KEY] = ConsoleData(tasks, pools, cookie_key=derive_key(key, "console-cookie"))
+            app[CONSOLE_KEY] = ConsoleData(
+                tasks,
+                pools,
+                running=app[RUNNING_KEY],
+                replicas=replicas,
+                cookie_key=derive_key(key, "console-cookie"),
+            )
         await tasks.start(restart_message=None if replicas else RESTART_MESSAGE)
         stack.push_async_callback(tasks.stop)
         if replicas is not None:
             app[REPLICAS_KEY] = replicas
-            app[INTERNAL_KEY] = InternalEndpoints(replicas, tasks)
+            app[INTERNAL_KEY] = InternalEndpoints(replicas, tasks, app[RUNNING_KEY])
             await replicas.start()
             stack.push_async_callback(replicas.stop)
         sweeper = asyncio.get_running_loop().create_task(

@@ -47,6 +47,8 @@ from cryptography.fernet import InvalidToken
 
 from proxy.config import ConsoleConfig, ListenConfig
 from proxy.protocol import jsonrpc
+from proxy.replicas.node import Replicas
+from proxy.runtime.running import RunningRequests
 from proxy.tasks.rates import FailedAttempts
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import StoreUnavailableError
@@ -82,12 +84,23 @@ def _utf8(text: str) -> bytes | None:
 
 class ConsoleData:
     """What the console reads and acts on, opened with the root application (its cleanup context
-    puts it under `CONSOLE_KEY`): the task service, the upstream pools by server name, and the
-    session cookie's key (32 bytes, the same on every replica and across restarts)."""
+    puts it under `CONSOLE_KEY`): the task service, the upstream pools by server name, this
+    process's requests in flight, the replica side (None without `replicas`), and the session
+    cookie's key (32 bytes, the same on every replica and across restarts)."""
 
-    def __init__(self, tasks: TaskService, pools: Mapping[str, Any], *, cookie_key: bytes) -> None:
+    def __init__(
+        self,
+        tasks: TaskService,
+        pools: Mapping[str, Any],
+        *,
+        running: RunningRequests,
+        replicas: Replicas | None,
+        cookie_key: bytes,
+    ) -> None:
         self.tasks = tasks
         self.pools = pools
+        self.running = running
+        self.replicas = replicas
         self.fernet = fernet.Fernet(base64.urlsafe_b64encode(cookie_key[:32]))
 
 

@@ -12,6 +12,8 @@ section. Every answer is JSON (errors: `{"error": {"status", "message"}}`, 4xx f
   (the live call is stopped upstream); 409 when the task had already ended
 - `GET /console/api/events`: server-sent events (see `events.ConsoleHub.stream`)
 - `GET /console/api/overview`: upstream readiness, the store, live calls and `views.metrics_snapshot`
+- `GET /console/api/running?limit=`: the requests being answered right now on every live replica,
+  synchronous calls included (`running_requests`)
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from proxy.config import Config
 from proxy.console.access import CONSOLE_KEY, OPERATOR_KEY, ConsoleAccess, error
 from proxy.console.events import ConsoleHub, TooManyStreamsError
 from proxy.console.views import detail, metrics_snapshot, row
+from proxy.replicas.forward import HopError
+from proxy.runtime.running import MAX_LISTED
 from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.rates import FailedAttempts
 from proxy.tasks.service import TaskService
@@ -44,6 +48,7 @@ ACCESS_KEY = web.AppKey("console_access", ConsoleAccess)
 
 READY_CACHE_S = 5.0  # upstream readiness is probed at most this often (s) for the overview
 MAX_LIMIT = 200
+RUNNING_LIMIT = 200  # requests `GET /console/api/running` lists by default
 _HASH = re.compile(r"^[0-9a-f]{16}$")
 _PRINCIPAL_ROUNDS = 20  # store pages one principal-filtered listing may read before it returns a cursor
 _SECURITY_HEADERS = {
@@ -122,6 +127,7 @@ def build_console(config: Config, throttle: FailedAttempts) -> web.Application:
     console.router.add_post("/api/tasks/{task_id}/cancel", cancel_task)
     console.router.add_get("/api/events", events)
     console.router.add_get("/api/overview", overview)
+    console.router.add_get("/api/running", running_requests)
     return console
 
 
@@ -173,6 +179,49 @@ async def list_tasks(request: web.Request) -> web.Response:
     except StoreUnavailableError as exc:
         return error(503, str(exc))
     return web.json_response({"tasks": [row(r) for r in found], "nextCursor": cursor})
+
+
+async def running_requests(request: web.Request) -> web.Response:
+    """`GET /console/api/running?limit=`: `{requests, replicas}`. `requests`: the requests being answered
+    right now by an MCP endpoint, on this replica and every live peer, longest-running first, at most
+    `limit` (1..`MAX_LISTED`, default 200); each is `RunningRequest.shown` plus its `replica` (node
+    id). `replicas`: `[{replica, total}]` (how many requests each is answering) or `[{replica,
+    error}]` for a peer that did not answer within `replicas.hop_timeout`. 400 for a bad limit; 503
+    when the replica registry cannot be read."""
+    try:
+        limit = int(request.query.get("limit", str(RUNNING_LIMIT)))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LISTED:
+        return error(400, f"limit must be a whole number from 1 to {MAX_LISTED}")
+    data = request.config_dict[CONSOLE_KEY]
+    node = data.tasks.node
+    here, total = data.running.snapshot(limit)
+    found = [{**shown, "replica": node} for shown in here]
+    replicas: list[dict[str, Any]] = [{"replica": node, "total": total}]
+    if data.replicas is not None:
+        try:
+            answers = await data.replicas.ask_peers("running", {})
+        except StoreUnavailableError as exc:
+            return error(503, str(exc))
+        for peer, answer in answers:
+            if isinstance(answer, HopError):
+                why = str(answer)
+                if answer.status == 404:  # mid-deploy: a peer of a version before this list
+                    why = f"replica {peer.node} runs a version that cannot list its requests (HTTP 404)"
+                replicas.append({"replica": peer.node, "error": why})
+                continue
+            listed = answer.get("requests")
+            views = [view for view in listed if isinstance(view, dict)] if isinstance(listed, list) else []
+            found.extend({**view, "replica": peer.node} for view in views)
+            replicas.append({"replica": peer.node, "total": answer.get("total")})
+    found.sort(key=_age_ms, reverse=True)
+    return web.json_response({"requests": found[:limit], "replicas": replicas})
+
+
+def _age_ms(view: dict[str, Any]) -> float:
+    age = view.get("ageMs")
+    return age if isinstance(age, (int, float)) else 0
 
 
 async def _record(request: web.Request) -> TaskRecord | web.Response:

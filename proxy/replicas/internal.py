@@ -1,5 +1,6 @@
 """The internal endpoints replicas call on each other (`/_replica/...`), only with the shared
-secret: the live half of `tasks/update` and `tasks/cancel` for calls running here, and a ping."""
+secret: the live half of `tasks/update` and `tasks/cancel` for calls running here, the requests
+this replica is answering (for the console), and a ping."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.node import Replicas
 from proxy.runtime import tracing
+from proxy.runtime.running import RunningRequests
 from proxy.tasks.service import TaskService
 
 log = structlog.get_logger("proxy.replicas")
@@ -19,11 +21,12 @@ PREFIX = "/_replica"
 
 class InternalEndpoints:
     """What the internal endpoints act on, opened with the app (its cleanup context puts it under
-    `INTERNAL_KEY`): this replica and its task service."""
+    `INTERNAL_KEY`): this replica, its task service and its requests in flight."""
 
-    def __init__(self, replicas: Replicas, tasks: TaskService) -> None:
+    def __init__(self, replicas: Replicas, tasks: TaskService, running: RunningRequests) -> None:
         self.replicas = replicas
         self.tasks = tasks
+        self.running = running
 
     async def cancel(self, request: web.Request) -> web.Response:
         """`{"taskId", "reason"}` → `{"stopped": bool}`: stop the live call of a task another replica
@@ -58,6 +61,14 @@ class InternalEndpoints:
         if not self._authentic(request):
             return _refuse(403, "replica secret missing or wrong")
         return web.json_response({"node": self.replicas.node})
+
+    async def list_running(self, request: web.Request) -> web.Response:
+        """`{}` → `{"node", "requests", "total"}`: the oldest requests this replica is answering (at
+        most `running.MAX_LISTED`, see `RunningRequests.snapshot`) and how many there are in all."""
+        if not self._authentic(request):
+            return _refuse(403, "replica secret missing or wrong")
+        requests, total = self.running.snapshot()
+        return web.json_response({"node": self.replicas.node, "requests": requests, "total": total})
 
     def _authentic(self, request: web.Request) -> bool:
         if self.replicas.authentic(request):
@@ -95,9 +106,13 @@ def add_routes(app: web.Application) -> None:
     async def ping(request: web.Request) -> web.Response:
         return await request.app[INTERNAL_KEY].ping(request)
 
+    async def running(request: web.Request) -> web.Response:
+        return await request.app[INTERNAL_KEY].list_running(request)
+
     app.router.add_post(f"{PREFIX}/tasks/cancel", cancel)
     app.router.add_post(f"{PREFIX}/tasks/answer", answer)
     app.router.add_post(f"{PREFIX}/ping", ping)
+    app.router.add_post(f"{PREFIX}/running", running)
 
 
 def _refuse(status: int, message: str) -> web.Response:

@@ -98,17 +98,10 @@ class Replicas:
         parallel); log an error naming each one that refuses it (a different `replicas.secret`) and
         keep the finding in `peer_problem` for /readyz. Non-fatal; returns the finding."""
         try:
-            peers = await self.registry.peers()
+            results = await self.ask_peers("ping", {})
         except StoreUnavailableError:
             return self.peer_problem
-        results = await asyncio.gather(
-            *(self.forwarder.ask(p, "ping", {}) for p in peers), return_exceptions=True
-        )
-        refused = [
-            f"{p.node} at {p.url}"
-            for p, r in zip(peers, results, strict=True)
-            if isinstance(r, HopError) and r.status == 403
-        ]
+        refused = [f"{p.node} at {p.url}" for p, r in results if isinstance(r, HopError) and r.status == 403]
         for who in refused:
             log.error(
                 "replica_peer_refused",
@@ -119,6 +112,21 @@ class Replicas:
             f"refused by {', '.join(refused)} (a different replicas.secret)" if refused else None
         )
         return self.peer_problem
+
+    async def ask_peers(self, op: str, payload: JsonObject) -> list[tuple[Peer, JsonObject | HopError]]:
+        """POST `payload` to `/_replica/<op>` on every live peer at once (each bounded by
+        `hop_timeout`, s): each peer with its JSON answer, or the HopError saying why there is none.
+        Raises StoreUnavailableError when the registry cannot be read."""
+        peers = await self.registry.peers()
+        results = await asyncio.gather(
+            *(self.forwarder.ask(p, op, payload) for p in peers), return_exceptions=True
+        )
+        answers: list[tuple[Peer, JsonObject | HopError]] = []
+        for peer, result in zip(peers, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, HopError):
+                raise result
+            answers.append((peer, result))
+        return answers
 
     async def _renew(self) -> None:
         while not self._stopping:  # a flag too: redis-py can swallow a cancel (redis/redis-py#2028)

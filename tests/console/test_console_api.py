@@ -13,21 +13,25 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support.clients import ModernClient
+from support.clients import LEGACY_INITIALIZE, ModernClient
 from support.console import CLIENT_TOKEN, CONSOLE_TOKEN, client_for, console_config, seed
 from support.proxy import RunningProxy, Serve, make_config
 from support.records import make_record
+from support.redis_server import RedisServer
+from support.servers import free_port
 
-from proxy.app import TASKS_KEY
+from proxy.app import REPLICAS_KEY, TASKS_KEY
 from proxy.config import ConfigError, config_from_data, load_config
 from proxy.console.events import MAX_STREAMS, ConsoleHub, TooManyStreamsError
 from proxy.front.auth import hash_token
+from proxy.replicas.registry import Registry
 from proxy.runtime.fanout import DEFAULT_LIMIT, OVERFLOW, Fanout
 from proxy.tasks.model import TaskStatus, now_ms, principal_hash
 from proxy.tasks.types import TaskChange, TaskEvent
 
 ROOT = Path(__file__).resolve().parents[2]
 BEARER = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
+LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
 
 @pytest.fixture
@@ -500,6 +504,136 @@ async def test_overview_and_a_stream_with_keepalives_that_ends_at_shutdown(
             await stream.content.read()
     finally:
         stream.release()
+
+
+async def _running_until(
+    http: aiohttp.ClientSession, proxy: RunningProxy, found: Any, timeout: float = 10.0
+) -> dict[str, Any]:
+    """Poll `GET /console/api/running` until `found(body)` holds (bounded by `timeout`, s)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            status, body = await get_json(http, proxy.base + "/console/api/running", BEARER)
+            assert status == 200, body
+            if found(body):
+                return body
+            await asyncio.sleep(0.05)
+
+
+async def _legacy_call(http: aiohttp.ClientSession, url: str, tool: str, arguments: dict) -> dict:
+    """A handshake-era client: initialize, then one `tools/call` on its session; the call's reply."""
+    headers = {**LEGACY_HEADERS, "Authorization": f"Bearer {CLIENT_TOKEN}"}
+    async with http.post(url, json=LEGACY_INITIALIZE, headers=headers) as resp:
+        assert resp.status == 200 and "protocolVersion" in await resp.text()
+        headers["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
+    call = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": tool, "arguments": arguments},
+    }
+    async with http.post(url, json=call, headers=headers) as resp:
+        text = await resp.text()
+    data = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    return json.loads(data[-1] if data else text)
+
+
+async def test_running_lists_synchronous_calls_of_both_eras_with_their_ids_until_they_answer(
+    console: RunningProxy, http: aiohttp.ClientSession
+) -> None:
+    """Calls that never become tasks (the client did not ask for tasks) are visible while they run:
+    server, tool, era, principal hash, the request id the client gets back and the upstream's
+    request id; they leave the list when they answer."""
+    status, body = await get_json(http, console.base + "/console/api/running", BEARER)
+    node = console.app[TASKS_KEY].node
+    assert status == 200 and body == {"requests": [], "replicas": [{"replica": node, "total": 0}]}
+    modern = client_for(console)
+    modern.capabilities = {}  # no tasks extension: the call stays synchronous however long it runs
+    label = f"running-{time.monotonic_ns()}"
+    try:
+        first = asyncio.create_task(modern.call("slow_compute", {"seconds": 1.5, "label": label}))
+        second = asyncio.create_task(
+            _legacy_call(http, console.url("other"), "slow_compute", {"seconds": 1.5, "label": label})
+        )
+
+        def both(body: dict) -> bool:
+            return {(r.get("era"), "upstreamRequestId" in r) for r in body["requests"]} >= {
+                ("modern", True),
+                ("legacy", True),
+            }
+
+        listed = await _running_until(http, console, both)
+        rows = {row["era"]: row for row in listed["requests"]}
+        assert listed["replicas"] == [{"replica": node, "total": 2}]
+        for era, server in (("modern", "legacy"), ("legacy", "other")):
+            row = rows[era]
+            assert (
+                row["server"] == server
+                and row["rpcMethod"] == "tools/call"
+                and row["tool"] == "slow_compute"
+                and row["httpMethod"] == "POST"
+                and row["principalHash"] == principal_hash("ci")
+                and row["replica"] == node
+                and 0 <= row["ageMs"] < 10_000
+                and abs(row["startedMs"] - now_ms()) < 10_000
+            ), row
+        reply = await first
+        assert reply.result["content"][0]["text"] == f"computed {label} after 1.5s"
+        assert reply.request_id == rows["modern"]["requestId"]  # the id the client can name to an operator
+        assert (await second)["result"]["content"][0]["text"] == f"computed {label} after 1.5s"
+        status, body = await get_json(http, console.base + "/console/api/running?limit=1", BEARER)
+        assert status == 200 and body["requests"] == []  # the console's own requests are not listed
+        for bad in ("0", "501", "x"):
+            status, body = await get_json(http, console.base + f"/console/api/running?limit={bad}", BEARER)
+            assert status == 400 and "limit" in body["error"]["message"]
+    finally:
+        await modern.close()
+
+
+@pytest.mark.redis
+async def test_running_on_one_replica_lists_every_live_replicas_calls_and_names_one_that_is_gone(
+    legacy_url: str, http: aiohttp.ClientSession, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Two replicas behind one console: a synchronous call on B shows up in A's console answer under
+    B's node id; a registered replica that cannot be reached, or runs an earlier version, is named
+    with the reason, and the answer still comes (bounded by `replicas.hop_timeout`)."""
+    store = {"url": redis_server.url, "prefix": redis_prefix}
+    replicas = {"secret": "running-console-" + "s" * 24, "hop_timeout": "1s"}
+    a, b = [
+        await serve(
+            console_config(legacy_url, store, replicas=replicas, listen={"port": free_port()}),
+            at_listen_port=True,
+        )
+        for _ in range(2)
+    ]
+    node_a, node_b = a.app[TASKS_KEY].node, b.app[TASKS_KEY].node
+    shared = b.app[REPLICAS_KEY].shared
+    ghost = Registry(shared, node="ghost", url="http://127.0.0.1:9", lease_ms=60_000)
+    await ghost.announce()  # a replica whose record outlives it (nothing listens on port 9)
+    # a replica of an earlier version, mid-deploy: no /_replica/running there (the fixture server answers 404)
+    older = Registry(shared, node="older", url=legacy_url.removesuffix("/mcp"), lease_ms=60_000)
+    await older.announce()
+    on_b = client_for(b)
+    on_b.capabilities = {}
+    label = f"replica-running-{time.monotonic_ns()}"
+    try:
+        call = asyncio.create_task(on_b.call("slow_compute", {"seconds": 1.0, "label": label}))
+        listed = await _running_until(http, a, lambda body: bool(body["requests"]))
+        [row] = listed["requests"]
+        assert row["replica"] == node_b and row["tool"] == "slow_compute" and row["server"] == "legacy"
+        by_node = {entry["replica"]: entry for entry in listed["replicas"]}
+        assert by_node[node_a] == {"replica": node_a, "total": 0}
+        assert by_node[node_b] == {"replica": node_b, "total": 1}
+        assert "ghost" in by_node["ghost"]["error"] and "could not be reached" in by_node["ghost"]["error"]
+        assert (
+            by_node["older"]["error"]
+            == "replica older runs a version that cannot list its requests (HTTP 404)"
+        )
+        reply = await call
+        assert reply.request_id == row["requestId"]
+    finally:
+        await ghost.withdraw()
+        await older.withdraw()
+        await on_b.close()
 
 
 async def test_a_task_waiting_for_input_shows_its_questions_and_an_operator_can_cancel_it(

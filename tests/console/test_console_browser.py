@@ -1,6 +1,7 @@
 """The operator console in real headless Chromium (Debian's `chromium`, driven by Playwright's Python
 package through `executable_path`; no browser download): sign in, see a running task appear without
-reloading, open it, cancel it, and watch its status turn `cancelled`.
+reloading, open it, cancel it, and watch its status turn `cancelled`; see a synchronous call under
+"Running now" while it runs.
 
 Marked `browser`: without Chromium or Playwright it fails under CI (`CI=true`) and is skipped elsewhere. With
 `CONSOLE_SCREENSHOT=docs/console.png` it also saves the README's screenshot.
@@ -8,6 +9,7 @@ Marked `browser`: without Chromium or Playwright it fails under CI (`CI=true`) a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -86,6 +88,22 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(
             await page.evaluate("window.__notReloaded = true")
             await expect(page.locator('tr[data-task-id="deploy-staging-3"] td.status')).to_have_text("failed")
 
+            # A call that stays synchronous (its client did not ask for tasks) shows under "Running now".
+            waiting = client_for(proxy, "legacy")
+            waiting.capabilities = {}
+            try:
+                sync = asyncio.create_task(
+                    waiting.call("slow_compute", {"seconds": 3, "label": "browser-sync"})
+                )
+                in_flight = page.locator("#running tbody tr", has_text="slow_compute")
+                await expect(in_flight).to_have_count(1)
+                await expect(in_flight).to_contain_text("modern")
+                await expect(page.locator("#running-summary")).to_contain_text("1 request(s) on 1 replica(s)")
+                assert (await sync).result["content"][0]["text"] == "computed browser-sync after 3s"
+                await expect(page.locator("#running tbody")).to_contain_text("nothing in flight")
+            finally:
+                await waiting.close()
+
             kept = (await client.call("slow_compute", {"seconds": 60, "label": "browser-kept"})).result[
                 "taskId"
             ]
@@ -114,8 +132,16 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(
             assert (await proxy.store.get(kept)).status is TaskStatus.WORKING
             # the overview followed the changes
             await expect(page.locator("#upstreams")).to_contain_text("1 call(s) running")
-            if os.environ.get("CONSOLE_SCREENSHOT"):
-                await page.screenshot(path=os.environ["CONSOLE_SCREENSHOT"])
+            if os.environ.get("CONSOLE_SCREENSHOT"):  # with a synchronous call in flight
+                shown = client_for(proxy, "legacy")
+                shown.capabilities = {}
+                try:
+                    held = asyncio.create_task(shown.call("slow_compute", {"seconds": 30, "label": "shot"}))
+                    await expect(page.locator("#running tbody tr", has_text="slow_compute")).to_have_count(1)
+                    await page.screenshot(path=os.environ["CONSOLE_SCREENSHOT"], full_page=True)
+                    held.cancel()
+                finally:
+                    await shown.close()
         finally:
             await browser.close()
             await client.close()

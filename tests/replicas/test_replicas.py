@@ -369,7 +369,7 @@ async def test_forward_hop_latency(cluster: Cluster, clients: list[ModernClient]
 async def test_internal_endpoints_and_relay_marks_need_the_shared_secret(cluster: Cluster) -> None:
     async with aiohttp.ClientSession() as http:
         for headers in ({}, {"X-Mcp-Replica-Secret": "not-the-secret-" * 3}):
-            for op in ("tasks/cancel", "tasks/answer"):
+            for op in ("tasks/cancel", "tasks/answer", "running", "ping"):
                 async with http.post(
                     f"{cluster.replica_urls[0]}/_replica/{op}", json={"taskId": "x"}, headers=headers
                 ) as resp:

@@ -67,16 +67,21 @@ async def running_proxy(config: Config) -> AsyncIterator[RunningProxy]:
 
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
-Serve = Callable[[Config], Awaitable[RunningProxy]]  # the `serve` fixture
+Serve = Callable[..., Awaitable[RunningProxy]]  # the `serve` fixture: serve(config, at_listen_port=False)
 
 
-async def serve_with(aiohttp_server: ServerFactory, config: Config) -> RunningProxy:
+async def serve_with(
+    aiohttp_server: ServerFactory, config: Config, *, at_listen_port: bool = False
+) -> RunningProxy:
     """Serve `config` through pytest-aiohttp's `aiohttp_server` fixture (which stops it at the end
-    of the test): the in-process way most tests use."""
+    of the test): the in-process way most tests use. With `at_listen_port`, at `listen.port` (give
+    it a free one): the address a replica advertises to its peers."""
     app = build_app(config)
     # A config with a public URL is served at its port (its OAuth resource URIs name it).
     public = urlsplit(config.listen.public_url) if config.listen.public_url else None
     port = {"port": public.port} if public is not None and public.port else {}
+    if at_listen_port:
+        port = {"port": config.listen.port}
     # aiohttp waits for handlers at shutdown as long as the command line does (drain_timeout + 1 s).
     server = await aiohttp_server(app, shutdown_timeout=config.listen.drain_timeout + 1.0, **port)
     proxy = RunningProxy(

@@ -67,7 +67,8 @@ async function start() {
   loadOverview();
   state.timers.forEach(clearInterval);
   state.timers = [];
-  state.timers.push(setInterval(loadOverview, 10000), setInterval(refreshAges, 1000));
+  loadRunning();
+  state.timers.push(setInterval(loadOverview, 10000), setInterval(refreshAges, 1000), setInterval(loadRunning, 2000));
 }
 
 $("#login-form").addEventListener("submit", async (event) => {
@@ -298,6 +299,35 @@ async function loadOverview() {
   barChart($("#chart-status"), Object.keys(COLORS).map((status) => ({ label: status.replace("input_required", "input"), value: data.tasksByStatus[status] || 0, color: COLORS[status] })));
   const buckets = data.detachDelay.buckets.map((b) => ({ label: b.le === "+Inf" ? "more" : b.le, value: b.count }));
   barChart($("#chart-detach"), buckets, 3);
+}
+
+// -- running now: every replica's requests in flight, synchronous calls included ----------------
+
+async function loadRunning() {
+  let data;
+  try {
+    data = await api("/console/api/running?limit=100");
+  } catch (e) {
+    $("#running-summary").textContent = e.message;
+    return;
+  }
+  const rows = data.requests.map((r) => {
+    const tr = el("tr");
+    [fmtAge(r.ageMs), r.replica, r.server, r.era, r.rpcMethod || r.httpMethod, r.tool, r.principalHash, r.requestId, r.upstreamRequestId, r.taskId]
+      .forEach((value, i) => tr.append(el("td", value === undefined ? "—" : value, i >= 6 ? "principal" : "")));
+    tr.title = `started ${fmtTime(r.startedMs)}` + (r.traceId ? `, trace ${r.traceId}` : "");
+    return tr;
+  });
+  if (!rows.length) {
+    const empty = el("td", "nothing in flight", "msg");
+    empty.colSpan = 10;
+    rows.push(el("tr"));
+    rows[0].append(empty);
+  }
+  $("#running tbody").replaceChildren(...rows);
+  const total = data.replicas.reduce((sum, r) => sum + (r.total || 0), 0);
+  const gone = data.replicas.filter((r) => r.error).map((r) => `${r.replica}: ${r.error}`);
+  $("#running-summary").textContent = `${total} request(s) on ${data.replicas.length} replica(s)` + (gone.length ? `; not answering: ${gone.join("; ")}` : "");
 }
 
 start();
