@@ -138,9 +138,13 @@ class LegacySession:
         return self.pending.get(client_id)
 
     def takes_over(self, client_id: RequestId, sent: Outbound, previous: LegacySession) -> None:
-        """`sent` (an `initialize` sent without a session) belongs to this new session from now on."""
+        """`sent` (an `initialize` sent without a session) belongs to this new session from now on,
+        and the session's own ids go on after its id: MCP basic protocol, a requestor never uses an
+        id twice within a session."""
         previous.answered(client_id, sent)
         self.pending[client_id] = sent
+        if isinstance(sent.upstream_id, int):
+            self._ids = itertools.count(sent.upstream_id + 1)
 
     # -- the upstream's questions -------------------------------------------------------------
 

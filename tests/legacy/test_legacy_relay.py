@@ -155,6 +155,23 @@ async def test_own_request_ids_toward_the_upstream(upstream: str, proxy_url: str
     assert seen and all(isinstance(m["id"], int) for m in seen[-2:])  # the proxy's ids, never the client's
 
 
+async def test_an_upstream_session_never_sees_its_initialize_id_again(upstream: str, proxy_url: str) -> None:
+    """The `initialize` that opens an upstream session takes an id before the session exists; the
+    session's own requests go on after it (MCP basic protocol: a requestor never reuses an id within
+    a session)."""
+    async with aiohttp.ClientSession() as http:
+        start = len(await upstream_log(upstream))
+        client = await Legacy(proxy_url, http).open()
+        for rid in (1, 2, 3):
+            async with client.call(rid, "echo", x=rid) as resp:
+                assert (await reply_of(resp))["id"] == rid
+    sent = [entry for entry in (await upstream_log(upstream))[start:] if "id" in entry["message"]]
+    [initialize] = [e["message"] for e in sent if e["message"]["method"] == "initialize"]
+    session = {e["session"] for e in sent if e["message"]["method"] == "tools/call"}.pop()
+    in_session = [e["message"]["id"] for e in sent if e["session"] == session]
+    assert len(in_session) == 3 and initialize["id"] not in in_session, (initialize["id"], in_session)
+
+
 async def test_own_event_ids_scoped_to_session_and_stream(proxy_url: str) -> None:
     async with aiohttp.ClientSession() as http:
         a, b = await Legacy(proxy_url, http).open(), await Legacy(proxy_url, http).open()
