@@ -19,6 +19,7 @@ section. Every answer is JSON (errors: `{"error": {"status", "message"}}`, 4xx f
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from proxy.console.access import CONSOLE_KEY, OPERATOR_KEY, ConsoleAccess, error
 from proxy.console.events import ConsoleHub, TooManyStreamsError
 from proxy.console.views import detail, metrics_snapshot, row
 from proxy.replicas.forward import HopError
-from proxy.runtime.running import MAX_LISTED
+from proxy.runtime.running import MAX_LISTED, VIEW_NAMES
 from proxy.tasks.model import TaskRecord, TaskStatus
 from proxy.tasks.rates import FailedAttempts
 from proxy.tasks.service import TaskService
@@ -50,6 +51,7 @@ READY_CACHE_S = 5.0  # upstream readiness is probed at most this often (s) for t
 MAX_LIMIT = 200
 RUNNING_LIMIT = 200  # requests `GET /console/api/running` lists by default
 _HASH = re.compile(r"^[0-9a-f]{16}$")
+_DIGITS = re.compile(r"[0-9]{1,6}")
 _PRINCIPAL_ROUNDS = 20  # store pages one principal-filtered listing may read before it returns a cursor
 _SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri "
@@ -151,12 +153,9 @@ async def list_tasks(request: web.Request) -> web.Response:
     principal = (query.get("principal") or "").lower() or None
     if principal is not None and not _HASH.match(principal):
         return error(400, "principal must be a principal hash (16 hex characters, as the console shows it)")
-    try:
-        limit = int(query.get("limit", "50"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LIMIT:
-        return error(400, f"limit must be a whole number from 1 to {MAX_LIMIT}")
+    limit = _limit(query, default=50, maximum=MAX_LIMIT)
+    if isinstance(limit, web.Response):
+        return limit
     for name in ("server", "tool", "cursor"):
         if len(query.get(name, "")) > 512:
             return error(400, f"{name} is too long")
@@ -182,46 +181,90 @@ async def list_tasks(request: web.Request) -> web.Response:
 
 
 async def running_requests(request: web.Request) -> web.Response:
-    """`GET /console/api/running?limit=`: `{requests, replicas}`. `requests`: the requests being answered
-    right now by an MCP endpoint, on this replica and every live peer, longest-running first, at most
-    `limit` (1..`MAX_LISTED`, default 200); each is `RunningRequest.shown` plus its `replica` (node
-    id). `replicas`: `[{replica, total}]` (how many requests each is answering) or `[{replica,
-    error}]` for a peer that did not answer within `replicas.hop_timeout`. 400 for a bad limit; 503
-    when the replica registry cannot be read."""
-    try:
-        limit = int(request.query.get("limit", str(RUNNING_LIMIT)))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LISTED:
-        return error(400, f"limit must be a whole number from 1 to {MAX_LISTED}")
+    """`GET /console/api/running?limit=`: `{requests, replicas, total}`. `requests`: the requests being
+    answered right now by an MCP endpoint, on this replica and every live peer, longest-running
+    first, at most `limit` (1..`MAX_LISTED`, default 200); each is a `RunningRequest.shown` view plus
+    its `replica` (node id). A request one replica relays to another is listed once, where it is
+    served, with `relayedBy` (the relaying replica; its request id is the view's
+    `relayedRequestId`). `replicas`: `[{replica, total}]` (how many requests each is answering), or
+    `{replica, error}` for a peer that did not answer within `replicas.hop_timeout`, answered for
+    another node (a stale registry record), or runs a version without this list; `{replica: null,
+    error}` when the registry cannot be read (this replica's requests are still listed). `total`:
+    the requests answered in all, a relayed one counted once. 400 for a bad limit."""
+    limit = _limit(request.query, default=RUNNING_LIMIT, maximum=MAX_LISTED)
+    if isinstance(limit, web.Response):
+        return limit
     data = request.config_dict[CONSOLE_KEY]
     node = data.tasks.node
     here, total = data.running.snapshot(limit)
-    found = [{**shown, "replica": node} for shown in here]
+    found = [{**view, "replica": node} for view in here]
     replicas: list[dict[str, Any]] = [{"replica": node, "total": total}]
     if data.replicas is not None:
         try:
-            answers = await data.replicas.ask_peers("running", {})
+            answers = await data.replicas.ask_peers("running", {"limit": limit})
         except StoreUnavailableError as exc:
-            return error(503, str(exc))
+            answers = []
+            replicas.append({"replica": None, "error": f"the replica registry cannot be read: {exc}"})
         for peer, answer in answers:
             if isinstance(answer, HopError):
                 why = str(answer)
                 if answer.status == 404:  # mid-deploy: a peer of a version before this list
                     why = f"replica {peer.node} runs a version that cannot list its requests (HTTP 404)"
                 replicas.append({"replica": peer.node, "error": why})
-                continue
-            listed = answer.get("requests")
-            views = [view for view in listed if isinstance(view, dict)] if isinstance(listed, list) else []
-            found.extend({**view, "replica": peer.node} for view in views)
-            replicas.append({"replica": peer.node, "total": answer.get("total")})
-    found.sort(key=_age_ms, reverse=True)
-    return web.json_response({"requests": found[:limit], "replicas": replicas})
+            elif answer.get("node") != peer.node:  # its record outlived it; the address serves another
+                why = f"replica {peer.node}'s address answers for another node: a stale registry record"
+                replicas.append({"replica": peer.node, "error": why})
+            else:
+                listed = answer.get("requests")
+                rebuilt = [_peer_view(view) for view in listed] if isinstance(listed, list) else []
+                views = [view for view in rebuilt if view is not None]
+                found.extend({**view, "replica": peer.node} for view in views)
+                count = answer.get("total")
+                replicas.append({"replica": peer.node, "total": count if type(count) is int else len(views)})
+    found, relays = _fold_relays(found)
+    found.sort(key=lambda view: view["ageMs"], reverse=True)
+    total = sum(entry.get("total") or 0 for entry in replicas) - relays
+    return web.json_response({"requests": found[:limit], "replicas": replicas, "total": total})
 
 
-def _age_ms(view: dict[str, Any]) -> float:
-    age = view.get("ageMs")
-    return age if isinstance(age, (int, float)) else 0
+def _peer_view(view: Any) -> dict[str, Any] | None:
+    """A peer's view of one request rebuilt from the names a view has (`running.VIEW_NAMES`), each a
+    string of at most 256 characters, a boolean or a finite number; None when it has no `ageMs`."""
+    if not isinstance(view, dict):
+        return None
+    kept = {name: view[name] for name in VIEW_NAMES if _plain(view.get(name))}
+    return kept if type(kept.get("ageMs")) in (int, float) else None
+
+
+def _plain(value: Any) -> bool:
+    if type(value) is str:
+        return len(value) <= 256
+    if type(value) is float:
+        return math.isfinite(value)
+    return type(value) in (int, bool)
+
+
+def _fold_relays(views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """`views` with each relaying replica's view of a request dropped where the serving replica's
+    view names it (`relayedRequestId`), which gains `relayedBy`; and how many were dropped."""
+    relaying = {view["requestId"]: view for view in views if "requestId" in view}
+    dropped: set[int] = set()
+    for view in views:
+        origin = relaying.get(view["relayedRequestId"]) if "relayedRequestId" in view else None
+        if origin is not None and origin is not view:
+            view["relayedBy"] = origin["replica"]
+            dropped.add(id(origin))
+    return [view for view in views if id(view) not in dropped], len(dropped)
+
+
+def _limit(query: Any, *, default: int, maximum: int) -> int | web.Response:
+    """The `limit` query parameter, 1..`maximum` in ASCII digits (`default` when absent or empty), or
+    the 400 answer."""
+    raw = query.get("limit") or str(default)
+    limit = int(raw) if _DIGITS.fullmatch(raw) else 0
+    if not 1 <= limit <= maximum:
+        return error(400, f"limit must be a whole number from 1 to {maximum}")
+    return limit
 
 
 async def _record(request: web.Request) -> TaskRecord | web.Response:

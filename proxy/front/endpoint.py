@@ -29,7 +29,7 @@ from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR,
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.replicas.forward import FORWARDED_HEADER
 from proxy.runtime import flow, metrics, tracing
-from proxy.runtime.running import bind
+from proxy.runtime.running import MAX_BOUND_METHOD, MAX_BOUND_NAME, bind
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
 log = structlog.get_logger("proxy.front")
@@ -301,13 +301,13 @@ def bind_request(body: JsonObject) -> None:
     params: JsonObject = raw if isinstance(raw, dict) else {}
     fields: dict[str, str] = {}
     if isinstance(method, str):
-        fields["rpc_method"] = method[:128]
+        fields["rpc_method"] = method[:MAX_BOUND_METHOD]
         name = params.get("uri") if method == "resources/read" else params.get("name")
         if method in ("tools/call", "prompts/get", "resources/read") and isinstance(name, str):
-            fields["tool"] = name[:256]
+            fields["tool"] = name[:MAX_BOUND_NAME]
     task_id = params.get("taskId")
     if isinstance(task_id, str):
-        fields["task_id"] = task_id[:128]
+        fields["task_id"] = task_id[:MAX_BOUND_METHOD]
     bind(**fields)
 
 

@@ -13,15 +13,18 @@ import structlog
 from aiohttp import web
 
 from proxy.protocol import jsonrpc
+from proxy.replicas.internal import PREFIX as REPLICA_PREFIX
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
-from proxy.runtime.running import RunningRequests, bind
+from proxy.runtime.running import RunningRequests
 
 log = structlog.get_logger("proxy.access")
 ARRIVED_KEY = web.RequestKey("arrived", float)  # event-loop time (s) the request reached the proxy
 REQUEST_ID_KEY = web.RequestKey("request_id", str)  # the proxy's id of the request, in its log lines
 MAX_CLIENT_REQUEST_ID = 128  # longest client `X-Request-Id` logged (characters)
 
+# probes, scrapes and the console's poll of each peer replica: no access line, no request metrics
+UNLOGGED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", f"{REPLICA_PREFIX}/running"})
 CLIENT_CLOSED = 499  # the status recorded (never sent) when the client went away before the answer
 
 
@@ -79,24 +82,24 @@ def access_log(drain: Drain | None = None, running: RunningRequests | None = Non
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if request.path in ("/healthz", "/readyz", "/metrics"):
+        if request.path in UNLOGGED_PATHS:
             return await handler(request)
         structlog.contextvars.clear_contextvars()
-        kind = "console" if request.path.startswith("/console") else "mcp"
-        entry = running.begin(request.method) if running is not None and kind == "mcp" else None
         request_id = secrets.token_hex(8)
         request[REQUEST_ID_KEY] = request_id
+        fields = {"request_id": request_id}
         theirs = request.headers.get("X-Request-Id")
         if theirs and len(theirs) <= MAX_CLIENT_REQUEST_ID and theirs.isascii() and theirs.isprintable():
-            bind(request_id=request_id, client_request_id=theirs)
-        else:
-            bind(request_id=request_id)
+            fields["client_request_id"] = theirs
+        structlog.contextvars.bind_contextvars(**fields)
+        kind = "console" if request.path.startswith("/console") else "mcp"
         in_flight = metrics.requests_in_flight(kind)
         in_flight.inc()
         started = time.perf_counter()
         request[ARRIVED_KEY] = asyncio.get_running_loop().time()  # a call's detach clock starts here
         status = 500
         event = "request"
+        entry = running.begin(request.method, fields) if running is not None and kind == "mcp" else None
         try:
             response = await handler(request)
             status = response.status

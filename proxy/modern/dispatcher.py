@@ -42,7 +42,7 @@ from proxy.protocol.translate import modern_error, modern_result
 from proxy.runtime import metrics
 from proxy.runtime.drain import Drain
 from proxy.runtime.fanout import Fanout
-from proxy.runtime.running import bind
+from proxy.runtime.running import MAX_BOUND_METHOD, MAX_BOUND_NAME, bind
 from proxy.tasks.service import TaskService
 from proxy.upstream.types import Pool, Session, SessionExpiredError, UpstreamError, with_session
 
@@ -114,7 +114,7 @@ class ServerDispatcher:
         (-32601, HTTP 404, for any method outside the 2026-07-28 surface: it never reaches the upstream)."""
         method = body["method"]
         params = body.get("params") or {}
-        bind(rpc_method=method, server=self.name)
+        bind(rpc_method=method[:MAX_BOUND_METHOD], server=self.name)
         refusal = modern_method_refusal(method)
         if refusal is not None:
             raise refusal
@@ -194,7 +194,7 @@ class ServerDispatcher:
             raise JsonRpcError(INVALID_PARAMS, "tools/call needs params.name (a string)")
         if "arguments" in params and not isinstance(params["arguments"], dict):
             raise JsonRpcError(INVALID_PARAMS, "tools/call params.arguments must be an object")
-        bind(tool=tool)
+        bind(tool=tool[:MAX_BOUND_NAME])
         key = call_key(reply.headers, params)
         policy = self.config.policy(self.name, tool)
         if policy.mode is ToolMode.REQUIRED and not envelope.declares_tasks:

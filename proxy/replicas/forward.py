@@ -16,6 +16,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.registry import Peer
 from proxy.runtime import metrics, tracing
@@ -28,6 +29,7 @@ FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request:
 RELAYED_PRINCIPAL_HEADER = "X-Mcp-Replica-Principal"
 # on a relayed request: the relaying replica's request id (the one its client got as X-Request-Id)
 RELAYED_REQUEST_ID_HEADER = "X-Mcp-Replica-Request-Id"
+MAX_HOP_ANSWER_BYTES = 4 * 1024 * 1024  # largest JSON answer read from a peer's internal endpoint
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -106,7 +108,8 @@ class Forwarder:
 
     async def ask(self, peer: Peer, op: str, payload: JsonObject) -> JsonObject:
         """Like `call`, but raises HopError saying why (unreachable, timeout, a refusal's HTTP status
-        such as 403 for a different secret, a non-object answer) instead of returning None."""
+        such as 403 for a different secret, an answer over MAX_HOP_ANSWER_BYTES, not JSON or not an
+        object) instead of returning None."""
         started = time.perf_counter()
         try:
             async with self._session().post(
@@ -123,13 +126,19 @@ class Forwarder:
                         + (": a different replicas.secret)" if resp.status == 403 else ")"),
                         status=resp.status,
                     )
-                answer = await resp.json()
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(64 * 1024):
+                    raw += chunk
+                    if len(raw) > MAX_HOP_ANSWER_BYTES:
+                        too_long = f"answered more than {MAX_HOP_ANSWER_BYTES} bytes"
+                        raise HopError(f"replica {peer.node} at {peer.url} {too_long}")
+                answer = jsonrpc.loads(raw)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             reason = str(exc) or exc.__class__.__name__
             log.warning("replica_unreachable", peer=peer.node, op=op, reason=reason)
             raise HopError(
-                f"replica {peer.node} at {peer.url} could not be reached within {self.timeout_s:g} s "
-                f"({reason})"
+                f"replica {peer.node} at {peer.url} could not be reached ({reason}; the hop's bound is "
+                f"{self.timeout_s:g} s)"
             ) from None
         finally:
             metrics.REPLICA_HOP_SECONDS.labels(op).observe(time.perf_counter() - started)

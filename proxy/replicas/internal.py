@@ -11,7 +11,7 @@ from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
 from proxy.replicas.node import Replicas
 from proxy.runtime import tracing
-from proxy.runtime.running import RunningRequests
+from proxy.runtime.running import MAX_LISTED, RunningRequests
 from proxy.tasks.service import TaskService
 
 log = structlog.get_logger("proxy.replicas")
@@ -63,11 +63,17 @@ class InternalEndpoints:
         return web.json_response({"node": self.replicas.node})
 
     async def list_running(self, request: web.Request) -> web.Response:
-        """`{}` → `{"node", "requests", "total"}`: the oldest requests this replica is answering (at
-        most `running.MAX_LISTED`, see `RunningRequests.snapshot`) and how many there are in all."""
+        """`{"limit"}` → `{"node", "requests", "total"}`: the `limit` oldest requests this replica is
+        answering (1..`running.MAX_LISTED`, which is also the default; see `RunningRequests.snapshot`)
+        and how many there are in all."""
         if not self._authentic(request):
             return _refuse(403, "replica secret missing or wrong")
-        requests, total = self.running.snapshot()
+        try:
+            asked = jsonrpc.object_of(jsonrpc.loads(await request.read())).get("limit")
+        except ValueError:
+            asked = None
+        limit = asked if isinstance(asked, int) and 1 <= asked <= MAX_LISTED else MAX_LISTED
+        requests, total = self.running.snapshot(limit)
         return web.json_response({"node": self.replicas.node, "requests": requests, "total": total})
 
     def _authentic(self, request: web.Request) -> bool:

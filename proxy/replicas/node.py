@@ -123,8 +123,11 @@ class Replicas:
         )
         answers: list[tuple[Peer, JsonObject | HopError]] = []
         for peer, result in zip(peers, results, strict=True):
-            if isinstance(result, BaseException) and not isinstance(result, HopError):
+            if isinstance(result, asyncio.CancelledError):
                 raise result
+            if isinstance(result, BaseException) and not isinstance(result, HopError):  # a bug: logged
+                log.error("replica_hop_failed", peer=peer.node, op=op, exc_info=result)
+                result = HopError(f"replica {peer.node} at {peer.url}: {result.__class__.__name__}")
             answers.append((peer, result))
         return answers
 

@@ -9,6 +9,7 @@ server, tool, principal hash, upstream request id and trace id, before its log l
 
 from __future__ import annotations
 
+import heapq
 import time
 from contextvars import ContextVar
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import structlog
 
 MAX_LISTED = 500  # entries one snapshot returns at most (the oldest): bounds a console answer
+MAX_BOUND_METHOD = 128  # characters bound of a client-chosen JSON-RPC method or task id
+MAX_BOUND_NAME = 256  # characters bound of a client-chosen tool (prompt, resource) name
 
 # The log-context fields a snapshot shows, under the console's names (camelCase, like its task rows).
 _SHOWN = {
@@ -32,6 +35,7 @@ _SHOWN = {
     "upstream_progress_token": "upstreamProgressToken",
     "trace_id": "traceId",
 }
+VIEW_NAMES = ("httpMethod", "startedMs", "ageMs", *_SHOWN.values())  # every key a view may have
 
 
 class RunningRequest:
@@ -85,10 +89,12 @@ class RunningRequests:
     def __init__(self) -> None:
         self._entries: set[RunningRequest] = set()
 
-    def begin(self, http_method: str) -> RunningRequest:
-        """Open the entry of the request being handled in the current context (call it in the
-        request's task, before the handler); `bind` fills it from then on."""
+    def begin(self, http_method: str, fields: dict[str, Any]) -> RunningRequest:
+        """Open the entry of the request being handled in the current context, with the log-context
+        `fields` bound so far (call it in the request's task, right before the handler, and `end` it
+        in a `finally`); `bind` fills it from then on."""
         entry = RunningRequest(http_method)
+        entry.fields.update(fields)
         self._entries.add(entry)
         _CURRENT.set(entry)
         return entry
@@ -106,5 +112,5 @@ class RunningRequests:
         """`(views, total)`: the views (`RunningRequest.shown`) of the `limit` oldest requests served by an
         MCP endpoint, oldest first, and how many such requests there are in all."""
         served = [entry for entry in self._entries if "server" in entry.fields]
-        served.sort(key=lambda entry: entry.since)
-        return [entry.shown() for entry in served[:limit]], len(served)
+        oldest = heapq.nsmallest(limit, served, key=lambda entry: entry.since)
+        return [entry.shown() for entry in oldest], len(served)

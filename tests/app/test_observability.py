@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import structlog
 from support.clients import ModernClient
+from support.logs import json_log
 from support.proxy import Serve, make_config
 from support.v1_client import V1Client
 
@@ -81,9 +83,8 @@ async def test_metrics_count_calls_tasks_latencies_and_limits(
 async def test_one_log_line_per_request_and_per_transition_without_payloads(
     legacy_url: str, tmp_path: Path, capsys, serve: Serve
 ) -> None:
-    configure_logging("info")
     secret_argument = "do-not-log-this-7c1e"
-    try:
+    with json_log(capsys) as lines:
         proxy = await serve(make_config(legacy_url, tmp_path / "store"))
         client = ModernClient(proxy.url())
         try:
@@ -92,11 +93,6 @@ async def test_one_log_line_per_request_and_per_transition_without_payloads(
         finally:
             await client.close()
         await proxy.stop()
-        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
-    finally:
-        import structlog
-
-        structlog.reset_defaults()
     requests = [entry for entry in lines if entry["event"] == "request"]
     call_line = next(e for e in requests if e.get("rpc_method") == "tools/call")
     assert (
@@ -122,8 +118,7 @@ async def test_one_call_can_be_followed_from_client_to_upstream(
     """Each answer names its request (`X-Request-Id`, the id of its log line); the line names what
     the upstream knows the call by (its JSON-RPC id, and the progress token the proxy sent), and
     the client's own `X-Request-Id`; `/metrics` counts the requests being answered."""
-    configure_logging("info")
-    try:
+    with json_log(capsys) as lines:
         proxy = await serve(make_config(legacy_url, tmp_path / "store"))
         modern = ModernClient(proxy.url(), capabilities={})
         legacy = V1Client(proxy.url(), capabilities={})
@@ -150,11 +145,6 @@ async def test_one_call_can_be_followed_from_client_to_upstream(
             await modern.close()
             await legacy.close()
         await proxy.stop()
-        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
-    finally:
-        import structlog
-
-        structlog.reset_defaults()
     assert in_flight == 1  # the slow call (the scrape itself is not an MCP request)
     assert reply.request_id
     modern_line = next(e for e in lines if e["event"] == "request" and e["request_id"] == reply.request_id)
@@ -255,8 +245,6 @@ async def test_log_payloads_true_logs_request_bodies(
         await proxy.stop()
         err = capsys.readouterr().err
     finally:
-        import structlog
-
         structlog.reset_defaults()
     assert "request_payload" in err and marker in err
     # the body's own bounds come first: a body over max_body is the endpoint's JSON-RPC 413, not logged
@@ -291,7 +279,7 @@ async def test_made_up_tool_names_add_no_series_and_never_break_metrics(
         assert status == 200
     finally:
         await legacy.close()
-    client = ModernClient(proxy.url())
+    client = ModernClient(proxy.url(), capabilities={})  # (no tasks: a slow moment cannot detach the call)
     try:
         assert (await client.call("greet", {"name": "m"})).result["content"][0]["text"] == "Hello, m!"
         await client.call("\ud800", {})
@@ -300,6 +288,26 @@ async def test_made_up_tool_names_add_no_series_and_never_break_metrics(
     text = await scrape(proxy.base)
     tools = tool_labels(text, "labels")
     assert tools == {"greet", "started_log", "other"}, tools
+
+
+async def test_client_chosen_names_are_bound_cut_on_the_2026_wire(
+    legacy_url: str, tmp_path: Path, capsys, serve: Serve
+) -> None:
+    """A 2026-07-28 call whose tool name is 1,000 characters (its `Mcp-Name` header matching) and a
+    request with a 1,000-character method: their log lines hold at most 256 and 128 characters."""
+    with json_log(capsys) as lines:
+        proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+        client = ModernClient(proxy.url())
+        try:
+            assert (await client.call("t" * 1000, {})).status < 500
+            assert (await client.request("m/" + "x" * 998, {})).status < 500
+        finally:
+            await client.close()
+        await proxy.stop()
+    requests = [entry for entry in lines if entry["event"] == "request" and entry.get("era") == "modern"]
+    assert {entry["rpc_method"][:2] for entry in requests} >= {"to", "m/"}
+    assert max(len(entry.get("tool", "")) for entry in requests) == 256
+    assert max(len(entry["rpc_method"]) for entry in requests) == 128
 
 
 def tool_labels(text: str, server: str) -> set[str]:

@@ -17,6 +17,7 @@ import pytest
 from fastmcp import Client
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from support.clients import LEGACY_HEADERS as RAW_LEGACY_HEADERS
 from support.clients import LEGACY_INITIALIZE, TASKS_CAPS, AuthClient, ModernClient, envelope
 from support.console import CONSOLE_TOKEN, client_for, console_config
 from support.proxy import Serve, make_config, running_proxy, stdio_config, with_auth
@@ -28,11 +29,7 @@ from proxy.front.auth import hash_token
 
 KEY = "Idempotency-Key"
 FIXTURE_SERVER = ROOT / "tests" / "fixtures" / "legacy_server.py"
-LEGACY_HEADERS = {
-    "Content-Type": "application/json",
-    "Accept": "application/json, text/event-stream",
-    "MCP-Protocol-Version": "2025-11-25",
-}
+LEGACY_HEADERS = {**RAW_LEGACY_HEADERS, "MCP-Protocol-Version": "2025-11-25"}
 
 
 def fresh(prefix: str) -> str:

@@ -13,11 +13,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support.clients import LEGACY_INITIALIZE, ModernClient
+from aiohttp import web
+from support.clients import LEGACY_HEADERS, LEGACY_INITIALIZE, ModernClient
 from support.console import CLIENT_TOKEN, CONSOLE_TOKEN, client_for, console_config, seed
 from support.proxy import RunningProxy, Serve, make_config
 from support.records import make_record
 from support.redis_server import RedisServer
+from support.relay import relay_to
 from support.servers import free_port
 
 from proxy.app import REPLICAS_KEY, TASKS_KEY
@@ -31,7 +33,6 @@ from proxy.tasks.types import TaskChange, TaskEvent
 
 ROOT = Path(__file__).resolve().parents[2]
 BEARER = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
-LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ async def test_the_console_is_off_without_its_config_section(
     legacy_url: str, tmp_path: Path, http: aiohttp.ClientSession, serve: Serve
 ) -> None:
     proxy = await serve(make_config(legacy_url, tmp_path / "store"))
-    for path in ("/console/", "/console/api/tasks", "/console/api/session"):
+    for path in ("/console/", "/console/api/tasks", "/console/api/session", "/console/api/running"):
         status, body = await get_json(http, proxy.base + path, BEARER)
         assert status == 404 and "error" in body
 
@@ -79,6 +80,9 @@ async def test_access_needs_a_console_token_or_a_signed_in_cookie(
     api = console.base + "/console/api/tasks"
     status, body = await get_json(http, api)
     assert status == 401 and "sign in" in body["error"]["message"]
+    for client_token in ({}, {"Authorization": f"Bearer {CLIENT_TOKEN}"}):  # what is running, too
+        status, body = await get_json(http, console.base + "/console/api/running", client_token)
+        assert status == 401 and "requests" not in body
     # a client token never opens it
     status, body = await get_json(http, api, {"Authorization": f"Bearer {CLIENT_TOKEN}"})
     assert status == 401 and "not a console token" in body["error"]["message"]
@@ -545,7 +549,7 @@ async def test_running_lists_synchronous_calls_of_both_eras_with_their_ids_until
     request id; they leave the list when they answer."""
     status, body = await get_json(http, console.base + "/console/api/running", BEARER)
     node = console.app[TASKS_KEY].node
-    assert status == 200 and body == {"requests": [], "replicas": [{"replica": node, "total": 0}]}
+    assert status == 200 and body == {"requests": [], "replicas": [{"replica": node, "total": 0}], "total": 0}
     modern = client_for(console)
     modern.capabilities = {}  # no tasks extension: the call stays synchronous however long it runs
     label = f"running-{time.monotonic_ns()}"
@@ -563,7 +567,7 @@ async def test_running_lists_synchronous_calls_of_both_eras_with_their_ids_until
 
         listed = await _running_until(http, console, both)
         rows = {row["era"]: row for row in listed["requests"]}
-        assert listed["replicas"] == [{"replica": node, "total": 2}]
+        assert listed["replicas"] == [{"replica": node, "total": 2}] and listed["total"] == 2
         for era, server in (("modern", "legacy"), ("legacy", "other")):
             row = rows[era]
             assert (
@@ -580,60 +584,170 @@ async def test_running_lists_synchronous_calls_of_both_eras_with_their_ids_until
         assert reply.result["content"][0]["text"] == f"computed {label} after 1.5s"
         assert reply.request_id == rows["modern"]["requestId"]  # the id the client can name to an operator
         assert (await second)["result"]["content"][0]["text"] == f"computed {label} after 1.5s"
-        status, body = await get_json(http, console.base + "/console/api/running?limit=1", BEARER)
-        assert status == 200 and body["requests"] == []  # the console's own requests are not listed
-        for bad in ("0", "501", "x"):
+        for limit in ("1", ""):  # (empty: the default)
+            status, body = await get_json(http, console.base + f"/console/api/running?limit={limit}", BEARER)
+            assert status == 200 and body["requests"] == []  # the console's own requests are not listed
+        for bad in ("0", "501", "x", "+5", "1_0", "\u0665", "-1"):
             status, body = await get_json(http, console.base + f"/console/api/running?limit={bad}", BEARER)
             assert status == 400 and "limit" in body["error"]["message"]
     finally:
         await modern.close()
 
 
+def _strict_json(text: str) -> Any:
+    """`text` as strict JSON (NaN and infinities refused, as browsers' JSON.parse does)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def _replica_pair(
+    serve: Serve, legacy_url: str, store: dict[str, Any], *, store_of_a: dict[str, Any] | None = None
+) -> tuple[RunningProxy, RunningProxy]:
+    """Replicas A and B of one console config on a shared Redis store (`store_of_a`: A's own view of
+    it, through a relay), each at the free port it advertises."""
+    replicas = {"secret": "running-console-" + "s" * 24, "hop_timeout": "1s"}
+    pair = []
+    for own in (store_of_a or store, store):
+        config = console_config(legacy_url, own, replicas=replicas, listen={"port": free_port()})
+        pair.append(await serve(config, at_listen_port=True))
+    return pair[0], pair[1]
+
+
+async def _odd_peer(aiohttp_server: Any, node: str, body: str) -> str:
+    """A peer at a free port whose `/_replica/running` answers `body`: its base URL."""
+
+    async def running(request: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/_replica/running", running)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/")
+
+
 @pytest.mark.redis
-async def test_running_on_one_replica_lists_every_live_replicas_calls_and_names_one_that_is_gone(
-    legacy_url: str, http: aiohttp.ClientSession, serve: Serve, redis_server: RedisServer, redis_prefix: str
+async def test_running_on_one_replica_lists_every_live_replicas_calls_and_names_those_that_cannot(
+    legacy_url: str,
+    http: aiohttp.ClientSession,
+    serve: Serve,
+    aiohttp_server: Any,
+    redis_server: RedisServer,
+    redis_prefix: str,
 ) -> None:
     """Two replicas behind one console: a synchronous call on B shows up in A's console answer under
-    B's node id; a registered replica that cannot be reached, or runs an earlier version, is named
-    with the reason, and the answer still comes (bounded by `replicas.hop_timeout`)."""
-    store = {"url": redis_server.url, "prefix": redis_prefix}
-    replicas = {"secret": "running-console-" + "s" * 24, "hop_timeout": "1s"}
-    a, b = [
-        await serve(
-            console_config(legacy_url, store, replicas=replicas, listen={"port": free_port()}),
-            at_listen_port=True,
-        )
-        for _ in range(2)
-    ]
+    B's node id. Registered replicas that cannot be reached, run an earlier version, answer for
+    another node (a stale record), or answer nonsense are named with the reason, and the answer
+    still comes (bounded by `replicas.hop_timeout`), as strict JSON with only well-formed views."""
+    a, b = await _replica_pair(serve, legacy_url, {"url": redis_server.url, "prefix": redis_prefix})
     node_a, node_b = a.app[TASKS_KEY].node, b.app[TASKS_KEY].node
+    odd = await _odd_peer(
+        aiohttp_server,
+        "odd",
+        '{"node":"odd","total":"many","requests":[{"ageMs":NaN,"server":"s"},7,'
+        '{"ageMs":5,"server":"x","tool":{"deep":1},"requestId":"r-odd","era":"' + "e" * 300 + '"}]}',
+    )
+    deep = await _odd_peer(aiohttp_server, "deep", "[" * 100_000 + "]" * 100_000)
     shared = b.app[REPLICAS_KEY].shared
-    ghost = Registry(shared, node="ghost", url="http://127.0.0.1:9", lease_ms=60_000)
-    await ghost.announce()  # a replica whose record outlives it (nothing listens on port 9)
-    # a replica of an earlier version, mid-deploy: no /_replica/running there (the fixture server answers 404)
-    older = Registry(shared, node="older", url=legacy_url.removesuffix("/mcp"), lease_ms=60_000)
-    await older.announce()
+    records = [
+        Registry(shared, node="ghost", url="http://127.0.0.1:9", lease_ms=60_000),  # nothing listens there
+        Registry(shared, node="older", url=legacy_url.removesuffix("/mcp"), lease_ms=60_000),  # 404
+        Registry(shared, node="stale", url=b.base, lease_ms=60_000),  # B's address under another id
+        Registry(shared, node="odd", url=odd, lease_ms=60_000),
+        Registry(shared, node="deep", url=deep, lease_ms=60_000),
+    ]
+    for record in records:
+        await record.announce()
     on_b = client_for(b)
     on_b.capabilities = {}
     label = f"replica-running-{time.monotonic_ns()}"
     try:
         call = asyncio.create_task(on_b.call("slow_compute", {"seconds": 1.0, "label": label}))
-        listed = await _running_until(http, a, lambda body: bool(body["requests"]))
-        [row] = listed["requests"]
-        assert row["replica"] == node_b and row["tool"] == "slow_compute" and row["server"] == "legacy"
+        listed = await _running_until(
+            http, a, lambda body: any(r["replica"] == node_b for r in body["requests"])
+        )
+        async with http.get(a.base + "/console/api/running", headers=BEARER) as resp:
+            strict = _strict_json(await resp.text())
+        assert strict["total"] == listed["total"] == 2  # B's call and the odd peer's one well-formed view
+        row = next(r for r in listed["requests"] if r["replica"] == node_b)
+        assert row["tool"] == "slow_compute" and row["server"] == "legacy"
+        assert [r for r in listed["requests"] if r["replica"] == "odd"] == [
+            {"ageMs": 5, "server": "x", "requestId": "r-odd", "replica": "odd"}
+        ]
         by_node = {entry["replica"]: entry for entry in listed["replicas"]}
         assert by_node[node_a] == {"replica": node_a, "total": 0}
         assert by_node[node_b] == {"replica": node_b, "total": 1}
-        assert "ghost" in by_node["ghost"]["error"] and "could not be reached" in by_node["ghost"]["error"]
+        assert by_node["odd"] == {"replica": "odd", "total": 1}
+        assert "could not be reached" in by_node["ghost"]["error"]
         assert (
             by_node["older"]["error"]
             == "replica older runs a version that cannot list its requests (HTTP 404)"
         )
+        assert "a stale registry record" in by_node["stale"]["error"]
+        assert "deep" in by_node["deep"]["error"]
         reply = await call
         assert reply.request_id == row["requestId"]
     finally:
-        await ghost.withdraw()
-        await older.withdraw()
+        for record in records:
+            await record.withdraw()
         await on_b.close()
+
+
+@pytest.mark.redis
+async def test_a_relayed_call_is_listed_once_and_a_cut_registry_still_lists_this_replica(
+    legacy_url: str, http: aiohttp.ClientSession, serve: Serve, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A legacy session opened on B, its call sent to A: A relays it to B. The console lists it
+    once, on B (which runs it upstream), with `relayedBy` A and A's request id (the client's
+    `X-Request-Id`) as `relayedRequestId`. With A cut off from Redis, A's console still answers
+    200 with A's own requests and names the registry it cannot read."""
+    store = {"url": redis_server.url, "prefix": redis_prefix, "timeout": "500ms"}
+    async with relay_to(redis_server) as (relay, relayed_url):
+        a, b = await _replica_pair(serve, legacy_url, store, store_of_a={**store, "url": relayed_url})
+        node_a, node_b = a.app[TASKS_KEY].node, b.app[TASKS_KEY].node
+        headers = {**LEGACY_HEADERS, "Authorization": f"Bearer {CLIENT_TOKEN}"}
+        async with http.post(b.url("legacy"), json=LEGACY_INITIALIZE, headers=headers) as resp:
+            assert resp.status == 200 and "protocolVersion" in await resp.text()
+            headers["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
+        arguments = {"seconds": 1.5, "label": f"relayed-{time.monotonic_ns()}"}
+        body = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "slow_compute", "arguments": arguments},
+        }
+        call = asyncio.create_task(http.post(a.url("legacy"), json=body, headers=headers))
+        listed = await _running_until(
+            http, a, lambda body: any("upstreamRequestId" in r for r in body["requests"])
+        )
+        [row] = listed["requests"]
+        assert row["replica"] == node_b and row["relayedBy"] == node_a and row["era"] == "legacy"
+        assert listed["total"] == 1 and {r["replica"]: r["total"] for r in listed["replicas"]} == {
+            node_a: 1,
+            node_b: 1,
+        }
+        async with await call as resp:
+            assert resp.headers["X-Request-Id"] == row["relayedRequestId"]
+            assert "computed" in await resp.text()
+        on_a = client_for(a)
+        on_a.capabilities = {}
+        try:
+            local = asyncio.create_task(on_a.call("slow_compute", {"seconds": 2.0, "label": "cut"}))
+            await _running_until(http, a, lambda body: bool(body["requests"]))
+            relay.pause()  # A's link to Redis hangs: the registry read times out (store timeout 500 ms)
+            try:
+                status, cut = await get_json(http, a.base + "/console/api/running", BEARER)
+            finally:
+                relay.resume()
+            assert status == 200 and [r["replica"] for r in cut["requests"]] == [node_a]
+            assert cut["replicas"][0] == {"replica": node_a, "total": 1}
+            assert cut["replicas"][1]["replica"] is None
+            assert "registry cannot be read" in cut["replicas"][1]["error"]
+            assert "computed" in (await local).result["content"][0]["text"]
+        finally:
+            await on_a.close()
 
 
 async def test_a_task_waiting_for_input_shows_its_questions_and_an_operator_can_cancel_it(

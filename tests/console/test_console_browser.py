@@ -131,7 +131,7 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(
             assert record.status is TaskStatus.CANCELLED and record.status_message == "cancelled by operator"
             assert (await proxy.store.get(kept)).status is TaskStatus.WORKING
             # the overview followed the changes
-            await expect(page.locator("#upstreams")).to_contain_text("1 call(s) running")
+            await expect(page.locator("#upstreams")).to_contain_text("1 detached call(s) running")
             if os.environ.get("CONSOLE_SCREENSHOT"):  # with a synchronous call in flight
                 shown = client_for(proxy, "legacy")
                 shown.capabilities = {}

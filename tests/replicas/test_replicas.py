@@ -26,7 +26,7 @@ import pytest
 from fastmcp import Client
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from support.clients import LEGACY_INITIALIZE, ModernClient, Reply
+from support.clients import LEGACY_HEADERS, LEGACY_INITIALIZE, ModernClient, Reply, envelope
 from support.servers import ROOT
 from support.v1_client import V1Client
 
@@ -53,7 +53,6 @@ SETTINGS = {
 ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
 ACCEPT = {"action": "accept", "content": {"confirm": True}}
 WEB, LOCAL = "/servers/web/mcp", "/servers/local/mcp"
-LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
 
 @pytest.fixture(scope="module")
@@ -901,8 +900,6 @@ async def test_a_call_whose_replica_dies_is_not_sent_again_by_the_balancer(
             "method": "tools/call",
             "params": {"name": "slow_compute", "arguments": {"seconds": 3, "label": "lb-once"}, "_meta": {}},
         }
-        from support.clients import envelope
-
         body["params"]["_meta"] = envelope({})
         headers = sync.headers_for("tools/call", body["params"])
 

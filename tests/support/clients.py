@@ -31,6 +31,8 @@ LEGACY_INITIALIZE = {
         "clientInfo": {"name": "t", "version": "0"},
     },
 }  # a handshake-era `initialize` request (2025-11-25), as raw legacy tests send it
+# the headers of a raw handshake-era POST (add `MCP-Protocol-Version` once initialized)
+LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
 
 def envelope(capabilities: dict | None = None, **extra: Any) -> dict:

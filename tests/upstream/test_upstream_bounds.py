@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from support.clients import LEGACY_HEADERS as RAW_LEGACY_HEADERS
 from support.clients import LEGACY_INITIALIZE as INIT
 from support.clients import ModernClient
 from support.proxy import Serve
@@ -21,11 +22,7 @@ from support.servers import ROOT, ServerProcess
 
 from proxy.config import config_from_data
 
-LEGACY_HEADERS = {
-    "Content-Type": "application/json",
-    "Accept": "application/json, text/event-stream",
-    "MCP-Protocol-Version": "2025-11-25",
-}
+LEGACY_HEADERS = {**RAW_LEGACY_HEADERS, "MCP-Protocol-Version": "2025-11-25"}
 SECRET = "upstream-api-key-do-not-leak"
 
 

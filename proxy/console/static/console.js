@@ -5,7 +5,7 @@
 const $ = (selector) => document.querySelector(selector);
 const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const COLORS = { working: "#1565c0", input_required: "#ef6c00", completed: "#2e7d32", failed: "#c62828", cancelled: "#9aa0ad" };
-const state = { csrf: null, rows: new Map(), filters: {}, cursor: null, selected: null, source: null, timers: [], renderQueued: false, overviewQueued: false };
+const state = { runningLoop: false, csrf: null, rows: new Map(), filters: {}, cursor: null, selected: null, source: null, timers: [], renderQueued: false, overviewQueued: false };
 
 async function api(path, options = {}) {
   const headers = { Accept: "application/json" };
@@ -67,8 +67,8 @@ async function start() {
   loadOverview();
   state.timers.forEach(clearInterval);
   state.timers = [];
-  loadRunning();
-  state.timers.push(setInterval(loadOverview, 10000), setInterval(refreshAges, 1000), setInterval(loadRunning, 2000));
+  state.timers.push(setInterval(loadOverview, 10000), setInterval(refreshAges, 1000));
+  if (!state.runningLoop) loadRunning();
 }
 
 $("#login-form").addEventListener("submit", async (event) => {
@@ -294,7 +294,7 @@ async function loadOverview() {
   }
   const items = Object.entries(data.upstreams).map(([name, check]) => el("li", check === "ok" ? `${name}: ready` : `${name}: ${check}`, check === "ok" ? "" : "bad"));
   items.push(el("li", data.store === "ok" ? "task store: writable" : `task store: ${data.store}`, data.store === "ok" ? "" : "bad"));
-  items.push(el("li", `${data.liveHere} call(s) running in this process`));
+  items.push(el("li", `${data.liveHere} detached call(s) running in this process`));
   $("#upstreams").replaceChildren(...items);
   barChart($("#chart-status"), Object.keys(COLORS).map((status) => ({ label: status.replace("input_required", "input"), value: data.tasksByStatus[status] || 0, color: COLORS[status] })));
   const buckets = data.detachDelay.buckets.map((b) => ({ label: b.le === "+Inf" ? "more" : b.le, value: b.count }));
@@ -303,17 +303,22 @@ async function loadOverview() {
 
 // -- running now: every replica's requests in flight, synchronous calls included ----------------
 
-async function loadRunning() {
-  let data;
+async function loadRunning() {  // polled: the next poll is asked for 2 s after this one answered
+  state.runningLoop = true;
   try {
-    data = await api("/console/api/running?limit=100");
+    showRunning(await api("/console/api/running?limit=100"));
   } catch (e) {
     $("#running-summary").textContent = e.message;
-    return;
   }
+  if ($("#app").hidden) state.runningLoop = false;  // signed out: start() polls again
+  else setTimeout(loadRunning, 2000);
+}
+
+function showRunning(data) {
   const rows = data.requests.map((r) => {
     const tr = el("tr");
-    [fmtAge(r.ageMs), r.replica, r.server, r.era, r.rpcMethod || r.httpMethod, r.tool, r.principalHash, r.requestId, r.upstreamRequestId, r.taskId]
+    const replica = r.relayedBy ? `${r.replica} (via ${r.relayedBy})` : r.replica;
+    [fmtAge(r.ageMs), replica, r.server, r.era, r.rpcMethod || r.httpMethod, r.tool, r.principalHash, r.requestId, r.upstreamRequestId, r.taskId]
       .forEach((value, i) => tr.append(el("td", value === undefined ? "—" : value, i >= 6 ? "principal" : "")));
     tr.title = `started ${fmtTime(r.startedMs)}` + (r.traceId ? `, trace ${r.traceId}` : "");
     return tr;
@@ -325,9 +330,10 @@ async function loadRunning() {
     rows[0].append(empty);
   }
   $("#running tbody").replaceChildren(...rows);
-  const total = data.replicas.reduce((sum, r) => sum + (r.total || 0), 0);
-  const gone = data.replicas.filter((r) => r.error).map((r) => `${r.replica}: ${r.error}`);
-  $("#running-summary").textContent = `${total} request(s) on ${data.replicas.length} replica(s)` + (gone.length ? `; not answering: ${gone.join("; ")}` : "");
+  const listed = data.replicas.filter((r) => !r.error).length;
+  const gone = data.replicas.filter((r) => r.error).map((r) => r.error);
+  const shown = data.requests.length < data.total ? `, the ${data.requests.length} longest-running shown` : "";
+  $("#running-summary").textContent = `${data.total} request(s) on ${listed} replica(s)${shown}` + (gone.length ? `; not listed: ${gone.join("; ")}` : "");
 }
 
 start();
