@@ -19,7 +19,6 @@ section. Every answer is JSON (errors: `{"error": {"status", "message"}}`, 4xx f
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ MAX_LIMIT = 200
 RUNNING_LIMIT = 200  # requests `GET /console/api/running` lists by default
 _HASH = re.compile(r"^[0-9a-f]{16}$")
 _DIGITS = re.compile(r"[0-9]{1,6}")
+_MAX_MS = 8_640_000_000_000_000  # the largest epoch-ms a JavaScript Date holds
 _PRINCIPAL_ROUNDS = 20  # store pages one principal-filtered listing may read before it returns a cursor
 _SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri "
@@ -190,7 +190,8 @@ async def running_requests(request: web.Request) -> web.Response:
     `{replica, error}` for a peer that did not answer within `replicas.hop_timeout`, answered for
     another node (a stale registry record), or runs a version without this list; `{replica: null,
     error}` when the registry cannot be read (this replica's requests are still listed). `total`:
-    the requests answered in all, a relayed one counted once. 400 for a bad limit."""
+    the requests answered in all, a relayed one counted once (each replica says how many it got
+    relayed). 400 for a bad limit."""
     limit = _limit(request.query, default=RUNNING_LIMIT, maximum=MAX_LISTED)
     if isinstance(limit, web.Response):
         return limit
@@ -199,6 +200,7 @@ async def running_requests(request: web.Request) -> web.Response:
     here, total = data.running.snapshot(limit)
     found = [{**view, "replica": node} for view in here]
     replicas: list[dict[str, Any]] = [{"replica": node, "total": total}]
+    relayed = data.running.relayed()  # requests the replicas that relayed them count too
     if data.replicas is not None:
         try:
             answers = await data.replicas.ask_peers("running", {"limit": limit})
@@ -219,34 +221,36 @@ async def running_requests(request: web.Request) -> web.Response:
                 rebuilt = [_peer_view(view) for view in listed] if isinstance(listed, list) else []
                 views = [view for view in rebuilt if view is not None]
                 found.extend({**view, "replica": peer.node} for view in views)
-                count = answer.get("total")
+                count, theirs = answer.get("total"), answer.get("relayed")
                 replicas.append({"replica": peer.node, "total": count if type(count) is int else len(views)})
-    found, relays = _fold_relays(found)
+                relayed += theirs if type(theirs) is int else 0
+    found = _fold_relays(found)
     found.sort(key=lambda view: view["ageMs"], reverse=True)
-    total = sum(entry.get("total") or 0 for entry in replicas) - relays
+    total = max(0, sum(entry.get("total") or 0 for entry in replicas) - relayed)
     return web.json_response({"requests": found[:limit], "replicas": replicas, "total": total})
 
 
 def _peer_view(view: Any) -> dict[str, Any] | None:
-    """A peer's view of one request rebuilt from the names a view has (`running.VIEW_NAMES`), each a
-    string of at most 256 characters, a boolean or a finite number; None when it has no `ageMs`."""
+    """A peer's view of one request rebuilt from the names a view has (`running.VIEW_NAMES`): the
+    times (`startedMs`, `ageMs`) whole numbers of ms within a date's range, every other value a
+    string of at most 256 characters or a whole number; None without a good `ageMs`."""
     if not isinstance(view, dict):
         return None
-    kept = {name: view[name] for name in VIEW_NAMES if _plain(view.get(name))}
-    return kept if type(kept.get("ageMs")) in (int, float) else None
+    kept = {name: view[name] for name in VIEW_NAMES if _plain(name, view.get(name))}
+    return kept if "ageMs" in kept else None
 
 
-def _plain(value: Any) -> bool:
+def _plain(name: str, value: Any) -> bool:
+    if name in ("startedMs", "ageMs"):
+        return type(value) is int and 0 <= value <= _MAX_MS
     if type(value) is str:
         return len(value) <= 256
-    if type(value) is float:
-        return math.isfinite(value)
-    return type(value) in (int, bool)
+    return type(value) is int and abs(value) <= _MAX_MS
 
 
-def _fold_relays(views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+def _fold_relays(views: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`views` with each relaying replica's view of a request dropped where the serving replica's
-    view names it (`relayedRequestId`), which gains `relayedBy`; and how many were dropped."""
+    view names it (`relayedRequestId`), which gains `relayedBy`."""
     relaying = {view["requestId"]: view for view in views if "requestId" in view}
     dropped: set[int] = set()
     for view in views:
@@ -254,7 +258,7 @@ def _fold_relays(views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int
         if origin is not None and origin is not view:
             view["relayedBy"] = origin["replica"]
             dropped.add(id(origin))
-    return [view for view in views if id(view) not in dropped], len(dropped)
+    return [view for view in views if id(view) not in dropped]
 
 
 def _limit(query: Any, *, default: int, maximum: int) -> int | web.Response:

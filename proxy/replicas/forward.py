@@ -150,8 +150,9 @@ class Forwarder:
         self, request: web.Request, peer: Peer, raw: bytes | None, principal: str
     ) -> web.StreamResponse | None:
         """Send the client's request (method, path, headers, `raw` body) to `peer`, with the
-        `principal` this replica authenticated (the peer takes it as is) and this request's id (the
-        peer logs it as `relayed_request_id`), and stream its response back. None when the peer
+        `principal` this replica authenticated (the peer takes it as is) and this request's id, or
+        the first replica's when this one was itself relayed (the peer logs it as
+        `relayed_request_id`), and stream its response back. None when the peer
         cannot be reached (nothing was sent to the client then).
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
@@ -170,7 +171,9 @@ class Forwarder:
         headers[FORWARDED_HEADER] = self.node
         # authenticated here (front.auth.Authenticator.principal)
         headers[RELAYED_PRINCIPAL_HEADER] = principal
-        request_id = structlog.contextvars.get_contextvars().get("request_id")
+        bound = structlog.contextvars.get_contextvars()
+        # the first replica's id when this request was relayed here (a second hop): the client's
+        request_id = bound.get("relayed_request_id") or bound.get("request_id")
         if isinstance(request_id, str):  # the peer logs it beside its own: one call, two lines, one id
             headers[RELAYED_REQUEST_ID_HEADER] = request_id
         try:

@@ -63,9 +63,9 @@ class InternalEndpoints:
         return web.json_response({"node": self.replicas.node})
 
     async def list_running(self, request: web.Request) -> web.Response:
-        """`{"limit"}` → `{"node", "requests", "total"}`: the `limit` oldest requests this replica is
-        answering (1..`running.MAX_LISTED`, which is also the default; see `RunningRequests.snapshot`)
-        and how many there are in all."""
+        """`{"limit"}` → `{"node", "requests", "total", "relayed"}`: the `limit` oldest requests this
+        replica is answering (1..`running.MAX_LISTED`, which is also the default; see
+        `RunningRequests.snapshot`), how many there are in all, and how many of those came relayed."""
         if not self._authentic(request):
             return _refuse(403, "replica secret missing or wrong")
         try:
@@ -74,7 +74,10 @@ class InternalEndpoints:
             asked = None
         limit = asked if isinstance(asked, int) and 1 <= asked <= MAX_LISTED else MAX_LISTED
         requests, total = self.running.snapshot(limit)
-        return web.json_response({"node": self.replicas.node, "requests": requests, "total": total})
+        relayed = self.running.relayed()
+        return web.json_response(
+            {"node": self.replicas.node, "requests": requests, "total": total, "relayed": relayed}
+        )
 
     def _authentic(self, request: web.Request) -> bool:
         if self.replicas.authentic(request):

@@ -108,6 +108,13 @@ class RunningRequests:
         if _CURRENT.get() is entry:
             _CURRENT.set(None)
 
+    def relayed(self) -> int:
+        """How many of the requests `snapshot` counts came relayed from another replica (that replica
+        counts them too)."""
+        return sum(
+            1 for entry in self._entries if "relayed_request_id" in entry.fields and "server" in entry.fields
+        )
+
     def snapshot(self, limit: int = MAX_LISTED) -> tuple[list[dict[str, Any]], int]:
         """`(views, total)`: the views (`RunningRequest.shown`) of the `limit` oldest requests served by an
         MCP endpoint, oldest first, and how many such requests there are in all."""

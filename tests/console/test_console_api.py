@@ -647,7 +647,8 @@ async def test_running_on_one_replica_lists_every_live_replicas_calls_and_names_
         aiohttp_server,
         "odd",
         '{"node":"odd","total":"many","requests":[{"ageMs":NaN,"server":"s"},7,'
-        '{"ageMs":5,"server":"x","tool":{"deep":1},"requestId":"r-odd","era":"' + "e" * 300 + '"}]}',
+        '{"ageMs":5,"startedMs":"x","upstreamRequestId":1e300,"server":"x","tool":{"deep":1},"requestId":"r-odd",'
+        '"era":"' + "e" * 300 + '"}],"relayed":"x"}',
     )
     deep = await _odd_peer(aiohttp_server, "deep", "[" * 100_000 + "]" * 100_000)
     shared = b.app[REPLICAS_KEY].shared

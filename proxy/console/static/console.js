@@ -5,14 +5,15 @@
 const $ = (selector) => document.querySelector(selector);
 const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const COLORS = { working: "#1565c0", input_required: "#ef6c00", completed: "#2e7d32", failed: "#c62828", cancelled: "#9aa0ad" };
-const state = { runningLoop: false, csrf: null, rows: new Map(), filters: {}, cursor: null, selected: null, source: null, timers: [], renderQueued: false, overviewQueued: false };
+const state = { runningLoop: false, signIn: 0, csrf: null, rows: new Map(), filters: {}, cursor: null, selected: null, source: null, timers: [], renderQueued: false, overviewQueued: false };
 
 async function api(path, options = {}) {
   const headers = { Accept: "application/json" };
   if (options.method === "POST") headers["X-CSRF-Token"] = state.csrf || "";
+  const signIn = state.signIn;  // a 401 asked for before a later sign-in says nothing of that one
   const resp = await fetch(path, { credentials: "same-origin", ...options, headers });
   const body = await resp.json().catch(() => ({}));
-  if (resp.status === 401) showLogin();
+  if (resp.status === 401 && signIn === state.signIn) showLogin();
   if (!resp.ok) throw new Error((body.error && body.error.message) || resp.statusText);
   return body;
 }
@@ -32,7 +33,7 @@ function fmtAge(ms) {
   return `${Math.floor(s / 86400)}d`;
 }
 
-const fmtTime = (ms) => (ms ? new Date(ms).toISOString().replace("T", " ").replace("Z", " UTC") : "—");
+const fmtTime = (ms) => (Number.isFinite(ms) && ms > 0 && ms <= 8.64e15 ? new Date(ms).toISOString().replace("T", " ").replace("Z", " UTC") : "—");
 
 // -- signing in and out -----------------------------------------------------------------------
 
@@ -54,6 +55,7 @@ async function start() {
     showLogin();
     return;
   }
+  state.signIn += 1;
   state.csrf = session.csrf;
   $("#operator").textContent = session.operator;
   const servers = $("#filter-server");
@@ -308,6 +310,7 @@ async function loadRunning() {  // polled: the next poll is asked for 2 s after 
   try {
     showRunning(await api("/console/api/running?limit=100"));
   } catch (e) {
+    $("#running tbody").replaceChildren();  // rows that may have ended are not left standing
     $("#running-summary").textContent = e.message;
   }
   if ($("#app").hidden) state.runningLoop = false;  // signed out: start() polls again
@@ -318,9 +321,11 @@ function showRunning(data) {
   const rows = data.requests.map((r) => {
     const tr = el("tr");
     const replica = r.relayedBy ? `${r.replica} (via ${r.relayedBy})` : r.replica;
-    [fmtAge(r.ageMs), replica, r.server, r.era, r.rpcMethod || r.httpMethod, r.tool, r.principalHash, r.requestId, r.upstreamRequestId, r.taskId]
+    // the id its client holds: a relayed request's is the relaying replica's
+    const clientId = r.relayedBy ? r.relayedRequestId : r.requestId;
+    [fmtAge(r.ageMs), replica, r.server, r.era, r.rpcMethod || r.httpMethod, r.tool, r.principalHash, clientId, r.upstreamRequestId, r.taskId]
       .forEach((value, i) => tr.append(el("td", value === undefined ? "—" : value, i >= 6 ? "principal" : "")));
-    tr.title = `started ${fmtTime(r.startedMs)}` + (r.traceId ? `, trace ${r.traceId}` : "");
+    tr.title = `started ${fmtTime(r.startedMs)}` + (r.relayedBy ? `, request ${r.requestId} on ${r.replica}` : "") + (r.traceId ? `, trace ${r.traceId}` : "");
     return tr;
   });
   if (!rows.length) {
