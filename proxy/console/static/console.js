@@ -321,11 +321,11 @@ function showRunning(data) {
   const rows = data.requests.map((r) => {
     const tr = el("tr");
     const replica = r.relayedBy ? `${r.replica} (via ${r.relayedBy})` : r.replica;
-    // the id its client holds: a relayed request's is the relaying replica's
-    const clientId = r.relayedBy ? r.relayedRequestId : r.requestId;
+    // the id its client holds: a relayed request's is the first replica's (also when that row is not listed)
+    const clientId = r.relayedRequestId || r.requestId;
     [fmtAge(r.ageMs), replica, r.server, r.era, r.rpcMethod || r.httpMethod, r.tool, r.principalHash, clientId, r.upstreamRequestId, r.taskId]
       .forEach((value, i) => tr.append(el("td", value === undefined ? "—" : value, i >= 6 ? "principal" : "")));
-    tr.title = `started ${fmtTime(r.startedMs)}` + (r.relayedBy ? `, request ${r.requestId} on ${r.replica}` : "") + (r.traceId ? `, trace ${r.traceId}` : "");
+    tr.title = `started ${fmtTime(r.startedMs)}` + (r.relayedRequestId ? `, request ${r.requestId} on ${r.replica}` : "") + (r.traceId ? `, trace ${r.traceId}` : "");
     return tr;
   });
   if (!rows.length) {
