@@ -17,7 +17,7 @@ from proxy.calls.keys import call_key
 from proxy.legacy.replay import parse_event_id
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound
 from proxy.legacy.streams import StreamServer
-from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply
+from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply, error_reply_for
 from proxy.legacy.v1 import V1Front, legacy_status
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, legacy_method_refusal
@@ -140,7 +140,7 @@ class LegacyEndpoint:
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             request_id = None  # never echo an id of the wrong type
         if (refusal := legacy_method_refusal(request.headers, body)) is not None:
-            return error_reply(request_id, refusal.code, refusal.message, status=refusal.http_status)
+            return error_reply_for(request_id, refusal)
         method = (
             body.get("method") if isinstance(body, dict) and isinstance(body.get("method"), str) else None
         )
@@ -165,7 +165,7 @@ class LegacyEndpoint:
             try:
                 _validate(body)
             except JsonRpcError as exc:
-                return error_reply(request_id, exc.code, exc.message, status=exc.http_status)
+                return error_reply_for(request_id, exc)
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
         found = self.sessions.get(sid, principal) if sid else None
         if sid and found is None:
@@ -190,9 +190,7 @@ class LegacyEndpoint:
             if found is not None and self.upstream.kind == "http":  # the relay keeps this session
                 return await self._initialize(request, found, body, request_id, principal)
             if (refusal := self.sessions.over_cap(principal)) is not None:
-                return error_reply(
-                    request_id, refusal.code, refusal.message, status=refusal.http_status, data=refusal.data
-                )
+                return error_reply_for(request_id, refusal)
             with self.sessions.opening(principal):
                 return await self._initialize(request, found, body, request_id, principal)
         if found is None and not self.upstream.sessionless:

@@ -80,3 +80,8 @@ def error_reply(
     optional detail)."""
     body = jsonrpc.error_response(request_id, jsonrpc.error_object(code, message, data))
     return web.json_response(body, status=status, dumps=jsonrpc.dumps_str)
+
+
+def error_reply_for(request_id: Any, exc: jsonrpc.JsonRpcError) -> web.Response:
+    """`exc` as the JSON-RPC error response under `request_id`, with its HTTP status and `data`."""
+    return error_reply(request_id, exc.code, exc.message, status=exc.http_status, data=exc.data)
