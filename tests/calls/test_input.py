@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import mcp.types as types
+import pytest
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from support.clients import ModernClient
-from support.proxy import RunningProxy, Serve, make_config
+from support.proxy import RunningProxy, Serve, make_config, stdio_config
 
 ELICIT_CAPS = {"elicitation": {}, "extensions": {"io.modelcontextprotocol/tasks": {}}}
 ACCEPT = {"action": "accept", "content": {"confirm": True}}
@@ -157,9 +159,21 @@ async def test_input_timeout_fails_the_task_and_releases_the_upstream(
 # -- MRTR rounds (call not yet detached) ------------------------------------------------------
 
 
-async def test_mrtr_round_then_retry_finishes_synchronously(flow_proxy: RunningProxy) -> None:
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+async def test_mrtr_round_then_retry_finishes_synchronously(
+    transport: str, legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """The retry that answers the round ends the call with its result. The tool's `detach_after` is
+    5 s, so that a loaded host cannot turn the retry into a task for the client that declares tasks
+    (at the suite's 50 ms it did, once)."""
+    patient = {"tasks": {"tools": {"confirm_delete": {"detach_after": "5s"}}}}
+    if transport == "http":
+        config = make_config(legacy_url, tmp_path / "store", server=patient)
+    else:
+        config = stdio_config(tmp_path, server=patient)
+    proxy = await serve(config)
     for caps in ({"elicitation": {}}, ELICIT_CAPS):
-        client = ModernClient(flow_proxy.url(), capabilities=caps)
+        client = ModernClient(proxy.url(), capabilities=caps)
         try:
             await client.warm_up()  # the upstream session for these capabilities is open
             args = {"filename": "mrtr.txt"}
