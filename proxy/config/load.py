@@ -16,6 +16,39 @@ from proxy.config.base import ConfigError
 from proxy.config.model import Config
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping naming one key twice is refused (PyYAML keeps
+    the last silently: a block pasted twice would drop a server or a setting without a word). Keys
+    a merge (`<<: *anchor`) brings in may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the constructor below names it
+                continue
+            if first is not key_node:
+                lines = f"lines {first.start_mark.line + 1} and {key_node.start_mark.line + 1}"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping ({lines}); give each key once"
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members as a dict; ValueError when one name appears twice (`json` keeps the last)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"the key {key!r} appears twice in one object; give each key once")
+        data[key] = value
+    return data
+
+
 def _variable(exc: Exception) -> str:
     """The variable an expandvars failure names ("" when it names none)."""
     return (str(exc.args[0]) if exc.args else "").partition(": ")[0]
@@ -133,7 +166,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
     Relative `store.path` and `auth.jwt.jwks_file` values are taken relative to the config file's folder.
     Raises ConfigError naming the file and, for invalid values, each key's path; also for a file
-    that is not UTF-8, nests too deeply, or expands (aliases) past MAX_CONFIG_VALUES values.
+    that is not UTF-8, names one key twice in a mapping, nests too deeply, or expands (aliases)
+    past MAX_CONFIG_VALUES values.
     """
     file = Path(path)
     try:
@@ -146,7 +180,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         ) from None
     kind = "JSON" if file.suffix == ".json" else "YAML"
     try:
-        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+        if file.suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        else:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, ValueError) as exc:  # (ValueError: JSON, and a number too long to read)
         raise ConfigError(f"{file}: not valid {kind}: {exc}") from None
     except RecursionError:

@@ -470,6 +470,14 @@ class AuthConfig(_Strict):
 
     @model_validator(mode="after")
     def _complete(self) -> AuthConfig:
+        # A section another mode reads is a mistake, never a silently open (or differently guarded)
+        # proxy: `tokens` without `mode: bearer` would let every client in as `anonymous`.
+        for section, needs in (("tokens", "bearer"), ("jwt", "jwt"), ("header", "header")):
+            if getattr(self, section) and self.mode != needs:
+                raise ValueError(
+                    f"auth.{section} is set but auth.mode is {self.mode!r}: it is read by mode {needs} only; "
+                    f"set `mode: {needs}`, or remove auth.{section}"
+                )
         if self.mode == "bearer":
             if not self.tokens:
                 raise ValueError("mode bearer needs `tokens` (principal: sha256:<hex>)")

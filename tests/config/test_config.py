@@ -182,6 +182,31 @@ def test_unreadable_and_malformed_files(tmp_path: Path):
         load_config(tmp_path / "list.yaml")
 
 
+def test_a_key_given_twice_is_refused_and_a_merge_may_still_override(tmp_path: Path):
+    """A block pasted twice would drop a server or a setting without a word (PyYAML and `json`
+    keep the last): refused, naming the key (and, in YAML, both lines). Keys a YAML merge brings in
+    may still be overridden."""
+    (tmp_path / "twice.yaml").write_text(
+        "mcpServers:\n  a: {url: 'http://127.0.0.1:1/mcp'}\nmcpServers:\n  b: {url: 'http://127.0.0.1:2/mcp'}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"the key 'mcpServers' appears twice in one mapping \(lines 1 and 3\)"
+    ):
+        load_config(tmp_path / "twice.yaml")
+    (tmp_path / "twice.json").write_text(
+        '{"mcpServers": {"a": {"url": "http://127.0.0.1:1/mcp"}, "a": {"url": "http://127.0.0.1:3/mcp"}}}'
+    )
+    with pytest.raises(ConfigError, match="not valid JSON: the key 'a' appears twice in one object"):
+        load_config(tmp_path / "twice.json")
+    (tmp_path / "merge.yaml").write_text(
+        "mcpServers:\n"
+        "  a: &base {url: 'http://127.0.0.1:1/mcp', timeout: 5s}\n"
+        "  b:\n    <<: *base\n    url: 'http://127.0.0.1:2/mcp'\n"
+    )
+    servers = load_config(tmp_path / "merge.yaml").mcpServers
+    assert (servers["b"].url, servers["b"].timeout) == ("http://127.0.0.1:2/mcp", 5.0)
+
+
 def _alias_bomb() -> str:
     """Eight levels of nine aliases each: 9**8 (43 million) values once followed."""
     lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
@@ -676,6 +701,23 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
         ({"listen": {"public_url": "ftp://mcp.example.com"}}, "http:// or https://"),
         ({"listen": {"public_url": "https://user:pw@mcp.example.com"}}, "must not carry a user"),
         ({"auth": {"mode": "bearer", "tokens": {}, "scopes": {"a": {"*": ["x"]}}}}, "mode bearer needs"),
+        # a section of another mode never leaves the proxy open (every client would be `anonymous`)
+        ({"auth": {"tokens": {"ci": "sha256:" + "ab" * 32}}}, "auth.tokens is set but auth.mode is 'none'"),
+        (
+            {"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}, "tokens": {"ci": "x"}}},
+            "set `mode: bearer`",
+        ),
+        ({"auth": {"jwt": {"issuer": "https://i"}}}, "auth.jwt is set but auth.mode is 'none'"),
+        (
+            {
+                "auth": {
+                    "mode": "bearer",
+                    "tokens": {"ci": "sha256:" + "ab" * 32},
+                    "header": {"trusted_peers": "any"},
+                }
+            },
+            "auth.header is set but auth.mode is 'bearer'",
+        ),
         ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}, "scopes": {"nope": {"*": ["x"]}}}}, "nope"),
         (
             {"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}, "scopes": {"a": {"*": ["a b"]}}}},
