@@ -538,12 +538,19 @@ class Call:
         cancelled upstream, logged (`call_abandoned`); returns the -32603 its client gets, which is
         also the call's outcome (its task's, its idempotency key's) unless its answer came first."""
         error = jsonrpc.JsonRpcError(INTERNAL_ERROR, drain.abandoned)
-        if not self._cancel_reason:
-            self._cancel_outcome = {"error": error.to_error()}
-            self.ended_by = "shutdown"
-        self.cancel("the proxy is shutting down")
+        self.shut_down({"error": error.to_error()})
         log.warning("call_abandoned", server=self.server, tool=self.tool, reason=drain.reason)
         return error
+
+    def shut_down(self, outcome: JsonObject) -> None:
+        """Stop the call as its proxy shuts down: cancelled upstream as `cancel` does, with `outcome`
+        (a `{"error"}`: the failure its task records, or the drain's) as its own unless its answer
+        came first, so that its idempotency key answers a retry as its task does, not with a -32800
+        that reads as the client's own cancel. `ended_by` becomes `shutdown`."""
+        if not self._cancel_reason and not self.outcome.done():
+            self._cancel_outcome = outcome
+            self.ended_by = "shutdown"
+        self.cancel("the proxy is shutting down")
 
     def _release(self, reason: str, error: JsonObject) -> None:
         """Answer the pending questions with `error` first; cancel the request only if it still runs

@@ -135,6 +135,7 @@ class TaskService:
         self._spans: dict[str, Span] = {}  # tracing: each live task's span, from detach to its end here
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopped = False  # `stop` is over: outcomes reported later are discarded
         self.fence = fence
         # Fires FENCE_AFTER of a lease past the last renewal.
         self._fence_timer: asyncio.TimerHandle | None = None
@@ -330,8 +331,9 @@ class TaskService:
             *(self._end(task_id, shutdown, SHUTDOWN_MESSAGE, by="shutdown") for task_id, _ in calls)
         )
         for _, call in calls:
-            call.cancel("proxy shutdown")
+            call.shut_down(shutdown)  # its idempotency key then answers as its task does
         self.live.clear()
+        self._stopped = True  # what the calls report from now on is discarded (the store closes next)
         for task in list(self._background):
             task.cancel()
         with contextlib.suppress(StoreUnavailableError):
@@ -579,6 +581,8 @@ class TaskService:
         never see the question, so the task ends `failed` naming the store and the call is cancelled.
         Returns False when the task ended (elsewhere, or so).
         """
+        if self._stopped:  # `stop` ended the task (and the store closes next)
+            return False
         status = TaskStatus.INPUT_REQUIRED if input_requests else TaskStatus.WORKING
         change = Change(status=status, input_requests=input_requests, expect_owner=self.node)
         try:
@@ -609,7 +613,10 @@ class TaskService:
                 return await write()
 
     async def progress(self, task_id: str, text: str) -> bool:
-        """Record progress text as the status message. Returns False when the task already ended elsewhere."""
+        """Record progress text as the status message. Returns False when the task already ended elsewhere
+        (or `stop` ended it)."""
+        if self._stopped:
+            return False
         try:
             await self.store.update(task_id, Change(status_message=text, expect_owner=self.node))
         except (TerminalTaskError, TaskNotFoundError, ConflictError):
@@ -633,6 +640,9 @@ class TaskService:
         reads the same forever once terminal: the outcome recorded first wins, after a restart too
         (a restart before the write lands reads as the restart's failure, and nothing else ever did).
         """
+        if self._stopped:  # a call `stop` ended (its task already reads the shutdown's failure)
+            log.info("late_outcome_discarded", task_id=task_id, reason="the proxy has stopped", by=by)
+            return
         await self._end(task_id, outcome, status_message, by=by)
 
     async def _end(self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str) -> None:

@@ -32,6 +32,10 @@ class LiveCall(Protocol):
     def cancel(self, reason: str) -> None:
         """Abandon the call (the upstream gets notifications/cancelled)."""
 
+    def shut_down(self, outcome: JsonObject) -> None:
+        """Abandon the call as the proxy shuts down, `outcome` (`{"error"}`, the failure its task
+        records) becoming its own unless it has one already."""
+
     def input_requests(self) -> JsonObject:
         """The questions still unanswered, as an `inputRequests` map."""
 

@@ -15,7 +15,7 @@ from support.clients import ModernClient, envelope
 from support.proxy import Serve, make_config
 from support.servers import ROOT, ServerProcess
 
-from proxy.app import DRAIN_KEY
+from proxy.app import DRAIN_KEY, TASKS_KEY
 from proxy.tasks.store import ListFilter
 
 
@@ -247,6 +247,58 @@ async def test_a_keyed_call_the_drain_abandoned_gives_its_retry_the_same_error(
     finally:
         await plain.close()
         again.stop()
+
+
+async def test_a_keyed_task_the_shutdown_failed_gives_its_retry_the_task_s_error(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """A keyed call that became a task is still running at SIGTERM: the task reads `failed` with the
+    shutdown's -32603, and a retry with the key on the next process gets that same error, from either
+    kind of client (it got "-32800 the call was cancelled: proxy shutdown", which reads as a cancel
+    the client asked for)."""
+    config_file = _write_config(tmp_path, legacy_url)
+    key = {"Idempotency-Key": "failed-by-the-shutdown"}
+    arguments = {"seconds": 30, "label": "shut-down"}
+    proxy = _start(config_file)
+    client = ModernClient(proxy.url)
+    try:
+        task_id = (await client.call("quiet_compute", arguments, headers=key)).result["taskId"]
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+    finally:
+        await client.close()
+        proxy.stop()
+    again = _start(config_file)
+    client, plain = ModernClient(again.url), ModernClient(again.url, capabilities={})
+    try:
+        task = (await client.get(task_id)).result
+        assert task["status"] == "failed" and "shut down while this call" in task["error"]["message"], task
+        for retrying in (plain, client):
+            retry = await retrying.call("quiet_compute", arguments, headers=key)
+            assert retry.error == task["error"], retry.message
+    finally:
+        await client.close()
+        await plain.close()
+        again.stop()
+
+
+async def test_outcomes_reported_after_the_task_service_stopped_are_discarded(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A call the shutdown stopped reports its end later, when the store may be closed: the service
+    discards it (`late_outcome_discarded`) instead of writing to a closed store (a `RuntimeError` in a
+    task nobody awaited, logged after `proxy_stopped`)."""
+    proxy = await serve(make_config(legacy_url, tmp_path / "store"))
+    service = proxy.app[TASKS_KEY]
+    client = ModernClient(proxy.url())
+    try:
+        task_id = (await client.call("quiet_compute", {"seconds": 30, "label": "late"})).result["taskId"]
+    finally:
+        await client.close()
+    await proxy.stop()  # the app's cleanup: the service stops, then the store closes
+    await service.finish(task_id, {"result": {"content": []}}, None)  # raised before: the store is closed
+    assert not await service.progress(task_id, "late progress")
+    assert not await service.set_inputs(task_id, {})
 
 
 @pytest.mark.parametrize("upstream", ["http", "stdio"])
