@@ -134,8 +134,12 @@ class Authenticator:
 
 
 def _bearer(request: web.Request) -> str:
-    value = request.headers.get("Authorization", "")
-    scheme, _, token = value.partition(" ")
+    """The bearer token of the request's one `Authorization` header. Raises AuthError when there is
+    none, or more than one (which one counts would depend on who reads them: never guessed)."""
+    values = request.headers.getall("Authorization", [])
+    if len(values) > 1:
+        raise AuthError(f"{len(values)} Authorization headers: send one")
+    scheme, _, token = (values[0] if values else "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise AuthError("missing bearer token")
     return token.strip()

@@ -11,7 +11,8 @@ from pathlib import Path
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
-from support.clients import AuthClient, ModernClient
+from multidict import CIMultiDict
+from support.clients import AuthClient, ModernClient, envelope
 from support.proxy import Serve, make_config, with_auth
 from support.servers import served_app
 
@@ -77,6 +78,28 @@ def _rsa_jwks(tmp_path: Path) -> tuple[object, Path]:
 def _token(key: object, **claims) -> str:
     body = {"iss": "https://idp.test", "aud": "mcp-proxy", "exp": int(time.time()) + 300, **claims}
     return jwt.encode(body, key, algorithm="RS256", headers={"kid": "k1"})
+
+
+async def test_two_authorization_headers_are_refused_whichever_comes_first(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Which of two `Authorization` headers counts would depend on who reads them (the proxy read the
+    first: a wrong token then a good one was refused, the other way round let in): both orders 401."""
+    auth = {"mode": "bearer", "tokens": {"alice": hash_token("alice-secret")}}
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    client = ModernClient(proxy.url())
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "greet", "arguments": {}}}
+    body["params"]["_meta"] = envelope()
+    try:
+        for pair in (("Bearer alice-secret", "Bearer guess"), ("Bearer guess", "Bearer alice-secret")):
+            headers = CIMultiDict(client.headers_for("tools/call", body["params"]))
+            for value in pair:
+                headers.add("Authorization", value)
+            async with client.http.post(proxy.url(), json=body, headers=headers) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 401 and "2 Authorization headers" in error["message"], error
+    finally:
+        await client.close()
 
 
 async def test_jwt_against_a_jwks_file(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
