@@ -16,19 +16,28 @@ class ConfigError(Exception):
     """The config file cannot be used; the message names the file and the key path."""
 
 
+MAX_DURATION_S = 100 * 365 * 24 * 3600  # the longest duration a config may give (s): 100 years
+
+
 def parse_duration(value: Any) -> float:
     """Parse a duration string with a unit (`500ms`, `30s`, `10m`, `1h`, `1h30m`) into seconds (float).
 
-    Bare numbers are refused because they are ambiguous (ms or s). Raises ValueError.
+    Bare numbers are refused because they are ambiguous (ms or s), and so is a capital `M` (the
+    parser reads `1M` as a minute, a reader may as a month); so is a duration over MAX_DURATION_S
+    (its ms would outgrow what JSON clients read exactly). Raises ValueError.
     """
     if isinstance(value, bool) or not isinstance(value, str):
         raise ValueError(f"durations are strings with a unit, like '500ms', '30s' or '10m' (got {value!r})")
     text = value.strip()
     if re.fullmatch(r"[0-9.]+", text):
         raise ValueError(f"duration {value!r} has no unit; write '{text}s' or '{text}ms'")
+    if "M" in text:
+        raise ValueError(f"duration {value!r}: write 'm' for minutes, 'mo' for months, 'ms' for milliseconds")
     seconds = pytimeparse2.parse(text)
     if seconds is None or seconds < 0:
         raise ValueError(f"cannot read {value!r} as a duration; use forms like '500ms', '30s', '10m', '1h'")
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"duration {value!r} is longer than 100 years, the longest accepted")
     return float(seconds)
 
 

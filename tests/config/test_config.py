@@ -275,6 +275,20 @@ def test_bad_durations_are_refused(value):
 
 
 @pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1M", "'m' for minutes, 'mo' for months"),  # read as a minute before
+        ("5MS", "'ms' for milliseconds"),
+        ("10000000000h", "longer than 100 years"),  # a ttlMs past 2**53 before
+    ],
+)
+def test_ambiguous_and_huge_durations_are_refused(value: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        parse_duration(value)
+    assert parse_duration("100y") == 100 * 365 * 24 * 3600 and parse_duration("1mo") == 30 * 24 * 3600
+
+
+@pytest.mark.parametrize(
     ("data", "path"),
     [
         ({"tasks": {"detach_after": 10}}, "tasks.detach_after"),
