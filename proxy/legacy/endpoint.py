@@ -334,16 +334,18 @@ class LegacyEndpoint:
 
     def _cancel_overdue(self, session: LegacySession, client_id: Any, sent: Outbound) -> None:
         """CANCEL_GRACE_S after a client's cancel: a reply the upstream has not ended by then ends
-        with the proxy's -32800 (an upstream that ignores cancels must not hold its client). A
-        reply still waiting for the upstream's JSON (no stream yet) keeps its own bound."""
-        stream = sent.stream
-        if session.pending.get(client_id) is not sent or stream is None or stream.closed:
+        with the proxy's -32800 (an upstream that ignores cancels must not hold its client), whether
+        its stream is open or the upstream has not even sent its response headers yet."""
+        if session.pending.get(client_id) is not sent:
             return
         text = (
             f"cancelled by the client; upstream {self.name} did not end the request within "
             f"{CANCEL_GRACE_S:g} s"
         )
-        stream.abandon(REQUEST_CANCELLED, text)
+        if sent.stream is None:
+            sent.abandon(REQUEST_CANCELLED, text)
+        elif not sent.stream.closed:
+            sent.stream.abandon(REQUEST_CANCELLED, text)
 
     async def _get(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
         """A GET: with `Last-Event-ID`, the rest of that stream from the proxy's buffer, then live;
@@ -379,9 +381,12 @@ class LegacyEndpoint:
 
 
 def _validate(body: Any) -> None:
-    """A legacy POST body is one JSON-RPC request, notification or response. Raises JsonRpcError (-32600)."""
+    """A legacy POST body is one JSON-RPC request, notification or response; `initialize` is a
+    request (it opens a session only with an answer). Raises JsonRpcError (-32600)."""
     if isinstance(body, dict) and "method" in body:
         jsonrpc.validate_request(body)
+        if body["method"] == "initialize" and "id" not in body:
+            raise JsonRpcError(INVALID_REQUEST, "initialize is a request: it needs an `id`")
     elif not jsonrpc.is_response(body):
         if isinstance(body, dict) and "id" not in body and ("result" in body or "error" in body):
             raise JsonRpcError(INVALID_REQUEST, "a response needs the `id` of the request it answers")

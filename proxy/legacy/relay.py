@@ -266,6 +266,8 @@ class HttpRelay:
                 resend=jsonrpc.safe_to_resend(body),
             )
         )
+        if sent is not None:
+            sent.opening = opening  # a cancel or the session's end may give it up (`Outbound.abandon`)
         # A request whose answer may come on SSE (not initialize: its reply carries the session id)
         # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
         accepts_sse = "text/event-stream" in request.headers.get("Accept", "")
@@ -284,6 +286,12 @@ class HttpRelay:
                 return await self._late_post(request, session, sid, headers, late, request_id, sent, rewrite)
         try:
             upstream = await opening
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if sent is None or sent.ended is None or (task is not None and task.cancelling()):
+                raise  # this handler itself is cancelled
+            code, message = sent.ended  # given up before the upstream's headers came (`Outbound.abandon`)
+            return error_reply(request_id, code, message)
         except _UPSTREAM_ERRORS as exc:
             if sent is not None and isinstance(exc, aiohttp.ClientConnectorError):
                 sent.unsent = True  # no connection: the request never left

@@ -19,6 +19,7 @@ opened it (for anyone else it does not exist) and holds the ids the proxy owns t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import secrets
@@ -57,6 +58,18 @@ class Outbound:
     client_token: Any = None
     upstream_token: str | None = None
     unsent: bool = False
+    opening: asyncio.Future[Any] | None = None  # (HTTP) the exchange, until its reply stream exists
+    ended: tuple[int, str] | None = None  # why `abandon` gave it up: (JSON-RPC code, message)
+
+    def abandon(self, code: int, message: str) -> bool:
+        """Give up a request whose upstream has not sent its response headers yet (no reply stream,
+        so `RelayStream.abandon` cannot end it): its exchange is cancelled, and the handler waiting
+        for it answers the client with `code` and `message`. False when it is not waiting so."""
+        if self.stream is not None or self.opening is None or self.opening.done():
+            return False
+        self.ended = (code, message)
+        self.opening.cancel()
+        return True
 
 
 @dataclass(slots=True)
@@ -227,10 +240,13 @@ class LegacySession:
         return not self.pending and not self.questions and all(s.closed for s in self.streams.values())
 
     def end(self, message: str) -> None:
-        """Stop every stream of this session (it ended, or the proxy shuts down); a reply still
-        waiting for its answer gets a -32603 JSON-RPC error with `message`."""
+        """Stop every stream of this session (it ended, or the proxy shuts down), and every request
+        still waiting for its upstream's response headers; a reply still waiting for its answer
+        gets a -32603 JSON-RPC error with `message`."""
         for stream in self.streams.values():
             stream.abandon(jsonrpc.INTERNAL_ERROR, message)
+        for sent in list(self.pending.values()):
+            sent.abandon(jsonrpc.INTERNAL_ERROR, message)
 
 
 class LegacySessions:

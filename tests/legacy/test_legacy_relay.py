@@ -431,6 +431,62 @@ async def test_cancel_maps_in_flight_and_drops_answered_or_unknown(upstream: str
     assert [c["params"] for c in cancels] == [{"requestId": call_id, "reason": "user"}]
 
 
+@pytest.mark.parametrize("accept", ["application/json, text/event-stream", "application/json"])
+async def test_a_call_whose_upstream_sent_no_headers_yet_ends_on_cancel_and_on_delete(
+    upstream: str, tmp_path: Path, serve: Serve, accept: str
+) -> None:
+    """An upstream that has not even sent its response headers (`slow_json`: 30 s of silence) and
+    ignores cancels: a cancelled call still ends CANCEL_GRACE_S (1 s) later with -32800, and a call
+    on a deleted session at once with -32603, for a client that takes SSE (before its reply switched
+    to SSE: `sse_keepalive` 10 s here) and for one that takes JSON only (it never switches). Both
+    waited for the call's whole `timeout` (30 s) before."""
+    proxy = await serve(relay_config(upstream, tmp_path, {"timeout": "30s"}, sse_keepalive="10s"))
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open()
+
+        async def call(rid: str) -> dict:
+            params = {"name": "slow_json", "arguments": {"ms": 30000}}
+            body = {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params}
+            async with http.post(proxy.url(), json=body, headers=client.headers(Accept=accept)) as resp:
+                return await reply_of(resp)
+
+        cancelled = asyncio.create_task(call("c"))
+        await asyncio.sleep(0.3)  # the upstream has the call
+        started = time.monotonic()
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "c"}}
+        assert await client.post(cancel) == 202
+        reply = await asyncio.wait_for(cancelled, 5)
+        waited = time.monotonic() - started
+        assert reply["id"] == "c" and reply["error"]["code"] == -32800, reply
+        assert "did not end the request within 1 s" in reply["error"]["message"] and 0.9 < waited < 3, waited
+        on_deleted = asyncio.create_task(call("d"))
+        await asyncio.sleep(0.3)
+        async with http.delete(proxy.url(), headers=client.headers()) as deleted:
+            assert deleted.status < 300
+        reply = await asyncio.wait_for(on_deleted, 2)
+        assert reply["id"] == "d" and reply["error"]["code"] == -32603, reply
+        assert "the session ended" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["http", "stdio"])
+async def test_an_initialize_without_an_id_is_refused_and_opens_no_session(
+    upstream: str, tmp_path: Path, serve: Serve, kind: str
+) -> None:
+    """`initialize` sent as a notification (no `id`): 400 with -32600 and no session. In front of an
+    HTTP upstream it was a 500 (a KeyError); in front of a stdio child, a response with a null id
+    and a new session."""
+    config = relay_config(upstream, tmp_path) if kind == "http" else stdio_config(tmp_path)
+    proxy = await serve(config)
+    params = {"protocolVersion": LEGACY, "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}
+    async with aiohttp.ClientSession() as http:
+        headers = Legacy(proxy.url(), http).headers()
+        body = {"jsonrpc": "2.0", "method": "initialize", "params": params}
+        async with http.post(proxy.url(), json=body, headers=headers) as resp:
+            reply = await resp.json()
+            assert resp.status == 400 and "Mcp-Session-Id" not in resp.headers, reply
+        assert reply["error"]["code"] == -32600 and "needs an `id`" in reply["error"]["message"]
+
+
 # -- item 2: one response per upstream id; broken sessions ----------------------------------------
 
 
