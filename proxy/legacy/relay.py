@@ -295,14 +295,8 @@ class HttpRelay:
         except _UPSTREAM_ERRORS as exc:
             if sent is not None and isinstance(exc, aiohttp.ClientConnectorError):
                 sent.unsent = True  # no connection: the request never left
-            timed_out = isinstance(exc, TimeoutError)
-            reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
-            message = (
-                str(exc)
-                if isinstance(exc, StaleConnectionError)
-                else f"upstream {self.name} unreachable: {reason}"
-            )
-            return _upstream_error(request_id, message, 504 if timed_out else 502)
+            message = self._failure_text(exc, bound, key)
+            return _upstream_error(request_id, message, 504 if isinstance(exc, TimeoutError) else 502)
         if request.method == "GET" and upstream.status == 405 and await self._status_only(session, sid):
             upstream.release()  # no GET stream upstream: the proxy's carries the v1 status alone
             stream = self.streams.open(session, "get")
@@ -378,6 +372,16 @@ class HttpRelay:
             return await self.streams.serve_json(stream, out_headers)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
 
+    def _failure_text(self, exc: BaseException, bound: float, key: str) -> str:
+        """What a client is told of an exchange that failed before the upstream's response headers:
+        `bound` (s) passed (the config `key` that sets it), a stale pooled connection, or no
+        connection at all (unreachable)."""
+        if isinstance(exc, StaleConnectionError):
+            return str(exc)
+        if isinstance(exc, TimeoutError):
+            return f"upstream {self.name} did not answer within {bound:g} s ({key})"
+        return f"upstream {self.name} unreachable: {error_text(exc, self.url)}"
+
     async def _unannounced(self, new_sid: str, session: LegacySession) -> None:
         """End session `new_sid`, just opened by an initialize whose reply failed on its way (an
         unreadable or foreign answer: the client gets an error without the session's id, so it could
@@ -419,14 +423,7 @@ class HttpRelay:
                 raise
             except _UPSTREAM_ERRORS as exc:
                 sent.unsent = isinstance(exc, aiohttp.ClientConnectorError)  # no connection: never left
-                timed_out = isinstance(exc, TimeoutError)
-                reason = f"no answer within {bound:g} s ({key})" if timed_out else error_text(exc, self.url)
-                message = (
-                    str(exc)
-                    if isinstance(exc, StaleConnectionError)
-                    else f"upstream {self.name} unreachable: {reason}"
-                )
-                error = {"code": INTERNAL_ERROR, "message": message}
+                error = {"code": INTERNAL_ERROR, "message": self._failure_text(exc, bound, key)}
                 stream.append_message(jsonrpc.error_response(request_id, error))
                 stream.close()
                 session.answered(request_id, sent)  # (answered, with the error)

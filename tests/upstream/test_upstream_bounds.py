@@ -199,6 +199,29 @@ async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
         await client.close()
 
 
+async def test_a_legacy_call_whose_upstream_is_silent_is_told_it_did_not_answer(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    """A legacy call whose upstream sends nothing, not even its headers, within the call's `timeout`
+    (400 ms) gets -32603 saying the upstream did not answer within it (it said "unreachable": the
+    upstream had been reached)."""
+    proxy = await serve(hostile_config(hostile, tmp_path, "ok", timeout="400ms", request_timeout="5s"))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
+            session = {"Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 5}},
+        }
+        async with http.post(
+            proxy.url(), json=call, headers={**LEGACY_HEADERS, "Accept": "application/json", **session}
+        ) as resp:
+            error = (await resp.json())["error"]
+    assert error == {"code": -32603, "message": "upstream ok did not answer within 0.4 s (timeout)"}, error
+
+
 async def test_a_legacy_stream_that_stalls_midway_is_cut_at_the_calls_hard_timeout(
     hostile: str, tmp_path: Path, serve: Serve
 ) -> None:
