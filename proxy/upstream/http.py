@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 from collections.abc import Callable
 
@@ -134,8 +135,9 @@ class UpstreamSession:
         self.initialize_result = result
         await self.notify("notifications/initialized")
         if self.session_id:
+            # (a context of its own: it outlives the request that opened the session, see stdio.py)
             self._listener = asyncio.get_running_loop().create_task(
-                self._listen(), name=f"upstream GET stream {self.server}"
+                self._listen(), name=f"upstream GET stream {self.server}", context=contextvars.Context()
             )
         return result
 

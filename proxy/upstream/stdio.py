@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import ctypes
 import itertools
 import os
@@ -145,7 +146,12 @@ class StdioSession:
             ) from exc
         self.started_at = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._readers = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+        # In a context of their own: they outlive the request that happened to start the child, whose
+        # log fields (request id, method, ...) and console entry their lines must not carry.
+        self._readers = [
+            loop.create_task(self._read_stdout(), context=contextvars.Context()),
+            loop.create_task(self._read_stderr(), context=contextvars.Context()),
+        ]
         params = {
             "protocolVersion": UPSTREAM_VERSION,
             "capabilities": self.capabilities,

@@ -131,7 +131,8 @@ async def test_garbage_on_stdout_is_skipped_and_stderr_is_logged_with_the_server
     tmp_path: Path, capsys, serve: Serve
 ) -> None:
     proxy = await serve(stdio_config(tmp_path, server={"env": {"FIXTURE_STDOUT_GARBAGE": "1"}}))
-    client = ModernClient(proxy.url())
+    # capabilities no child was started for yet: this client's first call starts its child
+    client = ModernClient(proxy.url(), capabilities={"elicitation": {}})
     try:
         assert (await client.call("log_stderr", {"text": "hello from the child"})).result["content"][0][
             "text"
@@ -147,6 +148,9 @@ async def test_garbage_on_stdout_is_skipped_and_stderr_is_logged_with_the_server
     logs = out.out + out.err
     assert "upstream_stdout_not_jsonrpc" in logs and "this line is not JSON-RPC" in logs
     assert "upstream_stderr" in logs and "hello from the child" in logs and "fx" in logs
+    # the child's lines are its own, not those of the request that happened to start it
+    (stderr_line,) = [line for line in logs.splitlines() if "hello from the child" in line]
+    assert "request_id" not in stderr_line and "rpc_method" not in stderr_line, stderr_line
 
 
 async def test_five_megabyte_result(tmp_path: Path, serve: Serve) -> None:
