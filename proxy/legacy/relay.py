@@ -476,7 +476,9 @@ class HttpRelay:
         rewrite: Rewrite | None,
     ) -> web.Response:
         """A plain (non-SSE) reply, read whole (it is bounded): what goes out is always JSON-RPC,
-        under the client's id."""
+        under the client's id. `rewrite` sees the answer whoever wrote it (the upstream, or the
+        proxy for a reply that was not JSON-RPC, such as an HTML error page), so that a keyed
+        call's key keeps the error its client got; not for a request the upstream never ran (404)."""
         try:
             data = await read_body(upstream, self.bounds.max_response_bytes, self.name)
         except UpstreamError as exc:
@@ -484,17 +486,15 @@ class HttpRelay:
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
+            answer = message
             if sent is not None and same_id(message.get("id"), sent.upstream_id):
-                message = {**message, "id": request_id}
-                if rewrite is not None:
-                    message = await rewrite(message)
-                data = jsonrpc.dumps(message)
+                answer = {**message, "id": request_id}
             elif "error" in message and upstream.status >= 400 and message.get("id") != request_id:
                 # An HTTP refusal whose error carries a null or made-up id ("server-error", the SDK's
                 # "Missing session ID"): it answers this request, so the client gets it under its id
                 # and with the upstream's status, not a 200 it cannot match.
                 log.info("legacy_upstream_refused", server=self.name, status=upstream.status)
-                data = jsonrpc.dumps({**message, "id": request_id})
+                answer = {**message, "id": request_id}
             elif message.get("id") is not None and message.get("id") != request_id:
                 log.warning(
                     "legacy_foreign_response_dropped",
@@ -503,6 +503,10 @@ class HttpRelay:
                 )
                 message_text = f"upstream {self.name} answered with a response for another request id"
                 return _upstream_error(request_id, message_text, 502)
+            if rewrite is not None and sent is not None and not sent.unsent:
+                answer = await rewrite(answer)
+            if answer is not message:
+                data = jsonrpc.dumps(answer)
         if (
             data
             and status != upstream.status

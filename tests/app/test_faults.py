@@ -107,6 +107,28 @@ async def test_a_broken_reply_to_a_legacy_call_is_the_upstreams_fault(
         await client.close()
 
 
+async def test_a_keyed_legacy_call_keeps_the_error_the_proxy_wrote_for_a_broken_reply(
+    bad_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """An upstream that answers a keyed legacy call with a page that is not JSON-RPC (HTTP 503, plain
+    text): the retry with the key gets the error the first request got (it got "ended without an
+    answer the proxy could keep", although the first request's answer was known)."""
+    proxy = await serve(fault_config(bad_url, tmp_path, required=False))
+    client = V1Client(proxy.url(), capabilities={})
+    try:
+        await client.initialize()
+        call = {
+            "name": "refuse",
+            "arguments": {},
+            "_meta": {"mcp-tasks-proxy/idempotencyKey": "refused-once"},
+        }
+        first = (await client.request("tools/call", call))[1]["error"]
+        assert first["code"] == -32603 and "HTTP 503: upstream overloaded" in first["message"], first
+        assert (await client.request("tools/call", call))[1]["error"] == first
+    finally:
+        await client.close()
+
+
 async def test_unreachable_upstream_fails_a_required_task_naming_the_cause(
     tmp_path: Path, serve: Serve
 ) -> None:

@@ -166,8 +166,8 @@ async def test_a_key_holds_across_a_restart_that_came_while_its_call_ran(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
     """A restart while the keyed call runs: the stopping proxy cancels the call and records its
-    task as failed by the shutdown; the retry on the restarted proxy gets that outcome (the call
-    ended: the stored outcome, saying the shutdown stopped it), never a second run."""
+    task as failed by the shutdown; the retry on the restarted proxy gets that outcome, the task's
+    own error (the call ended: the stored outcome, saying the shutdown stopped it), never a second run."""
     label, key = fresh("restart-running"), fresh("key")
     arguments = {"seconds": 30, "label": label}
     first = await serve(make_config(legacy_url, tmp_path))
@@ -180,8 +180,9 @@ async def test_a_key_holds_across_a_restart_that_came_while_its_call_ran(
         second = await serve(make_config(legacy_url, tmp_path))
         client.url = second.url()
         retried = await client.call("slow_compute", arguments, headers={KEY: key})
-        assert "shutdown" in retried.error["message"], retried.message
-        assert (await client.get(created["taskId"])).result["status"] == "failed"
+        task = (await client.get(created["taskId"])).result
+        assert task["status"] == "failed" and retried.error == task["error"], retried.message
+        assert "shut down while this call was running" in retried.error["message"]
         assert await starts(client, label) == 1
     finally:
         await client.close()
