@@ -316,6 +316,13 @@ class HttpRelay:
                 f"configure mcpServers.{self.name}.oauth or headers"
             )
             return _upstream_error(request_id, message, 502)
+        if method == "initialize" and upstream.status in (404, 405):  # no session to be gone: a wrong URL
+            upstream.release()
+            message = (
+                f"upstream {self.name} answered initialize with HTTP {upstream.status}: no MCP endpoint "
+                f"there; check mcpServers.{self.name}.url"
+            )
+            return _upstream_error(request_id, message, 502)
         limit = self.bounds.max_response_bytes
         is_sse = (
             upstream.headers.get("Content-Type", "").startswith("text/event-stream") and upstream.status < 300

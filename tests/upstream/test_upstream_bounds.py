@@ -14,11 +14,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from support.clients import LEGACY_HEADERS as RAW_LEGACY_HEADERS
 from support.clients import LEGACY_INITIALIZE as INIT
 from support.clients import ModernClient
 from support.proxy import Serve
-from support.servers import ROOT, ServerProcess
+from support.servers import ROOT, ServerProcess, served_app
 
 from proxy.config import config_from_data
 
@@ -197,6 +198,29 @@ async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
         assert (await client.call("slow", {"seconds": 0.05})).result["content"][0]["text"] == "ok"
     finally:
         await client.close()
+
+
+async def test_a_legacy_initialize_answered_404_names_the_url_not_a_lost_session(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """An upstream URL where no MCP endpoint answers (HTTP 404 to `initialize`): the client gets
+    -32603 naming the upstream's status and the config key to check, with no session. It got the
+    404 itself, which a legacy client reads as "session gone" although it had none yet."""
+    async with served_app(web.Application()) as port:  # no routes: 404 for every path
+        config = config_from_data(
+            {
+                "store": {"path": str(tmp_path / "store"), "durable": False},
+                "mcpServers": {"nowhere": {"url": f"http://127.0.0.1:{port}/mcp", "init_timeout": "1s"}},
+            }
+        )
+        proxy = await serve(config)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
+                reply = await resp.json()
+                assert resp.status == 200 and "Mcp-Session-Id" not in resp.headers, reply
+    assert reply["id"] == INIT["id"] and reply["error"]["code"] == -32603, reply
+    assert "answered initialize with HTTP 404" in reply["error"]["message"]
+    assert "check mcpServers.nowhere.url" in reply["error"]["message"]
 
 
 async def test_a_legacy_call_whose_upstream_is_silent_is_told_it_did_not_answer(
