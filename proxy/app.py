@@ -96,7 +96,7 @@ def build_app(config: Config) -> web.Application:
     middlewares = [
         access_log(drain, running),
         json_errors(),
-        host_guard(allowed),
+        host_guard(allowed, console_prefix="/console" if config.console is not None else None),
         auth_middleware(
             authenticator,
             resource,

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import HttpVersion11, web
 
+from proxy.console.access import error as console_error
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INVALID_REQUEST, JsonRpcError
 
@@ -29,11 +30,19 @@ def _host_name(value: str) -> str | None:
     return host.lower()
 
 
-def host_guard(allowed: set[str] | None):
-    """Middleware factory: reject a `Host` or `Origin` outside `allowed` with 403 (DNS-rebinding guard).
+def host_guard(allowed: set[str] | None, console_prefix: str | None = None):
+    """Middleware factory: reject a `Host` or `Origin` outside `allowed` with 403 (DNS-rebinding guard),
+    a value that is no host with 400: a JSON-RPC error, or under `console_prefix` the console's own
+    error shape (`{"error": {"status", "message"}}`).
 
     `allowed` None accepts any host.
     """
+
+    def refusal(request: web.Request, message: str, status: int) -> web.Response:
+        path = request.path
+        if console_prefix is not None and (path == console_prefix or path.startswith(console_prefix + "/")):
+            return console_error(status, message)
+        return _json_error(JsonRpcError(INVALID_REQUEST, message), status=status)
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -44,13 +53,9 @@ def host_guard(allowed: set[str] | None):
                     continue
                 host = _host_name(value)
                 if host is None:
-                    return _json_error(
-                        JsonRpcError(INVALID_REQUEST, f"{header} {value[:200]!r} is not a valid host"),
-                        status=400,
-                    )
+                    return refusal(request, f"{header} {value[:200]!r} is not a valid host", 400)
                 if host not in allowed:  # `Origin: null` (sandboxed pages) too
-                    err = JsonRpcError(INVALID_REQUEST, f"{header} {value[:200]!r} is not allowed here")
-                    return _json_error(err, status=403)
+                    return refusal(request, f"{header} {value[:200]!r} is not allowed here", 403)
         return await handler(request)
 
     return middleware

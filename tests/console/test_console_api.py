@@ -129,6 +129,16 @@ async def test_sign_in_sets_a_strict_httponly_cookie_and_mutations_need_the_csrf
         http, base + "/login", data={"token": "x"}, headers={"Origin": "http://127.0.0.1:1"}
     )
     assert status == 403 and "cross-origin" in body["error"]["message"]
+    # An origin the proxy never answers (DNS rebinding): refused before the console, in its shape
+    # (it was a JSON-RPC error with `code`, which the page cannot read), and on an MCP path not.
+    status, body = await post_json(
+        http, base + "/login", data={"token": "x"}, headers={"Origin": "http://evil.example"}
+    )
+    assert (
+        status == 403 and body["error"]["status"] == 403 and "is not allowed here" in body["error"]["message"]
+    )
+    async with http.post(console.base + "/mcp", json={}, headers={"Origin": "http://evil.example"}) as resp:
+        assert resp.status == 403 and (await resp.json())["error"]["code"] == -32600
     async with http.post(base + "/login", data={"token": CONSOLE_TOKEN}) as resp:
         assert resp.status == 200
         signed_in = await resp.json()
