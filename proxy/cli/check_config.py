@@ -40,7 +40,7 @@ def run(argv: list[str]) -> int:
         return 2
     try:
         print(describe(config, args.file))
-        for warning in auth_warnings(config):
+        for warning in auth_warnings(config) + policy_warnings(config):
             print(f"warning: {warning}")
         sys.stdout.flush()
     except BrokenPipeError:  # (`check-config FILE | head`): the reader took what it wanted
@@ -92,6 +92,24 @@ def auth_warnings(config: Config) -> list[str]:
         if problem is not None:
             warnings.append(
                 f"the issuer's metadata cannot be fetched now ({problem}); tokens fail until it can"
+            )
+    return warnings
+
+
+def policy_warnings(config: Config) -> list[str]:
+    """Task settings that can never take effect: an optional tool's `detach_after` not below the hard
+    `timeout` of its server (s), so that its calls end, answered or timed out, before they could
+    become tasks."""
+    warnings = []
+    for name, entry in config.servers.items():
+        for tool in (None, *entry.tasks.tools):
+            policy = config.policy(name, tool or "")
+            if policy.mode is not ToolMode.OPTIONAL or policy.detach_after < policy.timeout:
+                continue  # (a required tool is a task at once, a forbidden one never)
+            where = f"mcpServers.{name}" + (f" tool {tool}" if tool else "")
+            warnings.append(
+                f"{where}: detach_after ({policy.detach_after:g}s) is not below timeout "
+                f"({policy.timeout:g}s): its calls end before they could become tasks"
             )
     return warnings
 
@@ -165,8 +183,14 @@ def describe(config: Config, source: str) -> str:
         lines.append(f"auth: {auth.mode}")
     lines.append(tracing.describe(config.tracing))
     d = config.tasks
+    max_ttl = config.limits.max_ttl
+    ttl = (
+        f"{d.ttl:g}s"
+        if max_ttl is None or d.ttl <= max_ttl
+        else f"{max_ttl:g}s (limits.max_ttl; {d.ttl:g}s given)"
+    )
     lines.append(
-        f"defaults: detach_after {d.detach_after:g}s, ttl {d.ttl:g}s, poll_interval {d.poll_interval:g}s, "
+        f"defaults: detach_after {d.detach_after:g}s, ttl {ttl}, poll_interval {d.poll_interval:g}s, "
         f"progress_interval {d.progress_interval:g}s, input_timeout {d.input_timeout:g}s, "
         f"idempotency_window {d.idempotency_window:g}s"
     )

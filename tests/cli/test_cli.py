@@ -399,6 +399,25 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
 
 
+def test_check_config_shows_the_capped_ttl_and_warns_of_a_detach_that_cannot_happen(tmp_path):
+    """`limits.max_ttl` caps the defaults' ttl on the line that shows it (it showed the ttl given),
+    and an optional tool whose `detach_after` is not below its server's `timeout` is named: its
+    calls can never become tasks. A required tool (a task at once) is not."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "limits: {max_ttl: 2m}\ntasks: {detach_after: 1h}\nmcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
+        "    timeout: 10s\n    tasks: {tools: {quick: {detach_after: 1s}, sure: {mode: required}}}\n"
+    )
+    out = run_cli("check-config", str(config))
+    assert out.returncode == 0, out.stderr
+    assert "ttl 120s (limits.max_ttl; 3600s given)" in out.stdout
+    warnings = [line for line in out.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: mcpServers.a: detach_after (3600s) is not below timeout (10s): its calls end before they "
+        "could become tasks"
+    ], out.stdout
+
+
 def test_check_config_refuses_a_stdio_command_not_on_the_path(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(
