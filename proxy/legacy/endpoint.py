@@ -20,7 +20,7 @@ from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply, error_reply_for
 from proxy.legacy.v1 import V1Front, legacy_status
 from proxy.protocol import jsonrpc
-from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, legacy_method_refusal
+from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, LEGACY_VERSIONS, legacy_method_refusal
 from proxy.protocol.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -166,6 +166,9 @@ class LegacyEndpoint:
                 _validate(body)
             except JsonRpcError as exc:
                 return error_reply_for(request_id, exc)
+        opening = request.method == "POST" and body.get("method") == "initialize"
+        if not opening and (problem := _header_problem(request)) is not None:
+            return error_reply(request_id, INVALID_REQUEST, problem, status=400)
         sid = (request.headers.get("Mcp-Session-Id") or "").strip()
         found = self.sessions.get(sid, principal) if sid else None
         if sid and found is None:
@@ -378,6 +381,24 @@ class LegacyEndpoint:
         if stream.kind == "get" and (stream.pump is None or stream.pump.done()):
             await self.upstream.reopen_get(request, session, stream, sid)
         return await self.streams.serve(request, session, stream, start - 1, notice=notice)
+
+
+def _header_problem(request: web.Request) -> str | None:
+    """What is wrong with a legacy request's `MCP-Protocol-Version` or `Mcp-Session-Id` header, or
+    None: a version that is no legacy revision (2025-11-25 transports: an unsupported version is a
+    400), or either header twice (which one counts would depend on who reads it). `initialize`
+    negotiates its version in its body and is not checked here."""
+    versions = request.headers.getall("MCP-Protocol-Version", [])
+    if len(versions) > 1:
+        return f"{len(versions)} MCP-Protocol-Version headers: send one"
+    if versions and versions[0].strip() not in LEGACY_VERSIONS:
+        return (
+            f"unsupported MCP-Protocol-Version {versions[0][:40]!r} on a legacy session; served: "
+            + ", ".join(LEGACY_VERSIONS)
+        )
+    if len(sessions := request.headers.getall("Mcp-Session-Id", [])) > 1:
+        return f"{len(sessions)} Mcp-Session-Id headers: send one"
+    return None
 
 
 def _validate(body: Any) -> None:

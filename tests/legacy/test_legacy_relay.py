@@ -18,6 +18,7 @@ from unittest.mock import ANY
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 from support.clients import ModernClient
 from support.proxy import Serve, make_config, stdio_config
 from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, python_venv
@@ -485,6 +486,41 @@ async def test_an_initialize_without_an_id_is_refused_and_opens_no_session(
             reply = await resp.json()
             assert resp.status == 400 and "Mcp-Session-Id" not in resp.headers, reply
         assert reply["error"]["code"] == -32600 and "needs an `id`" in reply["error"]["message"]
+
+
+async def test_an_unsupported_protocol_version_or_a_repeated_header_is_a_400(
+    upstream: str, proxy_url: str
+) -> None:
+    """On a legacy session, an `MCP-Protocol-Version` that is no legacy revision is a 400 (2025-11-25
+    transports), and so are two `MCP-Protocol-Version` or two `Mcp-Session-Id` headers; they were
+    relayed (the first of two counted). The session goes on."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        body = {
+            "jsonrpc": "2.0",
+            "id": 7,
+            "method": "tools/call",
+            "params": {"name": "echo", "arguments": {}},
+        }
+        doubled = CIMultiDict(client.headers())
+        doubled.add("Mcp-Session-Id", "another")
+        twice = CIMultiDict(client.headers())
+        twice.add("MCP-Protocol-Version", "2025-06-18")
+        for headers, expected in (
+            (client.headers(**{"MCP-Protocol-Version": "abc"}), "unsupported MCP-Protocol-Version 'abc'"),
+            (client.headers(**{"MCP-Protocol-Version": "2026-07-28"}), "unsupported MCP-Protocol-Version"),
+            (doubled, "2 Mcp-Session-Id headers"),
+            (twice, "2 MCP-Protocol-Version headers"),
+        ):
+            async with http.post(proxy_url, json=body, headers=headers) as resp:
+                reply = await resp.json()
+            assert resp.status == 400 and reply["id"] == 7 and reply["error"]["code"] == -32600, reply
+            assert expected in reply["error"]["message"], reply
+        get = client.headers(**{"MCP-Protocol-Version": "abc", "Accept": "text/event-stream"})
+        async with http.get(proxy_url, headers=get) as resp:
+            assert resp.status == 400
+        async with client.call(8, "echo") as resp:
+            assert (await reply_of(resp))["id"] == 8
 
 
 # -- item 2: one response per upstream id; broken sessions ----------------------------------------
