@@ -7,6 +7,7 @@ mapping through the session machine (`session.py`), cancels, resumption, then th
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,7 +21,13 @@ from proxy.legacy.streams import StreamServer
 from proxy.legacy.types import LegacyUpstream, Rewrite, error_reply, error_reply_for
 from proxy.legacy.v1 import V1Front, legacy_status
 from proxy.protocol import jsonrpc
-from proxy.protocol.era import LEGACY_METHODS, LEGACY_TASK_METHODS, LEGACY_VERSIONS, legacy_method_refusal
+from proxy.protocol.era import (
+    LEGACY_METHODS,
+    LEGACY_TASK_METHODS,
+    LEGACY_VERSIONS,
+    MODERN_VERSIONS,
+    legacy_method_refusal,
+)
 from proxy.protocol.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -383,18 +390,24 @@ class LegacyEndpoint:
         return await self.streams.serve(request, session, stream, start - 1, notice=notice)
 
 
+_REVISION = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")  # an MCP revision's name: its date
+
+
 def _header_problem(request: web.Request) -> str | None:
     """What is wrong with a legacy request's `MCP-Protocol-Version` or `Mcp-Session-Id` header, or
-    None: a version that is no legacy revision (2025-11-25 transports: an unsupported version is a
-    400), or either header twice (which one counts would depend on who reads it). `initialize`
-    negotiates its version in its body and is not checked here."""
+    None: a version that is no revision at all, or a 2026-07-28 one on a legacy session
+    (2025-11-25 transports: an unsupported version is a 400), or either header twice (which one
+    counts would depend on who reads it). Any other revision passes: the HTTP upstream negotiated
+    the session's and judges it. `initialize` negotiates its version in its body and is not checked
+    here."""
     versions = request.headers.getall("MCP-Protocol-Version", [])
     if len(versions) > 1:
         return f"{len(versions)} MCP-Protocol-Version headers: send one"
-    if versions and versions[0].strip() not in LEGACY_VERSIONS:
+    version = versions[0].strip() if versions else None
+    if version is not None and (not _REVISION.fullmatch(version) or version in MODERN_VERSIONS):
         return (
-            f"unsupported MCP-Protocol-Version {versions[0][:40]!r} on a legacy session; served: "
-            + ", ".join(LEGACY_VERSIONS)
+            f"unsupported MCP-Protocol-Version {versions[0][:40]!r} on a legacy session; legacy revisions "
+            "are dates such as " + ", ".join(LEGACY_VERSIONS)
         )
     if len(sessions := request.headers.getall("Mcp-Session-Id", [])) > 1:
         return f"{len(sessions)} Mcp-Session-Id headers: send one"

@@ -286,6 +286,8 @@ class HttpRelay:
                 return await self._late_post(request, session, sid, headers, late, request_id, sent, rewrite)
         try:
             upstream = await opening
+            if sent is not None:
+                sent.opening = None  # (its headers came: a stream, or a plain reply, carries it on)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if sent is None or sent.ended is None or (task is not None and task.cancelling()):
@@ -316,7 +318,7 @@ class HttpRelay:
                 f"configure mcpServers.{self.name}.oauth or headers"
             )
             return _upstream_error(request_id, message, 502)
-        if method == "initialize" and upstream.status in (404, 405):  # no session to be gone: a wrong URL
+        if method == "initialize" and not sid and upstream.status in (404, 405):  # no session: a wrong URL
             upstream.release()
             message = (
                 f"upstream {self.name} answered initialize with HTTP {upstream.status}: no MCP endpoint "

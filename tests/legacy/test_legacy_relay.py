@@ -469,6 +469,29 @@ async def test_a_call_whose_upstream_sent_no_headers_yet_ends_on_cancel_and_on_d
         assert "the session ended" in reply["error"]["message"]
 
 
+async def test_an_initialize_on_a_session_the_upstream_expired_gets_its_404(
+    upstream: str, proxy_url: str
+) -> None:
+    """A client that initializes again on its session after the upstream forgot it gets the
+    upstream's 404 (session gone: initialize without the header), and the proxy session ends; not
+    the "check the URL" error an initialize without a session gets for a 404."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        upstream_sid = (await upstream_sessions(upstream))[-1]
+        async with http.delete(upstream, headers={"Mcp-Session-Id": upstream_sid}) as resp:
+            assert resp.status == 200
+        params = {
+            "protocolVersion": LEGACY,
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        }
+        again = {"jsonrpc": "2.0", "id": "again", "method": "initialize", "params": params}
+        async with http.post(proxy_url, json=again, headers=client.headers()) as resp:
+            assert resp.status == 404, await resp.text()
+        async with client.call(3, "echo") as resp:
+            assert resp.status == 404  # the proxy session ended with the upstream's
+
+
 @pytest.mark.parametrize("kind", ["http", "stdio"])
 async def test_an_initialize_without_an_id_is_refused_and_opens_no_session(
     upstream: str, tmp_path: Path, serve: Serve, kind: str
