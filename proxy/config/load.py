@@ -22,6 +22,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     a merge (`<<: *anchor`) brings in may still be overridden, as YAML intends."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, yaml.MappingNode):  # (`!!map [a, b]`): PyYAML's own error names it
+            return super().construct_mapping(node, deep=deep)
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":

@@ -224,6 +224,9 @@ def _alias_bomb() -> str:
         ("bomb.yaml", _alias_bomb().encode(), "holds more than 1000000 values"),
         ("long.yaml", b"a: " + b"7" * 5000 + b"\n", "not valid YAML: Exceeds the limit"),
         ("long.json", b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON: Exceeds the limit"),
+        # a mapping tag on what is no mapping (a TypeError of the duplicate-key check at first)
+        ("tagged.yaml", b"x: !!map [a, b]\n", "expected a mapping node, but found sequence"),
+        ("set.yaml", b"x: !!set abc\n", "expected a mapping node, but found scalar"),
     ],
 )
 def test_hostile_files_are_refused_with_a_config_error(
