@@ -15,6 +15,7 @@ import time
 import aiohttp
 import structlog
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import JsonObject
@@ -159,12 +160,13 @@ class Forwarder:
         `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
         away closes the hop.
         """
-        # The body was already decoded by this replica: it goes on without its Content-Encoding.
-        headers = {
-            k: v
+        # The body was already decoded by this replica: it goes on without its Content-Encoding. A
+        # header the client repeated goes on repeated, so the peer judges what the client sent.
+        headers = CIMultiDict(
+            (k, v)
             for k, v in request.headers.items()
             if k.lower() not in _HOP_BY_HOP and k.lower() != "content-encoding"
-        }
+        )
         if tracing.enabled():  # the hop carries this replica's span (the instrumentation writes it)
             tracing.without_context(headers)
         headers[SECRET_HEADER] = self.secret

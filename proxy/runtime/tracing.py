@@ -302,8 +302,8 @@ def with_meta(params: Any) -> Any:
 def without_context(headers: MutableMapping[str, str]) -> None:
     """Drop the trace headers from `headers` (copied from a client) before the instrumentation
     writes the proxy's own."""
-    for key in [name for name in headers if name.lower() in META_KEYS]:
-        del headers[key]
+    for key in {name for name in headers if name.lower() in META_KEYS}:  # (a multidict repeats names)
+        headers.pop(key, None)
 
 
 def traceparent(span: Span | None = None) -> str | None:

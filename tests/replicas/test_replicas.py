@@ -26,6 +26,7 @@ import pytest
 from fastmcp import Client
 from mcp.client.session import ClientRequestContext, ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from multidict import CIMultiDict
 from support.clients import LEGACY_HEADERS, LEGACY_INITIALIZE, ModernClient, Reply, envelope
 from support.servers import ROOT
 from support.v1_client import V1Client
@@ -292,6 +293,26 @@ async def test_legacy_sessions_work_through_any_replica(cluster: Cluster, path: 
         "deleted legacy.txt",
         "computed legacy-lb after 0.3s",
     ]
+
+
+async def test_a_repeated_session_header_is_refused_by_the_owner_through_another_replica(
+    cluster: Cluster,
+) -> None:
+    """Two `Mcp-Session-Id` headers reach the session's owner as the client sent them, through the
+    replica that relays them, and get its 400. The relay kept only the last one, so the owner
+    looked up the other id (404), while the relaying replica had routed by the first."""
+    owner, relaying = (url + WEB for url in cluster.replica_urls[:2])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(owner, json=LEGACY_INITIALIZE, headers=LEGACY_HEADERS) as resp:
+            sid = resp.headers["Mcp-Session-Id"]
+        headers = CIMultiDict({**LEGACY_HEADERS, "MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": sid})
+        headers.add("Mcp-Session-Id", "another-session")
+        body = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        async with http.post(relaying, json=body, headers=headers) as resp:
+            reply = await resp.json()
+        assert resp.status == 400 and "2 Mcp-Session-Id headers" in reply["error"]["message"], reply
+        async with http.delete(owner, headers={"Mcp-Session-Id": sid}):
+            pass
 
 
 @pytest.mark.parametrize("path", [WEB, LOCAL], ids=["http-upstream", "stdio-upstream"])
