@@ -423,7 +423,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
     config = request.app[CONFIG_KEY]
     expected = config.metrics.token
     if expected is not None:
-        header = request.headers.get("Authorization")
+        headers = request.headers.getall("Authorization", [])
+        header = headers[0] if len(headers) == 1 else None  # two: which counts is never guessed (401)
         throttle = request.app[THROTTLE_KEY]
         address = config.listen.client_address(request.remote, request.headers.getall("X-Forwarded-For", []))
         if header is not None and (wait_s := await throttle.admit(header, address, path=request.path)):

@@ -211,6 +211,8 @@ class ConsoleAccess:
         async def guard(request: web.Request, handler):
             if request.path in PUBLIC_PATHS or request.path.startswith(STATIC_PREFIX):
                 return await handler(request)
+            if len(request.headers.getall("Authorization", [])) > 1:  # which counts: never guessed
+                return error(401, "authentication required: send one Authorization header")
             header = request.headers.get("Authorization")
             if header is not None:
                 refused = await self._throttled(request, header)

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +22,7 @@ import pytest
 import structlog
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from multidict import CIMultiDict
 from support.clients import ModernClient
 from support.proxy import Serve, make_config
 from support.servers import ROOT
@@ -39,7 +41,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-async def scrape(base: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+async def scrape(base: str, headers: Mapping[str, str] | None = None) -> tuple[int, str]:
     async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics", headers=headers or {}) as resp:
         return resp.status, await resp.text()
 
@@ -140,6 +142,8 @@ async def test_metrics_token(legacy_url: str, tmp_path: Path, serve: Serve) -> N
     assert (await scrape(proxy.base, {"Authorization": "Bearer wrong"}))[0] == 401
     status, body = await scrape(proxy.base, {"Authorization": "Bearer scraper-secret"})
     assert status == 200 and "mcp_tasks_proxy_calls_total" in body
+    for pair in (("Bearer scraper-secret", "Bearer wrong"), ("Bearer wrong", "Bearer scraper-secret")):
+        assert (await scrape(proxy.base, CIMultiDict([("Authorization", value) for value in pair])))[0] == 401
 
 
 def _write_config(tmp_path: Path, url: str, **listen: object) -> Path:

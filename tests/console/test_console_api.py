@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from support.clients import LEGACY_HEADERS, LEGACY_INITIALIZE, ModernClient
 from support.console import CLIENT_TOKEN, CONSOLE_TOKEN, client_for, console_config, seed
 from support.proxy import RunningProxy, Serve, make_config
@@ -48,7 +49,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def get_json(http: aiohttp.ClientSession, url: str, headers: dict | None = None) -> tuple[int, Any]:
+async def get_json(http: aiohttp.ClientSession, url: str, headers: Any = None) -> tuple[int, Any]:
     async with http.get(url, headers=headers) as resp:
         assert resp.content_type == "application/json", (resp.status, await resp.text())
         return resp.status, await resp.json()
@@ -88,6 +89,10 @@ async def test_access_needs_a_console_token_or_a_signed_in_cookie(
     assert status == 401 and "not a console token" in body["error"]["message"]
     status, body = await get_json(http, api, BEARER)
     assert status == 200 and body == {"tasks": [], "nextCursor": None}
+    # two Authorization headers, whichever is the console's: refused (the first one counted)
+    for pair in ((BEARER["Authorization"], "Bearer guess"), ("Bearer guess", BEARER["Authorization"])):
+        status, body = await get_json(http, api, CIMultiDict([("Authorization", value) for value in pair]))
+        assert status == 401 and "send one Authorization header" in body["error"]["message"]
     # A console token is never a client principal; the client token still works there.
     mcp = ModernClient(console.url("legacy"))
     try:
