@@ -332,7 +332,7 @@ class HttpRelay:
         if not is_sse and (upstream.content_length or 0) > limit:  # refused before a byte is relayed
             upstream.release()
             message = f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)"
-            return _upstream_error(request_id, message, 502)
+            return await self._unrelayable(request_id, message, sent, rewrite)
         out_headers = {n: upstream.headers[n] for n in FORWARD_RESPONSE_HEADERS if n in upstream.headers}
         new_upstream_sid = upstream.headers.get("Mcp-Session-Id")
         opened: tuple[str, LegacySession] | None = None  # a session this initialize opened
@@ -380,6 +380,16 @@ class HttpRelay:
         if stream.json_only:
             return await self.streams.serve_json(stream, out_headers)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
+
+    async def _unrelayable(
+        self, request_id: RequestId | None, message: str, sent: Outbound | None, rewrite: Rewrite | None
+    ) -> web.Response:
+        """The proxy's -32603 `message` for a reply the upstream sent but the proxy cannot relay (too
+        large): `rewrite` sees it as the answer, so a keyed call's key keeps what its client got (the
+        call ran), not "ended without an answer"."""
+        if rewrite is not None and sent is not None and request_id is not None:
+            await rewrite(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": message}))
+        return _upstream_error(request_id, message, 502)
 
     def _failure_text(self, exc: BaseException, bound: float, key: str) -> str:
         """What a client is told of an exchange that failed before the upstream's response headers:
@@ -491,7 +501,7 @@ class HttpRelay:
         try:
             data = await read_body(upstream, self.bounds.max_response_bytes, self.name)
         except UpstreamError as exc:
-            return _upstream_error(request_id, str(exc), 502)
+            return await self._unrelayable(request_id, str(exc), sent, rewrite)
         status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):

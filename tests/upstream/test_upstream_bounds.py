@@ -173,6 +173,18 @@ async def test_oversized_upstream_replies_are_errors_in_both_eras(
                         "broke its stream" in answer[0]["error"]["message"]
                         and "larger than" in answer[0]["error"]["message"]
                     )
+            if tool == "big":  # a keyed call keeps that error: its retry gets it again (the call ran)
+                keyed = {
+                    **call,
+                    "params": {**call["params"], "_meta": {"mcp-tasks-proxy/idempotencyKey": "big"}},
+                }
+                answers = []
+                for _ in range(2):
+                    async with http.post(
+                        proxy.url(), json=keyed, headers={**LEGACY_HEADERS, **session}
+                    ) as resp:
+                        answers.append((await resp.json())["error"])
+                assert answers[0] == answers[1] and "max_response_bytes" in answers[0]["message"], answers
         assert (await client.call("ok")).result["content"][0]["text"] == "ok"  # still serving
     finally:
         await client.close()
