@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,7 +123,8 @@ class StdioPool:
             )
         if slot.quick_exits < self.max_restarts and not self._closing:
             # Restart it now (after the backoff `session()` applies), so the next request finds it running.
-            task = asyncio.get_running_loop().create_task(self._restart(slot))
+            # (a context of its own, as the child's readers: no request's log fields)
+            task = asyncio.get_running_loop().create_task(self._restart(slot), context=contextvars.Context())
             self._restarts.add(task)
             task.add_done_callback(self._restarts.discard)
 
@@ -266,12 +268,12 @@ class StdioPool:
             per_principal=self.per_principal,
         )
         slot.sessions.append(session)
-        watcher = asyncio.get_running_loop().create_task(session.exited.wait())
+        watcher = asyncio.get_running_loop().create_task(session.exited.wait(), context=contextvars.Context())
 
         def exited(_task: asyncio.Task[Any], child: StdioSession = session) -> None:
             self._note_exit(slot, child)
 
-        watcher.add_done_callback(exited)
+        watcher.add_done_callback(exited, context=contextvars.Context())
         return session
 
     def discard(self, session: Any) -> None:
@@ -283,7 +285,9 @@ class StdioPool:
 
     def _ensure_reaper(self) -> None:
         if self.idle_timeout and (self._reaper is None or self._reaper.done()):
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+            self._reaper = asyncio.get_running_loop().create_task(
+                self._reap_idle(), context=contextvars.Context()
+            )
 
     async def _reap_idle(self) -> None:
         assert self.idle_timeout
