@@ -397,7 +397,7 @@ class HttpRelay:
         connection at all (unreachable)."""
         if isinstance(exc, StaleConnectionError):
             return str(exc)
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
             return f"upstream {self.name} did not answer within {bound:g} s ({key})"
         return f"upstream {self.name} unreachable: {error_text(exc, self.url)}"
 

@@ -456,10 +456,16 @@ class UpstreamSession:
                 allow_redirects=False,  # configured headers (credentials) never follow a redirect
                 timeout=timeout or aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             )
-        except aiohttp.ClientConnectorError as exc:  # no connection: the request never left
+        except (
+            aiohttp.ClientConnectorError,
+            aiohttp.ConnectionTimeoutError,
+        ) as exc:  # the request never left
             reason = error_text(exc, self.url)
             raise UpstreamUndeliveredError(f"upstream {self.server} unreachable: {reason}") from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except TimeoutError as exc:  # reached, but silent (its `total` passed)
+            within = f" within {timeout.total:g} s" if timeout is not None and timeout.total else ""
+            raise UpstreamError(f"upstream {self.server} did not answer{within}") from exc
+        except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream {self.server} unreachable: {error_text(exc, self.url)}") from exc
 
     async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
