@@ -102,10 +102,17 @@ def policy_warnings(config: Config) -> list[str]:
     become tasks."""
     warnings = []
     for name, entry in config.servers.items():
+        server = config.policy(name, "")  # (what a tool without settings of its own gets)
         for tool in (None, *entry.tasks.tools):
             policy = config.policy(name, tool or "")
             if policy.mode is not ToolMode.OPTIONAL or policy.detach_after < policy.timeout:
                 continue  # (a required tool is a task at once, a forbidden one never)
+            if (
+                tool is not None
+                and server.detach_after >= server.timeout
+                and (policy.detach_after == server.detach_after)
+            ):
+                continue  # the server's own warning covers a tool that only inherits it
             where = f"mcpServers.{name}" + (f" tool {tool}" if tool else "")
             warnings.append(
                 f"{where}: detach_after ({policy.detach_after:g}s) is not below timeout "
@@ -206,6 +213,8 @@ def describe(config: Config, source: str) -> str:
         lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")
         tasks = entry.tasks
         overrides = {k: getattr(tasks, k) for k in TaskPolicy.model_fields if getattr(tasks, k) is not None}
+        if "ttl" in overrides and config.limits.max_ttl is not None:
+            overrides["ttl"] = min(overrides["ttl"], config.limits.max_ttl)  # as `limits.max_ttl` caps it
         if overrides:
             lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
         for tool in tasks.tools:

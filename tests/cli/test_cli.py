@@ -402,15 +402,17 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
 def test_check_config_shows_the_capped_ttl_and_warns_of_a_detach_that_cannot_happen(tmp_path):
     """`limits.max_ttl` caps the defaults' ttl on the line that shows it (it showed the ttl given),
     and an optional tool whose `detach_after` is not below its server's `timeout` is named: its
-    calls can never become tasks. A required tool (a task at once) is not."""
+    calls can never become tasks. A required tool (a task at once) is not, nor a tool that only
+    inherits the server's settings (`kept`: the server's warning covers it)."""
     config = tmp_path / "c.yaml"
     config.write_text(
         "limits: {max_ttl: 2m}\ntasks: {detach_after: 1h}\nmcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
-        "    timeout: 10s\n    tasks: {tools: {quick: {detach_after: 1s}, sure: {mode: required}}}\n"
+        "    timeout: 10s\n    tasks:\n      ttl: 1h\n"
+        "      tools: {quick: {detach_after: 1s}, sure: {mode: required}, kept: {ttl: 1m}}\n"
     )
     out = run_cli("check-config", str(config))
     assert out.returncode == 0, out.stderr
-    assert "ttl 120s (limits.max_ttl; 3600s given)" in out.stdout
+    assert "ttl 120s (limits.max_ttl; 3600s given)" in out.stdout and "    tasks: ttl 120s" in out.stdout
     warnings = [line for line in out.stdout.splitlines() if line.startswith("warning:")]
     assert warnings == [
         "warning: mcpServers.a: detach_after (3600s) is not below timeout (10s): its calls end before they "
