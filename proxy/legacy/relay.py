@@ -9,7 +9,7 @@ event ids are used only to resume the upstream's stream when it asks for polling
 event id and `retry`, then a close). A request whose upstream stream dies, closes before answering,
 or outlives its bound gets a JSON-RPC error.
 
-One piece (about 670 lines) because every path here is the same exchange with the upstream, with
+One piece (about 830 lines) because every path here is the same exchange with the upstream, with
 one set of bounds and one id mapping: a reply plain or streamed, late or resumed, the standalone
 GET stream, and the upstream errors each can meet.
 """
