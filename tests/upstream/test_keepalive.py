@@ -174,10 +174,13 @@ async def test_a_tools_call_lost_on_a_connection_closed_as_it_was_sent_is_never_
     the connection ran it twice.)"""
     # Three rounds: every round after the first meets connections the relay closes. (Its resends
     # count the proxy's own safe requests, such as a new upstream session's `initialize`.)
-    failures, closed, _ = await _through_a_closing_relay(
+    failures, _closed, _ = await _through_a_closing_relay(
         short_keep_alive, tmp_path, serve, era, GREET, rounds=3
     )
-    assert closed > 0 and failures, failures
+    # (Who closed the connection does not matter: the relay at 200 ms idle, or, on a loaded host
+    # whose gap between rounds passed SERVER_KEEP_ALIVE_S, the server itself. The relay's count
+    # read 0 once in CI while every call met the race.)
+    assert failures, failures
     assert all("dropped a reused connection as the request arrived" in failure for failure in failures), (
         failures
     )
