@@ -99,13 +99,12 @@ class Legacy:
             return resp.status
 
     def call(self, rid: object, tool: str, **args: object):
-        body = {
-            "jsonrpc": "2.0",
-            "id": rid,
-            "method": "tools/call",
-            "params": {"name": tool, "arguments": args},
-        }
-        return self.http.post(self.url, json=body, headers=self.headers())
+        return self.http.post(self.url, json=call_body(rid, tool, **args), headers=self.headers())
+
+
+def call_body(rid: object, tool: str, **args: object) -> dict:
+    """A `tools/call` request of `tool` with `args`, under id `rid`."""
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {"name": tool, "arguments": args}}
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> list:
@@ -446,8 +445,7 @@ async def test_a_call_whose_upstream_sent_no_headers_yet_ends_on_cancel_and_on_d
         client = await Legacy(proxy.url(), http).open()
 
         async def call(rid: str) -> dict:
-            params = {"name": "slow_json", "arguments": {"ms": 30000}}
-            body = {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params}
+            body = call_body(rid, "slow_json", ms=30000)
             async with http.post(proxy.url(), json=body, headers=client.headers(Accept=accept)) as resp:
                 return await reply_of(resp)
 
@@ -519,12 +517,7 @@ async def test_an_unsupported_protocol_version_or_a_repeated_header_is_a_400(
     relayed (the first of two counted). The session goes on."""
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open()
-        body = {
-            "jsonrpc": "2.0",
-            "id": 7,
-            "method": "tools/call",
-            "params": {"name": "echo", "arguments": {}},
-        }
+        body = call_body(7, "echo")
         doubled = CIMultiDict(client.headers())
         doubled.add("Mcp-Session-Id", "another")
         twice = CIMultiDict(client.headers())
@@ -1280,12 +1273,7 @@ async def test_deleting_a_session_mid_call_answers_a_json_only_client_and_a_late
     with the error) and a reply already switched to SSE while a slow JSON upstream was awaited."""
     async with aiohttp.ClientSession() as http:
         client = await Legacy(proxy_url, http).open()
-        body = {
-            "jsonrpc": "2.0",
-            "id": 11,
-            "method": "tools/call",
-            "params": {"name": "slow", "arguments": {"ms": 4000}},
-        }
+        body = call_body(11, "slow", ms=4000)
         json_only = asyncio.ensure_future(
             http.post(proxy_url, json=body, headers=client.headers(Accept="application/json"))
         )

@@ -66,6 +66,12 @@ async def legacy_post(url: str, body: dict, headers: dict | None = None) -> tupl
             return resp.status, json.loads(text)
 
 
+async def open_session(http: aiohttp.ClientSession, url: str) -> str:
+    """A legacy session through the proxy at `url` (its `initialize`); its `Mcp-Session-Id`."""
+    async with http.post(url, json=INIT, headers=LEGACY_HEADERS) as resp:
+        return resp.headers["Mcp-Session-Id"]
+
+
 async def readyz(base: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{base}/readyz") as resp:
@@ -146,10 +152,11 @@ async def test_oversized_upstream_replies_are_errors_in_both_eras(
             and "max_response_bytes" in reply.error["message"]
         )
         assert (await client.call(tool, {"kb": 16})).result["content"][0]["text"].startswith(("x", "y"))
-        session = {"Mcp-Session-Id": "", "MCP-Protocol-Version": "2025-11-25"}
         async with aiohttp.ClientSession() as http:
-            async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
-                session["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
+            session = {
+                "Mcp-Session-Id": await open_session(http, proxy.url()),
+                "MCP-Protocol-Version": "2025-11-25",
+            }
             call = {
                 "jsonrpc": "2.0",
                 "id": 2,
@@ -243,18 +250,15 @@ async def test_a_legacy_call_whose_upstream_is_silent_is_told_it_did_not_answer(
     upstream had been reached)."""
     proxy = await serve(hostile_config(hostile, tmp_path, "ok", timeout="400ms", request_timeout="5s"))
     async with aiohttp.ClientSession() as http:
-        async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
-            session = {"Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
-        call = {
-            "jsonrpc": "2.0",
-            "id": 2,
-            "method": "tools/call",
-            "params": {"name": "slow", "arguments": {"seconds": 5}},
-        }
-        async with http.post(
-            proxy.url(), json=call, headers={**LEGACY_HEADERS, "Accept": "application/json", **session}
-        ) as resp:
-            error = (await resp.json())["error"]
+        session = await open_session(http, proxy.url())
+    call = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": "slow", "arguments": {"seconds": 5}},
+    }
+    _, reply = await legacy_post(proxy.url(), call, {"Accept": "application/json", "Mcp-Session-Id": session})
+    error = reply["error"]
     assert error == {"code": -32603, "message": "upstream ok did not answer within 0.4 s (timeout)"}, error
 
 
@@ -266,8 +270,7 @@ async def test_a_legacy_stream_that_stalls_midway_is_cut_at_the_calls_hard_timeo
     client, then the proxy's JSON-RPC error for the unanswered call."""
     proxy = await serve(hostile_config(hostile, tmp_path, "ok", timeout="400ms", request_timeout="5s"))
     async with aiohttp.ClientSession() as http:
-        async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
-            session = {"Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
+        session = {"Mcp-Session-Id": await open_session(http, proxy.url())}
         call = {
             "jsonrpc": "2.0",
             "id": 2,
