@@ -81,6 +81,8 @@ async def test_sign_in_see_a_task_appear_open_it_and_cancel_it(
             page.set_default_timeout(15_000)
             await page.goto(proxy.base + "/console/")
             await expect(page.locator("#login")).to_be_visible()
+            # signed out: no operator bar (its `display: flex` overrode `hidden`: "Sign out" showed)
+            await expect(page.locator("#who")).to_be_hidden()
             await page.fill("#token", CONSOLE_TOKEN)
             await page.click("#signin")
             await expect(page.locator("#live")).to_have_text("live")  # the event stream is open
