@@ -359,7 +359,12 @@ class LegacyEndpoint:
 
     async def _get(self, request: web.Request, session: LegacySession, sid: str) -> web.StreamResponse:
         """A GET: with `Last-Event-ID`, the rest of that stream from the proxy's buffer, then live;
-        else the session's standalone stream (the one still fed, or a new one from the adapter)."""
+        else the session's standalone stream (the one still fed, or a new one from the adapter).
+        406 when the client's `Accept` rules out an SSE stream (2025-06-18 transports: a GET lists
+        `text/event-stream`); no `Accept` at all takes anything."""
+        if not _takes_sse(request.headers.get("Accept")):
+            message = "a GET opens an SSE stream: its Accept header must list text/event-stream"
+            return error_reply(None, INVALID_REQUEST, message, status=406)
         if request.headers.get("Last-Event-ID") is not None:
             return await self._resume(request, session, sid)
         live = session.get_stream
@@ -391,6 +396,15 @@ class LegacyEndpoint:
 
 
 _REVISION = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")  # an MCP revision's name: its date
+
+
+def _takes_sse(accept: str | None) -> bool:
+    """True when an `Accept` header (None: absent) admits `text/event-stream`: absent, or naming
+    it, `text/*` or `*/*`."""
+    if accept is None:
+        return True
+    types = {item.split(";")[0].strip().lower() for item in accept.split(",")}
+    return not types.isdisjoint({"text/event-stream", "text/*", "*/*"})
 
 
 def _header_problem(request: web.Request) -> str | None:

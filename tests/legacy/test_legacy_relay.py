@@ -235,6 +235,20 @@ async def test_keepalive_on_relayed_post_and_get_streams(proxy_url: str) -> None
         assert chunk.startswith(b": keepalive")
 
 
+async def test_a_get_whose_accept_rules_out_sse_gets_406(proxy_url: str) -> None:
+    """A GET opens an SSE stream, so one whose `Accept` names only JSON is refused (406), not
+    answered with a stream it said it cannot take; `*/*` takes the stream."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with http.get(proxy_url, headers=client.headers(Accept="application/json")) as resp:
+            assert resp.status == 406
+            body = await resp.json()
+        assert body["error"]["code"] == -32600 and "text/event-stream" in body["error"]["message"]
+        async with http.get(proxy_url, headers=client.headers(Accept="*/*")) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+
+
 @pytest.mark.parametrize("tool", ["die", "close_early"])
 async def test_stream_that_dies_or_closes_gets_an_error(proxy_url: str, tool: str) -> None:
     async with aiohttp.ClientSession() as http:
