@@ -206,8 +206,9 @@ class CallKeys:
         call.add_done_callback(ended)
 
     async def kept(self, keyed: KeyedCall) -> None:
-        """Wait until the write `settle_when_done` started for the ended call of `keyed` is over,
-        so an attached answer goes out only once it is kept (nothing to wait for: at once)."""
+        """Wait until the write started for the ended call of `keyed` (`settle_when_done`,
+        `settle_later` or `release_later`) is over, so an attached answer goes out only once it is
+        kept, or once its key is let go (nothing to wait for: at once)."""
         writing = self._ending.get(keyed.slot)
         if writing is not None:
             await asyncio.shield(writing)
@@ -218,8 +219,9 @@ class CallKeys:
         self._ending[keyed.slot] = self._spawn(self.settle(keyed, outcome))
 
     def release_later(self, keyed: KeyedCall) -> None:
-        """`release` in the background (for a caller that cannot wait: a callback)."""
-        self._spawn(self.release(keyed))
+        """`release` in the background (for a caller that cannot wait: a callback); `kept` waits
+        for it, so an answer can go out once its key is let go."""
+        self._ending[keyed.slot] = self._spawn(self.release(keyed))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)

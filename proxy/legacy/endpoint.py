@@ -315,7 +315,9 @@ class LegacyEndpoint:
         relay = asyncio.ensure_future(self.upstream.request(request, session, body, settling))
         relay.add_done_callback(relayed)
         try:
-            return await asyncio.shield(relay)  # a client that leaves does not stop it
+            response = await asyncio.shield(relay)  # a client that leaves does not stop it
+            await keys.kept(keyed)  # (a key let go as the relay ended is let go before the answer goes)
+            return response
         finally:
             if upstream_ids:  # (the relay ran in a task of its own: its log context is not this one)
                 bind(upstream_request_id=upstream_ids[0])

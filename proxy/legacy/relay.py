@@ -53,6 +53,11 @@ log = structlog.get_logger("proxy.legacy")
 UPSTREAM_ACCEPT = {"POST": "application/json, text/event-stream", "GET": "text/event-stream"}
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Version")
 _UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, UpstreamError)
+# No connection within connect_timeout, or none at all: the request never left the proxy.
+_NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# HTTP refusals that come before a server runs anything: a redirect that asks for the same request
+# elsewhere (307, 308), and a sign-in refusal. (A 303 may follow a request the server ran.)
+REFUSED_UNRUN = frozenset({307, 308, 401, 403})
 
 
 def _upstream_error(request_id: Any, message: str, status: int) -> web.Response:
@@ -295,7 +300,7 @@ class HttpRelay:
             code, message = sent.ended  # given up before the upstream's headers came (`Outbound.abandon`)
             return error_reply(request_id, code, message)
         except _UPSTREAM_ERRORS as exc:
-            if sent is not None and isinstance(exc, aiohttp.ClientConnectorError):
+            if sent is not None and isinstance(exc, _NEVER_SENT):
                 sent.unsent = True  # no connection: the request never left
             message = self._failure_text(exc, bound, key)
             return _upstream_error(request_id, message, 504 if isinstance(exc, TimeoutError) else 502)
@@ -304,6 +309,8 @@ class HttpRelay:
             stream = self.streams.open(session, "get")
             self._feed_status(session, stream, sid)
             return await self.streams.serve(request, session, stream, headers={"Mcp-Session-Id": sid})
+        if sent is not None and upstream.status in REFUSED_UNRUN:
+            sent.unsent = True  # refused before it ran: a keyed call's key lets go, a retry may run it
         if 300 <= upstream.status < 400:
             upstream.release()
             message = (
@@ -441,7 +448,7 @@ class HttpRelay:
                 session.answered(request_id, sent)  # no answer will come: its key and the session move on
                 raise
             except _UPSTREAM_ERRORS as exc:
-                sent.unsent = isinstance(exc, aiohttp.ClientConnectorError)  # no connection: never left
+                sent.unsent = isinstance(exc, _NEVER_SENT)  # no connection: never left
                 error = {"code": INTERNAL_ERROR, "message": self._failure_text(exc, bound, key)}
                 stream.append_message(jsonrpc.error_response(request_id, error))
                 stream.close()
@@ -452,6 +459,8 @@ class HttpRelay:
             if upstream.status == 404 and sid:
                 self.sessions.end(sid)
                 sent.unsent = True  # the upstream knows no such session: it ran nothing
+            if upstream.status in REFUSED_UNRUN:
+                sent.unsent = True  # refused before it ran
             if (
                 upstream.headers.get("Content-Type", "").startswith("text/event-stream")
                 and upstream.status < 300

@@ -8,6 +8,7 @@ response per upstream request id."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -18,10 +19,11 @@ from unittest.mock import ANY
 
 import aiohttp
 import pytest
+from aiohttp import web
 from multidict import CIMultiDict
 from support.clients import ModernClient
 from support.proxy import Serve, make_config, stdio_config
-from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, python_venv
+from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, black_hole, python_venv, served_app
 
 from proxy.app import ENDPOINTS_KEY
 from proxy.config import config_from_data
@@ -1533,3 +1535,44 @@ async def test_a_keyed_call_cancelled_while_a_json_upstream_is_late_settles_its_
             reply = await reply_of(retry)
         assert time.monotonic() - started < 3, reply  # not the 8 s timeout
         assert reply["error"]["code"] == -32603 and "whether it ran is unknown" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("refusal", ["connect timeout", 307, 401, 403])
+async def test_a_keyed_call_the_upstream_never_ran_lets_its_key_go(
+    refusal: str | int, tmp_path: Path, serve: Serve
+) -> None:
+    """A keyed call refused before the upstream ran it (no connection within `connect_timeout`, a
+    307/308 redirect, a 401/403 sign-in refusal) lets its key go, so a retry with the key (once the
+    upstream is fixed) runs, not "whether it ran is unknown" until the key expires."""
+    seen: list[dict] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        headers = {"Location": "http://127.0.0.1:9/mcp"} if refusal == 307 else None
+        return web.Response(status=int(refusal), text="no", headers=headers)
+
+    app = web.Application()
+    app.router.add_post("/mcp", refuse)
+    async with contextlib.AsyncExitStack() as stack:
+        if refusal == "connect timeout":
+            port = stack.enter_context(black_hole())
+        else:
+            port = await stack.enter_async_context(served_app(app))
+        url = f"http://127.0.0.1:{port}/mcp"
+        proxy = await serve(relay_config(url, tmp_path, {"connect_timeout": "200ms"}))
+        async with aiohttp.ClientSession() as http:
+            keyed = Legacy(proxy.url(), http).headers(**{"Idempotency-Key": "never-ran"})  # session-less
+            replies = []
+            for rid in (1, 2):
+                async with http.post(
+                    proxy.url(), json=call_body(rid, "echo", text="hi"), headers=keyed
+                ) as resp:
+                    replies.append(await reply_of(resp))
+    for rid, reply in zip((1, 2), replies, strict=True):
+        assert reply["id"] == rid and reply["error"]["code"] == -32603, reply
+        assert "whether it ran is unknown" not in reply["error"]["message"], reply
+    assert (
+        replies[0]["error"]["message"] == replies[1]["error"]["message"]
+    )  # the retry met the upstream again
+    calls = [message for message in seen if message.get("method") == "tools/call"]
+    assert len(calls) == (0 if refusal == "connect timeout" else 2)

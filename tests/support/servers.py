@@ -11,8 +11,8 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 
 from aiohttp import web
@@ -193,6 +193,29 @@ async def served_app(app: web.Application) -> AsyncIterator[int]:
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()
+
+
+@contextmanager
+def black_hole() -> Iterator[int]:
+    """A loopback port whose listener never accepts and whose backlog is already full, for the
+    block: a connection to it is neither accepted nor refused, so its connect times out (the
+    kernel drops the SYN). Yields the port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = int(listener.getsockname()[1])
+    fillers: list[socket.socket] = []
+    try:
+        for _ in range(3):  # the first fills the accept queue; the others wait in SYN retries
+            filler = socket.socket()
+            filler.setblocking(False)
+            with suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        yield port
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
 
 
 FIXTURE_STDIO = {
