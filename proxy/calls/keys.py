@@ -344,8 +344,9 @@ class CallKeys:
                     if not await store.lease_alive(str(entry.get("owner"))):
                         raise JsonRpcError(
                             INTERNAL_ERROR,
-                            f"the call this key names was lost with its replica ({entry.get('owner')}) "
-                            f"before it became a task; whether it ran is unknown",
+                            f"the call this key names was lost with the proxy process running it (node "
+                            f"{entry.get('owner')}: it died or restarted) before the call became a task; "
+                            "whether it ran is unknown: send it with a new key to run it again",
                         )
                 else:
                     await asyncio.sleep(JOIN_POLL_S)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 from support.clients import ModernClient, envelope
@@ -244,6 +245,54 @@ async def test_a_keyed_call_the_drain_abandoned_gives_its_retry_the_same_error(
     try:
         retry = await plain.call("quiet_compute", arguments, headers=key)
         assert retry.error == abandoned, retry.message
+    finally:
+        await plain.close()
+        again.stop()
+
+
+async def test_a_keyed_call_lost_with_its_process_before_it_became_a_task_says_so_to_its_retry(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """SIGKILL while a keyed call still runs attached (its `detach_after` is far off): a retry with
+    the key on the next process is not run again; once the dead process's lease lapses it gets
+    -32603 saying that process was lost and that whether the call ran is unknown (it said "lost
+    with its replica", which reads wrong without replicas)."""
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "store": {"path": str(tmp_path / "store"), "lease": "500ms"},
+                "tasks": {"ttl": "10m", "poll_interval": "100ms"},
+                "mcpServers": {
+                    "legacy": {
+                        "url": legacy_url,
+                        "tasks": {"tools": {"quiet_compute": {"detach_after": "60s"}}},
+                    }
+                },
+            }
+        )
+    )
+    key = {"Idempotency-Key": "lost-with-its-process"}
+    arguments = {"seconds": 20, "label": "lost"}
+    proxy = _start(config_file)
+    plain = ModernClient(proxy.url, capabilities={})
+    try:
+        first = asyncio.create_task(plain.call("quiet_compute", arguments, headers=key))
+        await asyncio.sleep(0.5)
+        proxy.kill()
+        with pytest.raises(aiohttp.ClientError):  # its connection drops
+            await first
+    finally:
+        await plain.close()
+        proxy.stop()
+    again = _start(config_file)
+    plain = ModernClient(again.url, capabilities={})
+    try:
+        retry = await asyncio.wait_for(plain.call("quiet_compute", arguments, headers=key), 10)
+        error = retry.error
+        assert error is not None and error["code"] == -32603, retry.message
+        assert "lost with the proxy process running it" in error["message"], error
+        assert "whether it ran is unknown" in error["message"], error
     finally:
         await plain.close()
         again.stop()
