@@ -9,7 +9,16 @@ import shutil
 import sys
 from urllib.parse import urlsplit
 
-from proxy.config import Config, ConfigError, JwtConfig, TaskPolicy, ToolMode, load_config, redact_url
+from proxy.config import (
+    ANY_AUDIENCE,
+    Config,
+    ConfigError,
+    JwtConfig,
+    TaskPolicy,
+    ToolMode,
+    load_config,
+    redact_url,
+)
 from proxy.front.tokens import AccessTokens, TokenError, load_jwks_file
 from proxy.replicas import advertised_url
 from proxy.runtime import event_loop, tracing
@@ -74,7 +83,8 @@ def auth_warnings(config: Config) -> list[str]:
         warnings.append(
             "auth mode jwt without listen.public_url: MCP clients cannot discover where to sign in (no "
             "protected resource metadata; the 401 names no resource_metadata); tokens are checked "
-            "against jwt.audience" + ("" if auth.jwt.audience else ", which is not set: any audience passes")
+            "against jwt.audience"
+            + (', which is "*": any audience passes' if auth.jwt.audience == ANY_AUDIENCE else "")
         )
     elif not auth.jwt.issuer:
         warnings.append(

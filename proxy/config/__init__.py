@@ -9,6 +9,7 @@ from proxy.config.base import ConfigError, Duration, parse_duration, redact_url
 from proxy.config.load import SCHEMA_FILE, config_from_data, config_json_schema, load_config
 from proxy.config.model import Config, ResolvedPolicy, ServerEntry, TaskPolicy, ToolMode, UpstreamOAuth
 from proxy.config.sections import (
+    ANY_AUDIENCE,
     AuthConfig,
     ConsoleConfig,
     IntrospectionConfig,
@@ -25,6 +26,7 @@ from proxy.config.sections import (
 )
 
 __all__ = [
+    "ANY_AUDIENCE",
     "SCHEMA_FILE",
     "AuthConfig",
     "Config",

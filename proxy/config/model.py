@@ -27,6 +27,7 @@ from pydantic import (
 from proxy.config.base import Duration, redact_url, url_problem
 from proxy.config.base import Strict as _Strict
 from proxy.config.sections import (
+    ANY_AUDIENCE,
     AuthConfig,
     ConsoleConfig,
     LimitsConfig,
@@ -346,6 +347,18 @@ class Config(_Strict):
                         f"console.tokens.{name} is also a client token in auth.tokens; give the console a "
                         f"token of its own"
                     )
+        jwt = self.auth.jwt
+        if (
+            self.auth.mode == "jwt"
+            and jwt is not None
+            and jwt.audience is None
+            and not self.listen.public_url
+        ):
+            raise ValueError(
+                "auth.mode jwt needs an audience to check tokens against: set listen.public_url (each "
+                "endpoint's resource URI is its audience, and MCP clients can discover where to sign in) "
+                f'or auth.jwt.audience; audience "{ANY_AUDIENCE}" accepts tokens issued for any audience'
+            )
         return self
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Config:

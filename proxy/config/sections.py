@@ -361,12 +361,16 @@ class IntrospectionConfig(_Strict):
         return http_url(value, "introspection.endpoint") if value is not None else None
 
 
+ANY_AUDIENCE = "*"  # `auth.jwt.audience` that accepts tokens issued for any audience (written out)
+
+
 class JwtConfig(_Strict):
     """Access-token verification (RFC 9068 JWTs, checked by PyJWT). Keys from `jwks_file` (relative
     to the config file), `jwks_url`, or, with neither, the `jwks_uri` the `issuer` publishes (RFC 8414
     `/.well-known/oauth-authorization-server`, then OpenID discovery). `issuer` is checked when
     given; `audience` defaults to the resource URI of the endpoint a request came to (with
-    `listen.public_url`). The principal is the `principal_claim` claim (`client:<client_id>` when
+    `listen.public_url`; without it, `audience` is required), and `"*"` (ANY_AUDIENCE, written out)
+    accepts any audience. The principal is the `principal_claim` claim (`client:<client_id>` when
     a client-credentials token has no `sub`). `jwks_timeout` (s) bounds each metadata, JWKS or
     introspection request; `refetch_interval` (s) is the least time between two JWKS fetches for an
     unknown `kid`. `leeway_s` (s) is the clock skew allowed on `exp`/`nbf`."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from proxy.config import AuthConfig, ListenConfig
+from proxy.config import ANY_AUDIENCE, AuthConfig, ListenConfig
 from proxy.front.resource import METADATA_PREFIX, ProtectedResource
 from proxy.front.tokens import AccessTokens, TokenError
 from proxy.protocol import jsonrpc
@@ -119,7 +119,9 @@ class Authenticator:
         audience = self.config.jwt.audience
         if audience is None and self.resource is not None:
             audience = self.resource.resource_uri(request.path)
-        claims = await self.access_tokens.verify(token, audience=audience)
+        claims = await self.access_tokens.verify(
+            token, audience=None if audience == ANY_AUDIENCE else audience
+        )
         return claims.principal, claims.scopes
 
     def _from_header(self, request: web.Request) -> str:

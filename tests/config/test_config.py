@@ -745,6 +745,8 @@ def test_store_lease_has_a_floor(lease: str, ok: bool):
         ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://u:SECRET@i"}}}, "must not carry a user"),
         ({"auth": {"mode": "jwt", "jwt": {"issuer": "idp.example.com"}}}, "must be an http://"),
         ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i", "algorithms": []}}}, "algorithms"),
+        # no audience to check a token against: tokens issued for any other service would pass
+        ({"auth": {"mode": "jwt", "jwt": {"issuer": "https://i"}}}, "auth.mode jwt needs an audience"),
         ({"listen": {"public_url": "ftp://user:PUBSECRET@host"}}, "must not carry a user"),
         (
             {

@@ -183,7 +183,11 @@ async def test_a_jwt_whose_alg_does_not_fit_its_key_is_401(legacy_url: str, tmp_
     config.auth = type(config.auth).model_validate(
         {
             "mode": "jwt",
-            "jwt": {"jwks_file": str(tmp_path / "jwks.json"), "algorithms": ["RS256", "ES256", "HS256"]},
+            "jwt": {
+                "jwks_file": str(tmp_path / "jwks.json"),
+                "algorithms": ["RS256", "ES256", "HS256"],
+                "audience": "*",
+            },
         }
     )
     claims = {"sub": "mallory", "exp": int(time.time()) + 60}

@@ -77,6 +77,7 @@ def _rsa_jwks(tmp_path: Path) -> tuple[object, Path]:
 
 def _token(key: object, **claims) -> str:
     body = {"iss": "https://idp.test", "aud": "mcp-proxy", "exp": int(time.time()) + 300, **claims}
+    body = {name: value for name, value in body.items() if value is not None}  # (None: left out)
     return jwt.encode(body, key, algorithm="RS256", headers={"kid": "k1"})
 
 
@@ -133,6 +134,26 @@ async def test_jwt_against_a_jwks_file(legacy_url: str, tmp_path: Path, serve: S
         assert (await carol.wait_terminal(created["taskId"]))["status"] == "completed"
     finally:
         for client in (carol, dave, expired, foreign_aud, forged):
+            await client.close()
+
+
+async def test_jwt_audience_star_is_the_written_out_way_to_accept_any_audience(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    """Without `listen.public_url` a jwt config must name its audience (else tokens issued for any
+    other service of the same identity provider passed); `"*"` accepts any, or none, on purpose."""
+    key, jwks = _rsa_jwks(tmp_path)
+    auth = {"mode": "jwt", "jwt": {"jwks_file": str(jwks), "issuer": "https://idp.test", "audience": "*"}}
+    proxy = await serve(with_auth(legacy_url, tmp_path, auth))
+    clients = [
+        AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='gina', aud='someone-else')}"}),
+        AuthClient(proxy.url(), {"Authorization": f"Bearer {_token(key, sub='gina', aud=None)}"}),
+    ]
+    try:
+        for client in clients:
+            assert (await client.call("greet", {"name": "x"})).status == 200
+    finally:
+        for client in clients:
             await client.close()
 
 
