@@ -300,11 +300,13 @@ class CallKeys:
 
         Returns the first call's result, or its task's CreateTaskResult (`as_task`), in `dialect`'s
         shape: `v2` (2026-07-28: the flat CreateTaskResult, results translated) or `v1` (2025-11-25:
-        `{task}`, the upstream's result as it came). `reply`, when the answer can still be an SSE
-        stream, gets a keep-alive every `keepalive_s` (s) while this waits. Raises JsonRpcError:
-        -32602 (HTTP 422) when the entry names another tool or other arguments; the first call's
-        own error; -32603 when its replica was lost before it became a task, or when it is not
-        over within `policy.timeout` (s) (plus `detach_after`)."""
+        `{task}`, whatever the task's status, as a task-augmented request is answered; the
+        upstream's result as it came only once that task is gone). `reply`, when the answer can
+        still be an SSE stream, gets a keep-alive every `keepalive_s` (s) while this waits.
+
+        Raises JsonRpcError: -32602 (HTTP 422) when the entry names another tool or other
+        arguments; the first call's own error; -32603 when the process running it was lost before
+        it became a task, or when it is not over within `policy.timeout` (s) (plus `detach_after`)."""
         if entry.get("digest") != keyed.digest:
             log.warning("call_key_conflict", server=server, tool=tool, principal=principal_hash(principal))
             raise JsonRpcError(
@@ -324,13 +326,20 @@ class CallKeys:
         next_lease_check = loop.time() + LEASE_CHECK_S
         next_keepalive = loop.time() + keepalive_s
         store = self.tasks.store
+        # 2025-11-25 tasks: a task-augmented request is answered with its task (CreateTaskResult)
+        # whatever the task's status; its result comes from tasks/result
+        v1_task = as_task and dialect == "v1"
         try:
             while True:
-                if isinstance(entry.get("outcome"), dict):
+                if isinstance(entry.get("outcome"), dict) and not v1_task:
                     return _answer(entry["outcome"], dialect)
                 if dialect == "v2" and isinstance(entry.get("round"), dict):
                     return dict(entry["round"])  # the MRTR round it waits on, asked again
                 record = await store.get(task_id)
+                if record is not None and v1_task:
+                    return create_task_result_v1(record)
+                if record is None and isinstance(entry.get("outcome"), dict):  # (v1: its task is gone)
+                    return _answer(entry["outcome"], dialect)
                 if record is not None:
                     if record.status.terminal:
                         return _answer(_record_outcome(record), dialect)
