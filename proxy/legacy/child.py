@@ -9,8 +9,10 @@ what the child says about it into the request's reply stream, through the sessio
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -18,7 +20,7 @@ from aiohttp import web
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question
 from proxy.legacy.streams import StreamServer
-from proxy.legacy.types import Rewrite, error_reply
+from proxy.legacy.types import JSON_ONLY_REFUSAL, Rewrite, error_reply, input_timed_out, withdrawn
 from proxy.legacy.v1 import V1Front
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, upstream_capabilities
@@ -99,6 +101,7 @@ class StdioChild:
             client_token=client_token,
             upstream_token=upstream_token,
         )
+        sent.input_timeout_s = self.v1.input_timeout_s(body)
         bind(upstream_request_id=sent.upstream_id)
         pump = self._pump(session, stream, child, body["method"], params or None, client_id, sent, rewrite)
         stream.feed(pump, f"legacy stdio request {self.name}")
@@ -119,13 +122,19 @@ class StdioChild:
         the session machine), then its answer; a JSON-RPC error when the child fails, or when the
         stream is abandoned first (the session ended, the drain passed, the client cancelled)."""
 
+        overdue: list[asyncio.Task[None]] = []  # one per question relayed: its `input_timeout`
+
         async def on_message(message: JsonObject) -> None:
             out, _ = session.to_client(message, sent, client_id, child)
             if out is None:
                 return
-            if stream.json_only and jsonrpc.is_request(out):
-                await self._refuse(session, out)
-                return
+            if jsonrpc.is_request(out):
+                refusal = JSON_ONLY_REFUSAL if stream.json_only else session.undeclared(out)
+                if refusal is not None:
+                    await self._answer_question(session, out["id"], METHOD_NOT_FOUND, refusal)
+                    return
+                if sent.input_timeout_s:
+                    overdue.append(asyncio.ensure_future(self._overdue(session, stream, out["id"], sent)))
             await stream.push_message(out)
 
         answered = False
@@ -140,6 +149,8 @@ class StdioChild:
             )
             answered = True
         finally:
+            for waiting in overdue:
+                waiting.cancel()
             if not answered:
                 code, message = stream.ended or (
                     INTERNAL_ERROR,
@@ -149,18 +160,27 @@ class StdioChild:
             stream.close()
             session.answered(client_id, sent)
 
-    async def _refuse(self, session: LegacySession, question_message: JsonObject) -> None:
-        """A question for a client that takes no SSE (it could never see it): the child gets a
-        -32601 answer at once instead of waiting for one until its call's timeout."""
-        question = session.take_answer(question_message["id"])
-        if question is not None:
-            text = "the client accepts no text/event-stream, so it cannot receive this request"
-            log.info("legacy_question_refused", server=self.name, reason=text)
-            await _quiet(
-                question.target.respond(
-                    question.upstream_id, error={"code": METHOD_NOT_FOUND, "message": text}
-                )
-            )
+    async def _answer_question(self, session: LegacySession, proxy_id: Any, code: int, text: str) -> bool:
+        """Answer the child's question `proxy_id` in the client's place with error `code` and `text`
+        (a client that cannot be asked, or one that did not answer within `input_timeout`), so the
+        child does not wait for it until its call's timeout. False when it is no longer open."""
+        question = session.take_answer(proxy_id)
+        if question is None:
+            return False
+        log.info("legacy_question_refused", server=self.name, reason=text)
+        await _quiet(question.target.respond(question.upstream_id, error={"code": code, "message": text}))
+        return True
+
+    async def _overdue(
+        self, session: LegacySession, stream: RelayStream, proxy_id: Any, sent: Outbound
+    ) -> None:
+        """After `sent.input_timeout_s` (s), a question still open is answered to the child with the
+        timeout's error, and withdrawn from the client (`notifications/cancelled` on its stream)."""
+        assert sent.input_timeout_s is not None
+        await asyncio.sleep(sent.input_timeout_s)
+        text = input_timed_out(sent.input_timeout_s)
+        if await self._answer_question(session, proxy_id, INTERNAL_ERROR, text):
+            await stream.push_message(withdrawn(proxy_id, text))
 
     async def notify(
         self, request: web.Request, session: LegacySession, body: JsonObject

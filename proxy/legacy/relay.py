@@ -27,7 +27,7 @@ from aiohttp import web
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question, same_id
 from proxy.legacy.streams import StreamServer
-from proxy.legacy.types import Rewrite, error_reply
+from proxy.legacy.types import JSON_ONLY_REFUSAL, Rewrite, error_reply, input_timed_out, withdrawn
 from proxy.legacy.v1 import V1_TASKS_VERSION, V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
@@ -120,6 +120,7 @@ class HttpRelay:
     ) -> web.StreamResponse:
         """Relay a request under a fresh id of the session's own."""
         sent = session.send(body["id"], session.mint())
+        sent.input_timeout_s = self.v1.input_timeout_s(body)
         bind(upstream_request_id=sent.upstream_id)
         return await self._forward(
             request, session, {**body, "id": sent.upstream_id}, body["id"], sent, rewrite
@@ -565,6 +566,7 @@ class HttpRelay:
         last_upstream_id: str | None = None
         resp: aiohttp.ClientResponse | None = upstream
         fruitless = 0
+        overdue: list[asyncio.Task[None]] = []  # one per question relayed: its `input_timeout`
         try:
             async with asyncio.timeout(bound):
                 while resp is not None:
@@ -578,19 +580,30 @@ class HttpRelay:
                                 got += 1
                                 last_upstream_id = event.id if event.id is not None else last_upstream_id
                                 retry_ms = event.retry if event.retry is not None else retry_ms
-                                out, answers = self._from_upstream(session, event, sent, request_id)
+                                out, answers, question = self._from_upstream(session, event, sent, request_id)
                                 if out is None:
                                     continue
-                                if (
-                                    stream.json_only
-                                    and not answers
-                                    and await self._refuse_question(session, out, headers)
-                                ):
-                                    continue
+                                if question is not None:
+                                    refusal = (
+                                        JSON_ONLY_REFUSAL
+                                        if stream.json_only
+                                        else session.undeclared(question)
+                                    )
+                                    if refusal is not None:
+                                        await self._answer_question(
+                                            session, question["id"], headers, METHOD_NOT_FOUND, refusal
+                                        )
+                                        continue
                                 if answers and rewrite is not None:
                                     rewritten = await rewrite(jsonrpc.loads(out.data))
                                     out = SseEvent(out.event, jsonrpc.dumps_str(rewritten), None, out.retry)
                                 await stream.push(out)
+                                if question is not None and sent is not None and sent.input_timeout_s:
+                                    overdue.append(
+                                        asyncio.ensure_future(
+                                            self._overdue(session, stream, question["id"], headers, sent)
+                                        )
+                                    )
                                 if answers:
                                     answered = True
                                     return
@@ -616,6 +629,8 @@ class HttpRelay:
         except TimeoutError:
             reason = f"did not answer {method} within {bound:g} s ({key})" if bound else "timed out"
         finally:
+            for waiting in overdue:
+                waiting.cancel()
             if not answered:
                 code, text = stream.ended or (INTERNAL_ERROR, f"upstream {self.name} {reason}")
                 log.warning("legacy_relay_broken", server=self.name, reason=text)
@@ -626,32 +641,31 @@ class HttpRelay:
 
     def _from_upstream(
         self, session: LegacySession, event: SseEvent, sent: Outbound | None, request_id: RequestId | None
-    ) -> tuple[SseEvent | None, bool]:
-        """One upstream event as the client gets it (the session machine maps its ids), and
-        whether it answers the client's request. A priming event (no data) passes; garbage does not."""
+    ) -> tuple[SseEvent | None, bool, JsonObject | None]:
+        """One upstream event as the client gets it (the session machine maps its ids), whether it
+        answers the client's request, and the question it asks (a server→client request, under its
+        proxy id), if any. A priming event (no data) passes; garbage does not."""
         message = _decode(event.data)
         if not isinstance(message, dict):
-            return (event if not event.data.strip() else None), False
+            return (event if not event.data.strip() else None), False, None
         out, answers = session.to_client(message, sent, request_id)
         if out is None:
-            return None, False
+            return None, False, None
         data = event.data if out is message else jsonrpc.dumps_str(out)  # unchanged: byte for byte
-        return SseEvent(event.event, data, None, event.retry), answers
+        question = out if not answers and jsonrpc.is_request(out) else None
+        return SseEvent(event.event, data, None, event.retry), answers, question
 
-    async def _refuse_question(
-        self, session: LegacySession, event: SseEvent, headers: dict[str, str]
+    async def _answer_question(
+        self, session: LegacySession, proxy_id: Any, headers: dict[str, str], code: int, text: str
     ) -> bool:
-        """A question on the stream of a client that takes no SSE (it could never see it): the
-        upstream gets a -32601 answer at once instead of waiting for one until its call's timeout.
-        Returns whether `event` was such a question. `headers` are the call's upstream headers."""
-        message = _decode(event.data)
-        if not (isinstance(message, dict) and jsonrpc.is_request(message)):
-            return False
-        question = session.take_answer(message["id"])
+        """Answer the upstream's question `proxy_id` in the client's place with error `code` and
+        `text` (a client that cannot be asked, or one that did not answer within `input_timeout`),
+        so the upstream does not wait for it until its call's timeout. False when the question is no
+        longer open (answered, withdrawn). `headers` are the call's upstream headers."""
+        question = session.take_answer(proxy_id)
         if question is None:
             return False
-        text = "the client accepts no text/event-stream, so it cannot receive this request"
-        reply = jsonrpc.error_response(question.upstream_id, {"code": METHOD_NOT_FOUND, "message": text})
+        reply = jsonrpc.error_response(question.upstream_id, {"code": code, "message": text})
         log.info("legacy_question_refused", server=self.name, reason=text)
         try:
             resp = await self._send("POST", jsonrpc.dumps(reply), headers, self.bounds.request_timeout)
@@ -661,6 +675,22 @@ class HttpRelay:
                 "legacy_question_refusal_failed", server=self.name, reason=str(exc) or exc.__class__.__name__
             )
         return True
+
+    async def _overdue(
+        self,
+        session: LegacySession,
+        stream: RelayStream,
+        proxy_id: Any,
+        headers: dict[str, str],
+        sent: Outbound,
+    ) -> None:
+        """After `sent.input_timeout_s` (s), a question still open is answered upstream with the
+        timeout's error, and withdrawn from the client (`notifications/cancelled` on its stream)."""
+        assert sent.input_timeout_s is not None
+        await asyncio.sleep(sent.input_timeout_s)
+        text = input_timed_out(sent.input_timeout_s)
+        if await self._answer_question(session, proxy_id, headers, INTERNAL_ERROR, text):
+            await stream.push_message(withdrawn(proxy_id, text))
 
     async def _send(
         self,
@@ -796,7 +826,7 @@ class HttpRelay:
                 async for event in ReaderEvents(
                     upstream.content, max_event_bytes=self.bounds.max_response_bytes
                 ):
-                    out, _ = self._from_upstream(session, event, None, None)
+                    out, _, _ = self._from_upstream(session, event, None, None)
                     if out is not None:
                         await stream.push(out)
         except (*_UPSTREAM_ERRORS, EventTooLargeError) as exc:

@@ -60,6 +60,7 @@ class Outbound:
     unsent: bool = False
     opening: asyncio.Future[Any] | None = None  # (HTTP) the exchange, until its reply stream exists
     ended: tuple[int, str] | None = None  # why `abandon` gave it up: (JSON-RPC code, message)
+    input_timeout_s: float | None = None  # how long (s) a question it brings waits for the client
 
     def abandon(self, code: int, message: str) -> bool:
         """Give up a request whose upstream has not sent its response headers yet (no reply stream,
@@ -81,6 +82,14 @@ class Question:
     target: Any = None
 
 
+# The client capability each server→client request needs (2025-11-25 "Client Features").
+NEEDED_CAPABILITY = {
+    "elicitation/create": "elicitation",
+    "sampling/createMessage": "sampling",
+    "roots/list": "roots",
+}
+
+
 def same_id(a: Any, b: Any) -> bool:
     """JSON-RPC ids are equal when their values and types are (1 is not "1", nor True)."""
     return type(a) is type(b) and a == b
@@ -100,6 +109,7 @@ class LegacySession:
     version: str = ""
     node: str = ""
     previous_owner: str | None = None
+    declared: bool = True  # False for session-less traffic: no `initialize` declared its capabilities
     pending: dict[RequestId, Outbound] = field(default_factory=dict)  # client id → its request in flight
     questions: dict[str, Question] = field(default_factory=dict)  # proxy id → an upstream question
     streams: dict[str, RelayStream] = field(default_factory=dict)  # token → a reply stream
@@ -176,6 +186,15 @@ class LegacySession:
         while len(self.questions) > MAX_OPEN_QUESTIONS:
             del self.questions[next(iter(self.questions))]
         return proxy_id
+
+    def undeclared(self, message: JsonObject) -> str | None:
+        """Why the client cannot be asked `message` (an upstream request), or None when it can: its
+        `initialize` did not declare the capability the method needs (NEEDED_CAPABILITY; session-less
+        traffic declared nothing and is asked anything)."""
+        needed = NEEDED_CAPABILITY.get(str(message.get("method")))
+        if needed is None or not self.declared or needed in self.capabilities:
+            return None
+        return f"the client did not declare the {needed} capability, so it cannot be sent {message['method']}"
 
     def take_answer(self, proxy_id: Any) -> Question | None:
         """The question a client's JSON-RPC response answers, at most once (None: unknown, already
@@ -370,7 +389,11 @@ class LegacySessions:
                     if old.idle():
                         del self._sessionless[key]
             session = LegacySession(
-                upstream_id=None, principal=principal, _ids=self._sessionless_ids, node=self.node
+                upstream_id=None,
+                principal=principal,
+                _ids=self._sessionless_ids,
+                node=self.node,
+                declared=False,
             )
             self._sessionless[principal] = session
         return session

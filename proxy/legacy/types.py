@@ -19,6 +19,19 @@ from proxy.protocol.jsonrpc import JsonObject
 # `tools/list` replies gain the proxy's task capability and each tool's task support).
 Rewrite = Callable[[JsonObject], Awaitable[JsonObject]]
 
+# Why a question is refused for a client whose `Accept` takes no SSE (it could never see it).
+JSON_ONLY_REFUSAL = "the client accepts no text/event-stream, so it cannot receive this request"
+
+
+def input_timed_out(timeout_s: float) -> str:
+    """The error text an upstream gets for a question the client left unanswered `timeout_s` (s)."""
+    return f"input timed out: the client did not answer within {timeout_s:g} s (input_timeout)"
+
+
+def withdrawn(proxy_id: Any, reason: str) -> JsonObject:
+    """The `notifications/cancelled` that withdraws question `proxy_id` from the client."""
+    return jsonrpc.notification("notifications/cancelled", {"requestId": proxy_id, "reason": reason})
+
 
 class LegacyUpstream(Protocol):
     """The I/O toward one kind of upstream for legacy sessions.

@@ -158,6 +158,12 @@ class V1Front:
             ]
         return {**message, "result": result}
 
+    def input_timeout_s(self, body: JsonObject) -> float:
+        """How long (s) a question the upstream asks during request `body` may wait for the client's
+        answer: `input_timeout` of the called tool's policy (the server's for other methods)."""
+        tool = object_of(body.get("params")).get("name") if body.get("method") == "tools/call" else None
+        return self.config.policy(self.server, tool if isinstance(tool, str) else "").input_timeout
+
     def reply_rewriter(self, method: str) -> Callable[[JsonObject], Awaitable[JsonObject]] | None:
         """How the answer to `method` is rewritten (`rewrite_reply`), or None when it needs no rewrite."""
         if method not in REWRITTEN_REPLIES:

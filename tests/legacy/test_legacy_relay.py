@@ -1576,3 +1576,64 @@ async def test_a_keyed_call_the_upstream_never_ran_lets_its_key_go(
     )  # the retry met the upstream again
     calls = [message for message in seen if message.get("method") == "tools/call"]
     assert len(calls) == (0 if refusal == "connect timeout" else 2)
+
+
+async def test_a_question_the_client_leaves_unanswered_is_answered_upstream_at_input_timeout(
+    upstream: str, tmp_path: Path, serve: Serve
+) -> None:
+    """README "Mid-flight questions": a question nobody answers within `input_timeout` is answered
+    upstream with an error, and the client sees it withdrawn (`notifications/cancelled` under its
+    proxy id). The relay left it to the call's `timeout` (30 min by default), with keepalives
+    that defeat a client's read timeout."""
+    proxy = await serve(relay_config(upstream, tmp_path, {"tasks": {"input_timeout": "300ms"}}))
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy.url(), http).open({"elicitation": {}})
+        started = time.monotonic()
+        async with client.call(5, "ask") as resp:
+            events = await asyncio.wait_for(read_events(resp), 4)
+        took = time.monotonic() - started
+    question, cancelled, final = [json.loads(e.data) for e in events if e.data]
+    assert question["method"] == "elicitation/create", question
+    assert cancelled["method"] == "notifications/cancelled", cancelled
+    assert cancelled["params"]["requestId"] == question["id"], cancelled
+    assert "input timed out" in cancelled["params"]["reason"], cancelled
+    assert final["id"] == 5 and "input timed out" in final["result"]["content"][0]["text"], final
+    assert took < 3, took  # not the 5 s the upstream gives its question
+    answers = [e["message"] for e in await upstream_log(upstream) if "method" not in e["message"]]
+    assert answers[-1]["error"]["code"] == -32603, answers[-1]
+
+
+async def test_a_question_the_client_did_not_declare_is_refused_upstream_not_relayed(
+    upstream: str, proxy_url: str
+) -> None:
+    """An upstream that asks for elicitation a client never declared (2025-11-25 "Client
+    Features"): the upstream gets -32601 at once, and the client never sees the question."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open({})
+        async with client.call(5, "ask") as resp:
+            reply = await asyncio.wait_for(reply_of(resp), 4)
+    text = reply["result"]["content"][0]["text"]
+    assert "did not declare the elicitation capability" in text, reply
+    answers = [e["message"] for e in await upstream_log(upstream) if "method" not in e["message"]]
+    assert answers[-1]["error"]["code"] == -32601, answers[-1]
+
+
+async def test_a_stdio_child_s_question_waits_input_timeout_and_needs_the_capability(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """In front of a stdio child the same: an unanswered question is answered to the child with
+    the timeout's error (and withdrawn from the client), and a client without the capability is
+    never asked."""
+    proxy = await serve(stdio_config(tmp_path, {"tasks": {"input_timeout": "300ms"}}))
+    async with aiohttp.ClientSession() as http:
+        asked = await Legacy(proxy.url(), http).open({"elicitation": {}})
+        async with asked.call(5, "confirm_delete", filename="a.txt") as resp:
+            events = await asyncio.wait_for(read_events(resp), 5)
+        messages = [json.loads(e.data) for e in events if e.data]
+        assert [m.get("method") for m in messages[:2]] == ["elicitation/create", "notifications/cancelled"]
+        assert messages[1]["params"]["requestId"] == messages[0]["id"], messages
+        assert "input timed out" in json.dumps(messages[-1]), messages[-1]
+        never = await Legacy(proxy.url(), http).open({})
+        async with never.call(6, "confirm_delete", filename="b.txt") as resp:
+            reply = await asyncio.wait_for(reply_of(resp), 5)
+        assert "did not declare the elicitation capability" in json.dumps(reply), reply
