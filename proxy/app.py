@@ -471,7 +471,8 @@ async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
     """Begin the SIGTERM drain: synchronous calls have `listen.drain_timeout` (s) from now (the
     runner's shutdown waits for them). A replica also keeps serving while it drains: /readyz says
     503 at once, new calls and sessions are refused (503, so a load balancer retries them
-    elsewhere), and the detached calls it runs (and MRTR calls parked here) go on for up to
+    elsewhere), and the detached calls it runs (and MRTR calls parked here, and outcomes or
+    idempotency answers the store has not taken yet: `TaskService.pending_writes`) go on for up to
     `listen.drain_detached` (s) while other replicas serve their polls, or until `interrupted` is
     set (a second SIGTERM or SIGINT); then its streams are cut, their clients reconnect elsewhere.
     Even with nothing left to run, a replica drains for `listen.drain_grace` (s) at least, so its
@@ -487,7 +488,10 @@ async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
 
     async def settled() -> None:
         await asyncio.gather(
-            replicas.wait_idle(listen.drain_detached, busy=lambda: bool(tasks.live) or len(parked) > 0),
+            replicas.wait_idle(
+                listen.drain_detached,
+                busy=lambda: bool(tasks.live) or len(parked) > 0 or tasks.pending_writes() > 0,
+            ),
             asyncio.sleep(min(listen.drain_grace, listen.drain_detached)),
         )
 

@@ -247,11 +247,16 @@ class CallKeys:
             if size > limit:
                 message = f"the result ({size} bytes) exceeds the limit max_result_bytes ({limit} bytes)"
                 outcome = proxy_error(message, limit="max_result_bytes")
+        store, entry, ttl_ms = self.tasks.store, keyed.entry(outcome), int(keyed.window_s * 1000) or 1
         try:
-            await self.tasks.store.put_blob(keyed.slot, keyed.entry(outcome), int(keyed.window_s * 1000) or 1)
+            await store.put_blob(keyed.slot, entry, ttl_ms)
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             log.warning("call_key_not_settled", task_id=keyed.task_id, reason=str(exc))
+            # kept as soon as the store takes writes: a retry waiting on the slot gets it then
+            self.tasks.write_later(
+                lambda: store.put_blob(keyed.slot, entry, ttl_ms), f"key of {keyed.task_id}"
+            )
 
     async def _count_join(self, task_id: str, hold_s: float) -> None:
         """One more request joined `task_id`'s call (shown by the console). A read, then a write:
@@ -276,11 +281,13 @@ class CallKeys:
     async def release(self, keyed: KeyedCall) -> None:
         """Let the slot go (the call it held never reached the upstream): a retry with its key runs
         the call, and a retry that was waiting on it is told to send it again."""
+        store, entry = self.tasks.store, keyed.entry()
         try:
-            await self.tasks.store.put_blob(keyed.slot, keyed.entry(), 1)  # lapses at once
+            await store.put_blob(keyed.slot, entry, 1)  # lapses at once
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             log.warning("call_key_not_released", task_id=keyed.task_id, reason=str(exc))
+            self.tasks.write_later(lambda: store.put_blob(keyed.slot, entry, 1), f"key of {keyed.task_id}")
 
     async def join(
         self,

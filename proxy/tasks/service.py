@@ -132,6 +132,7 @@ class TaskService:
         self._unwritten: dict[str, TaskRecord] = {}  # outcomes the store has not taken yet, as shown
         self._retrieved: dict[str, None] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._late_writes = 0  # `write_later` writes still waiting for the store
         self._spans: dict[str, Span] = {}  # tracing: each live task's span, from detach to its end here
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -696,6 +697,30 @@ class TaskService:
             pass
         finally:
             self._unwritten.pop(task_id, None)
+
+    def write_later(self, write: Callable[[], Awaitable[Any]], what: str) -> None:
+        """Keep trying `write()`, a store write the store refused (an idempotency key's answer), in
+        the background, waits ≤ 5 s apart, until it lands (or `stop`); a replica's drain waits for
+        it (`pending_writes`). `what` names it in the log (`store_write_recorded_late`)."""
+        self._spawn(self._keep_trying(write, what))
+
+    async def _keep_trying(self, write: Callable[[], Awaitable[Any]], what: str) -> None:
+        self._late_writes += 1
+        try:
+            async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=0.1, max=5.0),
+                retry=retry_if_exception_type(StoreUnavailableError),
+            ):
+                with attempt:
+                    await write()
+            log.info("store_write_recorded_late", what=what)
+        finally:
+            self._late_writes -= 1
+
+    def pending_writes(self) -> int:
+        """How many writes wait for the store to take them (outcomes, `write_later`): a replica's
+        drain waits for them, since its replacement could not know what they hold."""
+        return len(self._unwritten) + self._late_writes
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -213,6 +213,35 @@ async def test_an_unwritable_store_fails_tasks_naming_it_and_never_answers_500(
         await client.close()
 
 
+async def test_a_keyed_answer_the_store_could_not_keep_is_kept_once_it_can(
+    legacy_url: str, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, serve: Serve
+) -> None:
+    """A keyed call answered while the store cannot write: the answer goes out, and is kept under
+    its key as soon as the store takes writes again, so a retry gets it. Before, the slot kept naming
+    the running call, and a retry waited on it until the call's `timeout` (30 min by default)."""
+    monkeypatch.setattr(diskcache_store, "CHECKPOINT_EVERY_S", 1e9)
+    config = make_config(
+        legacy_url, small_tmpfs / "store", tasks={"detach_after": "20s"}, server={"timeout": "20s"}
+    )
+    config.store.write_retry = 0.3
+    proxy = await serve(config)
+    plain = ModernClient(proxy.url(), capabilities={})
+    key = {"Idempotency-Key": "kept-once-it-can"}
+    arguments = {"seconds": 0.8}
+    try:
+        first = asyncio.create_task(plain.call("quiet_compute", arguments, headers=key))
+        await asyncio.sleep(0.3)  # its key is claimed; it runs
+        filler = _fill(small_tmpfs)
+        answered = await first
+        assert answered.result["content"][0]["text"] == "quietly computed after 0.8s", answered.message
+        filler.unlink()
+        retry = await asyncio.wait_for(plain.call("quiet_compute", arguments, headers=key), 10)
+        assert retry.result == answered.result, retry.message
+        assert proxy.app[TASKS_KEY].pending_writes() == 0
+    finally:
+        await plain.close()
+
+
 async def test_a_task_reads_one_terminal_state_across_a_restart_while_the_store_cannot_write(
     legacy_url: str, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, serve: Serve
 ) -> None:
