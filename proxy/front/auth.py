@@ -161,7 +161,8 @@ def too_many_failures(retry_after_s: int, rate: str | None) -> web.Response:
     """HTTP 429 for an address past `limits.failed_auth`: a JSON-RPC error (-32603, `data.limit`
     `failed_auth`, as every limit) and `Retry-After` (s)."""
     message = (
-        f"limit failed_auth: too many wrong credentials from this address; retry after {retry_after_s} s"
+        f"limit failed_auth: too many credentials this proxy had not seen verify were checked from this "
+        f"address ({rate}); retry after {retry_after_s} s"
     )
     body = jsonrpc.error_response(
         None,
@@ -191,7 +192,8 @@ def auth_middleware(
     Health, metrics and the resource metadata stay open. Paths under `own_auth_prefix` (the
     console, `/console`) are left to their own authentication: no client principal is set there, so
     a client credential never opens them. So are paths under `internal_prefix` (the replicas'
-    `/_replica`, which check the replicas' shared secret themselves). Failures are logged as
+    `/_replica`, which check the replicas' shared secret themselves), and paths no route serves
+    (their 404 or 405 tells a client it has the wrong URL). Failures are logged as
     security events (without secrets). Each credential that has not verified before counts as an
     attempt of its client address (`listen.client_address`) in `throttle` before it is looked at;
     an address past `limits.failed_auth` gets 429 with Retry-After.
@@ -207,6 +209,9 @@ def auth_middleware(
         ):
             return await handler(request)
         if internal_prefix is not None and path.startswith(internal_prefix + "/"):
+            return await handler(request)
+        if getattr(request.match_info, "http_exception", None) is not None:
+            # no route: the router's 404 (or 405), not a 401 that sends a client to sign in again
             return await handler(request)
         credential = presented_credential(request, authenticator.mode)
         address = listen.client_address(request.remote, request.headers.getall("X-Forwarded-For", []))

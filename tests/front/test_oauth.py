@@ -273,6 +273,12 @@ async def test_tokens_are_refused_with_the_right_status_and_challenge(
     url = await oauth_proxy(refetch_interval="1s")
     good = auth_server.token("alice", scope="mcp:use compute", resource=url)
     assert (await post(url, INITIALIZE, good))[0] == 200
+    # A URL no endpoint serves is a 404 with a good token or none: a 401 ("Audience doesn't match")
+    # sent the client to sign in again when its URL was wrong.
+    base = url.removesuffix("/mcp")
+    for wrong in (f"{base}/mcp/", f"{base}/servers/nope/mcp", f"{base}/foo"):
+        assert (await post(wrong, INITIALIZE, good))[0] == 404, wrong
+        assert (await post(wrong, INITIALIZE))[0] == 404, wrong
     fetched = auth_server.jwks_served()
 
     def refused_as_invalid(result: tuple[int, dict, str]) -> None:
