@@ -401,7 +401,7 @@ async def _readyz(request: web.Request) -> web.Response:
         checks["store"] = "ok" if read_problem is None else f"failed: reads fail: {read_problem}"
     except (StoreUnavailableError, TimeoutError) as exc:
         metrics.STORE_WRITABLE.set(0)
-        checks["store"] = f"failed: {exc or f'no answer within {READY_CHECK_S:g} s'}"
+        checks["store"] = f"failed: {str(exc) or f'no answer within {READY_CHECK_S:g} s'}"
     pools = request.app[POOLS_KEY]
     problems = await asyncio.gather(*(pool.check(timeout_s=READY_CHECK_S) for pool in pools.values()))
     for name, problem in zip(pools, problems, strict=True):

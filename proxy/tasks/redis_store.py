@@ -33,6 +33,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.config.base import redact_url, url_password
 from proxy.tasks.model import Change, TaskRecord, TaskStatus, apply, now_ms, principal_key
@@ -114,7 +115,9 @@ class RedisTaskStore:
     # -- errors and events --------------------------------------------------------------------
 
     def _message(self, exc: BaseException) -> str:
-        text = f"{exc.__class__.__name__}: {exc}"
+        text = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
+        if isinstance(exc, (TimeoutError, RedisTimeoutError)) and not str(exc):  # (they may say nothing)
+            text += f" (no answer within {self.timeout_s:g} s: store.timeout)"
         if self._password:
             text = text.replace(self._password, "***")
         return f"task store {self.where}: {text}"

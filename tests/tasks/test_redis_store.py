@@ -18,6 +18,7 @@ from support.clients import TASKS_CAPS, ModernClient, envelope
 from support.proxy import Serve
 from support.records import make_record
 from support.redis_server import RedisServer, free_port
+from support.relay import relay_to
 from support.servers import ROOT
 from support.v1_client import V1Client
 
@@ -202,6 +203,23 @@ async def test_a_password_from_the_environment_never_leaks_and_redis_down_is_503
 
 
 # -- two proxies, one Redis -----------------------------------------------------------------------
+
+
+async def test_a_redis_that_hangs_gets_a_readyz_reason_naming_the_wait(
+    legacy_url: str, redis_server: RedisServer, redis_prefix: str, serve: Serve
+) -> None:
+    """A Redis that accepts and then says nothing (here a paused relay; `kill -STOP` alike): /readyz
+    is 503 naming the bound it waited for. It said `"failed: "`: the check's own timeout carries
+    no text."""
+    async with relay_to(redis_server) as (relay, relayed_url):
+        proxy = await serve(redis_config(legacy_url, relayed_url, redis_prefix))  # store.timeout 2 s
+        assert (await readyz(proxy.base))[0] == 200
+        relay.pause()
+        try:
+            status, ready = await readyz(proxy.base)
+        finally:
+            relay.resume()
+    assert status == 503 and ready["checks"]["store"] == "failed: no answer within 1.5 s", ready
 
 
 async def test_changes_of_one_store_object_reach_the_others_listeners_and_waits(
