@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -888,7 +889,20 @@ class TaskService:
                         expect_version=record.version,
                     ),
                 )
-                call = self.rerun(owned, self)  # only once this node owns it: never sent twice
+                # only once this node owns it (never sent twice), and in a log context of its own:
+                # not that of the request whose read found the orphan
+                context = contextvars.Context()
+                context.run(
+                    structlog.contextvars.bind_contextvars, task_id=owned.task_id, server=owned.server
+                )
+                call = context.run(self.rerun, owned, self)
+                log.info(
+                    "task_taken_over",
+                    task_id=record.task_id,
+                    fate="rerun" if call is not None else "failed",
+                    lost_node=record.owner,
+                    node=self.node,
+                )
                 if call is not None:
                     if tracing.enabled():
                         self._open_span(owned, parent=owned.trace)
@@ -897,6 +911,14 @@ class TaskService:
                     metrics.ORPHANED.labels("rerun").inc()
                     return owned
                 record = owned
+            else:
+                log.info(
+                    "task_taken_over",
+                    task_id=record.task_id,
+                    fate="failed",
+                    lost_node=record.owner,
+                    node=self.node,
+                )
             metrics.ORPHANED.labels("failed").inc()
             return await self.store.update(
                 record.task_id,

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import yaml
 from support.clients import ModernClient
+from support.logs import json_log
 from support.proxy import RunningProxy, Serve, make_config
 from support.records import make_record
 from support.servers import ROOT, ServerProcess
@@ -297,6 +298,45 @@ async def test_a_lapsed_lease_ends_the_orphan_within_twice_the_lease(
     assert record.status is TaskStatus.FAILED and ghost in record.outcome["error"]["message"]
     assert lease_s <= elapsed <= 2 * lease_s, elapsed
     assert proxy.app[TASKS_KEY].store_problem is None
+
+
+async def test_an_orphan_a_poll_finds_is_taken_over_in_a_log_context_of_its_own(
+    legacy_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], serve: Serve
+) -> None:
+    """A poll that finds an orphan (its owner's lease lapsed) of an `on_restart: rerun` tool: the
+    take-over is logged (`task_taken_over`, naming the lost node), and the re-run call logs under
+    its task, not under the request id and method of the poll that happened to find it."""
+    config = make_config(
+        legacy_url,
+        tmp_path / "store",
+        server={"tasks": {"tools": {"slow_compute": {"on_restart": "rerun"}}}},
+    )
+    proxy = await serve(config)
+    params = {"name": "slow_compute", "arguments": {"seconds": 0.2, "label": "orphaned"}}
+    orphan = make_record(
+        task_id="orphan-" + uuid.uuid4().hex[:8],
+        owner="ghost-" + uuid.uuid4().hex[:8],  # no lease at all: lapsed
+        principal="anonymous",
+        server="legacy",
+        tool="slow_compute",
+        rerun={"method": "tools/call", "params": params, "capabilities": {}},
+    )
+    await proxy.store.create(orphan)
+    client = ModernClient(proxy.url())
+    try:
+        with json_log(capsys) as lines:
+            first = (await client.get(orphan.task_id)).result
+            done = await client.wait_terminal(orphan.task_id)
+    finally:
+        await client.close()
+    assert first["status"] == "working" and "re-running" in first["statusMessage"], first
+    assert done["status"] == "completed", done
+    taken = [line for line in lines if line["event"] == "task_taken_over"]
+    assert len(taken) == 1 and taken[0]["fate"] == "rerun" and taken[0]["lost_node"] == orphan.owner, taken
+    poll_id = next(line["request_id"] for line in lines if line.get("rpc_method") == "tasks/get")
+    ended = [line for line in lines if line["event"] == "task_ended" and line["task_id"] == orphan.task_id]
+    assert len(ended) == 1 and ended[0].get("request_id") != poll_id, ended
+    assert ended[0].get("rpc_method") != "tasks/get", ended
 
 
 async def test_an_operator_cancel_from_the_cli_stops_the_upstream_call(
