@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -240,9 +241,10 @@ def auth_middleware(
     return middleware
 
 
-def auth_refusal(status: int, message: str, challenge: str) -> web.Response:
-    """A 401 or 403 answer: a JSON-RPC error (-32600) body and the `WWW-Authenticate` challenge."""
-    body = jsonrpc.error_response(None, jsonrpc.error_object(INVALID_REQUEST, message))
+def auth_refusal(status: int, message: str, challenge: str, request_id: Any = None) -> web.Response:
+    """A 401 or 403 answer: a JSON-RPC error (-32600) body under `request_id` (None: the body was
+    not read) and the `WWW-Authenticate` challenge."""
+    body = jsonrpc.error_response(request_id, jsonrpc.error_object(INVALID_REQUEST, message))
     return web.Response(
         status=status,
         text=json.dumps(body),

@@ -49,7 +49,9 @@ class ScopeCheck:
             challenge = self.resource.challenge(
                 request.path, error="insufficient_scope", description=message, scope=needed
             )
-            return auth_refusal(403, message, challenge)
+            request_id = body.get("id")
+            valid = isinstance(request_id, (str, int)) and not isinstance(request_id, bool)
+            return auth_refusal(403, message, challenge, request_id if valid else None)
         return None
 
     async def _uses(

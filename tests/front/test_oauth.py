@@ -334,6 +334,7 @@ async def test_insufficient_scope_is_a_403_a_client_can_step_up_from(
     body, headers = modern_call("slow_compute", {"seconds": 0.3, "label": "scoped"})
     status, reply, challenge = await post(url, body, narrow, **headers)
     assert status == 403 and reply["error"]["code"] == -32600
+    assert reply["id"] == body["id"]  # the body was read: its answer carries its id
     assert 'error="insufficient_scope"' in challenge and 'scope="mcp:use compute"' in challenge
     status, reply, _ = await post(url, body, wide, **headers)  # stepped up
     assert status == 200 and reply["result"]["resultType"] == "task"
