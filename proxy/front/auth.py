@@ -224,10 +224,11 @@ def auth_middleware(
             log.warning("security_auth_failed", reason=str(exc), remote=address, path=path)
             scheme = request.headers.get("Authorization", "").partition(" ")[0]
             sent_token = scheme.lower() == "bearer"  # another scheme carries no token (RFC 6750 §3.1)
+            token_mode = sent_token and authenticator.mode in ("jwt", "bearer")
             challenge = resource.challenge(
                 path,
-                error="invalid_token" if sent_token and authenticator.mode == "jwt" else None,
-                description=str(exc) if sent_token and authenticator.mode == "jwt" else None,
+                error="invalid_token" if token_mode else None,
+                description=str(exc) if token_mode else None,
             )
             return auth_refusal(401, f"authentication required: {exc}", challenge)
         if credential is not None:

@@ -40,6 +40,11 @@ async def test_bearer_tokens_bind_tasks_to_their_principal(
                 and reply.error["code"] == -32600
                 and "authentication required" in reply.error["message"]
             )
+        # RFC 6750 §3.1: a token that was sent and refused is named in the challenge; none sent, none named
+        for sent, named in (({"Authorization": "Bearer guess"}, True), ({}, False)):
+            async with wrong.http.post(proxy.url(), json={}, headers=sent) as resp:
+                assert resp.status == 401
+                assert ('error="invalid_token"' in resp.headers["WWW-Authenticate"]) is named
         created = (await alice.call("slow_compute", {"seconds": 0.3, "label": "alice"})).result
         task_id = created["taskId"]
         unknown = await bob.get("no-such-task")
