@@ -96,6 +96,18 @@ def _slot(kind: str, *parts: str) -> str:
     return f"{kind}:{hashlib.sha256(joined).hexdigest()}"
 
 
+class SlotLetGoError(JsonRpcError):
+    """The call a key's slot named let it go while a retry waited on it (it never reached the
+    upstream): -32603, HTTP 503, "send it again". `quiet`: nothing was sent to the waiting client
+    yet (no keep-alive), so the retry may still run the call itself."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        super().__init__(
+            INTERNAL_ERROR, "the call this key named never reached the upstream; send it again", status=503
+        )
+        self.quiet = quiet
+
+
 class CallKeys:
     """The key slots of one task service's store (`tasks`), and the joining of calls that find
     their slot taken."""
@@ -152,25 +164,37 @@ class CallKeys:
     ) -> tuple[KeyedCall | None, JsonObject | None]:
         """`claim`, then `join` when the slot was taken. Returns (keyed, None) for a call to run
         (`keyed` None when it names no slot), or (keyed, answer) for a call the first one answers.
-        Raises what `claim` and `join` raise."""
+        A first call that lets the slot go while this one waits, before anything was sent to this
+        one's client, is claimed again (once): this call then runs it. Raises what `claim` and
+        `join` raise."""
+        claimed_again = False
         keyed, first = await self.claim(
             principal=principal, server=server, tool=tool, arguments=arguments, key=key, policy=policy
         )
-        if keyed is None or first is None:
-            return keyed, None
-        answer = await self.join(
-            first,
-            keyed,
-            principal=principal,
-            server=server,
-            tool=tool,
-            as_task=as_task,
-            policy=policy,
-            reply=reply,
-            keepalive_s=keepalive_s,
-            dialect=dialect,
-        )
-        return keyed, answer
+        while keyed is not None and first is not None:
+            try:
+                answer = await self.join(
+                    first,
+                    keyed,
+                    principal=principal,
+                    server=server,
+                    tool=tool,
+                    as_task=as_task,
+                    policy=policy,
+                    reply=reply,
+                    keepalive_s=keepalive_s,
+                    dialect=dialect,
+                )
+            except SlotLetGoError as exc:
+                if claimed_again or not exc.quiet:
+                    raise
+                claimed_again = True
+                keyed, first = await self.claim(
+                    principal=principal, server=server, tool=tool, arguments=arguments, key=key, policy=policy
+                )
+                continue
+            return keyed, answer
+        return keyed, None
 
     async def _claim(self, keyed: KeyedCall) -> JsonObject | None:
         """The write-if-absent of `keyed`'s slot: None when won, else the entry that holds it."""
@@ -332,6 +356,7 @@ class CallKeys:
         deadline = loop.time() + policy.timeout + policy.detach_after
         next_lease_check = loop.time() + LEASE_CHECK_S
         next_keepalive = loop.time() + keepalive_s
+        kept_alive = False  # whether a keep-alive went to the waiting client
         store = self.tasks.store
         # 2025-11-25 tasks: a task-augmented request is answered with its task (CreateTaskResult)
         # whatever the task's status; its result comes from tasks/result
@@ -373,14 +398,11 @@ class CallKeys:
                     )
                 if reply is not None and loop.time() >= next_keepalive:
                     next_keepalive = loop.time() + keepalive_s
+                    kept_alive = True
                     await reply.keepalive()
                 taken = await store.get_blob(keyed.slot)
                 if taken is None:  # let go (`release`), or lapsed
-                    raise JsonRpcError(
-                        INTERNAL_ERROR,
-                        "the call this key named never reached the upstream; send it again",
-                        status=503,
-                    )
+                    raise SlotLetGoError(quiet=not kept_alive)
                 entry = json.loads(taken)
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)

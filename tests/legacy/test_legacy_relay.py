@@ -1637,3 +1637,30 @@ async def test_a_stdio_child_s_question_waits_input_timeout_and_needs_the_capabi
         async with never.call(6, "confirm_delete", filename="b.txt") as resp:
             reply = await asyncio.wait_for(reply_of(resp), 5)
         assert "did not declare the elicitation capability" in json.dumps(reply), reply
+
+
+async def test_a_retry_waiting_on_a_key_its_first_call_lets_go_runs_the_call_itself(
+    tmp_path: Path, serve: Serve
+) -> None:
+    """A retry that joined a keyed call still connecting, whose connection then times out (it
+    never reached the upstream: the key lets go), runs the call itself rather than telling its
+    client to send it again, as long as nothing went to that client yet."""
+    with black_hole() as port:
+        config = relay_config(
+            f"http://127.0.0.1:{port}/mcp", tmp_path, {"connect_timeout": "400ms"}, sse_keepalive="5s"
+        )
+        proxy = await serve(config)
+        async with aiohttp.ClientSession() as http:
+            keyed = Legacy(proxy.url(), http).headers(**{"Idempotency-Key": "let-go-while-waiting"})
+
+            async def call(rid: int) -> dict:
+                async with http.post(
+                    proxy.url(), json=call_body(rid, "echo", text="hi"), headers=keyed
+                ) as resp:
+                    return await reply_of(resp)
+
+            first = asyncio.ensure_future(call(1))
+            await asyncio.sleep(0.15)  # the first holds the key, connecting
+            retry = await call(2)
+            await first
+    assert retry["id"] == 2 and "unreachable" in retry["error"]["message"], retry  # its own attempt
