@@ -40,7 +40,6 @@ from proxy.upstream.types import (
     MAX_RESUME_ATTEMPTS,
     MAX_RETRY_WAIT_S,
     Bounds,
-    StaleConnectionError,
     UpstreamError,
     error_text,
     read_body,
@@ -401,9 +400,9 @@ class HttpRelay:
 
     def _failure_text(self, exc: BaseException, bound: float, key: str) -> str:
         """What a client is told of an exchange that failed before the upstream's response headers:
-        `bound` (s) passed (the config `key` that sets it), a stale pooled connection, or no
-        connection at all (unreachable)."""
-        if isinstance(exc, StaleConnectionError):
+        `bound` (s) passed (the config `key` that sets it), a stale pooled connection, the proxy's
+        own upstream token refused or not obtained, or no connection at all (unreachable)."""
+        if isinstance(exc, UpstreamError):  # stale connection, or the proxy's own token: their own words
             return str(exc)
         if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
             return f"upstream {self.name} did not answer within {bound:g} s ({key})"
@@ -719,7 +718,10 @@ class HttpRelay:
             resp = await self._send_once(method, raw, headers, bound, headers_only, resend, fresh=True)
             if resp.status == 401:
                 resp.release()
-                raise UpstreamError(f"upstream {self.name} refused the proxy's token (HTTP 401)")
+                raise UpstreamError(
+                    f"upstream {self.name} refused the proxy's token (HTTP 401), a fresh one too: check "
+                    f"mcpServers.{self.name}.oauth"
+                )
         return resp
 
     async def _send_once(

@@ -214,12 +214,21 @@ class UpstreamSession:
             resp = await self._post_once(message, timeout, fresh=True)  # (the 401's connection may close)
             if resp.status == 401:
                 resp.release()
-                raise UpstreamError(f"upstream {self.server} refused the proxy's token (HTTP 401)")
+                raise UpstreamError(
+                    f"upstream {self.server} refused the proxy's token (HTTP 401), a fresh one too: check "
+                    f"mcpServers.{self.server}.oauth"
+                )
         if 300 <= resp.status < 400:
             resp.release()
             raise UpstreamError(
                 f"upstream {self.server} answered HTTP {resp.status} (a redirect); redirects are not "
                 f"followed: configure the final URL"
+            )
+        if resp.status in (401, 403):  # its own sign-in, refused before it ran anything
+            resp.release()
+            raise UpstreamUndeliveredError(
+                f"upstream {self.server} refused the proxy (HTTP {resp.status}): it wants credentials; "
+                f"configure mcpServers.{self.server}.oauth or headers"
             )
         if resp.status == 404 and self.session_id and message.get("method") != "initialize":
             resp.release()

@@ -509,6 +509,38 @@ async def test_an_upstream_gets_the_proxys_token_never_the_clients(
 
 
 @pytest.mark.node
+async def test_an_upstream_that_refuses_the_proxys_own_token_is_named_with_the_setting(
+    auth_server: AuthorizationServer, tmp_path: Path, serve: Serve
+) -> None:
+    """The proxy's own token is refused even when fresh (here: issued for another resource): both
+    eras name the upstream and the setting to fix, not "unreachable" (the network is fine)."""
+    upstream = ServerProcess([sys.executable, "tests/fixtures/oauth_upstream.py", auth_server.url])
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/mcp"
+        config = oauth_config(upstream.url, tmp_path, auth_server.url, port)
+        oauth = {
+            "token_url": auth_server.url + "/token",
+            "client_id": "proxy-upstream",
+            "client_secret": "upstream-secret",
+            "resource": "http://127.0.0.1:9/elsewhere",
+        }
+        entry = config_from_data({"mcpServers": {"x": {"url": upstream.url, "oauth": oauth}}}).mcpServers["x"]
+        config.mcpServers["legacy"].oauth = entry.oauth
+        await serve(config)
+        client_token = auth_server.token("alice-app", scope="mcp:use compute", resource=url)
+        body, headers = modern_call("greet", {"name": "up"})
+        _, modern, _ = await post(url, body, client_token, **headers)
+        _, legacy, _ = await post(url, INITIALIZE, client_token)
+        for reply in (modern, legacy):
+            message = reply["error"]["message"]
+            assert "refused the proxy's token (HTTP 401), a fresh one too" in message, reply
+            assert "mcpServers.legacy.oauth" in message and "unreachable" not in message, reply
+    finally:
+        upstream.stop()
+
+
+@pytest.mark.node
 async def test_the_clients_token_never_reaches_an_upstream_without_proxy_credentials(
     auth_server: AuthorizationServer, oauth_proxy: OAuthProxy
 ) -> None:
@@ -521,7 +553,10 @@ async def test_the_clients_token_never_reaches_an_upstream_without_proxy_credent
         client_token = auth_server.token("alice-app", scope="mcp:use compute", resource=url)
         body, headers = modern_call("greet", {"name": "up"})
         status, reply, _ = await post(url, body, client_token, **headers)
-        assert reply["error"]["message"] == "upstream legacy answered HTTP 401", reply
+        assert reply["error"]["message"] == (
+            "upstream legacy refused the proxy (HTTP 401): it wants credentials; configure "
+            "mcpServers.legacy.oauth or headers"
+        ), reply
         status, reply, challenge = await post(url, INITIALIZE, client_token)
         # The upstream's sign-in is not the client's: no 401, no challenge.
         assert status != 401 and not challenge, (status, challenge)
