@@ -281,6 +281,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 log_payloads=config.logging.log_payloads,
                 router=router.route if router is not None else None,
                 scopes=ScopeCheck(app[RESOURCE_KEY], name, tasks) if config.auth.scopes else None,
+                drain=drain,
             )
         app[TASKS_KEY], app[POOLS_KEY], app[PARKED_KEY] = tasks, pools, parked
         if config.console is not None:
@@ -480,7 +481,9 @@ async def drain(app: web.Application, interrupted: asyncio.Event) -> None:
     config = app[CONFIG_KEY]
     app[DRAIN_KEY].start(config.listen.drain_timeout)
     replicas = app.get(REPLICAS_KEY)
-    if replicas is None:
+    if replicas is None:  # a lone proxy: its streams end now, synchronous calls keep drain_timeout
+        if cut := app[DRAIN_KEY].close_streams():
+            log.info("streams_cut_at_shutdown", streams=cut)
         return
     tasks, parked = app[TASKS_KEY], app[PARKED_KEY]
     await replicas.begin_drain()

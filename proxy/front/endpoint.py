@@ -28,7 +28,9 @@ from proxy.protocol.era import check_headers, is_modern_request, parse_envelope
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, JsonObject, JsonRpcError
 from proxy.protocol.sse import KEEPALIVE, SSE_HEADERS, encode_message
 from proxy.replicas.forward import FORWARDED_HEADER
+from proxy.replicas.routing import STREAM_METHODS
 from proxy.runtime import flow, metrics, tracing
+from proxy.runtime.drain import Drain
 from proxy.runtime.running import MAX_BOUND_METHOD, MAX_BOUND_NAME, bind
 from proxy.tasks.model import ANONYMOUS, principal_hash
 
@@ -148,6 +150,7 @@ class ServerEndpoint:
         router: Router | None = None,
         scopes: ScopeCheck | None = None,
         log_payloads: bool = False,
+        drain: Drain | None = None,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher
@@ -156,12 +159,22 @@ class ServerEndpoint:
         self.router = router
         self.scopes = scopes
         self.log_payloads = log_payloads
+        self.drain = drain
+
+    def _stream(self, request: web.Request, method: Any) -> None:
+        """A lone proxy's stream that lasts as long as its client (a GET, `tasks/result`,
+        `subscriptions/listen`) is cut as the drain starts (`Drain.close_streams`); with replicas,
+        the router tracks it (cut at the end of the replica's drain)."""
+        if self.drain is not None and self.router is None:
+            if request.method == "GET" or method in STREAM_METHODS:
+                self.drain.track_stream()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """aiohttp handler for POST, GET and DELETE on the endpoint."""
         bind(server=self.name)
         if request.method == "POST":
             return await self._post(request)
+        self._stream(request, None)
         if request.headers.get("Mcp-Session-Id"):
             bind(era="legacy")  # (on a relaying replica's line too)
             routed = (
@@ -240,6 +253,7 @@ class ServerEndpoint:
         """Serve a parsed POST: the scope check, then another replica (the router) or this one."""
         modern = is_modern_request(request.headers, body)
         bind(era="modern" if modern else "legacy")
+        self._stream(request, body.get("method") if isinstance(body, dict) else None)
         if self.scopes is not None and (refused := await self.scopes.refusal(request, body)) is not None:
             return refused
         routed = (

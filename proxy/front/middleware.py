@@ -108,7 +108,7 @@ def access_log(drain: Drain | None = None, running: RunningRequests | None = Non
             status = exc.status
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            cut = drain is not None and drain.cutting
+            cut = drain is not None and drain.cut_at_shutdown(asyncio.current_task())
             status, event = CLIENT_CLOSED, "request_cut_at_shutdown" if cut else "client_disconnected"
             raise
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -26,6 +27,32 @@ class Drain:
         self._deadline_call: asyncio.TimerHandle | None = None
         self._passed = False
         self._timers: set[DrainTimer] = set()  # the wake-ups `start` and `cut` bring forward (see `timer`)
+        self._streams: set[asyncio.Task[Any]] = set()  # handlers of streams open until their client leaves
+        self._streams_cut: set[asyncio.Task[Any]] = set()  # those `close_streams` cut
+
+    def track_stream(self) -> None:
+        """Remember the current request handler as a stream that lasts as long as its client (a
+        GET stream, `tasks/result`, `subscriptions/listen`): `close_streams` ends it."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._streams.add(task)
+            task.add_done_callback(self._streams.discard)
+
+    def close_streams(self) -> int:
+        """Cut every tracked stream now, as a lone proxy starts draining (nothing it carries outlives
+        the process, and a client reconnects once the proxy is back); returns how many. A replica
+        cuts its own at the end of its drain instead (`replicas.node`)."""
+        open_streams = [task for task in self._streams if not task.done()]
+        for task in open_streams:
+            self._streams_cut.add(task)
+            task.add_done_callback(self._streams_cut.discard)
+            task.cancel()
+        return len(open_streams)
+
+    def cut_at_shutdown(self, task: asyncio.Task[Any] | None) -> bool:
+        """True when a cancelled handler (`task`) was cut by the shutdown: a stream `close_streams`
+        ended, or anything once the proxy is `cutting`."""
+        return self.cutting or task in self._streams_cut
 
     def at_deadline(self, fn: Callable[[str], None]) -> None:
         """Call `fn(reason)` once, when the drain deadline passes or `cut` ends the drain (for work

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -439,6 +440,48 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
         not_reading.close()
     finally:
         await plain.close()
+        proxy.stop()
+
+
+async def test_a_lone_proxy_cuts_its_open_streams_as_it_starts_draining(
+    legacy_url: str, tmp_path: Path
+) -> None:
+    """An idle legacy GET stream (open as long as its client) held a lone proxy's SIGTERM for the
+    whole `drain_timeout` (about 31 s): nothing it carries outlives the process, so it is cut as the
+    drain starts, and the proxy exits at once when no call is running."""
+    import time
+
+    proxy = _start(_write_config(tmp_path, legacy_url, listen={"drain_timeout": "20s"}))
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"},
+        },
+    }
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.url, json=init, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                headers["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
+                await resp.read()
+            initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            async with http.post(proxy.url, json=initialized, headers=headers) as resp:
+                assert resp.status == 202
+            async with http.get(proxy.url, headers={**headers, "Accept": "text/event-stream"}) as stream:
+                assert stream.status == 200
+                started = time.monotonic()
+                proxy.proc.send_signal(signal.SIGTERM)
+                assert await asyncio.to_thread(proxy.proc.wait, 15) == 0
+                took = time.monotonic() - started
+                with contextlib.suppress(aiohttp.ClientError):
+                    await asyncio.wait_for(stream.read(), 5)  # ended, not left hanging
+        assert took < 8, took  # not the 20 s drain_timeout
+    finally:
         proxy.stop()
 
 
