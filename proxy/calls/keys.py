@@ -279,7 +279,9 @@ class CallKeys:
             log.warning("call_key_not_settled", task_id=keyed.task_id, reason=str(exc))
             # kept as soon as the store takes writes: a retry waiting on the slot gets it then
             self.tasks.write_later(
-                lambda: store.put_blob(keyed.slot, entry, ttl_ms), f"key of {keyed.task_id}"
+                lambda: store.put_blob(keyed.slot, entry, ttl_ms),
+                f"key of {keyed.task_id}",
+                for_s=keyed.window_s,
             )
 
     async def _count_join(self, task_id: str, hold_s: float) -> None:
@@ -311,7 +313,10 @@ class CallKeys:
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             log.warning("call_key_not_released", task_id=keyed.task_id, reason=str(exc))
-            self.tasks.write_later(lambda: store.put_blob(keyed.slot, entry, 1), f"key of {keyed.task_id}")
+            # (bounded by the claim's own hold: past it the slot lapsed, and may be someone else's)
+            self.tasks.write_later(
+                lambda: store.put_blob(keyed.slot, entry, 1), f"key of {keyed.task_id}", for_s=keyed.hold_s
+            )
 
     async def join(
         self,
@@ -398,8 +403,7 @@ class CallKeys:
                     )
                 if reply is not None and loop.time() >= next_keepalive:
                     next_keepalive = loop.time() + keepalive_s
-                    kept_alive = True
-                    await reply.keepalive()
+                    kept_alive = await reply.keepalive() or kept_alive
                 taken = await store.get_blob(keyed.slot)
                 if taken is None:  # let go (`release`), or lapsed
                     raise SlotLetGoError(quiet=not kept_alive)

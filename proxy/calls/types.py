@@ -25,8 +25,9 @@ class Reply(Protocol):
     async def notify(self, message: JsonObject) -> None:
         """Send a JSON-RPC notification (switching the response to SSE)."""
 
-    async def keepalive(self) -> None:
-        """Send an SSE comment so idle-timeout intermediaries keep the connection."""
+    async def keepalive(self) -> bool:
+        """Send an SSE comment so idle-timeout intermediaries keep the connection; True when it
+        wrote one (a client that takes no SSE gets nothing)."""
 
     async def relay(self, message: JsonObject) -> bool:
         """Write a notification at once from any task, when that cannot wait for the client: the

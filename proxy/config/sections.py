@@ -121,11 +121,16 @@ class ListenConfig(_Strict):
         parts = urlsplit(value)
         if parts.query or parts.fragment or parts.path.strip("/"):
             raise ValueError(
-                f"public_url {redact_url(value)!r} must be scheme://host[:port] without a path, query or "
+                f"public_url {value[:200]!r} must be scheme://host[:port] without a path, query or "
                 "fragment: the metadata of an endpoint lives at "
                 "/.well-known/oauth-protected-resource/<its path> (RFC 9728)"
             )
-        return value.rstrip("/")
+        # the canonical form clients compare `resource` and `aud` with: scheme and host in lower
+        # case, no default port (RFC 3986 §6.2.2-6.2.3)
+        scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+        default = {"http": 80, "https": 443}[scheme]
+        netloc = f"[{host}]" if ":" in host else host
+        return f"{scheme}://{netloc}" + (f":{parts.port}" if parts.port not in (None, default) else "")
 
     @field_validator("legacy_session_idle")
     @classmethod

@@ -105,10 +105,12 @@ class ModernReply(Reply):
             return False
         return await flow.write_without_waiting(self.request, self.stream, encode_message(message))
 
-    async def keepalive(self) -> None:
-        """Send an SSE comment (switches to SSE) so idle-timeout intermediaries keep the connection."""
+    async def keepalive(self) -> bool:
+        """Send an SSE comment (switches to SSE) so idle-timeout intermediaries keep the connection;
+        True (it always writes one)."""
         stream = await self._start_sse()
         await stream.write(KEEPALIVE)
+        return True
 
     async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
         """Send the final JSON-RPC message, as JSON or as the last SSE event.

@@ -179,8 +179,11 @@ class StdioChild:
         assert sent.input_timeout_s is not None
         await asyncio.sleep(sent.input_timeout_s)
         text = input_timed_out(sent.input_timeout_s)
-        if await self._answer_question(session, proxy_id, INTERNAL_ERROR, text):
-            await stream.push_message(withdrawn(proxy_id, text))
+        try:
+            if await self._answer_question(session, proxy_id, INTERNAL_ERROR, text):
+                await stream.push_message(withdrawn(proxy_id, text))
+        except Exception as exc:  # (a task nobody awaits: what fails is logged, never left unretrieved)
+            log.warning("legacy_question_timeout_failed", server=self.name, reason=repr(exc))
 
     async def notify(
         self, request: web.Request, session: LegacySession, body: JsonObject

@@ -73,15 +73,17 @@ class JoinReply:
         """Not used (see `notify`)."""
         return False
 
-    async def keepalive(self) -> None:
-        """An SSE comment (the stream starts with the first one); nothing for a JSON-only client."""
+    async def keepalive(self) -> bool:
+        """An SSE comment (the stream starts with the first one); nothing for a JSON-only client.
+        True when it wrote one."""
         if not self.takes_sse:
-            return
+            return False
         if self.stream is None:
             stream = web.StreamResponse(status=200, headers={**self._session_header(), **SSE_HEADERS})
             await stream.prepare(self.request)
             self.stream = stream
         await self.stream.write(KEEPALIVE)
+        return True
 
     async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
         """Send the JSON-RPC answer: the stream's last event, or JSON with HTTP `status`."""
@@ -401,12 +403,16 @@ _REVISION = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")  # an MCP revision's name:
 
 
 def _takes_sse(accept: str | None) -> bool:
-    """True when an `Accept` header (None: absent) admits `text/event-stream`: absent, or naming
-    it, `text/*` or `*/*`."""
-    if accept is None:
+    """True when an `Accept` header (None: absent) admits `text/event-stream`: absent or empty, or
+    naming it, `text/*` or `*/*` with a q-value above 0."""
+    if accept is None or not accept.strip():
         return True
-    types = {item.split(";")[0].strip().lower() for item in accept.split(",")}
-    return not types.isdisjoint({"text/event-stream", "text/*", "*/*"})
+    for item in accept.split(","):
+        media, *params = (part.strip().lower() for part in item.split(";"))
+        refused = any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params)
+        if media in ("text/event-stream", "text/*", "*/*") and not refused:
+            return True
+    return False
 
 
 def _header_problem(request: web.Request) -> str | None:

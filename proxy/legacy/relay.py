@@ -40,6 +40,7 @@ from proxy.upstream.types import (
     MAX_RESUME_ATTEMPTS,
     MAX_RETRY_WAIT_S,
     Bounds,
+    StaleConnectionError,
     UpstreamError,
     error_text,
     read_body,
@@ -54,6 +55,17 @@ FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "MCP-Protocol-Versi
 _UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, UpstreamError)
 # No connection within connect_timeout, or none at all: the request never left the proxy.
 _NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def _never_ran(exc: BaseException) -> bool:
+    """Whether an exchange that failed with `exc` before the response headers never reached the
+    upstream, or was refused before it ran: no connection, or the proxy's own token refused (a
+    fresh one too) or not obtained. A request lost on a stale pooled connection may have been read."""
+    if isinstance(exc, StaleConnectionError):
+        return False
+    return isinstance(exc, (*_NEVER_SENT, UpstreamError))
+
+
 # HTTP refusals that come before a server runs anything: a redirect that asks for the same request
 # elsewhere (307, 308), and a sign-in refusal. (A 303 may follow a request the server ran.)
 REFUSED_UNRUN = frozenset({307, 308, 401, 403})
@@ -300,8 +312,8 @@ class HttpRelay:
             code, message = sent.ended  # given up before the upstream's headers came (`Outbound.abandon`)
             return error_reply(request_id, code, message)
         except _UPSTREAM_ERRORS as exc:
-            if sent is not None and isinstance(exc, _NEVER_SENT):
-                sent.unsent = True  # no connection: the request never left
+            if sent is not None and _never_ran(exc):
+                sent.unsent = True  # the request never left, or was refused before it ran
             message = self._failure_text(exc, bound, key)
             return _upstream_error(request_id, message, 504 if isinstance(exc, TimeoutError) else 502)
         if request.method == "GET" and upstream.status == 405 and await self._status_only(session, sid):
@@ -448,7 +460,7 @@ class HttpRelay:
                 session.answered(request_id, sent)  # no answer will come: its key and the session move on
                 raise
             except _UPSTREAM_ERRORS as exc:
-                sent.unsent = isinstance(exc, _NEVER_SENT)  # no connection: never left
+                sent.unsent = _never_ran(exc)
                 error = {"code": INTERNAL_ERROR, "message": self._failure_text(exc, bound, key)}
                 stream.append_message(jsonrpc.error_response(request_id, error))
                 stream.close()
@@ -688,8 +700,11 @@ class HttpRelay:
         assert sent.input_timeout_s is not None
         await asyncio.sleep(sent.input_timeout_s)
         text = input_timed_out(sent.input_timeout_s)
-        if await self._answer_question(session, proxy_id, headers, INTERNAL_ERROR, text):
-            await stream.push_message(withdrawn(proxy_id, text))
+        try:
+            if await self._answer_question(session, proxy_id, headers, INTERNAL_ERROR, text):
+                await stream.push_message(withdrawn(proxy_id, text))
+        except Exception as exc:  # (a task nobody awaits: what fails is logged, never left unretrieved)
+            log.warning("legacy_question_timeout_failed", server=self.name, reason=repr(exc))
 
     async def _send(
         self,

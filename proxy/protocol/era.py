@@ -302,13 +302,14 @@ def check_headers(headers: Any, body: JsonObject, envelope: Envelope) -> None:
 def upstream_capabilities(capabilities: JsonObject) -> JsonObject:
     """The legacy `initialize` client capabilities that mirror a modern request's capabilities.
 
-    Keeps `elicitation`, `sampling` and `roots` (legacy servers decide what to offer from these);
-    never declares `tasks` or extensions upstream (protocol.md §3.4).
+    Keeps `elicitation`, `sampling` and `roots` (legacy servers decide what to offer from these;
+    one declared as a bare `true`, as some clients write it, counts as `{}`); never declares `tasks`
+    or extensions upstream (protocol.md §3.4).
     """
     return {
-        key: capabilities[key]
+        key: value if isinstance(value, dict) else {}
         for key in ("elicitation", "sampling", "roots")
-        if isinstance(capabilities.get(key), dict)
+        if (value := capabilities.get(key)) is not None and value is not False
     }
 
 

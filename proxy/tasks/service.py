@@ -699,22 +699,27 @@ class TaskService:
         finally:
             self._unwritten.pop(task_id, None)
 
-    def write_later(self, write: Callable[[], Awaitable[Any]], what: str) -> None:
+    def write_later(self, write: Callable[[], Awaitable[Any]], what: str, *, for_s: float) -> None:
         """Keep trying `write()`, a store write the store refused (an idempotency key's answer), in
-        the background, waits ≤ 5 s apart, until it lands (or `stop`); a replica's drain waits for
-        it (`pending_writes`). `what` names it in the log (`store_write_recorded_late`)."""
-        self._spawn(self._keep_trying(write, what))
+        the background, waits ≤ 5 s apart, until it lands, `for_s` (s) pass (what it writes would
+        have lapsed by then) or `stop`; a replica's drain waits for it (`pending_writes`). `what`
+        names it in the log (`store_write_recorded_late`, or `store_write_given_up`)."""
+        self._spawn(self._keep_trying(write, what, for_s))
 
-    async def _keep_trying(self, write: Callable[[], Awaitable[Any]], what: str) -> None:
+    async def _keep_trying(self, write: Callable[[], Awaitable[Any]], what: str, for_s: float) -> None:
         self._late_writes += 1
         try:
             async for attempt in AsyncRetrying(
                 wait=wait_exponential(multiplier=0.1, max=5.0),
+                stop=stop_after_delay(for_s),
                 retry=retry_if_exception_type(StoreUnavailableError),
+                reraise=True,
             ):
                 with attempt:
                     await write()
             log.info("store_write_recorded_late", what=what)
+        except StoreUnavailableError as exc:
+            log.warning("store_write_given_up", what=what, reason=str(exc))
         finally:
             self._late_writes -= 1
 
@@ -876,6 +881,7 @@ class TaskService:
 
         Raises StoreUnavailableError (nothing was started then).
         """
+        lost = record.owner
         try:
             if record.rerun is not None and self.rerun is not None:
                 owned = await self.store.update(
@@ -896,14 +902,14 @@ class TaskService:
                     structlog.contextvars.bind_contextvars, task_id=owned.task_id, server=owned.server
                 )
                 call = context.run(self.rerun, owned, self)
-                log.info(
-                    "task_taken_over",
-                    task_id=record.task_id,
-                    fate="rerun" if call is not None else "failed",
-                    lost_node=record.owner,
-                    node=self.node,
-                )
                 if call is not None:
+                    log.info(
+                        "task_taken_over",
+                        task_id=record.task_id,
+                        fate="rerun",
+                        lost_node=record.owner,
+                        node=self.node,
+                    )
                     if tracing.enabled():
                         self._open_span(owned, parent=owned.trace)
                     self.live[owned.task_id] = call
@@ -911,16 +917,8 @@ class TaskService:
                     metrics.ORPHANED.labels("rerun").inc()
                     return owned
                 record = owned
-            else:
-                log.info(
-                    "task_taken_over",
-                    task_id=record.task_id,
-                    fate="failed",
-                    lost_node=record.owner,
-                    node=self.node,
-                )
             metrics.ORPHANED.labels("failed").inc()
-            return await self.store.update(
+            failed = await self.store.update(
                 record.task_id,
                 Change(
                     status=TaskStatus.FAILED,
@@ -931,6 +929,8 @@ class TaskService:
                     expect_version=record.version,
                 ),
             )
+            log.info("task_taken_over", task_id=record.task_id, fate="failed", lost_node=lost, node=self.node)
+            return failed
         except (TerminalTaskError, TaskNotFoundError, ConflictError):
             return await self.store.get(record.task_id) or record
 

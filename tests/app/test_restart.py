@@ -267,7 +267,7 @@ async def test_a_keyed_call_lost_with_its_process_before_it_became_a_task_says_s
                 "mcpServers": {
                     "legacy": {
                         "url": legacy_url,
-                        "tasks": {"tools": {"quiet_compute": {"detach_after": "60s"}}},
+                        "tasks": {"tools": {"slow_compute": {"detach_after": "60s"}}},
                     }
                 },
             }
@@ -278,8 +278,10 @@ async def test_a_keyed_call_lost_with_its_process_before_it_became_a_task_says_s
     proxy = _start(config_file)
     plain = ModernClient(proxy.url, capabilities={})
     try:
-        first = asyncio.create_task(plain.call("quiet_compute", arguments, headers=key))
-        await asyncio.sleep(0.5)
+        first = asyncio.create_task(plain.call("slow_compute", arguments, headers=key))
+        async with asyncio.timeout(10):  # until the upstream runs it (so its key is claimed)
+            while json.loads((await plain.call("started_log")).result["content"][0]["text"]).get("lost") != 1:
+                await asyncio.sleep(0.05)
         proxy.kill()
         with pytest.raises(aiohttp.ClientError):  # its connection drops
             await first
@@ -289,7 +291,7 @@ async def test_a_keyed_call_lost_with_its_process_before_it_became_a_task_says_s
     again = _start(config_file)
     plain = ModernClient(again.url, capabilities={})
     try:
-        retry = await asyncio.wait_for(plain.call("quiet_compute", arguments, headers=key), 10)
+        retry = await asyncio.wait_for(plain.call("slow_compute", arguments, headers=key), 10)
         error = retry.error
         assert error is not None and error["code"] == -32603, retry.message
         assert "lost with the proxy process running it" in error["message"], error

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 from support.clients import ModernClient
+from support.logs import json_log
 from support.proxy import Serve, make_config, stdio_config
 from support.servers import FIXTURE_STDIO, ROOT, ServerProcess, black_hole, python_venv, served_app
 
@@ -246,9 +247,14 @@ async def test_a_get_whose_accept_rules_out_sse_gets_406(proxy_url: str) -> None
             assert resp.status == 406
             body = await resp.json()
         assert body["error"]["code"] == -32600 and "text/event-stream" in body["error"]["message"]
-        async with http.get(proxy_url, headers=client.headers(Accept="*/*")) as resp:
-            assert resp.status == 200
-            assert resp.headers["Content-Type"].startswith("text/event-stream")
+        async with http.get(
+            proxy_url, headers=client.headers(Accept="text/event-stream;q=0, application/json")
+        ) as resp:
+            assert resp.status == 406  # q=0: "not acceptable" (RFC 9110 §12.4.2)
+        for takes in ("*/*", ""):  # (an empty header names no preference)
+            async with http.get(proxy_url, headers=client.headers(Accept=takes)) as resp:
+                assert resp.status == 200, takes
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
 
 
 @pytest.mark.parametrize("tool", ["die", "close_early"])
@@ -1612,6 +1618,11 @@ async def test_a_question_the_client_did_not_declare_is_refused_upstream_not_rel
         client = await Legacy(proxy_url, http).open({})
         async with client.call(5, "ask") as resp:
             reply = await asyncio.wait_for(reply_of(resp), 4)
+        # a capability declared as a bare `true` (as some clients write it) counts as declared
+        lenient = await Legacy(proxy_url, http).open({"elicitation": True})
+        async with lenient.call(6, "ask") as resp:
+            asked = await asyncio.wait_for(next_message(iter_events(resp.content.iter_any())), 4)
+    assert asked["method"] == "elicitation/create", asked
     text = reply["result"]["content"][0]["text"]
     assert "did not declare the elicitation capability" in text, reply
     answers = [e["message"] for e in await upstream_log(upstream) if "method" not in e["message"]]
@@ -1640,7 +1651,7 @@ async def test_a_stdio_child_s_question_waits_input_timeout_and_needs_the_capabi
 
 
 async def test_a_retry_waiting_on_a_key_its_first_call_lets_go_runs_the_call_itself(
-    tmp_path: Path, serve: Serve
+    tmp_path: Path, serve: Serve, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A retry that joined a keyed call still connecting, whose connection then times out (it
     never reached the upstream: the key lets go), runs the call itself rather than telling its
@@ -1659,8 +1670,10 @@ async def test_a_retry_waiting_on_a_key_its_first_call_lets_go_runs_the_call_its
                 ) as resp:
                     return await reply_of(resp)
 
-            first = asyncio.ensure_future(call(1))
-            await asyncio.sleep(0.15)  # the first holds the key, connecting
-            retry = await call(2)
-            await first
+            with json_log(capsys) as lines:
+                first = asyncio.ensure_future(call(1))
+                await asyncio.sleep(0.15)  # the first holds the key, connecting
+                retry = await call(2)
+                await first
     assert retry["id"] == 2 and "unreachable" in retry["error"]["message"], retry  # its own attempt
+    assert [line for line in lines if line["event"] == "call_joined"], lines  # it did wait on the first

@@ -21,7 +21,7 @@ from support.proxy import RunningProxy, Serve, make_config
 from support.records import make_record
 from support.servers import ROOT, ServerProcess
 
-from proxy.app import TASKS_KEY
+from proxy.app import RUNNING_KEY, TASKS_KEY
 from proxy.protocol.jsonrpc import JsonRpcError
 from proxy.tasks import diskcache_store
 from proxy.tasks.diskcache_store import DiskcacheStore
@@ -231,7 +231,9 @@ async def test_a_keyed_answer_the_store_could_not_keep_is_kept_once_it_can(
     arguments = {"seconds": 0.8}
     try:
         first = asyncio.create_task(plain.call("quiet_compute", arguments, headers=key))
-        await asyncio.sleep(0.3)  # its key is claimed; it runs
+        async with asyncio.timeout(5):  # until it went upstream (so its key is claimed)
+            while not any("upstreamRequestId" in view for view in proxy.app[RUNNING_KEY].snapshot()[0]):
+                await asyncio.sleep(0.02)
         filler = _fill(small_tmpfs)
         answered = await first
         assert answered.result["content"][0]["text"] == "quietly computed after 0.8s", answered.message
