@@ -307,15 +307,15 @@ class CallKeys:
     async def release(self, keyed: KeyedCall) -> None:
         """Let the slot go (the call it held never reached the upstream): a retry with its key runs
         the call, and a retry that was waiting on it is told to send it again."""
-        store, entry = self.tasks.store, keyed.entry()
+        store = self.tasks.store
         try:
-            await store.put_blob(keyed.slot, entry, 1)  # lapses at once
+            await store.delete_blob(keyed.slot)  # (a retry's claim takes it right after)
         except StoreUnavailableError as exc:
             self.tasks.store_failed(exc)
             log.warning("call_key_not_released", task_id=keyed.task_id, reason=str(exc))
             # (bounded by the claim's own hold: past it the slot lapsed, and may be someone else's)
             self.tasks.write_later(
-                lambda: store.put_blob(keyed.slot, entry, 1), f"key of {keyed.task_id}", for_s=keyed.hold_s
+                lambda: store.delete_blob(keyed.slot), f"key of {keyed.task_id}", for_s=keyed.hold_s
             )
 
     async def join(

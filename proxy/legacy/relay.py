@@ -323,20 +323,9 @@ class HttpRelay:
             return await self.streams.serve(request, session, stream, headers={"Mcp-Session-Id": sid})
         if sent is not None and upstream.status in REFUSED_UNRUN:
             sent.unsent = True  # refused before it ran: a keyed call's key lets go, a retry may run it
-        if 300 <= upstream.status < 400:
+        if (refusal := self._refusal(upstream.status)) is not None:
             upstream.release()
-            message = (
-                f"upstream {self.name} answered HTTP {upstream.status} (a redirect); redirects are not "
-                f"followed"
-            )
-            return _upstream_error(request_id, message, 502)
-        if upstream.status in (401, 403):  # the upstream's own sign-in is not the client's to answer
-            upstream.release()
-            message = (
-                f"upstream {self.name} refused the proxy (HTTP {upstream.status}): it wants credentials; "
-                f"configure mcpServers.{self.name}.oauth or headers"
-            )
-            return _upstream_error(request_id, message, 502)
+            return _upstream_error(request_id, refusal, 502)
         if method == "initialize" and not sid and upstream.status in (404, 405):  # no session: a wrong URL
             upstream.release()
             message = (
@@ -410,6 +399,36 @@ class HttpRelay:
             await rewrite(jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": message}))
         return _upstream_error(request_id, message, 502)
 
+    async def _refused(
+        self,
+        session: LegacySession,
+        request_id: RequestId | None,
+        sent: Outbound,
+        rewrite: Rewrite | None,
+        error: JsonObject,
+    ) -> JsonObject:
+        """The JSON-RPC `error` response for a request whose reply already is an SSE stream. When
+        the upstream never ran it (`sent.unsent`), its idempotency key (the keyed call's `rewrite`)
+        lets go first, and the error goes out once that is written: a retry sent at once runs."""
+        message = jsonrpc.error_response(request_id, error)
+        if not sent.unsent or rewrite is None:
+            return message
+        session.answered(request_id, sent)  # (its key lets go now)
+        return await rewrite(message)
+
+    def _refusal(self, status: int) -> str | None:
+        """What a client is told of an upstream HTTP answer that is a refusal, not a reply (None for
+        any other status): a redirect (never followed: configured credentials stay here), or the
+        upstream's own sign-in (not the client's to answer)."""
+        if 300 <= status < 400:
+            return f"upstream {self.name} answered HTTP {status} (a redirect); redirects are not followed"
+        if status in (401, 403):
+            return (
+                f"upstream {self.name} refused the proxy (HTTP {status}): it wants credentials; configure "
+                f"mcpServers.{self.name}.oauth or headers"
+            )
+        return None
+
     def _failure_text(self, exc: BaseException, bound: float, key: str) -> str:
         """What a client is told of an exchange that failed before the upstream's response headers:
         `bound` (s) passed (the config `key` that sets it), a stale pooled connection, the proxy's
@@ -462,7 +481,7 @@ class HttpRelay:
             except _UPSTREAM_ERRORS as exc:
                 sent.unsent = _never_ran(exc)
                 error = {"code": INTERNAL_ERROR, "message": self._failure_text(exc, bound, key)}
-                stream.append_message(jsonrpc.error_response(request_id, error))
+                stream.append_message(await self._refused(session, request_id, sent, rewrite, error))
                 stream.close()
                 session.answered(request_id, sent)  # (answered, with the error)
                 return
@@ -483,15 +502,15 @@ class HttpRelay:
                 return
             try:
                 limit = self.bounds.max_response_bytes
-                if 300 <= upstream.status < 400 or (upstream.content_length or 0) > limit:
+                refusal = self._refusal(upstream.status)
+                if refusal is not None or (upstream.content_length or 0) > limit:
                     upstream.release()
-                    why = (
-                        "a redirect, not followed"
-                        if upstream.status < 400
-                        else f"a reply larger than max_response_bytes ({limit} bytes)"
+                    text = (
+                        refusal
+                        or f"upstream {self.name} sent a reply larger than max_response_bytes ({limit} bytes)"
                     )
-                    error = {"code": INTERNAL_ERROR, "message": f"upstream {self.name} answered with {why}"}
-                    stream.append_message(jsonrpc.error_response(request_id, error))
+                    error = {"code": INTERNAL_ERROR, "message": text}
+                    stream.append_message(await self._refused(session, request_id, sent, rewrite, error))
                 else:
                     async with upstream:
                         plain = await self._plain(upstream, {}, request_id, sent, rewrite)

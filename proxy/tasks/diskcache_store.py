@@ -591,6 +591,10 @@ class DiskcacheStore:
         value = self._read("blob:" + key)
         return None if value is None else bytes(value)
 
+    async def delete_blob(self, key: str) -> None:
+        """See TaskStore.delete_blob."""
+        await self._write(lambda: self._cache.delete("blob:" + key))
+
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
         """See TaskStore.session_put."""
         await self._write(

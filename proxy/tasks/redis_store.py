@@ -509,6 +509,11 @@ class RedisTaskStore:
             value = await self.redis.get(self.keys.blob(key))
         return None if value is None else value if isinstance(value, bytes) else value.encode()
 
+    async def delete_blob(self, key: str) -> None:
+        """Forget the value under `key` (DEL)."""
+        async with self.guard():
+            await self.redis.delete(self.keys.blob(key))
+
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
         """Keep `info` (JSON-able) for a legacy session id, for `ttl_ms` from now (a put refreshes it)."""
         async with self.guard():

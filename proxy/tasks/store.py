@@ -197,6 +197,10 @@ class TaskStore(Protocol):
     async def get_blob(self, key: str) -> bytes | None:
         """The value under `key`, or None when absent or expired."""
 
+    async def delete_blob(self, key: str) -> None:
+        """Forget the value under `key` at once (nothing when absent), so that a `put_blob` with
+        `only_new` takes the key right after."""
+
     async def session_put(self, session_id: str, info: dict[str, Any], ttl_ms: int) -> None:
         """Keep `info` (JSON-able) for a legacy session id, `ttl_ms` ms from now (the legacy session map)."""
 

@@ -1543,17 +1543,21 @@ async def test_a_keyed_call_cancelled_while_a_json_upstream_is_late_settles_its_
         assert reply["error"]["code"] == -32603 and "whether it ran is unknown" in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["at-once", "after-sse-keepalive"])
 @pytest.mark.parametrize("refusal", ["connect timeout", 307, 401, 403])
 async def test_a_keyed_call_the_upstream_never_ran_lets_its_key_go(
-    refusal: str | int, tmp_path: Path, serve: Serve
+    refusal: str | int, late: bool, tmp_path: Path, serve: Serve
 ) -> None:
     """A keyed call refused before the upstream ran it (no connection within `connect_timeout`, a
     307/308 redirect, a 401/403 sign-in refusal) lets its key go, so a retry with the key (once the
-    upstream is fixed) runs, not "whether it ran is unknown" until the key expires."""
+    upstream is fixed) runs, not "whether it ran is unknown" until the key expires; the same
+    whether the refusal comes at once or after `sse_keepalive` switched the reply to SSE."""
     seen: list[dict] = []
 
     async def refuse(request: web.Request) -> web.Response:
         seen.append(await request.json())
+        if late:
+            await asyncio.sleep(0.2)  # past sse_keepalive (50 ms)
         headers = {"Location": "http://127.0.0.1:9/mcp"} if refusal == 307 else None
         return web.Response(status=int(refusal), text="no", headers=headers)
 

@@ -239,7 +239,10 @@ def test_upstream_capabilities():
         "sampling": {},
         "roots": {"listChanged": True},
     }
-    assert upstream_capabilities({"elicitation": True}) == {}
+    # a bare `true`, as some clients write it, is declared; `false` and `null` are not
+    assert upstream_capabilities({"elicitation": True, "sampling": False, "roots": None}) == {
+        "elicitation": {}
+    }
 
 
 # --- routing headers ----------------------------------------------------------------------------

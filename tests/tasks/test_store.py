@@ -304,6 +304,9 @@ async def test_blobs_and_the_session_map_round_trip_and_expire(store: TaskStore)
     assert await store.put_blob("k", b"\x00first", None, only_new=True)
     assert not await store.put_blob("k", b"second", None, only_new=True)
     assert await store.get_blob("k") == b"\x00first" and await store.get_blob("nope") is None
+    await store.delete_blob("k")  # gone at once: the next write-if-absent takes it
+    await store.delete_blob("nope")
+    assert await store.get_blob("k") is None and await store.put_blob("k", b"again", None, only_new=True)
     assert await store.put_blob("short", b"x", 100) and await store.get_blob("short") == b"x"
     info = {"server": "s", "principal": "p", "upstream_session": "abc", "node": "n1"}
     await store.session_put("sess-1", info, 10_000)
