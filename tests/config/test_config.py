@@ -828,3 +828,28 @@ def test_two_names_with_one_token_hash_are_refused() -> None:
         assert "have the same hash" in config_error({**server, **section})
     message = config_error({**server, "metrics": {"token": "sha256:test"}})
     assert "must be `sha256:` and 64 hex digits" in message
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [
+        ("HTTP://MCP.Example.com:80/", "http://mcp.example.com"),
+        ("https://mcp.example.com:443", "https://mcp.example.com"),
+        ("https://mcp.example.com:8443", "https://mcp.example.com:8443"),
+        ("http://[::1]:9000", "http://[::1]:9000"),
+    ],
+)
+def test_public_url_is_kept_in_the_canonical_form_clients_compare_with(given: str, canonical: str) -> None:
+    """`resource` and each token's `aud` are compared as strings: `HTTP://…` or a default port kept
+    as given would never match what a client computes (RFC 3986 §6.2.2-6.2.3)."""
+    data = {"listen": {"public_url": given}, "mcpServers": {"s": {"url": "http://127.0.0.1:1/mcp"}}}
+    assert config_from_data(data).listen.public_url == canonical
+
+
+def test_a_public_url_with_a_query_is_quoted_whole_in_its_error() -> None:
+    data = {
+        "listen": {"public_url": "http://127.0.0.1:27084?x=1"},
+        "mcpServers": {"s": {"url": "http://127.0.0.1:1/mcp"}},
+    }
+    with pytest.raises(ConfigError, match=r"'http://127\.0\.0\.1:27084\?x=1'"):
+        config_from_data(data)
