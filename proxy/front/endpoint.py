@@ -168,7 +168,7 @@ class ServerEndpoint:
         `subscriptions/listen`) is cut as the drain starts (`Drain.close_streams`); with replicas,
         the router tracks it (cut at the end of the replica's drain)."""
         if self.drain is not None and self.router is None:
-            if request.method == "GET" or method in STREAM_METHODS:
+            if request.method == "GET" or (isinstance(method, str) and method in STREAM_METHODS):
                 self.drain.track_stream()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
