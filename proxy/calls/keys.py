@@ -20,6 +20,7 @@ A slot is scoped to its principal and server; it holds for the call's `timeout` 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 from collections.abc import Coroutine
@@ -167,10 +168,17 @@ class CallKeys:
         A first call that lets the slot go while this one waits, before anything was sent to this
         one's client, is claimed again (once): this call then runs it. Raises what `claim` and
         `join` raise."""
-        claimed_again = False
-        keyed, first = await self.claim(
-            principal=principal, server=server, tool=tool, arguments=arguments, key=key, policy=policy
+        claim = functools.partial(
+            self.claim,
+            principal=principal,
+            server=server,
+            tool=tool,
+            arguments=arguments,
+            key=key,
+            policy=policy,
         )
+        claimed_again = False
+        keyed, first = await claim()
         while keyed is not None and first is not None:
             try:
                 answer = await self.join(
@@ -189,9 +197,7 @@ class CallKeys:
                 if claimed_again or not exc.quiet:
                     raise
                 claimed_again = True
-                keyed, first = await self.claim(
-                    principal=principal, server=server, tool=tool, arguments=arguments, key=key, policy=policy
-                )
+                keyed, first = await claim()
                 continue
             return keyed, answer
         return keyed, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable
 from typing import Any
 
@@ -20,7 +21,7 @@ from aiohttp import web
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question
 from proxy.legacy.streams import StreamServer
-from proxy.legacy.types import JSON_ONLY_REFUSAL, Rewrite, error_reply, input_timed_out, withdrawn
+from proxy.legacy.types import JSON_ONLY_REFUSAL, Rewrite, error_reply, give_up_question
 from proxy.legacy.v1 import V1Front
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import LEGACY_VERSIONS, upstream_capabilities
@@ -134,7 +135,12 @@ class StdioChild:
                     await self._answer_question(session, out["id"], METHOD_NOT_FOUND, refusal)
                     return
                 if sent.input_timeout_s:
-                    overdue.append(asyncio.ensure_future(self._overdue(session, stream, out["id"], sent)))
+                    answer = functools.partial(self._answer_question, session, out["id"])
+                    overdue.append(
+                        asyncio.ensure_future(
+                            give_up_question(stream, out["id"], sent.input_timeout_s, answer, self.name)
+                        )
+                    )
             await stream.push_message(out)
 
         answered = False
@@ -170,20 +176,6 @@ class StdioChild:
         log.info("legacy_question_refused", server=self.name, reason=text)
         await _quiet(question.target.respond(question.upstream_id, error={"code": code, "message": text}))
         return True
-
-    async def _overdue(
-        self, session: LegacySession, stream: RelayStream, proxy_id: Any, sent: Outbound
-    ) -> None:
-        """After `sent.input_timeout_s` (s), a question still open is answered to the child with the
-        timeout's error, and withdrawn from the client (`notifications/cancelled` on its stream)."""
-        assert sent.input_timeout_s is not None
-        await asyncio.sleep(sent.input_timeout_s)
-        text = input_timed_out(sent.input_timeout_s)
-        try:
-            if await self._answer_question(session, proxy_id, INTERNAL_ERROR, text):
-                await stream.push_message(withdrawn(proxy_id, text))
-        except Exception as exc:  # (a task nobody awaits: what fails is logged, never left unretrieved)
-            log.warning("legacy_question_timeout_failed", server=self.name, reason=repr(exc))
 
     async def notify(
         self, request: web.Request, session: LegacySession, body: JsonObject

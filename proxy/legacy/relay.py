@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 import aiohttp
@@ -27,7 +28,7 @@ from aiohttp import web
 from proxy.legacy.replay import RelayStream
 from proxy.legacy.session import LegacySession, LegacySessions, Outbound, Question, same_id
 from proxy.legacy.streams import StreamServer
-from proxy.legacy.types import JSON_ONLY_REFUSAL, Rewrite, error_reply, input_timed_out, withdrawn
+from proxy.legacy.types import JSON_ONLY_REFUSAL, Rewrite, error_reply, give_up_question
 from proxy.legacy.v1 import V1_TASKS_VERSION, V1Front, client_capabilities
 from proxy.protocol import jsonrpc
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, JsonObject, RequestId
@@ -631,7 +632,15 @@ class HttpRelay:
                                 if question is not None and sent is not None and sent.input_timeout_s:
                                     overdue.append(
                                         asyncio.ensure_future(
-                                            self._overdue(session, stream, question["id"], headers, sent)
+                                            give_up_question(
+                                                stream,
+                                                question["id"],
+                                                sent.input_timeout_s,
+                                                functools.partial(
+                                                    self._answer_question, session, question["id"], headers
+                                                ),
+                                                self.name,
+                                            )
                                         )
                                     )
                                 if answers:
@@ -705,25 +714,6 @@ class HttpRelay:
                 "legacy_question_refusal_failed", server=self.name, reason=str(exc) or exc.__class__.__name__
             )
         return True
-
-    async def _overdue(
-        self,
-        session: LegacySession,
-        stream: RelayStream,
-        proxy_id: Any,
-        headers: dict[str, str],
-        sent: Outbound,
-    ) -> None:
-        """After `sent.input_timeout_s` (s), a question still open is answered upstream with the
-        timeout's error, and withdrawn from the client (`notifications/cancelled` on its stream)."""
-        assert sent.input_timeout_s is not None
-        await asyncio.sleep(sent.input_timeout_s)
-        text = input_timed_out(sent.input_timeout_s)
-        try:
-            if await self._answer_question(session, proxy_id, headers, INTERNAL_ERROR, text):
-                await stream.push_message(withdrawn(proxy_id, text))
-        except Exception as exc:  # (a task nobody awaits: what fails is logged, never left unretrieved)
-            log.warning("legacy_question_timeout_failed", server=self.name, reason=repr(exc))
 
     async def _send(
         self,

@@ -5,9 +5,11 @@ HTTP 200, as on the 2025-11-25 wire (protocol.md §1.4.4)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import structlog
 from aiohttp import web
 
 from proxy.legacy.replay import RelayStream
@@ -18,6 +20,8 @@ from proxy.protocol.jsonrpc import JsonObject
 # Rewrites the answer to one request before it reaches the client (v1 tasks: `initialize` and
 # `tools/list` replies gain the proxy's task capability and each tool's task support).
 Rewrite = Callable[[JsonObject], Awaitable[JsonObject]]
+
+log = structlog.get_logger("proxy.legacy")
 
 # Why a question is refused for a client whose `Accept` takes no SSE (it could never see it).
 JSON_ONLY_REFUSAL = "the client accepts no text/event-stream, so it cannot receive this request"
@@ -31,6 +35,26 @@ def input_timed_out(timeout_s: float) -> str:
 def withdrawn(proxy_id: Any, reason: str) -> JsonObject:
     """The `notifications/cancelled` that withdraws question `proxy_id` from the client."""
     return jsonrpc.notification("notifications/cancelled", {"requestId": proxy_id, "reason": reason})
+
+
+async def give_up_question(
+    stream: RelayStream,
+    proxy_id: Any,
+    timeout_s: float,
+    answer: Callable[[int, str], Awaitable[bool]],
+    server: str,
+) -> None:
+    """After `timeout_s` (s, the call's `input_timeout`), a question `proxy_id` still open is
+    answered upstream in the client's place with the timeout's -32603 (`answer(code, text)`: True
+    when the question was still open) and withdrawn from the client (`notifications/cancelled` on
+    its `stream`). Run as a task nobody awaits: what fails is logged, never left unretrieved."""
+    await asyncio.sleep(timeout_s)
+    text = input_timed_out(timeout_s)
+    try:
+        if await answer(jsonrpc.INTERNAL_ERROR, text):
+            await stream.push_message(withdrawn(proxy_id, text))
+    except Exception as exc:
+        log.warning("legacy_question_timeout_failed", server=server, reason=repr(exc))
 
 
 class LegacyUpstream(Protocol):

@@ -8,12 +8,13 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
-from support.clients import ModernClient, envelope
+from support.clients import LEGACY_HEADERS, LEGACY_INITIALIZE, ModernClient, envelope
 from support.proxy import Serve, make_config
 from support.servers import ROOT, ServerProcess
 
@@ -191,8 +192,6 @@ async def test_a_new_process_resumes_polling_after_the_client_dropped(
 async def test_sigterm_stops_accepting_and_answers_calls_that_outlive_the_drain(
     legacy_url: str, tmp_path: Path
 ) -> None:
-    import time
-
     import aiohttp
 
     config_file = _write_config(tmp_path, legacy_url, listen={"drain_timeout": "1s"})
@@ -361,8 +360,6 @@ async def test_sigterm_answers_legacy_calls_that_outlive_the_drain(
     gets drain_timeout like a modern one: a JSON-RPC error naming the shutdown, and the proxy exits
     soon after (the relay waited for the call's own end and its client saw the stream end with no
     answer; the bridge's client saw its stream cut at drain_timeout + 1 s)."""
-    import time
-
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared.exceptions import MCPError
@@ -400,8 +397,6 @@ async def test_a_second_signal_cuts_the_drain_short(legacy_url: str, tmp_path: P
     shutdown's JSON-RPC error naming the second signal, a client that stopped sending its body and
     one that stopped reading a 40 MB reply have their connections closed a second later, and the
     proxy exits within seconds, not at drain_timeout."""
-    import time
-
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared.exceptions import MCPError
@@ -451,23 +446,11 @@ async def test_a_lone_proxy_cuts_its_open_streams_as_it_starts_draining(
     """An idle legacy GET stream (open as long as its client) held a lone proxy's SIGTERM for the
     whole `drain_timeout` (about 31 s): nothing it carries outlives the process, so it is cut as the
     drain starts, and the proxy exits at once when no call is running."""
-    import time
-
     proxy = _start(_write_config(tmp_path, legacy_url, listen={"drain_timeout": "20s"}))
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    init = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "0"},
-        },
-    }
+    headers = dict(LEGACY_HEADERS)
     try:
         async with aiohttp.ClientSession() as http:
-            async with http.post(proxy.url, json=init, headers=headers) as resp:
+            async with http.post(proxy.url, json=LEGACY_INITIALIZE, headers=headers) as resp:
                 assert resp.status == 200, await resp.text()
                 headers["Mcp-Session-Id"] = resp.headers["Mcp-Session-Id"]
                 await resp.read()
@@ -493,8 +476,6 @@ async def test_a_client_that_stopped_reading_holds_the_exit_no_longer_than_the_d
     """One SIGTERM, a 5 s drain, and a client that stopped reading a 40 MB reply: its connection is
     aborted a second after the drain's deadline and the proxy exits then (aiohttp's own shutdown
     would wait for the stuck write twice as long as the drain)."""
-    import time
-
     proxy = _start(_big_replies(_write_config(tmp_path, legacy_url, listen={"drain_timeout": "5s"})))
     plain = ModernClient(proxy.url, capabilities={})
     try:
