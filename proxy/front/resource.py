@@ -18,6 +18,7 @@ from proxy.config import Config
 METADATA_PREFIX = "/.well-known/oauth-protected-resource"
 REALM = "mcp-tasks-proxy"
 METADATA_MAX_AGE_S = 3600  # clients and caches may keep the metadata this long
+PREFLIGHT_MAX_AGE_S = 600  # how long (s) a browser may keep the preflight's answer (Chromium caps it at 7200)
 
 
 class ProtectedResource:
@@ -100,13 +101,17 @@ class ProtectedResource:
 
     def add_routes(self, app: web.Application) -> None:
         """Serve the metadata of every endpoint (`/.well-known/oauth-protected-resource<path>`, and
-        without a path for the default `/mcp`), when discoverable. Open: no credentials needed."""
+        without a path for the default `/mcp`), when discoverable. Open: no credentials needed. A
+        browser's CORS preflight (`OPTIONS`) of them is answered too: clients send
+        `MCP-Protocol-Version` with the GET, which makes it a fetch that needs one."""
         if not self.discoverable:
             return
         for path in self.endpoints:
             app.router.add_get(METADATA_PREFIX + path, self._serve(path))
+            app.router.add_route("OPTIONS", METADATA_PREFIX + path, _preflight)
         if "/mcp" in self.endpoints:
             app.router.add_get(METADATA_PREFIX, self._serve("/mcp"))
+            app.router.add_route("OPTIONS", METADATA_PREFIX, _preflight)
 
     def _serve(self, path: str):
         document = json.dumps(self.metadata(path))
@@ -122,6 +127,22 @@ class ProtectedResource:
             )
 
         return handler
+
+
+async def _preflight(request: web.Request) -> web.Response:
+    """204 to a CORS preflight of the metadata (Fetch standard, "CORS protocol"): any origin may GET
+    it, with the request headers the browser asks for (the document is public and no credentials
+    are read, so echoing them lets nothing through that a plain GET would not)."""
+    headers = {
+        "Access-Control-Allow-Origin": "*",
+        "Access-Control-Allow-Methods": "GET, HEAD, OPTIONS",
+        "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
+        "Allow": "GET, HEAD, OPTIONS",
+    }
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    if asked:
+        headers["Access-Control-Allow-Headers"] = asked[:1000]
+    return web.Response(status=204, headers=headers)
 
 
 def _quotable(text: str) -> str:

@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+from support.browser import CHROMIUM, CHROMIUM_ARGS
 from support.console import CONSOLE_TOKEN, client_for, console_config, seed
 from support.proxy import Serve
 from support.records import make_record
 
 from proxy.tasks.model import TaskStatus, now_ms
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.mark.browser

@@ -3,7 +3,8 @@
 server (oauth2-mock-server, tests/fixtures/oauth_server.mjs), scopes per tool, introspection of
 opaque tokens, and the proxy's own client-credentials token toward an upstream that wants one.
 Official clients sign in on their own: the `mcp` SDK's OAuth providers (through FastMCP with the
-tasks extension) and the TypeScript client."""
+tasks extension) and the TypeScript client; headless Chromium on a page of another origin reads the
+metadata (its CORS preflight)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from fastmcp import Client
 from mcp.client.auth import OAuthClientProvider
 from mcp.client.auth.extensions.client_credentials import ClientCredentialsOAuthProvider
 from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata
+from support.browser import CHROMIUM, CHROMIUM_ARGS
 from support.clients import LEGACY_INITIALIZE as INITIALIZE
 from support.clients import TASKS_CAPS, envelope
 from support.oauth import NODE, NODE_MODULES, AuthorizationServer, MemoryStorage
@@ -150,6 +152,65 @@ async def test_protected_resource_metadata_and_challenges(
         f'Bearer resource_metadata="{base}/.well-known/oauth-protected-resource/servers/legacy/mcp", '
         'error="invalid_token", error_description="'
     )
+
+
+PAGE = "<!doctype html><title>a browser-based MCP client</title>"
+
+
+async def test_a_metadata_preflight_gets_cors_and_no_credentials_are_asked(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    await serve(oauth_config(legacy_url, tmp_path, "https://idp.example.com", port))
+    preflight = {
+        "Origin": "http://localhost:5173",
+        "Access-Control-Request-Method": "GET",
+        "Access-Control-Request-Headers": "mcp-protocol-version",
+    }
+    async with aiohttp.ClientSession() as http:
+        for path in ("/.well-known/oauth-protected-resource/mcp", "/.well-known/oauth-protected-resource"):
+            async with http.options(base + path, headers=preflight) as resp:
+                assert resp.status == 204
+                assert resp.headers["Access-Control-Allow-Origin"] == "*"
+                assert "GET" in resp.headers["Access-Control-Allow-Methods"]
+                assert resp.headers["Access-Control-Allow-Headers"] == "mcp-protocol-version"
+                assert int(resp.headers["Access-Control-Max-Age"]) > 0
+        async with http.options(base + "/mcp", headers=preflight) as resp:
+            assert resp.status in (401, 405)  # the MCP endpoint itself offers no CORS
+
+
+@pytest.mark.browser
+async def test_chromium_on_another_origin_reads_the_metadata_with_the_protocol_header(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
+    from playwright.async_api import async_playwright
+
+    port = free_port()
+    await serve(oauth_config(legacy_url, tmp_path, "https://idp.example.com", port))
+    # the page is on localhost, the proxy on 127.0.0.1: two origins, both hosts the guard allows
+    metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
+
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text=PAGE, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/", page)
+    fetch = """async (url) => {
+        const resp = await fetch(url, {headers: {"MCP-Protocol-Version": "2025-11-25"}});
+        return {status: resp.status, document: await resp.json()};
+    }"""
+    async with served_app(app) as page_port, async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            tab = await browser.new_page()
+            await tab.goto(f"http://localhost:{page_port}/")
+            answer = await tab.evaluate(fetch, metadata)
+        finally:
+            await browser.close()
+    assert answer["status"] == 200
+    assert answer["document"]["resource"] == f"http://127.0.0.1:{port}/mcp"
+    assert answer["document"]["authorization_servers"] == ["https://idp.example.com"]
 
 
 async def test_without_a_public_url_nothing_is_discoverable(
