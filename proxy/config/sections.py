@@ -521,7 +521,8 @@ class LimitsConfig(_Strict):
     initialize; a DELETE or `listen.legacy_session_idle` frees a place). `max_ttl`: upper
     bound of any task's retention (larger configured ttls are capped). `max_result_bytes`: the
     largest result stored for a task (larger: the task fails naming the limit). `tasks_rate`:
-    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window). `failed_auth`:
+    tasks/* calls per principal, as `N/second`, `N/minute` (a moving window; HTTP 429 with
+    `Retry-After` past it). `failed_auth`:
     credentials checked per client address in a moving window (HTTP 429 with `Retry-After` past it).
     """
 

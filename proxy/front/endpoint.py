@@ -46,6 +46,7 @@ def _json_error(request_id: Any, exc: JsonRpcError, status: int | None = None) -
     return web.json_response(
         jsonrpc.error_response(request_id, exc.to_error()),
         status=status or exc.http_status,
+        headers=exc.http_headers,
         dumps=jsonrpc.dumps_str,
     )
 
@@ -112,15 +113,17 @@ class ModernReply(Reply):
         await stream.write(KEEPALIVE)
         return True
 
-    async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
+    async def finish(
+        self, message: JsonObject, status: int = 200, headers: dict[str, str] | None = None
+    ) -> web.StreamResponse:
         """Send the final JSON-RPC message, as JSON or as the last SSE event.
 
         An error with a non-200 status goes out as JSON unless the stream already started (the
-        2026-07-28 transport's status codes must stay visible)."""
+        2026-07-28 transport's status codes must stay visible), with `headers` (`Retry-After`)."""
         if self.stream is None and self.prefer_sse and status == 200:
             await self._start_sse()
         if self.stream is None:
-            return web.json_response(message, status=status, dumps=_dumps)
+            return web.json_response(message, status=status, headers=headers, dumps=_dumps)
         await self.stream.write(encode_message(message))
         await self.stream.write_eof()
         return self.stream
@@ -285,7 +288,9 @@ class ServerEndpoint:
             )
         except JsonRpcError as exc:
             return await reply.finish(
-                jsonrpc.error_response(request_id, exc.to_error()), status=exc.http_status
+                jsonrpc.error_response(request_id, exc.to_error()),
+                status=exc.http_status,
+                headers=exc.http_headers,
             )
         except Exception:
             log.exception(

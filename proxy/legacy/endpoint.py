@@ -85,11 +85,17 @@ class JoinReply:
         await self.stream.write(KEEPALIVE)
         return True
 
-    async def finish(self, message: JsonObject, status: int = 200) -> web.StreamResponse:
-        """Send the JSON-RPC answer: the stream's last event, or JSON with HTTP `status`."""
+    async def finish(
+        self, message: JsonObject, status: int = 200, headers: dict[str, str] | None = None
+    ) -> web.StreamResponse:
+        """Send the JSON-RPC answer: the stream's last event, or JSON with HTTP `status` (and
+        `headers`, such as `Retry-After`)."""
         if self.stream is None:
             return web.json_response(
-                message, status=status, headers=self._session_header(), dumps=jsonrpc.dumps_str
+                message,
+                status=status,
+                headers={**self._session_header(), **(headers or {})},
+                dumps=jsonrpc.dumps_str,
             )
         await self.stream.write(encode_message(message))
         await self.stream.write_eof()
@@ -273,7 +279,7 @@ class LegacyEndpoint:
                 return await joining.finish(jsonrpc.response(request_id, answer))
         except JsonRpcError as exc:
             error = jsonrpc.error_response(request_id, exc.to_error())
-            return await joining.finish(error, status=legacy_status(exc))
+            return await joining.finish(error, status=legacy_status(exc), headers=exc.http_headers)
         if keyed is None:
             return await self.upstream.request(request, session, body, rewrite)
         settled = False

@@ -111,14 +111,23 @@ class LegacyUpstream(Protocol):
 
 
 def error_reply(
-    request_id: Any, code: int, message: str, *, status: int = 200, data: Any = None
+    request_id: Any,
+    code: int,
+    message: str,
+    *,
+    status: int = 200,
+    data: Any = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     """A JSON-RPC error response under `request_id` with HTTP `status` (`data`: the error's
-    optional detail)."""
+    optional detail; `headers`: more HTTP headers, such as `Retry-After`)."""
     body = jsonrpc.error_response(request_id, jsonrpc.error_object(code, message, data))
-    return web.json_response(body, status=status, dumps=jsonrpc.dumps_str)
+    return web.json_response(body, status=status, headers=headers, dumps=jsonrpc.dumps_str)
 
 
 def error_reply_for(request_id: Any, exc: jsonrpc.JsonRpcError) -> web.Response:
-    """`exc` as the JSON-RPC error response under `request_id`, with its HTTP status and `data`."""
-    return error_reply(request_id, exc.code, exc.message, status=exc.http_status, data=exc.data)
+    """`exc` as the JSON-RPC error response under `request_id`, with its HTTP status, `data` and
+    headers."""
+    return error_reply(
+        request_id, exc.code, exc.message, status=exc.http_status, data=exc.data, headers=exc.http_headers
+    )

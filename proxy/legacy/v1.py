@@ -342,7 +342,9 @@ class V1Front:
                         del self._origin[next(iter(self._origin))]
         except JsonRpcError as exc:
             return web.json_response(
-                jsonrpc.error_response(request_id, exc.to_error()), status=legacy_status(exc)
+                jsonrpc.error_response(request_id, exc.to_error()),
+                status=legacy_status(exc),
+                headers=exc.http_headers,
             )
         return web.json_response(jsonrpc.response(request_id, result), dumps=_dumps)
 

@@ -44,15 +44,25 @@ class JsonRpcError(Exception):
     """A JSON-RPC error to send to the downstream client.
 
     `code` is a JSON-RPC error code (ints above), `message` a human sentence naming the layer
-    that gave up, `data` the optional structured detail.
+    that gave up, `data` the optional structured detail, `status` the HTTP status when not the one
+    the code maps to, `retry_after_s` (s) when a limit knows when it lets the caller in again.
     """
 
-    def __init__(self, code: int, message: str, data: Any = None, *, status: int | None = None) -> None:
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        data: Any = None,
+        *,
+        status: int | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.data = data
         self._status = status
+        self.retry_after_s = retry_after_s
 
     def to_error(self) -> JsonObject:
         """Return the JSON-RPC `error` member: `{code, message, data?}`."""
@@ -64,13 +74,26 @@ class JsonRpcError(Exception):
         2026-07-28 transport prescribes for the code (400/404, else 200)."""
         return self._status or http_status_for(self.code)
 
+    @property
+    def http_headers(self) -> dict[str, str]:
+        """HTTP headers for this error's response: `Retry-After` (s, RFC 9110 §10.2.3) when
+        `retry_after_s` is known, else none."""
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
-def limit_error(limit: str, message: str, **data: Any) -> JsonRpcError:
-    """A refusal by a configured limit: -32603 with `data.limit` naming it, HTTP 429.
+
+def limit_error(limit: str, message: str, *, retry_after_s: int | None = None, **data: Any) -> JsonRpcError:
+    """A refusal by a configured limit: -32603 with `data.limit` naming it, HTTP 429, and
+    `Retry-After` when `retry_after_s` (s) is given (a rate knows it; a count does not).
 
     (The spec defines no rate-limit code, and -32020…-32099 are reserved for the spec.)
     """
-    return JsonRpcError(INTERNAL_ERROR, f"limit {limit}: {message}", {"limit": limit, **data}, status=429)
+    return JsonRpcError(
+        INTERNAL_ERROR,
+        f"limit {limit}: {message}",
+        {"limit": limit, **data},
+        status=429,
+        retry_after_s=retry_after_s,
+    )
 
 
 def http_status_for(code: int) -> int:

@@ -59,11 +59,17 @@ class TaskRate:
 
     async def check(self, principal: str) -> None:
         """Count one call of `principal`. Raises a limit error (HTTP 429) past the rate, and
-        JsonRpcError -32603 (HTTP 503) when the counters cannot be reached (Redis down)."""
+        JsonRpcError -32603 (HTTP 503) when the counters cannot be reached (Redis down). The limit
+        error carries the seconds until the window lets `principal` in again (`Retry-After`)."""
         if self._limiter is None or self._rate is None:
             return
         try:
             allowed = await self._limiter.hit(self._rate, principal_key(principal))
+            wait_s = (
+                None
+                if allowed
+                else await _seconds_until_free(self._limiter, self._rate, principal_key(principal))
+            )
         except (StorageError, OSError) as exc:
             reason = exc.storage_error if isinstance(exc, StorageError) else exc
             message = (
@@ -74,7 +80,20 @@ class TaskRate:
         if not allowed:
             log.warning("limit_refused", limit="tasks_rate", principal=principal_hash(principal))
             metrics.LIMIT_REJECTIONS.labels("tasks_rate").inc()
-            raise limit_error("tasks_rate", f"more than {self.text} tasks/* calls", rate=self.text)
+            raise limit_error(
+                "tasks_rate",
+                f"more than {self.text} tasks/* calls; retry after {wait_s} s",
+                retry_after_s=wait_s,
+                rate=self.text,
+            )
+
+
+async def _seconds_until_free(
+    limiter: MovingWindowRateLimiter, rate: limits_lib.RateLimitItem, *key: str
+) -> int:
+    """Whole seconds (at least 1) until the moving window of `rate` under `key` frees a place."""
+    stats = await limiter.get_window_stats(rate, *key)
+    return max(1, math.ceil(stats.reset_time - time.time()))
 
 
 GOOD_CREDENTIALS_KEPT = 10_000  # digests of credentials that verified, which skip the throttle check
@@ -124,11 +143,10 @@ class FailedAttempts:
         try:
             if await self._limiter.hit(self._rate, "auth", address):
                 return None
-            stats = await self._limiter.get_window_stats(self._rate, "auth", address)
+            wait_s = await _seconds_until_free(self._limiter, self._rate, "auth", address)
         except (StorageError, OSError) as exc:
             log.warning("limit_unavailable", limit="failed_auth", reason=exc.__class__.__name__)
             return None
-        wait_s = max(1, math.ceil(stats.reset_time - time.time()))
         log.warning("security_auth_throttled", remote=address, path=path, retry_after_s=wait_s)
         metrics.LIMIT_REJECTIONS.labels("failed_auth").inc()
         return wait_s

@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 from support.clients import AuthClient, ModernClient, envelope
 from support.proxy import Serve, make_config, with_auth
 from support.servers import served_app
+from support.v1_client import V1Client
 
 from proxy.app import TASKS_KEY
 from proxy.front.auth import hash_token
@@ -230,17 +231,30 @@ async def test_limit_on_running_tasks_per_principal(legacy_url: str, tmp_path: P
         await client.close()
 
 
-async def test_limit_on_tasks_call_rate(legacy_url: str, tmp_path: Path, serve: Serve) -> None:
+async def test_limit_on_tasks_call_rate_says_when_to_retry_on_both_wires(
+    legacy_url: str, tmp_path: Path, serve: Serve
+) -> None:
     config = make_config(legacy_url, tmp_path / "store")
-    config.limits.tasks_rate = "3/second"
+    config.limits.tasks_rate = "3/minute"
     proxy = await serve(config)
     client = ModernClient(proxy.url())
     try:
         replies = [await client.get("whatever") for _ in range(4)]
         assert [r.status for r in replies[:3]] == [400, 400, 400]
         assert replies[3].status == 429 and replies[3].error["data"]["limit"] == "tasks_rate"
+        # the moving window frees its first place a minute after the first call: Retry-After says so
+        assert 50 <= int(replies[3].retry_after) <= 60
+        assert f"retry after {replies[3].retry_after} s" in replies[3].error["message"]
     finally:
         await client.close()
+    v1 = V1Client(proxy.url())  # the 2025-11-25 wire, the same (anonymous) principal: past the rate
+    try:
+        await v1.initialize()
+        status, message, _ = await v1.request("tasks/get", {"taskId": "whatever"})
+        assert status == 429 and message["error"]["data"]["limit"] == "tasks_rate"
+        assert 50 <= int(v1.last_headers["Retry-After"]) <= 60
+    finally:
+        await v1.close()
 
 
 async def test_limit_on_stored_result_size(legacy_url: str, tmp_path: Path, serve: Serve) -> None:

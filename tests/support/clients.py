@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class Reply:
     notifications: list[dict]
     content_type: str
     request_id: str = ""  # the proxy's `X-Request-Id` response header
+    retry_after: str = ""  # its `Retry-After` header
 
     @property
     def result(self) -> dict:
@@ -63,6 +65,11 @@ class Reply:
     def error(self) -> dict:
         assert "error" in self.message, self.message
         return self.message["error"]
+
+
+def _ids_and_wait(headers: Mapping[str, str]) -> tuple[str, str]:
+    """The `X-Request-Id` and `Retry-After` of a response ("" when absent)."""
+    return headers.get("X-Request-Id", ""), headers.get("Retry-After", "")
 
 
 class ModernClient:
@@ -127,10 +134,10 @@ class ModernClient:
                         final = msg
                     else:
                         notes.append(msg)
-                return Reply(resp.status, final, notes, ctype, resp.headers.get("X-Request-Id", ""))
+                return Reply(resp.status, final, notes, ctype, *_ids_and_wait(resp.headers))
             text = await resp.text()
             message = json.loads(text) if text else {}
-            return Reply(resp.status, message, notes, ctype, resp.headers.get("X-Request-Id", ""))
+            return Reply(resp.status, message, notes, ctype, *_ids_and_wait(resp.headers))
 
     async def call(self, tool: str, arguments: dict | None = None, **kwargs: Any) -> Reply:
         """`tools/call`."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -29,6 +29,7 @@ class V1Client:
         self.sid: str | None = None
         self._ids = 0
         self.initialize_result: dict = {}
+        self.last_headers: Mapping[str, str] = {}  # the HTTP headers of the last response
 
     async def close(self) -> None:
         await self.http.close()
@@ -70,6 +71,7 @@ class V1Client:
 
     async def post(self, body: dict, *, on_request: Answer | None = None) -> tuple[int, dict, list[dict]]:
         async with self.http.post(self.url, data=json.dumps(body), headers=self._headers()) as resp:
+            self.last_headers = resp.headers
             if "Mcp-Session-Id" in resp.headers:
                 self.sid = resp.headers["Mcp-Session-Id"]
             notes: list[dict] = []
