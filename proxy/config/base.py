@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 from typing import Annotated, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pytimeparse2
 from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema
@@ -61,16 +61,14 @@ class Strict(BaseModel):
 
 
 def redact_url(url: str) -> str:
-    """`url` without user name and password (for messages, logs, /readyz and the console)."""
+    """`url` as written up to its query, without user name and password (for messages, logs,
+    /readyz and the console): `http://u:pw@h:1/mcp?t=x` reads `http://h:1/mcp`, and a URL without
+    its scheme stays as given (`h:8080`, not a rebuilt `h://8080`)."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
     except ValueError:
         return "<unparseable url>"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{parts.scheme}://{host}{port}{parts.path}"
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def url_password(url: str) -> str | None:

@@ -853,3 +853,14 @@ def test_a_public_url_with_a_query_is_quoted_whole_in_its_error() -> None:
     }
     with pytest.raises(ConfigError, match=r"'http://127\.0\.0\.1:27084\?x=1'"):
         config_from_data(data)
+
+
+@pytest.mark.parametrize("given", ["mcp.example.com", "mcp.example.com:8443", "//mcp.example.com"])
+def test_a_url_without_its_scheme_is_quoted_as_written(given: str) -> None:
+    """It was quoted as its parse (`'://mcp.example.com'`, `'mcp.example.com://8443'`)."""
+    for data in (
+        {"listen": {"public_url": given}, "mcpServers": {"s": {"url": "http://127.0.0.1:1/mcp"}}},
+        {"mcpServers": {"s": {"url": given}}},
+    ):
+        message = config_error(data)
+        assert f"{given!r} must be an http:// or https:// URL" in message, message
