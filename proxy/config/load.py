@@ -120,18 +120,25 @@ def _check_shape(data: Any, source: str) -> None:
             stack.extend((child, depth + 1) for child in children)
 
 
-def _interpolate(node: Any, path: str, errors: list[str]) -> Any:
+def _interpolate(node: Any, path: str, errors: list[str], emptied: list[str]) -> Any:
     """`node` with `${VAR}` expanded in every string; each string that cannot be expanded is kept
     as it is and adds one line (`key.path: what is wrong`) to `errors` per variable it lacks, so
-    one run names them all."""
+    one run names them all. Each string that expanded to nothing adds a line to `emptied` (shown
+    only if the config is then invalid: a url that is "missing" was a variable set but empty)."""
     if isinstance(node, str):
         value, problems = _expand(node)
         errors.extend(f"{path or '<root>'}: {problem}" for problem in problems)
+        if not problems and node and not value:
+            emptied.append(
+                f"{path or '<root>'}: {node[:200]!r} expanded to an empty string (a variable set but empty)"
+            )
         return node if problems else value
     if isinstance(node, dict):
-        return {k: _interpolate(v, f"{path}.{k}" if path else str(k), errors) for k, v in node.items()}
+        return {
+            k: _interpolate(v, f"{path}.{k}" if path else str(k), errors, emptied) for k, v in node.items()
+        }
     if isinstance(node, list):
-        return [_interpolate(v, f"{path}[{i}]", errors) for i, v in enumerate(node)]
+        return [_interpolate(v, f"{path}[{i}]", errors, emptied) for i, v in enumerate(node)]
     return node
 
 
@@ -154,13 +161,15 @@ def config_from_data(data: Any, *, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: the top level must be a mapping")
     _check_shape(data, source)
     errors: list[str] = []
-    data = _interpolate(data, "", errors)
+    emptied: list[str] = []
+    data = _interpolate(data, "", errors, emptied)
     if errors:
         raise ConfigError(f"{source}: cannot interpolate environment variables\n" + "\n".join(errors))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: invalid config\n{_format_errors(exc)}") from None
+        notes = "".join(f"\nnote: {line}" for line in emptied)
+        raise ConfigError(f"{source}: invalid config\n{_format_errors(exc)}{notes}") from None
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -417,6 +417,23 @@ def test_every_missing_variable_of_one_string_is_named(monkeypatch: pytest.Monke
     ], lines
 
 
+def test_a_variable_set_but_empty_is_named_when_the_config_is_then_invalid(monkeypatch: pytest.MonkeyPatch):
+    """`url: ${UPSTREAM_URL}` with the variable set to "" read only "give either `url` … or
+    `command`", as if the key were missing."""
+    monkeypatch.setenv("UPSTREAM_URL", "")
+    message = config_error({"mcpServers": {"a": {"url": "${UPSTREAM_URL}"}}})
+    assert "give either `url`" in message
+    assert (
+        "note: mcpServers.a.url: '${UPSTREAM_URL}' expanded to an empty string (a variable set but empty)"
+        in message
+    )
+    monkeypatch.setenv("NOTE", "")  # a valid config says nothing of its empty strings
+    config = config_from_data(
+        {"mcpServers": {"a": {"url": "http://h/mcp", "headers": {"X-Note": "${NOTE}"}}}}
+    )
+    assert config.servers["a"].headers == {"X-Note": ""}
+
+
 def test_malformed_interpolation_names_key_path():
     message = config_error({"mcpServers": {"a": {"url": "http://h/${BROKEN"}}})
     assert message.splitlines()[1].startswith("mcpServers.a.url:")
