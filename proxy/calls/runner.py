@@ -27,7 +27,7 @@ from proxy.protocol.jsonrpc import (
     object_of,
 )
 from proxy.protocol.translate import outcome_answer
-from proxy.runtime import metrics
+from proxy.runtime import metrics, tracing
 from proxy.runtime.drain import Drain
 from proxy.runtime.running import bind
 from proxy.runtime.uncancelled import uncancelled
@@ -374,7 +374,7 @@ class CallRunner:
             expected=(JsonRpcError,),
         )
         if answer is not None:
-            bind(task_id=answer["taskId"])
+            tracing.bind_task_id(answer["taskId"])
         return answer
 
     async def _hand_over(

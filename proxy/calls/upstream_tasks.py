@@ -25,6 +25,7 @@ from proxy.config import ResolvedPolicy
 from proxy.protocol.era import Envelope, strip_envelope, upstream_capabilities
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, JsonObject, JsonRpcError, object_of
 from proxy.protocol.translate import modern_error, modern_result
+from proxy.runtime import tracing
 from proxy.runtime.drain import Drain
 from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.service import TaskService
@@ -231,11 +232,13 @@ class UpstreamTasks:
         if not as_task:
             call.start()
             return await self._wait(call, reply)
-        return await uncancelled(
+        answer = await uncancelled(
             self._hand_over(call, session, policy=policy, keyed=keyed),
             what=f"following an upstream task of {self.name}",
             expected=(JsonRpcError,),
         )
+        tracing.bind_task_id(answer["taskId"])
+        return answer
 
     async def _hand_over(
         self, call: UpstreamTaskCall, session: Session, *, policy: ResolvedPolicy, keyed: KeyedCall | None

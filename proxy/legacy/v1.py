@@ -38,7 +38,7 @@ from proxy.protocol.jsonrpc import (
     RequestId,
     object_of,
 )
-from proxy.runtime import metrics
+from proxy.runtime import metrics, tracing
 from proxy.runtime.fanout import Overflow
 from proxy.runtime.uncancelled import uncancelled
 from proxy.tasks.model import TaskRecord, TaskStatus
@@ -337,6 +337,7 @@ class V1Front:
                     params, principal=principal, capabilities=capabilities, headers=request.headers
                 )
                 if isinstance(result.get("task"), dict):  # (a key joined to an ended call: its result)
+                    tracing.bind_task_id(result["task"]["taskId"])
                     self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
                     if len(self._origin) > 100_000:
                         del self._origin[next(iter(self._origin))]

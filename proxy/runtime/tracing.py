@@ -499,6 +499,14 @@ def set_attribute(key: str, value: str | int | bool) -> None:
         trace.get_current_span().set_attribute(key, value)
 
 
+def bind_task_id(task_id: str) -> None:
+    """A request just created (or joined) task `task_id`: bind it to the request's log context and
+    running entry (`running.bind`), and set it on the current span (the request's server span), so
+    a trace search by task id finds the request that created the task, not only its `task` span."""
+    bind(task_id=task_id)
+    set_attribute(TASK_ID, _text(task_id, 128))
+
+
 def set_outcome(outcome: str) -> None:
     """Record a `tools/call`'s outcome (`sync`, `detached`, `error`, `joined`) on the current span;
     `error` also marks the span as failed (a JSON-RPC error can come in an HTTP 200)."""

@@ -23,8 +23,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.clients import LEGACY_INITIALIZE, ModernClient
 from support.console import CONSOLE_TOKEN
-from support.proxy import Serve, make_config, stdio_config
+from support.proxy import RunningProxy, Serve, make_config, stdio_config
 from support.servers import run_cli
+from support.v1_client import V1Client
 
 from proxy.config import ConfigError, ConsoleConfig, TracingConfig, config_from_data
 from proxy.front.auth import hash_token
@@ -230,6 +231,8 @@ async def test_a_detached_call_has_a_task_span_from_creation_to_its_end_linked_t
     assert events[-1] == "completed"
     creator = by_name(spans, "tools/call confirm_delete")
     creator_server = [s for s in creator if s.kind.name == "SERVER"]
+    # a trace search by task id finds the request that created it too, not only the task's span
+    assert (creator_server[0].attributes or {}).get("mcp_tasks_proxy.task_id") == task_id
     assert task_span.parent is not None and task_span.parent.span_id == creator_server[0].context.span_id  # type: ignore[union-attr]
     # every tasks/get and tasks/update links to the task span
     task_span_id = task_span.context.span_id  # type: ignore[union-attr]
@@ -241,6 +244,19 @@ async def test_a_detached_call_has_a_task_span_from_creation_to_its_end_linked_t
     # the task span links back to the tasks/update that answered
     updates = {s.context.span_id for s in by_name(spans, "tasks/update")}  # type: ignore[union-attr]
     assert any(link.context.span_id in updates for link in task_span.links)
+
+
+async def test_a_v1_task_call_span_names_the_task_it_created(
+    spans: InMemorySpanExporter, flow_proxy: RunningProxy
+) -> None:
+    client = V1Client(flow_proxy.url())
+    try:
+        await client.initialize()
+        task = await client.call_as_task("slow_compute", {"seconds": 0.05})
+    finally:
+        await client.close()
+    server_spans = [s for s in by_name(spans, "tools/call slow_compute") if s.kind.name == "SERVER"]
+    assert [(s.attributes or {}).get("mcp_tasks_proxy.task_id") for s in server_spans] == [task["taskId"]]
 
 
 async def test_log_lines_carry_the_trace_and_the_stdio_upstream_gets_the_context_in_meta(
