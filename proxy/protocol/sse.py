@@ -89,6 +89,11 @@ class SseParser:
             return out, EventTooLargeError(f"an SSE event is larger than {self.max_event_bytes} bytes")
         return out, None
 
+    @property
+    def mid_event(self) -> bool:
+        """True when the bytes fed so far stop inside a line or an event (no blank line after it yet)."""
+        return self._size > 0 or bool(self._buffer)
+
     def end(self) -> list[SseEvent]:
         """The event left unterminated when the stream ended (if it has data)."""
         return [self._event_so_far()] if self._data else []

@@ -18,7 +18,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.protocol import jsonrpc
-from proxy.protocol.jsonrpc import JsonObject
+from proxy.protocol.jsonrpc import INTERNAL_ERROR, JsonObject
+from proxy.protocol.sse import SseParser, encode_message
 from proxy.replicas.registry import Peer
 from proxy.runtime import metrics, tracing
 
@@ -158,7 +159,10 @@ class Forwarder:
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
         `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
-        away closes the hop.
+        away closes the hop. When the hop breaks in the middle of an SSE reply to a JSON-RPC
+        request (the peer died), the client's stream ends with a -32603 error response under the
+        request's id, unless its answer already went through (`_AnswerWatch`); any other broken
+        reply is cut, as the peer's own would be.
         """
         # The body was already decoded by this replica: it goes on without its Content-Encoding. A
         # header the client repeated goes on repeated, so the peer judges what the client sent.
@@ -206,6 +210,7 @@ class Forwarder:
                 out.content_length = upstream.content_length
             await out.prepare(request)
             streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            watch = _AnswerWatch.of(raw) if streaming and request.method == "POST" else None
             try:
                 while chunk := await (
                     asyncio.wait_for(upstream.content.readany(), self.stream_idle_s)
@@ -213,11 +218,76 @@ class Forwarder:
                     else upstream.content.readany()
                 ):
                     await out.write(chunk)
+                    if watch is not None:
+                        watch.feed(chunk)
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                log.warning("replica_relay_broken", peer=peer.node, reason=str(exc) or exc.__class__.__name__)
+                reason = str(exc) or exc.__class__.__name__
+                log.warning("replica_relay_broken", peer=peer.node, reason=reason)
+                if watch is not None and not watch.answered:
+                    message = (
+                        f"proxy replica {peer.node} serving this session was lost before it answered "
+                        f"({reason}); the request may have run there: check before sending it again"
+                    )
+                    error = jsonrpc.error_response(
+                        watch.request_id, {"code": INTERNAL_ERROR, "message": message}
+                    )
+                    # (a blank line first ends an event the peer left half-sent: a client drops it)
+                    ending = b"\n\n" if watch.mid_event else b""
+                    with contextlib.suppress(ConnectionError, OSError):
+                        await out.write(ending + encode_message(error))
+                        await out.write_eof()
+                        return out
                 if request.transport is not None:
                     request.transport.close()  # the client sees the stream cut, as it would from the peer
                 return out
             with contextlib.suppress(aiohttp.ClientError, OSError, ConnectionError):
                 await out.write_eof()
             return out
+
+
+class _AnswerWatch:
+    """Watches a relayed SSE reply for the answer to the JSON-RPC request `request_id`: `answered`
+    once an event carrying a response (`result` or `error`) under that id went through."""
+
+    __slots__ = ("request_id", "answered", "_parser")
+
+    def __init__(self, request_id: jsonrpc.RequestId) -> None:
+        self.request_id = request_id
+        self.answered = False
+        self._parser = SseParser()
+
+    @classmethod
+    def of(cls, raw: bytes | None) -> _AnswerWatch | None:
+        """A watch for the request in the body `raw`; None when it holds no JSON-RPC request (a
+        notification, a response, a batch, or no JSON)."""
+        try:
+            body = jsonrpc.loads(raw) if raw else None
+        except ValueError:  # (UnicodeDecodeError too)
+            return None
+        request_id = body.get("id") if isinstance(body, dict) and jsonrpc.is_request(body) else None
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            return None
+        return cls(request_id)
+
+    @property
+    def mid_event(self) -> bool:
+        """True when the relayed bytes stop inside an SSE event (`SseParser.mid_event`)."""
+        return self._parser.mid_event
+
+    def feed(self, chunk: bytes) -> None:
+        """Read the events `chunk` completes (nothing once the answer was seen)."""
+        if self.answered:
+            return
+        events, _ = self._parser.feed(chunk)
+        for event in events:
+            try:
+                message = jsonrpc.loads(event.data) if event.data else None
+            except ValueError:
+                continue
+            if (
+                isinstance(message, dict)
+                and message.get("id") == self.request_id
+                and ("result" in message or "error" in message)
+            ):
+                self.answered = True
+                return

@@ -32,6 +32,7 @@ from support.servers import ROOT
 from support.v1_client import V1Client
 
 from proxy.config import ConfigError, config_from_data
+from proxy.protocol.sse import iter_events
 from proxy.replicas import advertised_url
 
 sys.path.insert(0, str(ROOT))
@@ -827,6 +828,26 @@ async def _legacy_ping(http: aiohttp.ClientSession, url: str, sid: str) -> int:
         return resp.status
 
 
+async def _relayed_call(http: aiohttp.ClientSession, url: str, sid: str) -> dict:
+    """A 20 s `slow_compute` on legacy session `sid` at `url`: the last message of its SSE reply."""
+    headers = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+    call = {
+        "jsonrpc": "2.0",
+        "id": 42,
+        "method": "tools/call",
+        "params": {"name": "slow_compute", "arguments": {"seconds": 20, "label": "relayed-killed"}},
+    }
+    async with http.post(url, json=call, headers=headers) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        messages = [json.loads(e.data) async for e in iter_events(resp.content.iter_any()) if e.data]
+    return messages[-1]
+
+
+def _started(reply: Reply, label: str) -> int:
+    """How many times the upstream started `slow_compute` under `label` (its `started_log`)."""
+    return int(json.loads(reply.result["content"][0]["text"]).get(label, 0))
+
+
 async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
     cluster: Cluster, clients: list[ModernClient]
 ) -> None:
@@ -840,9 +861,18 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
         web_sid = await _open_legacy(http, cluster.replica_urls[2] + WEB)
         stdio_sid = await _open_legacy(http, cluster.replica_urls[2] + LOCAL)
         assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200  # relayed to replica 2
+        # a legacy call relayed to replica 2, running when replica 2 dies
+        relayed = asyncio.ensure_future(_relayed_call(http, cluster.replica_urls[0] + WEB, web_sid))
+        async with asyncio.timeout(10):  # until the upstream runs it
+            while _started(await c0.call("started_log"), "relayed-killed") != 1:
+                await asyncio.sleep(0.05)
 
         cluster.kill(2)
         killed_at = time.monotonic()
+        # replica 0 ends that call's stream with an error under its id, not with a bare cut
+        answer = await asyncio.wait_for(relayed, timeout=10)
+        assert answer["id"] == 42 and answer["error"]["code"] == -32603, answer
+        assert f"proxy replica {node} serving this session was lost" in answer["error"]["message"]
         task = await c0.wait_status(failing, ("failed",), timeout=10)
         elapsed = time.monotonic() - killed_at
         assert elapsed < 2 * LEASE_S + 0.3, f"took {elapsed:.2f} s"  # the bound plus polling/scheduling slack

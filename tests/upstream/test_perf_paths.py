@@ -252,6 +252,20 @@ def test_sse_events_do_not_depend_on_how_the_bytes_are_split(parts: list[bytes],
     assert _parse([raw[i : i + size] for i in range(0, len(raw), size)]) == _parse([raw])
 
 
+def test_sse_parser_knows_when_the_bytes_stop_inside_an_event() -> None:
+    parser = SseParser()
+    for chunk, inside in (
+        (b"event: message\n", True),
+        (b'data: {"id"', True),
+        (b": 1}\n", True),
+        (b"\n", False),  # dispatched
+        (b": keepalive\n\n", False),
+        (b"da", True),
+    ):
+        parser.feed(chunk)
+        assert parser.mid_event is inside, chunk
+
+
 def test_sse_parser_reads_fields_comments_and_split_characters() -> None:
     chunks = [b": hi\r\nevent: up\r\nid: 4\nretry: 25\ndata: one\ndata:two\ndata: \xc3", b"\xa9\n", b"\r\n"]
     assert _parse(chunks) == [SseEvent("up", "one\ntwo\n\u00e9", "4", 25)]
