@@ -274,6 +274,7 @@ class HttpRelay:
                 self.bounds.connect_timeout + self.bounds.request_timeout,
                 "connect_timeout + request_timeout",
             )
+        started = asyncio.get_running_loop().time()
         opening = asyncio.ensure_future(
             self._send(
                 request.method,
@@ -388,6 +389,10 @@ class HttpRelay:
         stream.feed(pump, f"legacy POST relay {self.name}")
         if stream.json_only:
             return await self.streams.serve_json(stream, out_headers)
+        if upstream.status == 200 and may_switch:
+            # the answer alone within what is left of keepalive_s: one plain JSON reply
+            left_s = self.streams.keepalive_s - (asyncio.get_running_loop().time() - started)
+            return await self.streams.reply(request, session, stream, out_headers, wait_s=left_s)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
 
     async def _unrelayable(

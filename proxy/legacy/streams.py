@@ -130,16 +130,20 @@ class StreamServer:
         session: LegacySession,
         stream: RelayStream,
         headers: dict[str, str] | None = None,
+        *,
+        wait_s: float | None = None,
     ) -> web.StreamResponse:
         """A request's reply fed by a pump: plain JSON when the answer alone arrives within
-        `keepalive_s` (s), else an SSE stream from its first event (keepalives meanwhile), so
-        idle-cutting intermediaries keep a silent call; the answer alone for a JSON-only client."""
+        `wait_s` (s, default `keepalive_s`), else an SSE stream from its first event (keepalives
+        meanwhile), so idle-cutting intermediaries keep a silent call; the answer alone for a
+        JSON-only client."""
         if stream.json_only:
             return await self.serve_json(stream, headers or {})
         if stream.last_seq == 0:
-            await stream.changed(self.keepalive_s)
+            await stream.changed(max(0.0, self.keepalive_s if wait_s is None else wait_s))
         if stream.closed and stream.last_seq == 1 and stream.last_data is not None:
-            return web.Response(text=stream.last_data, content_type="application/json", headers=headers)
+            plain = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
+            return web.Response(text=stream.last_data, content_type="application/json", headers=plain)
         return await self.serve(request, session, stream, 0, headers=headers)
 
     def _sweep(self) -> None:

@@ -87,7 +87,8 @@ def configure_logging(level: str = "info", *, cache_loggers: bool = True) -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, _CurrentStderr())),
+        # one write per line (`print` wrote the line and its newline in two: stderr writes through)
+        logger_factory=structlog.WriteLoggerFactory(cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=cache_loggers,
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
