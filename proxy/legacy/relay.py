@@ -289,7 +289,8 @@ class HttpRelay:
             sent.opening = opening  # a cancel or the session's end may give it up (`Outbound.abandon`)
         # A request whose answer may come on SSE (not initialize: its reply carries the session id)
         # switches to SSE with keepalives when the upstream has not answered within keepalive_s.
-        accepts_sse = "text/event-stream" in request.headers.get("Accept", "")
+        accept = request.headers.get("Accept", "")
+        accepts_sse = "text/event-stream" in accept
         may_switch = request_id is not None and method != "initialize" and accepts_sse
         if request.method == "GET" or may_switch:
             try:
@@ -389,8 +390,10 @@ class HttpRelay:
         stream.feed(pump, f"legacy POST relay {self.name}")
         if stream.json_only:
             return await self.streams.serve_json(stream, out_headers)
-        if upstream.status == 200 and may_switch:
-            # the answer alone within what is left of keepalive_s: one plain JSON reply
+        if upstream.status == 200 and may_switch and ("application/json" in accept or "*/*" in accept):
+            # The answer alone within what is left of keepalive_s goes out as one plain JSON reply
+            # (either form may answer a request; the client's Accept takes both): one write, where
+            # an SSE reply of one event takes four (headers, priming, event, end).
             left_s = self.streams.keepalive_s - (asyncio.get_running_loop().time() - started)
             return await self.streams.reply(request, session, stream, out_headers, wait_s=left_s)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)

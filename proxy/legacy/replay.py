@@ -217,7 +217,12 @@ class RelayStream:
         return max(seq + 1, first), seq + 1 < first
 
     async def frames(
-        self, after: int, keepalive_s: float, ticket: int | None = None, direct: Direct | None = None
+        self,
+        after: int,
+        keepalive_s: float,
+        ticket: int | None = None,
+        direct: Direct | None = None,
+        cuts: int | None = None,
     ) -> AsyncIterator[bytes]:
         """The frames after event `after`, then live ones as they come, with `KEEPALIVE` after
         each `keepalive_s` (s) of waiting; ends once the stream is closed and everything was
@@ -226,8 +231,10 @@ class RelayStream:
         waits) and a `ticket`, while it waits with everything sent, the pump writes new events
         itself (`push`): they are not yielded again, and its keepalive comes each `keepalive_s`
         chatty or not. (Without a ticket `direct` is not used: what `push` wrote directly is
-        counted per stream, so only the one connection that has the stream may take it.)"""
-        cuts = self.cuts
+        counted per stream, so only the one connection that has the stream may take it.) `cuts`
+        is the stream's `cuts` when its reply began (default: now): a cut since then ends these
+        frames too, once the events before it went out."""
+        cuts = self.cuts if cuts is None else cuts
         sent = after
         if ticket is None:
             direct = None

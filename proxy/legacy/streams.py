@@ -81,11 +81,13 @@ class StreamServer:
         status: int = 200,
         headers: dict[str, str] | None = None,
         notice: JsonObject | None = None,
+        cuts: int | None = None,
     ) -> web.StreamResponse:
         """Write `stream` to the client from event `after` on (keepalives included) until it ends,
         is cut, or the client leaves; the stream itself goes on either way. A POST reply of a
         2025-11-25 session starts with a priming event when nothing else came first. `notice` (a
-        JSON-RPC notification) goes first, without an id: it is not part of the stream."""
+        JSON-RPC notification) goes first, without an id: it is not part of the stream. `cuts`: the
+        stream's cut count when its reply began (`RelayStream.frames`)."""
         response = web.StreamResponse(status=status, headers={**(headers or {}), **SSE_HEADERS})
         if stream.kind == "post" and stream.last_seq == 0 and session.version >= PRIMING_VERSION:
             # A priming event (SEP-1699): an id before anything else, so a reply that has said
@@ -98,7 +100,7 @@ class StreamServer:
             if notice is not None:
                 await response.write(encode_message(notice))
             direct = functools.partial(flow.write_without_waiting, request, response)
-            async for frame in stream.frames(after, self.keepalive_s, ticket, direct):
+            async for frame in stream.frames(after, self.keepalive_s, ticket, direct, cuts):
                 await response.write(frame)
             await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionError, OSError):
@@ -139,12 +141,13 @@ class StreamServer:
         JSON-only client."""
         if stream.json_only:
             return await self.serve_json(stream, headers or {})
+        cuts = stream.cuts  # (an SSE polling cut while this waited still ends the stream it serves)
         if stream.last_seq == 0:
             await stream.changed(max(0.0, self.keepalive_s if wait_s is None else wait_s))
         if stream.closed and stream.last_seq == 1 and stream.last_data is not None:
             plain = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
             return web.Response(text=stream.last_data, content_type="application/json", headers=plain)
-        return await self.serve(request, session, stream, 0, headers=headers)
+        return await self.serve(request, session, stream, 0, headers=headers, cuts=cuts)
 
     def _sweep(self) -> None:
         """Every LINGER_S / 2 while any session keeps a POST stream: forget the ended ones that no

@@ -185,7 +185,8 @@ async def test_own_event_ids_scoped_to_session_and_stream(proxy_url: str) -> Non
     assert all(i not in ("1", "2") for stream in ids for i in stream)  # never the upstream's reused ids
     tokens = {i.rpartition(":")[0] for stream in ids for i in stream}
     assert len(tokens) == 3  # one token per stream, none shared between sessions
-    assert [i.rpartition(":")[2] for i in ids[0]] == ["1", "2", "3"]  # the priming event, then the two
+    # the two events, numbered from 1 (no priming event: the first one came before the reply began)
+    assert [i.rpartition(":")[2] for i in ids[0]] == ["1", "2"]
 
 
 async def test_server_requests_get_proxy_ids_and_one_answer_each(upstream: str, proxy_url: str) -> None:
@@ -238,6 +239,26 @@ async def test_keepalive_on_relayed_post_and_get_streams(proxy_url: str) -> None
         assert chunk.startswith(b": keepalive")
 
 
+async def test_an_answer_that_comes_alone_and_soon_goes_out_as_plain_json(proxy_url: str) -> None:
+    """The upstream answers on SSE within `sse_keepalive` (50 ms here), with nothing before its
+    answer: the client, whose Accept takes both, gets one JSON body (one write, not four); a client
+    that takes SSE alone gets the stream."""
+    async with aiohttp.ClientSession() as http:
+        client = await Legacy(proxy_url, http).open()
+        async with client.call(4, "slow", ms=5) as resp:
+            assert resp.headers["Content-Type"].startswith("application/json")
+            assert await resp.json() == {
+                "jsonrpc": "2.0",
+                "id": 4,
+                "result": {"content": [{"type": "text", "text": "slow done"}], "isError": False},
+            }
+        only_sse = client.headers(Accept="text/event-stream")
+        async with http.post(proxy_url, json=call_body(5, "slow", ms=5), headers=only_sse) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            events = await read_events(resp)
+        assert json.loads(events[-1].data)["id"] == 5
+
+
 async def test_a_get_whose_accept_rules_out_sse_gets_406(proxy_url: str) -> None:
     """A GET opens an SSE stream, so one whose `Accept` names only JSON is refused (406), not
     answered with a stream it said it cannot take; `*/*` takes the stream."""
@@ -274,8 +295,8 @@ async def test_polling_upstream_resumed_through_the_proxys_ids(proxy_url: str) -
         client = await Legacy(proxy_url, http).open()
         async with client.call(9, "poll") as resp:
             events = await asyncio.wait_for(read_events(resp), 5)  # cut like the upstream cut it
-        # the proxy's priming event, then the upstream's (its `retry` passes on)
-        assert [(e.data, e.retry) for e in events] == [("", None), ("", 50)]
+        # the upstream's priming event, with its `retry` (it came first: the proxy adds none)
+        assert [(e.data, e.retry) for e in events] == [("", 50)]
         assert ":" in (events[-1].id or "")
         headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": events[-1].id})
         async with http.get(proxy_url, headers=headers) as resp:
@@ -290,15 +311,15 @@ async def test_resume_after_client_disconnect_without_upstream_event_store(proxy
         client = await Legacy(proxy_url, http).open()
         resp = await client.call(3, "sse_echo", ms=200).__aenter__()
         events = iter_events(resp.content.iter_any())
-        while not (first := await anext(events)).data:  # the priming event comes first
-            pass
+        first = await anext(events)  # the first event opens the reply (no priming event before it)
+        assert first.data
         resp.close()  # the connection is gone; the call goes on in the proxy
         await asyncio.sleep(0.4)
         headers = client.headers(Accept="text/event-stream", **{"Last-Event-ID": first.id})
         async with http.get(proxy_url, headers=headers) as again:
             rest = await asyncio.wait_for(read_events(again), 5)
     assert [json.loads(e.data).get("id") for e in rest] == [3]
-    assert rest[0].id.rpartition(":")[2] == "3"
+    assert rest[0].id.rpartition(":")[2] == "2"
 
 
 async def test_get_stream_replays_missed_events_then_goes_on_live(upstream: str, proxy_url: str) -> None:
