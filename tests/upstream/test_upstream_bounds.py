@@ -169,11 +169,16 @@ async def test_oversized_upstream_replies_are_errors_in_both_eras(
                         resp.status == 200 and "max_response_bytes" in (await resp.json())["error"]["message"]
                     )
                 else:  # an SSE stream is never relayed whole: the unanswered call gets its JSON-RPC error
-                    events = [
-                        json.loads(line[5:])
-                        for line in (await resp.text()).splitlines()
-                        if line.startswith("data:") and line[5:].strip()  # not the priming event
-                    ]
+                    text = await resp.text()
+                    events = (
+                        [
+                            json.loads(line[5:])
+                            for line in text.splitlines()
+                            if line.startswith("data:") and line[5:].strip()  # not a priming event
+                        ]
+                        if resp.headers["Content-Type"].startswith("text/event-stream")
+                        else [json.loads(text)]  # the error alone, soon: plain JSON
+                    )
                     answer = [e for e in events if e.get("id") == 2]
                     assert len(answer) == 1 and answer[0]["error"]["code"] == -32603, events
                     assert (
