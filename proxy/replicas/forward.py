@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any, TypeGuard
 
 import aiohttp
 import structlog
@@ -154,8 +155,11 @@ class Forwarder:
         """Send the client's request (method, path, headers, `raw` body) to `peer`, with the
         `principal` this replica authenticated (the peer takes it as is) and this request's id, or
         the first replica's when this one was itself relayed (the peer logs it as
-        `relayed_request_id`), and stream its response back. None when the peer
-        cannot be reached (nothing was sent to the client then).
+        `relayed_request_id`), and stream its response back. None when the peer cannot be reached
+        (nothing was sent to the client then), or was lost before its response began with a request
+        that is safe to send again (`jsonrpc.safe_to_resend`): this replica may then serve it. One
+        that may have acted (a `tools/call`) gets HTTP 502 with a -32603 saying it may have run,
+        never a second run here.
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
         `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
@@ -196,11 +200,25 @@ class Forwarder:
                     sock_read=self.read_timeout_s,
                 ),
             )
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             log.warning(
                 "replica_unreachable", peer=peer.node, op="relay", reason=str(exc) or exc.__class__.__name__
             )
-            return None
+            return None  # never connected: the peer saw nothing
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            reason = str(exc) or exc.__class__.__name__
+            body = _posted(raw)
+            if body is None or jsonrpc.safe_to_resend(body):
+                log.warning("replica_unreachable", peer=peer.node, op="relay", reason=reason)
+                return None
+            log.warning("replica_lost_mid_request", peer=peer.node, reason=reason)
+            request_id = body.get("id") if isinstance(body, dict) else None
+            error = {"code": INTERNAL_ERROR, "message": _lost(peer, reason)}
+            return web.json_response(
+                jsonrpc.error_response(request_id if _is_id(request_id) else None, error),
+                status=502,
+                dumps=jsonrpc.dumps_str,
+            )
         async with upstream:
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -224,12 +242,8 @@ class Forwarder:
                 reason = str(exc) or exc.__class__.__name__
                 log.warning("replica_relay_broken", peer=peer.node, reason=reason)
                 if watch is not None and not watch.answered:
-                    message = (
-                        f"proxy replica {peer.node} serving this session was lost before it answered "
-                        f"({reason}); the request may have run there: check before sending it again"
-                    )
                     error = jsonrpc.error_response(
-                        watch.request_id, {"code": INTERNAL_ERROR, "message": message}
+                        watch.request_id, {"code": INTERNAL_ERROR, "message": _lost(peer, reason)}
                     )
                     # (a blank line first ends an event the peer left half-sent: a client drops it)
                     ending = b"\n\n" if watch.mid_event else b""
@@ -260,14 +274,9 @@ class _AnswerWatch:
     def of(cls, raw: bytes | None) -> _AnswerWatch | None:
         """A watch for the request in the body `raw`; None when it holds no JSON-RPC request (a
         notification, a response, a batch, or no JSON)."""
-        try:
-            body = jsonrpc.loads(raw) if raw else None
-        except ValueError:  # (UnicodeDecodeError too)
-            return None
+        body = _posted(raw)
         request_id = body.get("id") if isinstance(body, dict) and jsonrpc.is_request(body) else None
-        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-            return None
-        return cls(request_id)
+        return cls(request_id) if _is_id(request_id) else None
 
     @property
     def mid_event(self) -> bool:
@@ -291,3 +300,25 @@ class _AnswerWatch:
             ):
                 self.answered = True
                 return
+
+
+def _posted(raw: bytes | None) -> Any:
+    """The JSON body a client POSTed (`raw`), parsed again where the hop failed; None for no body
+    or one that is not JSON."""
+    try:
+        return jsonrpc.loads(raw) if raw else None
+    except ValueError:  # (UnicodeDecodeError too)
+        return None
+
+
+def _is_id(value: Any) -> TypeGuard[jsonrpc.RequestId]:
+    """True for a JSON-RPC request id (a string or an integer, not a bool)."""
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+def _lost(peer: Peer, reason: str) -> str:
+    """The -32603 message for a request whose peer was lost before it answered."""
+    return (
+        f"proxy replica {peer.node} serving this session was lost before it answered ({reason}); the "
+        "request may have run there: check before sending it again"
+    )

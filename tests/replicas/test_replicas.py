@@ -828,19 +828,24 @@ async def _legacy_ping(http: aiohttp.ClientSession, url: str, sid: str) -> int:
         return resp.status
 
 
-async def _relayed_call(http: aiohttp.ClientSession, url: str, sid: str) -> dict:
-    """A 20 s `slow_compute` on legacy session `sid` at `url`: the last message of its SSE reply."""
+async def _relayed_call(http: aiohttp.ClientSession, url: str, sid: str, accept: str) -> tuple[int, dict]:
+    """A 20 s `slow_compute` (label `relayed-<accept>`) on legacy session `sid` at `url`, with
+    `accept` ("sse": SSE alone, so the reply starts at once; "both": it stays silent for
+    `sse_keepalive`): the HTTP status and the last message of its reply."""
     headers = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+    if accept == "sse":
+        headers["Accept"] = "text/event-stream"
     call = {
         "jsonrpc": "2.0",
         "id": 42,
         "method": "tools/call",
-        "params": {"name": "slow_compute", "arguments": {"seconds": 20, "label": "relayed-killed"}},
+        "params": {"name": "slow_compute", "arguments": {"seconds": 20, "label": f"relayed-{accept}"}},
     }
     async with http.post(url, json=call, headers=headers) as resp:
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        if not resp.headers["Content-Type"].startswith("text/event-stream"):
+            return resp.status, await resp.json()
         messages = [json.loads(e.data) async for e in iter_events(resp.content.iter_any()) if e.data]
-    return messages[-1]
+    return resp.status, messages[-1]
 
 
 def _started(reply: Reply, label: str) -> int:
@@ -861,18 +866,25 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
         web_sid = await _open_legacy(http, cluster.replica_urls[2] + WEB)
         stdio_sid = await _open_legacy(http, cluster.replica_urls[2] + LOCAL)
         assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200  # relayed to replica 2
-        # a legacy call relayed to replica 2, running when replica 2 dies
-        relayed = asyncio.ensure_future(_relayed_call(http, cluster.replica_urls[0] + WEB, web_sid))
-        async with asyncio.timeout(10):  # until the upstream runs it
-            while _started(await c0.call("started_log"), "relayed-killed") != 1:
+        # legacy calls relayed to replica 2, running when replica 2 dies: one whose reply stream has
+        # begun, one whose reply has not (its answer would have come as JSON)
+        relayed = {
+            accept: asyncio.ensure_future(_relayed_call(http, cluster.replica_urls[0] + WEB, web_sid, accept))
+            for accept in ("sse", "both")
+        }
+        async with asyncio.timeout(10):  # until the upstream runs them
+            while {_started(await c0.call("started_log"), f"relayed-{a}") for a in relayed} != {1}:
                 await asyncio.sleep(0.05)
 
         cluster.kill(2)
         killed_at = time.monotonic()
-        # replica 0 ends that call's stream with an error under its id, not with a bare cut
-        answer = await asyncio.wait_for(relayed, timeout=10)
-        assert answer["id"] == 42 and answer["error"]["code"] == -32603, answer
-        assert f"proxy replica {node} serving this session was lost" in answer["error"]["message"]
+        # replica 0 ends each with an error under its id (the stream's last event, or a 502), never
+        # with a bare cut, and never serves the call again itself
+        for accept, call in relayed.items():
+            status, answer = await asyncio.wait_for(call, timeout=10)
+            assert status == (200 if accept == "sse" else 502), (accept, status)
+            assert answer["id"] == 42 and answer["error"]["code"] == -32603, answer
+            assert f"proxy replica {node} serving this session was lost" in answer["error"]["message"]
         task = await c0.wait_status(failing, ("failed",), timeout=10)
         elapsed = time.monotonic() - killed_at
         assert elapsed < 2 * LEASE_S + 0.3, f"took {elapsed:.2f} s"  # the bound plus polling/scheduling slack
@@ -907,6 +919,8 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
             done["status"] == "completed"
             and done["result"]["content"][0]["text"] == "quietly computed after 1s"
         )
+        started = await c0.call("started_log")
+        assert [_started(started, f"relayed-{a}") for a in relayed] == [1, 1]  # neither ran twice
         # Legacy sessions of the dead replica: HTTP upstream adopted
         # (same upstream session), stdio gone (404).
         assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200
