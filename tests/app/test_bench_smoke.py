@@ -74,3 +74,20 @@ def test_bench_quick_run_reports_every_section(tmp_path: Path) -> None:
 
     for heading in ("### a.", "### b.", "### c.", "### d.", "### e."):
         assert heading in results["table"], heading
+
+
+def test_bench_paired_run_reads_both_revisions() -> None:
+    """bench/paired.py on two copies of HEAD: one short round, both proxies measured, no errors."""
+    proc = subprocess.run(
+        [sys.executable, "bench/paired.py", "HEAD", "HEAD", "--rounds", "1", "--duration", "1"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(Path(proc.stdout.rsplit("results: ", 1)[1].strip()).read_text())
+    (round_,) = results["rounds"]
+    assert all(n > 0 for n in round_["calls"]) and round_["errors"] == [0, 0], round_
+    assert results["median_ratio"] > 0
