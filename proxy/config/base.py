@@ -63,12 +63,16 @@ class Strict(BaseModel):
 def redact_url(url: str) -> str:
     """`url` as written up to its query, without user name and password (for messages, logs,
     /readyz and the console): `http://u:pw@h:1/mcp?t=x` reads `http://h:1/mcp`, and a URL without
-    its scheme stays as given (`h:8080`, not a rebuilt `h://8080`)."""
+    its scheme stays as given (`h:8080`, not a rebuilt `h://8080`). `<unparseable url>` when an
+    `@` is left after the cut or the port is no number: a password holding `/`, `?` or `#` ends
+    the parse of the host early, and the URL must not be shown at all."""
     try:
         parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number)
     except ValueError:
         return "<unparseable url>"
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+    shown = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+    return "<unparseable url>" if "@" in shown else shown
 
 
 def url_password(url: str) -> str | None:

@@ -799,6 +799,10 @@ def test_authorization_settings_are_checked(section: dict, expected: str):
         "http://alice:S3cretPassw0rd@127.0.0.1:0/mcp",
         "http://alice:S3cretPassw0rd@/mcp",
         "http://alice:S3cretPassw0rd@exa mple.com/mcp",
+        # a password holding `/`, `?` or `#` (base64 has `/`) ends the parse of the host early
+        "https://alice:S3cretPassw0rd/Zm9v@127.0.0.1/mcp",
+        "http://alice:S3cretPassw0rd?x@127.0.0.1/mcp",
+        "http://alice:S3cretPassw0rd#x@127.0.0.1/mcp",
     ],
 )
 def test_an_upstream_url_that_cannot_be_connected_to_is_refused_without_its_password(url: str) -> None:
