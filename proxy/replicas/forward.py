@@ -67,7 +67,9 @@ class Forwarder:
     A relayed request waits for the peer's response head and each read of a plain body at most
     `read_timeout_s` (s: the longest call timeout plus the hop), and at most `stream_idle_s` (s: a
     few `listen.sse_keepalive` intervals, since the peer sends keepalive comments) between two
-    chunks of an SSE stream.
+    chunks of an SSE stream. Idle pooled connections to peers live `keepalive_s` (s) at most: below
+    the peers' own idle close (`listen.header_timeout`), so a request is never sent on a connection
+    the peer is closing unread, which would read as lost after it may have run.
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class Forwarder:
         timeout_s: float,
         read_timeout_s: float = 1800.0,
         stream_idle_s: float = 60.0,
+        keepalive_s: float = 4.0,
     ) -> None:
         self.node = node
+        self.keepalive_s = keepalive_s
         self.secret = secret
         self.timeout_s = timeout_s
         self.read_timeout_s = read_timeout_s
@@ -90,7 +94,7 @@ class Forwarder:
         if self._http is None or self._http.closed:
             # No decompression: a relayed body passes byte for byte, with its Content-Encoding.
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s),
                 auto_decompress=False,
                 trace_configs=tracing.client_trace_configs(),  # none while tracing is off
             )
@@ -158,8 +162,8 @@ class Forwarder:
         `relayed_request_id`), and stream its response back. None when the peer cannot be reached
         (nothing was sent to the client then), or was lost before its response began with a request
         that is safe to send again (`jsonrpc.safe_to_resend`): this replica may then serve it. One
-        that may have acted (a `tools/call`) gets HTTP 502 with a -32603 saying it may have run,
-        never a second run here.
+        that may have acted (a `tools/call`) gets a -32603 saying it may have run (in an HTTP 200,
+        as the legacy wire answers a request's failure), never a second run here.
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
         `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
@@ -214,9 +218,11 @@ class Forwarder:
             log.warning("replica_lost_mid_request", peer=peer.node, reason=reason)
             request_id = body.get("id") if isinstance(body, dict) else None
             error = {"code": INTERNAL_ERROR, "message": _lost(peer, reason)}
+            # a request's error in an HTTP 200, as every upstream failure on the legacy wire (an
+            # `mcp` 1.x client drops its transport on any other status); 502 when there is no id
             return web.json_response(
                 jsonrpc.error_response(request_id if _is_id(request_id) else None, error),
-                status=502,
+                status=200 if _is_id(request_id) else 502,
                 dumps=jsonrpc.dumps_str,
             )
         async with upstream:

@@ -69,6 +69,7 @@ class Replicas:
             timeout_s=hop,
             read_timeout_s=longest_call + hop,
             stream_idle_s=3 * config.listen.sse_keepalive + hop,
+            keepalive_s=min(4.0, config.listen.header_timeout / 2),  # peers close idle ones at header_timeout
         )
         self.shared = shared
         self.draining = False

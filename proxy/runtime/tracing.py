@@ -500,7 +500,7 @@ def set_attribute(key: str, value: str | int | bool) -> None:
 
 
 def bind_task_id(task_id: str) -> None:
-    """A request just created (or joined) task `task_id`: bind it to the request's log context and
+    """A request just created task `task_id` (or, v1, was given it): bind it to the request's log context and
     running entry (`running.bind`), and set it on the current span (the request's server span), so
     a trace search by task id finds the request that created the task, not only its `task` span."""
     bind(task_id=task_id)
