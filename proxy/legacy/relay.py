@@ -70,6 +70,9 @@ def _never_ran(exc: BaseException) -> bool:
 # HTTP refusals that come before a server runs anything: a redirect that asks for the same request
 # elsewhere (307, 308), and a sign-in refusal. (A 303 may follow a request the server ran.)
 REFUSED_UNRUN = frozenset({307, 308, 401, 403})
+# How long (s) a relayed POST whose upstream answered on SSE waits for its answer alone, to send it
+# as plain JSON, before its SSE stream opens (`_exchange`)
+QUICK_ANSWER_S = 0.05
 
 
 def _upstream_error(request_id: Any, message: str, status: int) -> web.Response:
@@ -391,11 +394,13 @@ class HttpRelay:
         if stream.json_only:
             return await self.streams.serve_json(stream, out_headers)
         if upstream.status == 200 and may_switch and ("application/json" in accept or "*/*" in accept):
-            # The answer alone within what is left of keepalive_s goes out as one plain JSON reply
+            # An answer that comes alone within QUICK_ANSWER_S goes out as one plain JSON reply
             # (either form may answer a request; the client's Accept takes both): one write, where
-            # an SSE reply of one event takes four (headers, priming, event, end).
+            # an SSE reply of one event takes four (headers, priming, event, end). A slower call's
+            # stream opens then, with its priming event, so it can be resumed from the start.
             left_s = self.streams.keepalive_s - (asyncio.get_running_loop().time() - started)
-            return await self.streams.reply(request, session, stream, out_headers, wait_s=left_s)
+            wait_s = min(QUICK_ANSWER_S, left_s)
+            return await self.streams.reply(request, session, stream, out_headers, wait_s=wait_s)
         return await self.streams.serve(request, session, stream, status=upstream.status, headers=out_headers)
 
     async def _unrelayable(
