@@ -30,10 +30,13 @@ def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy check-config", description="Validate a config file and say what it will serve."
     )
-    parser.add_argument("file")
+    parser.add_argument("file", nargs="?", help="the config file")
+    parser.add_argument("--config", help="the config file, as the main command takes it")
     args = parser.parse_args(argv)
+    if (args.file is None) == (args.config is None):
+        parser.error("name the config file once: check-config FILE, or check-config --config FILE")
     try:
-        config = load_config(args.file)
+        config = load_config(args.file or args.config)
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2

@@ -86,16 +86,24 @@ def url_password(url: str) -> str | None:
 
 def url_problem(url: str) -> str | None:
     """Why `url` (http, https, redis or rediss) cannot be connected to, or None: a host that is
-    missing or holds whitespace, a port that is not a number in 1-65535. The text never holds the
-    URL's credentials."""
+    missing or holds whitespace, a port that is not a number in 1-65535, a user or password whose
+    `/`, `?` or `#` ends the host early. The text never holds the URL's credentials."""
     try:
         parts = urlsplit(url)
+    except ValueError:
+        return "its host is not a valid host name or IP address"
+    try:
         port = parts.port
     except ValueError:
+        if "@" in f"{parts.path}?{parts.query}#{parts.fragment}":  # `bob:Zm9v/YmFy@h`: no port at all
+            return (
+                "a `/`, `?` or `#` in its user or password ends the host early; write them "
+                "percent-encoded (%2F, %3F, %23)"
+            )
         return "its port is not a number in 1-65535"
     host = parts.hostname or ""
     if not host or any(c.isspace() for c in host) or any(c.isspace() for c in parts.netloc):
-        return "it has no host, or whitespace in it"
+        return "it has no host, or whitespace in its host, user or password"
     if port is not None and not 1 <= port <= 65535:
         return "its port is not a number in 1-65535"
     return None

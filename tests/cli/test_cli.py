@@ -397,6 +397,12 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
     bad.write_text("mcpServers:\n  a:\n    url: http://x/mcp\n    tasks: {tools: {t: {mode: sometimes}}}\n")
     out = run_cli("check-config", str(bad))
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
+    # `--config FILE`, as the main command takes it, names the file too; naming none or two is refused
+    out = run_cli("check-config", "--config", str(bad))
+    assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
+    for argv in ((), (str(bad), "--config", str(bad))):
+        out = run_cli("check-config", *argv)
+        assert out.returncode == 2 and "name the config file once" in out.stderr, out.stderr
 
 
 def test_check_config_shows_the_capped_ttl_and_warns_of_a_detach_that_cannot_happen(tmp_path):

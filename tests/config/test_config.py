@@ -885,3 +885,13 @@ def test_a_url_without_its_scheme_is_quoted_as_written(given: str) -> None:
     ):
         message = config_error(data)
         assert f"{given!r} must be an http:// or https:// URL" in message, message
+
+
+def test_a_password_that_ends_the_host_early_is_named_as_such_and_never_shown() -> None:
+    """`https://bob:Zm9v/YmFy@h/mcp` parses with the host `bob` and the port `Zm9v`: the error says
+    to percent-encode the password, not that the port is wrong; whitespace names the password too."""
+    for url in ("https://bob:S3cret/YmFy@h.example/mcp", "http://bob:S3cret?x@h.example/mcp"):
+        message = config_error({"mcpServers": {"a": {"url": url}}})
+        assert "percent-encoded (%2F, %3F, %23)" in message and "S3cret" not in message, message
+    message = config_error({"mcpServers": {"a": {"url": "https://bob:S3cret word@h.example/mcp"}}})
+    assert "whitespace in its host, user or password" in message and "S3cret" not in message, message

@@ -174,7 +174,7 @@ async def test_a_metadata_preflight_gets_cors_and_no_credentials_are_asked(
                 assert resp.status == 204
                 assert resp.headers["Access-Control-Allow-Origin"] == "*"
                 assert "GET" in resp.headers["Access-Control-Allow-Methods"]
-                assert resp.headers["Access-Control-Allow-Headers"] == "mcp-protocol-version"
+                assert resp.headers["Access-Control-Allow-Headers"] == "*, Authorization"
                 assert int(resp.headers["Access-Control-Max-Age"]) > 0
         async with http.options(base + "/mcp", headers=preflight) as resp:
             assert resp.status in (401, 405)  # the MCP endpoint itself offers no CORS
