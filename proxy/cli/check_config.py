@@ -35,8 +35,9 @@ def run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if (args.file is None) == (args.config is None):
         parser.error("name the config file once: check-config FILE, or check-config --config FILE")
+    path = args.file or args.config
     try:
-        config = load_config(args.file or args.config)
+        config = load_config(path)
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         return 2
@@ -48,10 +49,10 @@ def run(argv: list[str]) -> int:
         + tracing.problems(config.tracing)
     )
     if problems:
-        print(f"mcp-tasks-proxy: {args.file}: invalid config\n" + "\n".join(problems), file=sys.stderr)
+        print(f"mcp-tasks-proxy: {path}: invalid config\n" + "\n".join(problems), file=sys.stderr)
         return 2
     try:
-        print(describe(config, args.file))
+        print(describe(config, path))
         for warning in auth_warnings(config) + policy_warnings(config):
             print(f"warning: {warning}")
         sys.stdout.flush()

@@ -400,6 +400,8 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
     # `--config FILE`, as the main command takes it, names the file too; naming none or two is refused
     out = run_cli("check-config", "--config", str(bad))
     assert out.returncode == 2 and "mcpServers.a.tasks.tools.t.mode" in out.stderr
+    out = run_cli("check-config", "--config", str(ROOT / "config" / "minimal.json"))
+    assert out.returncode == 0 and "minimal.json: valid" in out.stdout, out.stdout
     for argv in ((), (str(bad), "--config", str(bad))):
         out = run_cli("check-config", *argv)
         assert out.returncode == 2 and "name the config file once" in out.stderr, out.stderr
