@@ -553,9 +553,12 @@ class LimitsConfig(_Strict):
             rate = getattr(self, name)
             if rate is not None:
                 try:
-                    amount = limits.parse(rate).amount
+                    rates = limits.parse_many(rate)
                 except ValueError:
                     raise ValueError(f"{name} {rate!r} must look like `20/second` or `600/minute`") from None
+                if len(rates) > 1:  # (`limits.parse` would keep the first and drop the others unsaid)
+                    raise ValueError(f"{name} {rate!r} names {len(rates)} rates; give one, like `20/second`")
+                amount = rates[0].amount
                 if amount < 1:
                     raise ValueError(f"{name} {rate!r} allows nothing; write null to turn the limit off")
         return self

@@ -839,6 +839,16 @@ def test_a_rate_that_allows_nothing_is_refused() -> None:
     assert "allows nothing" in message and "null" in message
 
 
+@pytest.mark.parametrize("name", ["tasks_rate", "failed_auth"])
+def test_a_rate_that_names_several_rates_is_refused(name: str) -> None:
+    """`10/hour;2/second` parsed as its first rate alone, the second dropped unsaid."""
+    for rate in ("10/hour;2/second", "10/hour, 2/second"):
+        message = config_error(
+            {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {name: rate}}
+        )
+        assert f"{name} {rate!r} names 2 rates; give one" in message, message
+
+
 def test_two_names_with_one_token_hash_are_refused() -> None:
     digest = hash_token("one-token-shared-by-two-names")
     server = {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}}
