@@ -246,6 +246,13 @@ def notification(method: str, params: JsonObject | None = None) -> JsonObject:
     return msg
 
 
+def request_id_of(msg: Any) -> RequestId | None:
+    """The `id` of the JSON-RPC message `msg` when it is a valid request id (a string or an
+    integer, not a bool), else None (no id, an invalid one, or `msg` not an object)."""
+    rid = msg.get("id") if isinstance(msg, dict) else None
+    return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
 def is_request(msg: Any) -> bool:
     """True for a JSON-RPC request object (has `method` and `id`)."""
     return isinstance(msg, dict) and "method" in msg and "id" in msg

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, TypeGuard
+from typing import Any
 
 import aiohttp
 import structlog
@@ -154,9 +154,10 @@ class Forwarder:
         return answer
 
     async def relay(
-        self, request: web.Request, peer: Peer, raw: bytes | None, principal: str
+        self, request: web.Request, peer: Peer, raw: bytes | None, principal: str, body: Any = None
     ) -> web.StreamResponse | None:
-        """Send the client's request (method, path, headers, `raw` body) to `peer`, with the
+        """Send the client's request (method, path, headers, `raw` body, `body` its parsed JSON or
+        None) to `peer`, with the
         `principal` this replica authenticated (the peer takes it as is) and this request's id, or
         the first replica's when this one was itself relayed (the peer logs it as
         `relayed_request_id`), and stream its response back. None when the peer cannot be reached
@@ -211,18 +212,17 @@ class Forwarder:
             return None  # never connected: the peer saw nothing
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             reason = str(exc) or exc.__class__.__name__
-            body = _posted(raw)
             if body is None or jsonrpc.safe_to_resend(body):
                 log.warning("replica_unreachable", peer=peer.node, op="relay", reason=reason)
                 return None
             log.warning("replica_lost_mid_request", peer=peer.node, reason=reason)
-            request_id = body.get("id") if isinstance(body, dict) else None
+            request_id = jsonrpc.request_id_of(body)
             error = {"code": INTERNAL_ERROR, "message": _lost(peer, reason)}
             # a request's error in an HTTP 200, as every upstream failure on the legacy wire (an
             # `mcp` 1.x client drops its transport on any other status); 502 when there is no id
             return web.json_response(
-                jsonrpc.error_response(request_id if _is_id(request_id) else None, error),
-                status=200 if _is_id(request_id) else 502,
+                jsonrpc.error_response(request_id, error),
+                status=200 if request_id is not None else 502,
                 dumps=jsonrpc.dumps_str,
             )
         async with upstream:
@@ -234,7 +234,7 @@ class Forwarder:
                 out.content_length = upstream.content_length
             await out.prepare(request)
             streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-            watch = _AnswerWatch.of(raw) if streaming and request.method == "POST" else None
+            watch = _AnswerWatch.of(body) if streaming and request.method == "POST" else None
             try:
                 while chunk := await (
                     asyncio.wait_for(upstream.content.readany(), self.stream_idle_s)
@@ -277,12 +277,11 @@ class _AnswerWatch:
         self._parser = SseParser()
 
     @classmethod
-    def of(cls, raw: bytes | None) -> _AnswerWatch | None:
-        """A watch for the request in the body `raw`; None when it holds no JSON-RPC request (a
+    def of(cls, body: Any) -> _AnswerWatch | None:
+        """A watch for the request `body` (parsed JSON); None when it is no JSON-RPC request (a
         notification, a response, a batch, or no JSON)."""
-        body = _posted(raw)
-        request_id = body.get("id") if isinstance(body, dict) and jsonrpc.is_request(body) else None
-        return cls(request_id) if _is_id(request_id) else None
+        request_id = jsonrpc.request_id_of(body) if jsonrpc.is_request(body) else None
+        return None if request_id is None else cls(request_id)
 
     @property
     def mid_event(self) -> bool:
@@ -306,20 +305,6 @@ class _AnswerWatch:
             ):
                 self.answered = True
                 return
-
-
-def _posted(raw: bytes | None) -> Any:
-    """The JSON body a client POSTed (`raw`), parsed again where the hop failed; None for no body
-    or one that is not JSON."""
-    try:
-        return jsonrpc.loads(raw) if raw else None
-    except ValueError:  # (UnicodeDecodeError too)
-        return None
-
-
-def _is_id(value: Any) -> TypeGuard[jsonrpc.RequestId]:
-    """True for a JSON-RPC request id (a string or an integer, not a bool)."""
-    return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
 def _lost(peer: Peer, reason: str) -> str:

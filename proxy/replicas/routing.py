@@ -67,11 +67,6 @@ def _question_node(body: Any) -> str | None:
     return rid[4:].split(".", 1)[0] or None
 
 
-def _request_id(body: Any) -> Any:
-    rid = body.get("id") if isinstance(body, dict) else None
-    return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
-
-
 class EndpointRouter:
     """Routing for the endpoint of server `server`. `sessions` answers whether a legacy session id
     is held here (`knows`), and adopts one (`adopt`); `kind` is `http` or `stdio`."""
@@ -115,7 +110,7 @@ class EndpointRouter:
                 and await self._holds(sid)
             ):
                 # Only the map's owner does this: no cycle.
-                return await self._relay_to(request, previous, raw, principal)
+                return await self._relay_to(request, previous, raw, principal, body)
             return None
         if sid:
             return await self._session(request, sid, body, raw, principal)
@@ -126,15 +121,15 @@ class EndpointRouter:
             if method in MRTR_METHODS and isinstance(params, dict) and "requestState" in params:
                 return await self._mrtr(request, body, params["requestState"], raw, principal)
             if self.replicas.draining and method in MRTR_METHODS:
-                return drain_refusal(_request_id(body), "new calls")
+                return drain_refusal(jsonrpc.request_id_of(body), "new calls")
             return None
         if self.replicas.draining and method == "initialize":
-            return drain_refusal(_request_id(body), "new sessions")
+            return drain_refusal(jsonrpc.request_id_of(body), "new sessions")
         if method == "initialize":
             try:  # a session nobody else could find is worse than none: the store must answer first
                 await self.replicas.shared.session_get(self._key("-"))
             except StoreUnavailableError as exc:
-                return store_refusal(_request_id(body), exc)
+                return store_refusal(jsonrpc.request_id_of(body), exc)
         return None
 
     async def _mrtr(
@@ -145,7 +140,7 @@ class EndpointRouter:
             return None  # parked here (or not a valid state: refused here as usual)
         peer = await self.replicas.peer(owner)
         if peer is not None:
-            relayed = await self.replicas.forwarder.relay(request, peer, raw, principal)
+            relayed = await self.replicas.forwarder.relay(request, peer, raw, principal, body)
             if relayed is not None:
                 return relayed
         err = JsonRpcError(
@@ -154,7 +149,7 @@ class EndpointRouter:
             "it",
         )
         return web.json_response(
-            jsonrpc.error_response(_request_id(body), err.to_error()), status=err.http_status
+            jsonrpc.error_response(jsonrpc.request_id_of(body), err.to_error()), status=err.http_status
         )
 
     async def _holds(self, sid: str) -> bool:
@@ -166,10 +161,12 @@ class EndpointRouter:
         return isinstance(entry, dict) and entry.get("owner") == self.replicas.node
 
     async def _relay_to(
-        self, request: web.Request, node: Any, raw: bytes | None, principal: str
+        self, request: web.Request, node: Any, raw: bytes | None, principal: str, body: Any
     ) -> web.StreamResponse | None:
         peer = await self.replicas.peer(node)
-        return None if peer is None else await self.replicas.forwarder.relay(request, peer, raw, principal)
+        return (
+            None if peer is None else await self.replicas.forwarder.relay(request, peer, raw, principal, body)
+        )
 
     async def _session(
         self, request: web.Request, sid: str, body: Any, raw: bytes | None, principal: str
@@ -179,24 +176,24 @@ class EndpointRouter:
         # names it: `mtp-<node>.<random>`), which may be a draining previous owner of the session.
         asker = _question_node(body) if request.method == "POST" else None
         if asker is not None and asker != self.replicas.node:
-            relayed = await self._relay_to(request, asker, raw, principal)
+            relayed = await self._relay_to(request, asker, raw, principal, body)
             if relayed is not None:
                 return relayed
         # A cancel of a request this replica did not send goes to the replica the session came from.
         previous = self.sessions.cancel_elsewhere(sid, body) if request.method == "POST" else None
         if previous is not None:
-            relayed = await self._relay_to(request, previous, raw, principal)
+            relayed = await self._relay_to(request, previous, raw, principal, body)
             if relayed is not None:
                 return relayed
         if self.sessions.knows(sid):
             if self.replicas.draining and new_call and self.kind == "http":
                 # retried elsewhere, which adopts the session
-                return drain_refusal(_request_id(body), "new calls")
+                return drain_refusal(jsonrpc.request_id_of(body), "new calls")
             return None
         try:
             entry = await self.replicas.shared.session_get(self._key(sid))
         except StoreUnavailableError as exc:
-            return store_refusal(_request_id(body), exc)  # not a 404: the session may well exist
+            return store_refusal(jsonrpc.request_id_of(body), exc)  # not a 404: the session may well exist
         if not isinstance(entry, dict):
             return None  # unknown anywhere: 404 here
         peer = await self.replicas.peer(entry.get("owner"))
@@ -204,7 +201,7 @@ class EndpointRouter:
         # notifications, streams); new requests of an HTTP upstream's session move here.
         is_request = request.method == "POST" and isinstance(body, dict) and "method" in body and "id" in body
         if peer is not None and not (peer.draining and self.kind == "http" and is_request):
-            relayed = await self.replicas.forwarder.relay(request, peer, raw, principal)
+            relayed = await self.replicas.forwarder.relay(request, peer, raw, principal, body)
             if relayed is not None:
                 return relayed
         if (
