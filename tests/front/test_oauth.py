@@ -118,12 +118,18 @@ def modern_get(task_id: str) -> tuple[dict, dict[str, str]]:
 # -- metadata and challenges (no authorization server needed) --------------------------------------
 
 
+async def idp_named_proxy(legacy_url: str, tmp_path: Path, serve: Serve) -> str:
+    """A proxy (`oauth_config`) whose issuer is only named (https://idp.example.com, never asked:
+    nothing here verifies a token), on a port of its own; its base URL."""
+    port = free_port()
+    await serve(oauth_config(legacy_url, tmp_path, "https://idp.example.com", port))
+    return f"http://127.0.0.1:{port}"
+
+
 async def test_protected_resource_metadata_and_challenges(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    await serve(oauth_config(legacy_url, tmp_path, "https://idp.example.com", port))
+    base = await idp_named_proxy(legacy_url, tmp_path, serve)
     async with aiohttp.ClientSession() as http:
         for path, resource in (
             ("/.well-known/oauth-protected-resource/mcp", f"{base}/mcp"),
@@ -160,9 +166,7 @@ PAGE = "<!doctype html><title>a browser-based MCP client</title>"
 async def test_a_metadata_preflight_gets_cors_and_no_credentials_are_asked(
     legacy_url: str, tmp_path: Path, serve: Serve
 ) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    await serve(oauth_config(legacy_url, tmp_path, "https://idp.example.com", port))
+    base = await idp_named_proxy(legacy_url, tmp_path, serve)
     preflight = {
         "Origin": "http://localhost:5173",
         "Access-Control-Request-Method": "GET",
@@ -186,10 +190,9 @@ async def test_chromium_on_another_origin_reads_the_metadata_with_the_protocol_h
 ) -> None:
     from playwright.async_api import async_playwright
 
-    port = free_port()
-    await serve(oauth_config(legacy_url, tmp_path, "https://idp.example.com", port))
+    base = await idp_named_proxy(legacy_url, tmp_path, serve)
     # the page is on localhost, the proxy on 127.0.0.1: two origins, both hosts the guard allows
-    metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
+    metadata = f"{base}/.well-known/oauth-protected-resource/mcp"
 
     async def page(_: web.Request) -> web.Response:
         return web.Response(text=PAGE, content_type="text/html")
@@ -209,7 +212,7 @@ async def test_chromium_on_another_origin_reads_the_metadata_with_the_protocol_h
         finally:
             await browser.close()
     assert answer["status"] == 200
-    assert answer["document"]["resource"] == f"http://127.0.0.1:{port}/mcp"
+    assert answer["document"]["resource"] == f"{base}/mcp"
     assert answer["document"]["authorization_servers"] == ["https://idp.example.com"]
 
 
