@@ -9,6 +9,8 @@ import shutil
 import sys
 from urllib.parse import urlsplit
 
+import limits
+
 from proxy.config import (
     ANY_AUDIENCE,
     Config,
@@ -215,6 +217,7 @@ def describe(config: Config, source: str) -> str:
         f"progress_interval {d.progress_interval:g}s, input_timeout {d.input_timeout:g}s, "
         f"idempotency_window {d.idempotency_window:g}s"
     )
+    lines.append(describe_limits(config))
     for name, entry in config.mcpServers.items():
         if not entry.active:
             lines.append(f"- {name}: disabled")
@@ -248,6 +251,28 @@ def describe(config: Config, source: str) -> str:
                 f"{policy.progress_interval:g}s, idempotency_window {policy.idempotency_window:g}s{dedupe}"
             )
     return "\n".join(lines)
+
+
+def describe_limits(config: Config) -> str:
+    """The `limits` section as one line: each rate as the `limits` library reads it ("20 per 1
+    second"), each count or "none", `max_ttl` in s and `max_result_bytes` in bytes."""
+    given = config.limits
+
+    def rate(text: str | None, counted: str) -> str:
+        return "none" if text is None else f"{limits.parse(text)} per {counted}"
+
+    def count(value: int | float | None, unit: str = "") -> str:
+        if value is None:
+            return "none"
+        return f"{value}{unit}" if isinstance(value, int) else f"{value:g}{unit}"
+
+    return (
+        f"limits: tasks_rate {rate(given.tasks_rate, 'principal')}, failed_auth "
+        f"{rate(given.failed_auth, 'client address')}, max_tasks_per_principal "
+        f"{count(given.max_tasks_per_principal)}, max_sessions_per_principal "
+        f"{count(given.max_sessions_per_principal)}, max_ttl {count(given.max_ttl, 's')}, max_result_bytes "
+        f"{given.max_result_bytes}"
+    )
 
 
 def missing_commands(config: Config) -> list[str]:

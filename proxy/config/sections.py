@@ -561,6 +561,10 @@ class LimitsConfig(_Strict):
                 amount = rates[0].amount
                 if amount < 1:
                     raise ValueError(f"{name} {rate!r} allows nothing; write null to turn the limit off")
+                window = limits.util.SINGLE_EXPR.match(rate)
+                if window is not None and window.group(3) is not None and int(window.group(3)) == 0:
+                    # (`limits` reads a window of 0 as 1: "1/0second" would count per second unsaid)
+                    raise ValueError(f"{name} {rate!r} has a window of 0; give one like `20/second`")
         return self
 
 

@@ -428,6 +428,21 @@ def test_check_config_shows_the_capped_ttl_and_warns_of_a_detach_that_cannot_hap
     ], out.stdout
 
 
+def test_check_config_prints_the_limits(tmp_path):
+    """The `limits` section was not shown: an operator could not see how `2 per minute` was read."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "limits: {tasks_rate: 2 per minute, max_tasks_per_principal: 5, max_ttl: 2m}\n"
+        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
+    )
+    out = run_cli("check-config", str(config))
+    assert out.returncode == 0, out.stderr
+    assert (
+        "limits: tasks_rate 2 per 1 minute per principal, failed_auth 20 per 1 minute per client address, "
+        "max_tasks_per_principal 5, max_sessions_per_principal none, max_ttl 120s, max_result_bytes 16777216"
+    ) in out.stdout.splitlines(), out.stdout
+
+
 def test_check_config_refuses_a_stdio_command_not_on_the_path(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(

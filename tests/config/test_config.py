@@ -849,6 +849,17 @@ def test_a_rate_that_names_several_rates_is_refused(name: str) -> None:
         assert f"{name} {rate!r} names 2 rates; give one" in message, message
 
 
+@pytest.mark.parametrize("name", ["tasks_rate", "failed_auth"])
+def test_a_rate_over_a_window_of_zero_is_refused(name: str) -> None:
+    """`limits` reads `1/0second` as one per second: the 0 was dropped unsaid."""
+    for rate in ("1/0second", "3 per 00 minute"):
+        message = config_error(
+            {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {name: rate}}
+        )
+        assert f"{name} {rate!r} has a window of 0" in message, message
+    assert getattr(cfg(limits={name: "10/2minutes"}).limits, name) == "10/2minutes"
+
+
 def test_two_names_with_one_token_hash_are_refused() -> None:
     digest = hash_token("one-token-shared-by-two-names")
     server = {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}}
