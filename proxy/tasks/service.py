@@ -62,10 +62,14 @@ from proxy.tasks.types import LiveCall, RemoteOwner, Rerun, TaskChange, TaskEven
 log = structlog.get_logger("proxy.tasks")
 
 SHUTDOWN_MESSAGE = "the proxy shut down while this call was running; the upstream call was abandoned"
-RESTART_MESSAGE = "the proxy restarted while this call was running; the upstream call was lost"
+RESTART_MESSAGE = (
+    "the proxy restarted while this call was running; whether the upstream finished it is unknown (it "
+    "may have run on there), and its result cannot reach this task"
+)
 LOST_MESSAGE = (
     "the proxy replica running this call (node {node}) was lost: it stopped renewing its lease (it "
-    "died, or could not reach the store and stopped its calls); the upstream call was lost or stopped"
+    "died, or could not reach the store and stopped its calls); whether the upstream finished the call "
+    "is unknown (it may have run on there), and its result cannot reach this task"
 )
 # Of a lease without renewal: stop this node's calls, after one last renewal bounded by LAST_RENEWAL
 # of a lease; so they stop by 3/4 of the lease, a quarter before it lapses and another replica takes
