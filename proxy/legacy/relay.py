@@ -43,7 +43,7 @@ from proxy.upstream.types import (
     Bounds,
     StaleConnectionError,
     UpstreamError,
-    error_text,
+    failure_text,
     read_body,
 )
 
@@ -451,7 +451,7 @@ class HttpRelay:
             return str(exc)
         if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
             return f"upstream {self.name} did not answer within {bound:g} s ({key})"
-        return f"upstream {self.name} unreachable: {error_text(exc, self.url)}"
+        return failure_text(self.name, exc, self.url)
 
     async def _unannounced(self, new_sid: str, session: LegacySession) -> None:
         """End session `new_sid`, just opened by an initialize whose reply failed on its way (an
@@ -556,7 +556,9 @@ class HttpRelay:
             data = await read_body(upstream, self.bounds.max_response_bytes, self.name)
         except UpstreamError as exc:
             return await self._unrelayable(request_id, str(exc), sent, rewrite)
-        status, data = as_jsonrpc_reply(self.name, upstream.status, data, request_id)
+        status, data = as_jsonrpc_reply(
+            self.name, upstream.status, data, request_id, upstream.headers.get("Retry-After")
+        )
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
             answer = message
@@ -878,32 +880,55 @@ class HttpRelay:
                 upstream.release()
 
 
-def as_jsonrpc_reply(server: str, status: int, data: bytes, request_id: Any) -> tuple[int, bytes]:
-    """An upstream's plain (non-SSE) reply as the client gets it: a JSON-RPC message passes as is;
-    an empty body passes for a success status (202 to a notification); anything else (an HTML
-    error page, plain text, broken JSON) becomes a JSON-RPC error naming the upstream's status:
-    -32600 for an upstream 4xx (it refused the request), else -32603. An upstream 5xx
-    answering a request (`request_id` not None) goes out as HTTP 200, the JSON-RPC error inside
+def as_jsonrpc_reply(
+    server: str, status: int, data: bytes, request_id: Any, retry_after: str | None = None
+) -> tuple[int, bytes]:
+    """An upstream's plain (non-SSE) reply as the client gets it, as (HTTP status, body).
+
+    A JSON-RPC message passes as is, and an empty body for a success status when it answers a
+    notification or a response (202). What answers a request (`request_id` not None) must be its
+    response: an empty body, or a response that is malformed (`jsonrpc.response_problem`: a null
+    or non-object result, both result and error, a malformed error) becomes a -32603 error (a
+    client waits for an answer that never comes, or fails to parse it). Anything else (an HTML
+    error page, plain text, broken JSON) becomes a -32603 error naming the upstream's status
+    (and its `Retry-After`, s, if it gave one). An upstream JSON-RPC error in a 4xx passes with
+    its status, as does a 404 of any body (the session is gone: the client initializes again).
+    Every other failure answering a request goes out as HTTP 200, the JSON-RPC error inside
     (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole transport
-    dies); answering a notification or response, as 502. An upstream 4xx passes (404: session gone)."""
+    dies); answering a notification or response, a 5xx goes out as 502, a 4xx as it came, as
+    -32600 (the upstream refused what the client sent)."""
     failed = 200 if request_id is not None else 502
-    if not data.strip():
-        if status < 400:
-            return status, data
-    else:
+    message: Any = None
+    if data.strip():
         try:
             message = jsonrpc.loads(data)
         except (ValueError, UnicodeDecodeError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
-            return (status if status < 500 else failed), data
-    refused = 400 <= status < 500  # the upstream refused the request: the client's to fix
+            if request_id is None or status >= 400:
+                return (status if status < 500 else failed), data
+            problem = "something that is not a JSON-RPC response"
+            if jsonrpc.is_response(message):
+                problem = jsonrpc.response_problem(message) or ""
+            if not problem:
+                return status, data
+            error = jsonrpc.error_object(INTERNAL_ERROR, f"upstream {server} answered with {problem}")
+            if problem == "a malformed JSON-RPC error":
+                error["data"] = {"upstreamError": message.get("error")}
+            return failed, jsonrpc.dumps(jsonrpc.error_response(request_id, error))
+    elif status < 400:
+        if request_id is None:
+            return status, data
+        text = f"upstream {server} answered the request with HTTP {status} and no body, not its response"
+        return failed, jsonrpc.dumps(
+            jsonrpc.error_response(request_id, jsonrpc.error_object(INTERNAL_ERROR, text))
+        )
+    refused = 400 <= status < 500 and (request_id is None or status == 404)
     text = data[:200].decode("utf-8", errors="replace").strip()
     what = "" if status >= 400 else " with a body that is not JSON-RPC"
+    later = f" (retry after {retry_after} s)" if retry_after and retry_after.strip().isdigit() else ""
     error = {
         "code": INVALID_REQUEST if refused else INTERNAL_ERROR,
-        "message": f"upstream {server} answered HTTP {status}{what}" + (f": {text}" if text else ""),
+        "message": f"upstream {server} answered HTTP {status}{what}{later}" + (f": {text}" if text else ""),
     }
-    return (status if 400 <= status < 500 else failed), jsonrpc.dumps(
-        jsonrpc.error_response(request_id, error)
-    )
+    return (status if refused else failed), jsonrpc.dumps(jsonrpc.error_response(request_id, error))

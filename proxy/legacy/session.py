@@ -219,15 +219,27 @@ class LegacySession:
         the answer to `sent` gets `client_id` back, a question a proxy id, a withdrawn question the
         proxy id the client knows, progress the client's own token; a response for any other id is
         dropped (None: never shown to the wrong request). `target` is the stdio child it came from.
-        Returns `message` itself when nothing in it changes."""
+        An answer unfit for an MCP client (`jsonrpc.response_problem`: a null result, both result and
+        error, ...) becomes a -32603 error under `client_id`; what is no JSON-RPC message at all
+        (`{"jsonrpc": "2.0"}`) is dropped. Returns `message` itself when nothing in it changes."""
         if jsonrpc.is_request(message):
             return {**message, "id": self.ask(message["id"], target)}, False
         if jsonrpc.is_response(message):
             if sent is not None and same_id(message.get("id"), sent.upstream_id):
-                return {**message, "id": client_id}, True
+                problem = jsonrpc.response_problem(message)
+                if problem is None:
+                    return {**message, "id": client_id}, True
+                log.warning("legacy_bad_answer_replaced", reason=problem)
+                error = jsonrpc.error_object(jsonrpc.INTERNAL_ERROR, f"the upstream answered with {problem}")
+                if problem == "a malformed JSON-RPC error":
+                    error["data"] = {"upstreamError": message.get("error")}
+                return jsonrpc.error_response(client_id, error), True
             log.warning(
                 "legacy_foreign_response_dropped", reason="a response for an id this stream does not carry"
             )
+            return None, False
+        if not jsonrpc.is_notification(message):
+            log.warning("legacy_upstream_garbage_dropped", reason="an object that is no JSON-RPC message")
             return None, False
         params = object_of(message.get("params"))
         if message.get("method") == "notifications/cancelled":

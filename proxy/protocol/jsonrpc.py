@@ -308,6 +308,26 @@ def is_response(msg: Any) -> bool:
     )
 
 
+def response_problem(msg: JsonObject) -> str | None:
+    """What makes the response `msg` (`is_response`) unfit to hand an MCP client, as a phrase
+    ("a result that is not an object"), or None when it is fit: exactly one of `result` and
+    `error` (JSON-RPC 2.0 §5), a result that is an object (every MCP result is one), an error object
+    with an integer `code` and a string `message` (§5.1)."""
+    if "result" in msg and "error" in msg:
+        return "a response with both a result and an error"
+    if "result" in msg:
+        return None if isinstance(msg["result"], dict) else "a result that is not an object"
+    error = msg["error"]
+    if (
+        not isinstance(error, dict)
+        or not isinstance(error.get("code"), int)
+        or isinstance(error.get("code"), bool)
+        or not isinstance(error.get("message"), str)
+    ):
+        return "a malformed JSON-RPC error"
+    return None
+
+
 def validate_request(msg: Any) -> None:
     """Check that `msg` is a single JSON-RPC 2.0 request or notification.
 

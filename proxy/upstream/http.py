@@ -39,6 +39,7 @@ from proxy.upstream.types import (
     UpstreamTimeoutError,
     UpstreamUndeliveredError,
     error_text,
+    failure_text,
     read_body,
 )
 
@@ -325,13 +326,17 @@ class UpstreamSession:
                     try:
                         body = jsonrpc.loads(raw)
                     except (ValueError, UnicodeDecodeError):
+                        text = raw[:200].decode("utf-8", errors="replace").strip()  # (text, not b'...')
                         if resp.status >= 400:
                             raise UpstreamError(
-                                f"upstream {self.server} answered HTTP {resp.status}: {raw[:200]!r}"
+                                f"upstream {self.server} answered HTTP {resp.status}: {text}"
                             ) from None
-                        raise UpstreamError(
-                            f"upstream {self.server} sent invalid JSON: {raw[:200]!r}"
-                        ) from None
+                        if not text:
+                            raise UpstreamError(
+                                f"upstream {self.server} answered HTTP {resp.status} with no body, not a "
+                                "JSON-RPC response"
+                            ) from None
+                        raise UpstreamError(f"upstream {self.server} sent invalid JSON: {text!r}") from None
                     if isinstance(body, dict) and "error" in body and isinstance(body["error"], dict):
                         return {"jsonrpc": "2.0", "id": rid, "error": body["error"]}
                     if resp.status >= 400:
@@ -475,7 +480,7 @@ class UpstreamSession:
             within = f" within {timeout.total:g} s" if timeout is not None and timeout.total else ""
             raise UpstreamError(f"upstream {self.server} did not answer{within}") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.server} unreachable: {error_text(exc, self.url)}") from exc
+            raise UpstreamError(failure_text(self.server, exc, self.url)) from exc
 
     async def _resume(self, last_event_id: str) -> aiohttp.ClientResponse | None:
         """A GET resuming the session's stream after `last_event_id`; None when refused."""

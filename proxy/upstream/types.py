@@ -268,6 +268,18 @@ async def read_body(resp: aiohttp.ClientResponse, limit: int, server: str) -> by
     return bytes(body)
 
 
+def failure_text(server: str, exc: BaseException, url: str) -> str:
+    """What a client is told of an upstream exchange that failed with `exc` before the response: an
+    upstream that could not be reached (the request never left: safe to send again) apart from one
+    that was reached and dropped the connection before it answered (it may have run the request)."""
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+        return f"upstream {server} unreachable: {error_text(exc, url)}"
+    return (
+        f"upstream {server} dropped the connection before it answered ({error_text(exc, url)}); the "
+        "request may have run there"
+    )
+
+
 def error_text(exc: BaseException, url: str) -> str:
     """`Class: message` of a connection error toward `url`, with the URL's user and password taken
     out (aiohttp quotes the whole URL in some errors, e.g. an invalid one)."""

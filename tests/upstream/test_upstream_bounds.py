@@ -212,6 +212,71 @@ async def test_a_reply_for_another_id_is_refused(hostile: str, tmp_path: Path, s
         await client.close()
 
 
+@pytest.mark.parametrize(
+    ("tool", "said"),
+    [
+        ("empty_202", "answered the request with HTTP 202 and no body"),
+        ("null_result", "answered with a result that is not an object"),
+        ("bad_error", "answered with a malformed JSON-RPC error"),
+        ("text_429", "answered HTTP 429 (retry after 7 s): slow down"),
+        ("sse_null_result", "answered with a result that is not an object"),
+        ("drop", "dropped the connection before it answered"),
+    ],
+)
+async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in_a_200(
+    hostile: str, tmp_path: Path, tool: str, said: str, serve: Serve
+) -> None:
+    """On the legacy relay an upstream's empty 202, a `result: null`, a malformed error or a plain-text
+    429 went to the client as they came: an `mcp` 1.x client waits forever for the answer an empty
+    202 or an unparseable response never gives, and drops its transport on a 429. Each is now a
+    -32603 under the request's id in an HTTP 200, and the session goes on (a call after it). A
+    `{"jsonrpc": "2.0"}` event, no JSON-RPC message, is dropped. A connection dropped after the
+    request went out no longer says "unreachable": the call may have run."""
+    proxy = await serve(hostile_config(hostile, tmp_path, "ok"))
+    async with aiohttp.ClientSession() as http:
+        session = {"Mcp-Session-Id": await open_session(http, proxy.url())}
+        call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": tool, "arguments": {}}}
+        # (`drop` until a fresh connection carries it: on a pooled one, each initialize's, the
+        # client is told of a dropped reused connection instead)
+        for _ in range(4 if tool == "drop" else 1):
+            async with http.post(proxy.url(), json=call, headers={**LEGACY_HEADERS, **session}) as resp:
+                status, text = resp.status, await resp.text()
+            if "reused connection" not in text:
+                break
+        after = {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "ok", "arguments": {}}}
+        async with http.post(proxy.url(), json=after, headers={**LEGACY_HEADERS, **session}) as resp:
+            assert resp.status == 200 and (await resp.json())["result"]["content"][0]["text"] == "ok"
+    messages = [
+        json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()
+    ] or [json.loads(text)]
+    assert status == 200 and len(messages) == 1, (status, text)
+    error = messages[0]["error"]
+    assert messages[0]["id"] == 2 and error["code"] == -32603 and said in error["message"], messages
+    if tool == "bad_error":
+        assert error["data"] == {"upstreamError": {"code": "bad", "message": 123}}, error
+    if tool in ("empty_202", "text_429"):  # the 2026-07-28 path quoted such a body as `b''`, `b'slow down'`
+        client = ModernClient(proxy.url(), capabilities={})
+        try:
+            modern = (await client.call(tool)).error
+        finally:
+            await client.close()
+        assert modern["code"] == -32603 and "b'" not in modern["message"], modern
+        assert ("HTTP 202 with no body" if tool == "empty_202" else "HTTP 429: slow down") in modern[
+            "message"
+        ]
+    if tool == "drop":
+        assert "unreachable" not in error["message"] and "may have run there" in error["message"], error
+        client = ModernClient(proxy.url(), capabilities={})
+        try:
+            for _ in range(4):
+                modern = (await client.call("drop")).error
+                if "reused connection" not in modern["message"]:
+                    break
+        finally:
+            await client.close()
+        assert "dropped the connection before it answered" in modern["message"], modern
+
+
 async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
     hostile: str, tmp_path: Path, serve: Serve
 ) -> None:
