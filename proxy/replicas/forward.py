@@ -32,6 +32,11 @@ FORWARDED_HEADER = "X-Mcp-Replica-Forwarded"  # set on a relayed client request:
 RELAYED_PRINCIPAL_HEADER = "X-Mcp-Replica-Principal"
 # on a relayed request: the relaying replica's request id (the one its client got as X-Request-Id)
 RELAYED_REQUEST_ID_HEADER = "X-Mcp-Replica-Request-Id"
+# on a relayed request: the node it is meant for. A process at that node's address that is another
+# node (the address was taken by a restart while the dead node's registry record lives on) answers
+# HTTP 421 with MISDIRECTED_HEADER naming itself: the node sought is gone, and nothing was served.
+TARGET_HEADER = "X-Mcp-Replica-Target"
+MISDIRECTED_HEADER = "X-Mcp-Replica-Misdirected"
 MAX_HOP_ANSWER_BYTES = 4 * 1024 * 1024  # largest JSON answer read from a peer's internal endpoint
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -49,6 +54,7 @@ _HOP_BY_HOP = frozenset(
         SECRET_HEADER,
         FORWARDED_HEADER,
         RELAYED_PRINCIPAL_HEADER,
+        TARGET_HEADER,
     )
 )
 
@@ -157,14 +163,16 @@ class Forwarder:
         self, request: web.Request, peer: Peer, raw: bytes | None, principal: str, body: Any = None
     ) -> web.StreamResponse | None:
         """Send the client's request (method, path, headers, `raw` body, `body` its parsed JSON or
-        None) to `peer`, with the
-        `principal` this replica authenticated (the peer takes it as is) and this request's id, or
-        the first replica's when this one was itself relayed (the peer logs it as
-        `relayed_request_id`), and stream its response back. None when the peer cannot be reached
-        (nothing was sent to the client then), or was lost before its response began with a request
-        that is safe to send again (`jsonrpc.safe_to_resend`): this replica may then serve it. One
-        that may have acted (a `tools/call`) gets a -32603 saying it may have run (in an HTTP 200,
-        as the legacy wire answers a request's failure), never a second run here.
+        None) to `peer`, with the `principal` this replica authenticated (the peer takes it as is)
+        and this request's id, or the first replica's when this one was itself relayed (the peer
+        logs it as `relayed_request_id`), and stream its response back.
+
+        None when the peer cannot be reached (nothing was sent to the client then), is no longer at
+        its address (another replica process answered there: HTTP 421 with `MISDIRECTED_HEADER`),
+        or was lost before its response began with a request that is safe to send again
+        (`jsonrpc.safe_to_resend`): this replica may then serve it. One that may have acted (a
+        `tools/call`) gets a -32603 saying it may have run (in an HTTP 200, as the legacy wire
+        answers a request's failure), never a second run here.
 
         Connecting is bounded by `timeout_s`, the response head and a plain body's reads by
         `read_timeout_s`, the gap between two SSE chunks by `stream_idle_s`; a client that goes
@@ -184,6 +192,7 @@ class Forwarder:
             tracing.without_context(headers)
         headers[SECRET_HEADER] = self.secret
         headers[FORWARDED_HEADER] = self.node
+        headers[TARGET_HEADER] = peer.node
         # authenticated here (front.auth.Authenticator.principal)
         headers[RELAYED_PRINCIPAL_HEADER] = principal
         bound = structlog.contextvars.get_contextvars()
@@ -225,6 +234,15 @@ class Forwarder:
                 status=200 if request_id is not None else 502,
                 dumps=jsonrpc.dumps_str,
             )
+        if upstream.status == 421 and MISDIRECTED_HEADER in upstream.headers:
+            upstream.release()
+            log.warning(
+                "replica_gone_from_its_address",
+                peer=peer.node,
+                now=upstream.headers[MISDIRECTED_HEADER][:64],
+                reason="another replica process serves its address",
+            )
+            return None  # the peer sought is gone; the process there served nothing
         async with upstream:
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():

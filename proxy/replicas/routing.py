@@ -21,7 +21,12 @@ from proxy.calls.mrtr import ParkedCalls
 from proxy.protocol import jsonrpc
 from proxy.protocol.era import is_modern_request
 from proxy.protocol.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError
-from proxy.replicas.forward import FORWARDED_HEADER, RELAYED_REQUEST_ID_HEADER
+from proxy.replicas.forward import (
+    FORWARDED_HEADER,
+    MISDIRECTED_HEADER,
+    RELAYED_REQUEST_ID_HEADER,
+    TARGET_HEADER,
+)
 from proxy.replicas.node import Replicas
 from proxy.runtime.running import bind
 from proxy.tasks.model import principal_hash
@@ -98,6 +103,13 @@ class EndpointRouter:
         if not sid.isascii():
             return None  # no id of ours: this replica answers it (404), as one process would
         if self.replicas.forwarded(request):
+            target = request.headers.get(TARGET_HEADER, self.replicas.node)
+            if target != self.replicas.node:  # meant for a node that held this address before a restart
+                return web.json_response(
+                    {"error": f"replica {target[:64]} is not at this address: node {self.replicas.node} is"},
+                    status=421,
+                    headers={MISDIRECTED_HEADER: self.replicas.node},
+                )
             relayed_id = request.headers.get(RELAYED_REQUEST_ID_HEADER, "")
             if relayed_id.isascii() and relayed_id.isalnum() and len(relayed_id) <= 32:
                 bind(relayed_request_id=relayed_id)

@@ -934,6 +934,32 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
     await asyncio.to_thread(cluster.restart, 2)
 
 
+async def test_a_replica_restarted_at_once_on_its_address_leaves_no_session_unknown(legacy_url: str) -> None:
+    """SIGKILL, then a new process on the same address well within the dead one's lease (as
+    systemd, supervisord or a container restart does): the dead replica's legacy sessions of an
+    HTTP upstream are adopted at once, wherever their next request lands. The session map still
+    named the dead node, whose registry record pointed at the address the new process holds, so
+    every hop reached the new process, which answered 404 ("unknown or expired session") until the
+    old lease lapsed: a client following the spec drops its session at the first 404."""
+    settings = {**SETTINGS, "MCP_LEASE": "30s"}
+    with Cluster(upstream_url=legacy_url, replicas=2, settings=settings) as two:
+        async with aiohttp.ClientSession() as http:
+            through_other = await _open_legacy(http, two.replica_urls[0] + WEB)
+            through_itself = await _open_legacy(http, two.replica_urls[0] + WEB)
+            assert await _legacy_ping(http, two.replica_urls[1] + WEB, through_other) == 200  # relayed
+            two.kill(0)
+            await asyncio.to_thread(two.restart, 0)
+            started = time.monotonic()
+            # through the survivor (its hop reaches the new process), and straight to the new process
+            assert await _legacy_ping(http, two.replica_urls[1] + WEB, through_other) == 200
+            assert await _legacy_ping(http, two.replica_urls[0] + WEB, through_itself) == 200
+            # and on from either replica, now that each has an owner that is up
+            for url in two.replica_urls:
+                for sid in (through_other, through_itself):
+                    assert await _legacy_ping(http, url + WEB, sid) == 200
+            assert time.monotonic() - started < 10  # not the dead node's lease (30 s)
+
+
 def _open_counts(cluster: Cluster) -> dict[int, int]:
     """Requests HAProxy has open on each replica right now (stats `scur`), by slot."""
     import csv
