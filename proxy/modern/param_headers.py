@@ -6,6 +6,7 @@ and forgotten when the upstream announces a tool list change.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -15,6 +16,10 @@ from proxy.protocol.jsonrpc import JsonObject, JsonRpcError
 
 log = structlog.get_logger("proxy.modern")
 MAX_PAGES = 100  # tools/list pages read at most
+# After a failed tools/list, calls of that principal go on without the index this long (s), rather
+# than each waiting for the upstream's tools/list again (up to request_timeout) before it is sent
+FAILED_LIST_KEPT_S = 30.0
+MAX_FAILED_KEPT = 10_000  # principals whose failed tools/list is remembered at most
 
 
 class ParamHeaderIndex:
@@ -23,6 +28,7 @@ class ParamHeaderIndex:
     def __init__(self, server: str) -> None:
         self.server = server
         self._by_principal: dict[str, dict[str, dict[str, str]]] = {}
+        self._failed_until: dict[str, float] = {}  # principal → monotonic time (s) to try again
 
     def remember(self, principal: str, tools_list: JsonObject) -> None:
         """Keep the index of a complete (single-page) `tools/list` result seen on the way back."""
@@ -31,6 +37,7 @@ class ParamHeaderIndex:
     def clear(self) -> None:
         """Forget everything (the upstream's tool list changed)."""
         self._by_principal.clear()
+        self._failed_until.clear()
 
     def known(self, tool: str, principal: str) -> dict[str, str] | None:
         """What `names` would answer, when the principal's index is already built; else None."""
@@ -42,9 +49,13 @@ class ParamHeaderIndex:
     ) -> dict[str, str]:
         """`{argument: header name}` of `tool`'s `x-mcp-header` arguments. `fetch(params)` returns
         one `tools/list` page (JsonRpcError when the upstream fails: then no header is required and
-        the call itself reports what is wrong with the upstream)."""
+        the call itself reports what is wrong with the upstream). After a failure the principal's
+        calls do without the index for FAILED_LIST_KEPT_S (s) without asking again: a hung
+        `tools/list` would otherwise hold every call back by up to `request_timeout`."""
         tools = self._by_principal.get(principal)
         if tools is None:
+            if time.monotonic() < self._failed_until.get(principal, 0.0):
+                return {}
             tools = {}
             params: JsonObject = {}
             try:
@@ -56,8 +67,12 @@ class ParamHeaderIndex:
                     params = {"cursor": page["nextCursor"]}
             except JsonRpcError as exc:
                 log.info("tools_list_unavailable", server=self.server, reason=exc.message)
+                if len(self._failed_until) >= MAX_FAILED_KEPT:
+                    self._failed_until.clear()
+                self._failed_until[principal] = time.monotonic() + FAILED_LIST_KEPT_S
                 return {}
             self._by_principal[principal] = tools
+            self._failed_until.pop(principal, None)
         return tools.get(tool, {})
 
 

@@ -85,11 +85,19 @@ async def test_hung_tools_list_never_hangs_a_call(
     proxy = await serve(hostile_config(hostile, tmp_path, "hang-list"))
     client = ModernClient(proxy.url(), capabilities=None if tasks else {})
     try:
+        async with aiohttp.ClientSession() as http, http.get(f"{hostile}/lists") as resp:
+            before = (await resp.json()).get("hang-list", 0)
         started = time.monotonic()
         async with asyncio.timeout(5):
             reply = await client.call("ok")
         assert reply.result["content"][0]["text"] == "ok"
         assert time.monotonic() - started < 3
+        # The failure is remembered: the next calls do not wait for a tools/list again (each waited
+        # request_timeout for one, and a task-capable call's handle then said it ran upstream).
+        for _ in range(3):
+            assert (await client.call("ok")).result["content"][0]["text"] == "ok"
+        async with aiohttp.ClientSession() as http, http.get(f"{hostile}/lists") as resp:
+            assert (await resp.json())["hang-list"] - before == 1
         listing = await client.request("tools/list")
         assert listing.error["code"] == -32603 and "request_timeout" in listing.error["message"]
         status, body = await readyz(proxy.base)
