@@ -112,12 +112,23 @@ def auth_warnings(config: Config) -> list[str]:
     return warnings
 
 
+# Tool settings that act only on a call that became a task
+TASK_ONLY_SETTINGS = frozenset({"on_restart", "detach_after", "ttl", "poll_interval", "progress_interval"})
+
+
 def policy_warnings(config: Config) -> list[str]:
     """Task settings that can never take effect: an optional tool's `detach_after` not below the hard
     `timeout` of its server (s), so that its calls end, answered or timed out, before they could
-    become tasks."""
+    become tasks; task settings given to a `mode: forbidden` tool, whose calls never become tasks."""
     warnings = []
     for name, entry in config.servers.items():
+        for tool_name, given in entry.tasks.tools.items():
+            unused = sorted(given.model_fields_set & TASK_ONLY_SETTINGS)
+            if given.mode is ToolMode.FORBIDDEN and unused:
+                warnings.append(
+                    f"mcpServers.{name} tool {tool_name}: mode forbidden (never a task) ignores "
+                    + ", ".join(unused)
+                )
         server = config.policy(name, "")  # (what a tool without settings of its own gets)
         for tool in (None, *entry.tasks.tools):
             policy = config.policy(name, tool or "")

@@ -271,8 +271,11 @@ class ServerEntry(_Strict):
             raise ValueError("transport stdio needs `command`")
         if kind and kind != "stdio" and not self.url:
             raise ValueError(f"transport {kind} needs `url`")
-        for name in ("timeout", "init_timeout", "request_timeout", "connect_timeout", "keepalive_timeout"):
-            _positive(getattr(self, name), name)
+        durations = ("timeout", "init_timeout", "request_timeout", "connect_timeout", "keepalive_timeout")
+        zero = [name for name in durations if (value := getattr(self, name)) is not None and value <= 0]
+        if zero:  # all at once: one run of check-config names them all
+            named = zero[0] if len(zero) == 1 else ", ".join(zero[:-1]) + " and " + zero[-1]
+            raise ValueError(named + (" must be" if len(zero) == 1 else " must each be") + " longer than 0s")
         if self.isolation == "per_principal" and self.idle_timeout is None:
             self.idle_timeout = 600.0  # a child per principal must not outlive its principal's use of it
         return self

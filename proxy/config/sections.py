@@ -132,11 +132,11 @@ class ListenConfig(_Strict):
         netloc = f"[{host}]" if ":" in host else host
         return f"{scheme}://{netloc}" + (f":{parts.port}" if parts.port not in (None, default) else "")
 
-    @field_validator("legacy_session_idle")
+    @field_validator("legacy_session_idle", "header_timeout", "body_timeout")
     @classmethod
-    def _idle(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError("legacy_session_idle must be longer than 0s")
+    def _positive_durations(cls, value: float, info: ValidationInfo) -> float:
+        if value <= 0:  # (0 is no "off": it cuts every request whose head or body is not there at once)
+            raise ValueError(f"{info.field_name} must be longer than 0s")
         return value
 
     @field_validator("trusted_proxies")

@@ -428,6 +428,21 @@ def test_check_config_shows_the_capped_ttl_and_warns_of_a_detach_that_cannot_hap
     ], out.stdout
 
 
+def test_check_config_warns_of_task_settings_a_forbidden_tool_ignores(tmp_path):
+    """`on_restart: rerun` on a `mode: forbidden` tool was dropped from the printed policy unsaid."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n    tasks:\n      tools:\n"
+        "        never: {mode: forbidden, on_restart: rerun, ttl: 1m, input_timeout: 5s}\n"
+    )
+    out = run_cli("check-config", str(config))
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: mcpServers.a tool never: mode forbidden (never a task) ignores on_restart, ttl"
+    ], out.stdout
+
+
 def test_check_config_prints_the_limits(tmp_path):
     """The `limits` section was not shown: an operator could not see how `2 per minute` was read."""
     config = tmp_path / "c.yaml"

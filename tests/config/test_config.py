@@ -717,6 +717,20 @@ def test_hardening_keys_have_safe_defaults_and_are_checked(tmp_path):
         config_from_data({**base, "metrics": {"token": "plain-secret"}})
     with pytest.raises(ConfigError, match="listen.max_connections"):
         config_from_data({**base, "listen": {"max_connections": 2}})
+    # every zero bound at once (it took one run of check-config per bound), and the listener's too:
+    # a 0 header or body bound was accepted, and cut any request whose head or body was not there at once
+    zeros = {
+        "url": "http://127.0.0.1:1/mcp",
+        "init_timeout": "0s",
+        "request_timeout": "0s",
+        "connect_timeout": "0s",
+    }
+    message = config_error(
+        {**base, "mcpServers": {"a": zeros}, "listen": {"header_timeout": "0s", "body_timeout": "0s"}}
+    )
+    assert "init_timeout, request_timeout and connect_timeout must each be longer than 0s" in message, message
+    assert "listen.header_timeout: header_timeout must be longer than 0s" in message, message
+    assert "listen.body_timeout: body_timeout must be longer than 0s" in message, message
 
 
 @pytest.mark.parametrize(("lease", "ok"), [("10ms", False), ("100ms", True), ("15s", True)])
