@@ -198,6 +198,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         }
         for pool in pools.values():
             stack.push_async_callback(pool.close)
+        rerunner = Rerunner(config, pools)
         tasks = TaskService(
             store,
             node=node,
@@ -206,7 +207,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_tasks_per_principal=config.limits.max_tasks_per_principal,
             tasks_rate=config.limits.tasks_rate,
             rate_storage=counters,
-            rerun=Rerunner(config, pools),
+            rerun=rerunner,
+            cancel_orphan=rerunner.cancel_orphan,
             remote=replicas,
             fence=isinstance(store, RedisTaskStore),
         )

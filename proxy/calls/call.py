@@ -442,6 +442,20 @@ class Call:
         """The outstanding upstream questions as a 2026 `inputRequests` map."""
         return {key: pending.request for key, pending in self.pending.items()}
 
+    @property
+    def upstream_ref(self) -> JsonObject | None:
+        """Where the upstream request went, for another process to cancel it once this one is gone:
+        `{"session", "requestId", "protocolVersion"}` of a request sent on an HTTP upstream session;
+        None before it was sent, and for a stdio child (it dies with this process)."""
+        session = self.session
+        if session is None or session.session_id is None or self.upstream_request_id is None or not self.sent:
+            return None
+        return {
+            "session": session.session_id,
+            "requestId": self.upstream_request_id,
+            "protocolVersion": session.protocol_version,
+        }
+
     def _write_inputs(self) -> None:
         assert self.task_id is not None
         if self.sink is not None:

@@ -43,3 +43,14 @@ class Rerunner:
         call.detach(record.task_id, sink, progress_interval_s=policy.progress_interval)
         call.start()
         return call
+
+    async def cancel_orphan(self, record: TaskRecord, reason: str) -> bool:
+        """`tasks.types.CancelOrphan`: the cancel of `record`'s upstream request (`upstream_ref`),
+        sent on the dead owner's upstream session through the server's pool; False when there is
+        nothing to send it on (no ref, a stdio server, its server gone from the config)."""
+        pool = self.pools.get(record.server)
+        if pool is None or not record.upstream_ref:
+            return False
+        return await pool.cancel_elsewhere(
+            record.upstream_ref, f"its task was taken over from the proxy process that sent it: {reason}"
+        )

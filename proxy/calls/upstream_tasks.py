@@ -40,7 +40,13 @@ MAX_TOOL_PAGES = 100  # tools/list pages read at most to learn the upstream's ta
 
 class UpstreamTaskCall(Call):
     """A `Call` that follows an upstream task: its method is `tasks/result` and its params name the
-    upstream's `taskId`; cancelling it also sends the upstream `tasks/cancel`."""
+    upstream's `taskId`; cancelling it also sends the upstream `tasks/cancel`. It has no
+    `upstream_ref`: the upstream's task goes on whoever follows it (a re-run follows it again)."""
+
+    @property
+    def upstream_ref(self) -> JsonObject | None:
+        """None: see the class."""
+        return None
 
     __slots__ = ()
 

@@ -36,8 +36,10 @@ def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool, requests: 
     """The detail view: the row plus method, owner, its liveness, retention, `history`
     (`[{status, atMs}]`), pending `inputRequests`, an `outcome` preview (`{kind: result|error,
     sizeBytes, preview, truncated}`, None while running), `requests`, how many requests the
-    task served (1, plus the retries an idempotency key or `dedupe` joined to it), and `traceId`,
-    the 32-hex OpenTelemetry trace id of the task (None when tracing was off at its detach)."""
+    task served (1, plus the retries an idempotency key or `dedupe` joined to it), `traceId`,
+    the 32-hex OpenTelemetry trace id of the task (None when tracing was off at its detach), and
+    `upstreamRequestId`, the JSON-RPC id its request had upstream (the `upstream_request_id` of
+    the proxy's log lines and the upstream's own; None on a stdio child or before it was sent)."""
     return {
         **row(record),
         "method": record.method,
@@ -46,6 +48,7 @@ def detail(record: TaskRecord, *, live_here: bool, owner_alive: bool, requests: 
         "ownerAlive": owner_alive,
         "requests": requests,
         "traceId": trace_id_of(record.trace),
+        "upstreamRequestId": (record.upstream_ref or {}).get("requestId"),
         "ttlMs": record.ttl_ms,
         "terminalMs": record.terminal_ms,
         "expiresMs": record.expires_ms,

@@ -160,6 +160,9 @@ class TaskRecord:
     record (version 1) and appended by `apply`; a record stored before this field existed has
     an empty history. `trace` is the W3C `traceparent` of the task's span when tracing was on at
     detach (its trace id ties the task to the trace of the request that created it), else None.
+    `upstream_ref` is where its upstream request went when the call became a task (`{"session",
+    "requestId", "protocolVersion"}` on an HTTP upstream; None on a stdio child), so that a process
+    taking the task over from a dead owner can send the upstream its cancel.
     """
 
     task_id: str
@@ -181,6 +184,7 @@ class TaskRecord:
     version: int = 1
     history: list[dict[str, Any]] = field(default_factory=list)
     trace: str | None = None
+    upstream_ref: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)

@@ -57,7 +57,7 @@ from proxy.tasks.store import (
     TaskNotFoundError,
     TaskStore,
 )
-from proxy.tasks.types import LiveCall, RemoteOwner, Rerun, TaskChange, TaskEvent, TaskMessage
+from proxy.tasks.types import CancelOrphan, LiveCall, RemoteOwner, Rerun, TaskChange, TaskEvent, TaskMessage
 
 log = structlog.get_logger("proxy.tasks")
 
@@ -110,6 +110,7 @@ class TaskService:
         tasks_rate: str | None = None,
         rate_storage: Storage | None = None,
         rerun: Rerun | None = None,
+        cancel_orphan: CancelOrphan | None = None,
         remote: RemoteOwner | None = None,
         fence: bool = False,
     ) -> None:
@@ -121,6 +122,8 @@ class TaskService:
         self.max_tasks_per_principal = max_tasks_per_principal
         self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
         self.rerun = rerun
+        self.cancel_orphan = cancel_orphan
+        self._orphan_cancels: set[asyncio.Task[bool]] = set()  # cancels sent upstream for dead owners
         self.remote = remote
         self.live: dict[str, LiveCall] = {}
         self.store_problem: str | None = None  # the last store failure, while it lasts
@@ -425,6 +428,7 @@ class TaskService:
             owner=self.node,
             status_message=status_message,
             rerun=rerun,
+            upstream_ref=call.upstream_ref,
         )
         if tracing.enabled():
             record.trace = tracing.sampled_traceparent(self._open_span(record))
@@ -919,6 +923,7 @@ class TaskService:
                     self.live[owned.task_id] = call
                     self._snapshots[owned.task_id] = owned
                     metrics.ORPHANED.labels("rerun").inc()
+                    self._cancel_orphaned_request(record, "re-run: " + message)
                     return owned
                 record = owned
             metrics.ORPHANED.labels("failed").inc()
@@ -934,9 +939,31 @@ class TaskService:
                 ),
             )
             log.info("task_taken_over", task_id=record.task_id, fate="failed", lost_node=lost, node=self.node)
+            self._cancel_orphaned_request(record, message)
             return failed
         except (TerminalTaskError, TaskNotFoundError, ConflictError):
             return await self.store.get(record.task_id) or record
+
+    def _cancel_orphaned_request(self, record: TaskRecord, reason: str) -> None:
+        """Send the upstream a cancel, in the background, for the request of `record`, an orphan just
+        taken over (failed or re-run): an upstream may run a call on after the connection of the
+        process that sent it closed, and a re-run would then run beside it. Only where the
+        record says where the request went (`upstream_ref`: an HTTP upstream session)."""
+        if self.cancel_orphan is None or not record.upstream_ref:
+            return
+        context = contextvars.Context()
+        context.run(structlog.contextvars.bind_contextvars, task_id=record.task_id, server=record.server)
+        sending = asyncio.get_running_loop().create_task(
+            self._send_orphan_cancel(self.cancel_orphan, record, reason), context=context
+        )
+        self._orphan_cancels.add(sending)
+        sending.add_done_callback(self._orphan_cancels.discard)
+
+    @staticmethod
+    async def _send_orphan_cancel(cancel: CancelOrphan, record: TaskRecord, reason: str) -> bool:
+        sent = await cancel(record, reason)
+        log.info("orphan_upstream_cancel", task_id=record.task_id, lost_node=record.owner, delivered=sent)
+        return sent
 
     async def _stop_calls_ended_elsewhere(self) -> None:
         """Cancel the live calls of this node whose task another writer ended (the operator CLI's

@@ -6,7 +6,7 @@ on its fan-out."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,11 @@ class LiveCall(Protocol):
     def input_requests(self) -> JsonObject:
         """The questions still unanswered, as an `inputRequests` map."""
 
+    @property
+    def upstream_ref(self) -> JsonObject | None:
+        """Where its upstream request went, for another process to cancel it once this one is gone
+        (`{"session", "requestId", "protocolVersion"}` on an HTTP upstream), or None."""
+
 
 class TaskSink(Protocol):
     """Where a detached call reports (the task service implements it). Each returns once written;
@@ -56,6 +61,9 @@ class TaskSink(Protocol):
 # Starts the call of a task configured `on_restart: rerun` again, reporting to the given sink; None
 # when it cannot (its server is gone from the config).
 Rerun = Callable[[TaskRecord, TaskSink], LiveCall | None]
+# Cancels upstream the request of a task whose owner died (its `upstream_ref`), giving the reason;
+# True when the upstream took the cancel (`Pool.cancel_elsewhere`)
+CancelOrphan = Callable[[TaskRecord, str], Awaitable[bool]]
 
 
 class RemoteOwner(Protocol):

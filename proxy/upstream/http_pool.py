@@ -122,6 +122,30 @@ class UpstreamPool:
         """Open (or reuse) the session without optional capabilities; None when ready, else why not."""
         return await probe(self, timeout_s)
 
+    async def cancel_elsewhere(self, ref: JsonObject, reason: str) -> bool:
+        """See `Pool.cancel_elsewhere`: the notification goes on the other process's upstream
+        session (its `Mcp-Session-Id`), which this process neither opened nor keeps."""
+        sid, request_id = ref.get("session"), ref.get("requestId")
+        if not isinstance(sid, str) or not sid or not isinstance(request_id, (str, int)):
+            return False
+        theirs = UpstreamSession(
+            self.http,
+            self.url,
+            server=self.server,
+            headers=self.headers,
+            bounds=self.bounds,
+            credentials=self.credentials,
+        )
+        theirs.session_id = sid
+        version = ref.get("protocolVersion")
+        theirs.protocol_version = version if isinstance(version, str) and version else theirs.protocol_version
+        try:
+            await theirs.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
+        except UpstreamError as exc:
+            log.info("upstream_cancel_not_delivered", server=self.server, reason=str(exc))
+            return False
+        return True
+
     def discard(self, session: Session) -> None:
         """Forget a session the upstream expired (or that broke), so the next use initializes a new
         one; a broken session is ended (DELETE) once its requests in flight are over."""

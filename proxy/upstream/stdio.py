@@ -79,6 +79,8 @@ class StdioSession:
     the exit status.
     """
 
+    session_id: str | None = None  # (a child has no session id)
+
     def __init__(
         self,
         server: str,

@@ -310,6 +310,11 @@ class StdioPool:
             if s.proc is not None and s.proc.returncode is None
         ]
 
+    async def cancel_elsewhere(self, ref: JsonObject, reason: str) -> bool:
+        """See `Pool.cancel_elsewhere`: never possible here (a child dies with the process that
+        started it, and its requests with it)."""
+        return False
+
     async def close(self) -> None:
         """Stop every child."""
         self._closing = True

@@ -89,6 +89,7 @@ class Session(Protocol):
     capabilities: JsonObject
     initialize_result: JsonObject
     protocol_version: str
+    session_id: str | None  # the upstream's `Mcp-Session-Id` (None for a stdio child)
 
     def next_id(self) -> int:
         """A fresh JSON-RPC request id toward the upstream on this session."""
@@ -132,6 +133,14 @@ class Pool(Protocol):
     async def check(self, timeout_s: float = 5.0) -> str | None:
         """None when a session without optional capabilities is ready within `timeout_s` (s),
         else a sentence saying why not (for /readyz)."""
+
+    async def cancel_elsewhere(self, ref: JsonObject, reason: str) -> bool:
+        """Send `notifications/cancelled` for a request another proxy process sent on its own
+        upstream session, `ref` (`{"session", "requestId", "protocolVersion"}`, as
+        `Call.upstream_ref` gives it): that process died, and an upstream may run a request on
+        after its client's connection closed. True when the upstream took it (HTTP 2xx), False
+        when it cannot be sent (stdio: the child died with that process) or was refused. Bounded by
+        `request_timeout`; raises nothing."""
 
     async def close(self) -> None:
         """End every session."""

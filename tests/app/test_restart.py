@@ -58,6 +58,13 @@ async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: 
         assert "restarted" in orphan["error"]["message"]
         # (a 30 s call the SIGKILL cut off may run on upstream: it is not said to be lost there)
         assert "whether the upstream finished it is unknown" in orphan["error"]["message"], orphan
+        # and the new process sent the upstream a cancel for it, on the dead one's upstream session
+        async with asyncio.timeout(10):
+            while True:
+                log = json.loads((await client.call("cancelled_log")).result["content"][0]["text"])
+                if any(e["label"] == "orphaned" and e["reason"] == "notifications/cancelled" for e in log):
+                    break
+                await asyncio.sleep(0.05)
         assert orphan == (await client.get(orphan_id)).result  # stable on later polls
         await client.close()
     finally:

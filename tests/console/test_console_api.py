@@ -394,6 +394,8 @@ async def test_detail_and_operator_cancel_of_a_running_task_stop_it_upstream(
                 and task["outcome"] is None
                 and "principal" not in task
             )
+            # the id its request had upstream: what the proxy's log lines and the upstream's call it
+            assert isinstance(task["upstreamRequestId"], int), task
 
             status, cancelled = await post_json(
                 http, f"{console.base}/console/api/tasks/{task_id}/cancel", BEARER

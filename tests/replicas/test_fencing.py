@@ -235,12 +235,14 @@ async def test_a_call_that_ended_while_its_task_was_being_created_keeps_its_outc
             await plain.close()
 
 
-async def test_a_call_declared_lost_during_a_cut_is_cancelled_as_soon_as_its_replica_is_back(
+async def test_a_call_declared_lost_during_a_cut_is_cancelled_by_the_replica_that_took_its_task(
     legacy_url: str, tmp_path: Path, serve: Serve, redis_server: RedisServer, redis_prefix: str
 ) -> None:
     """A call of a tool with the `fail` policy is not fenced (a whole-Redis outage must not end every
-    call): it runs on while its replica is cut off, another replica declares its task lost, and
-    the replica, back, cancels it upstream at its first lease renewal (a sixth of the 1 s lease)."""
+    call): it runs on while its replica is cut off, until another replica declares its task lost
+    and sends the upstream its cancel, on the cut-off replica's upstream session (the task failed:
+    its call is of no use). Before, it ran on until its replica was back and cancelled it at its
+    first lease renewal, and an upstream whose caller died for good ran it to its end."""
     label = f"healed-{uuid.uuid4().hex[:8]}"
     async with relay_to(redis_server) as (relay, relayed_url):
         cut_off = await serve(
@@ -256,14 +258,14 @@ async def test_a_call_declared_lost_during_a_cut_is_cancelled_as_soon_as_its_rep
             relay.pause()
             client.url = other.url()
             lost = await client.wait_terminal(task_id, timeout=10)
+            declared = time.time()
             assert lost["status"] == "failed" and "lost" in json.dumps(lost), lost
-            assert not await _cancels(plain, label)  # still running
-            healed = time.time()
-            relay.resume()
             async with asyncio.timeout(5):
                 while not (cancels := await _cancels(plain, label)):
                     await asyncio.sleep(0.05)
-            assert cancels[0]["at"] - healed < 1.0, (healed, cancels)
+            assert cancels[0]["reason"] == "notifications/cancelled", cancels
+            assert cancels[0]["at"] - declared < 1.0, (declared, cancels)  # its own replica is still cut off
+            relay.resume()
         finally:
             await client.close()
             await plain.close()

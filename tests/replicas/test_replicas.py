@@ -896,6 +896,9 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
         )
         # (the upstream may run the call on: the kernel's close of the upstream connection does not stop it)
         assert "whether the upstream finished the call is unknown" in task["statusMessage"], task
+        # so the survivor that took it over sent the upstream its cancel, on the dead replica's session
+        cancelled = await _wait_cancelled_upstream(c0, "killed", timeout=10)
+        assert cancelled["reason"] == "notifications/cancelled", cancelled
         # Nobody read `unread`: the survivors' sweep (every half
         # lease) ended it; the CLI reads the store as is.
         await asyncio.sleep(max(0.0, 2 * LEASE_S - (time.monotonic() - killed_at)))
