@@ -82,6 +82,12 @@ def _upstream_error(request_id: Any, message: str, status: int) -> web.Response:
     return error_reply(request_id, INTERNAL_ERROR, message, status=200 if request_id is not None else status)
 
 
+def _text(body: Any) -> str:
+    """A response body (bytes, or anything else aiohttp may hold: a payload) as text; "" when it is
+    not bytes."""
+    return body.decode("utf-8", errors="replace") if isinstance(body, bytes) else ""
+
+
 def _decode(data: str) -> Any:
     """A JSON value from SSE data; None when empty or not JSON."""
     try:
@@ -375,7 +381,11 @@ class HttpRelay:
         if not is_sse:
             async with upstream:
                 reply = await self._plain(upstream, out_headers, request_id, sent, rewrite)
-            if opened is not None and "Mcp-Session-Id" not in reply.headers:
+            if opened is not None and (
+                "Mcp-Session-Id" not in reply.headers
+                or "error" in jsonrpc.object_of(_decode(_text(reply.body)))
+            ):  # an initialize that failed, or whose answer was no answer: the client gets no session
+                reply.headers.pop("Mcp-Session-Id", None)
                 await self._unannounced(*opened)
             return reply
         if request.method == "GET":
@@ -885,18 +895,19 @@ def as_jsonrpc_reply(
 ) -> tuple[int, bytes]:
     """An upstream's plain (non-SSE) reply as the client gets it, as (HTTP status, body).
 
-    A JSON-RPC message passes as is, and an empty body for a success status when it answers a
-    notification or a response (202). What answers a request (`request_id` not None) must be its
-    response: an empty body, or a response that is malformed (`jsonrpc.response_problem`: a null
-    or non-object result, both result and error, a malformed error) becomes a -32603 error (a
-    client waits for an answer that never comes, or fails to parse it). Anything else (an HTML
-    error page, plain text, broken JSON) becomes a -32603 error naming the upstream's status
-    (and its `Retry-After`, s, if it gave one). An upstream JSON-RPC error in a 4xx passes with
-    its status, as does a 404 of any body (the session is gone: the client initializes again).
-    Every other failure answering a request goes out as HTTP 200, the JSON-RPC error inside
-    (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole transport
-    dies); answering a notification or response, a 5xx goes out as 502, a 4xx as it came, as
-    -32600 (the upstream refused what the client sent)."""
+    Answering a notification or a response (`request_id` None), a JSON-RPC message or an empty body
+    (202) passes as is. What answers a request must be its answer: a response fit for an MCP
+    client (`jsonrpc.response_problem`), or for an HTTP error status a well-formed JSON-RPC error
+    (placed under the request's id even when it carries none; a 4xx keeps its status). An empty
+    body, a null or non-object result, both result and error, a malformed error, JSON that is no
+    JSON-RPC answer, or no JSON at all (an HTML error page, plain text) becomes a -32603 error (a
+    client waits for an answer that never comes, or fails to parse it) naming what came, with the
+    upstream's status and `Retry-After` (s, for a 429 or 503) for a body that is not JSON-RPC.
+    A 404 passes with its status whatever its body (the session is gone: the client initializes
+    again). Every other failure answering a request goes out as HTTP 200, the JSON-RPC error
+    inside (protocol.md §1.4.4: an `mcp` 1.x client raises on any other status and its whole
+    transport dies); answering a notification or response, a 5xx goes out as 502, a 4xx as it
+    came, as -32600 (the upstream refused what the client sent)."""
     failed = 200 if request_id is not None else 502
     message: Any = None
     if data.strip():
@@ -905,13 +916,21 @@ def as_jsonrpc_reply(
         except (ValueError, UnicodeDecodeError):
             message = None
         if isinstance(message, dict) and message.get("jsonrpc") == "2.0":
-            if request_id is None or status >= 400:
+            if request_id is None or status == 404:
                 return (status if status < 500 else failed), data
-            problem = "something that is not a JSON-RPC response"
-            if jsonrpc.is_response(message):
+            if status >= 400 and "error" in message and "result" not in message and "method" not in message:
+                # a refusal: its error answers this request, whatever id it carries (`_plain`)
                 problem = jsonrpc.response_problem(message) or ""
+                if not problem and "id" not in message:
+                    data = jsonrpc.dumps({**message, "id": None})  # (so that `_plain` places it)
+            elif status >= 400:
+                problem = "something that is not a JSON-RPC error"
+            else:
+                problem = "something that is not a JSON-RPC response"
+                if jsonrpc.is_response(message):
+                    problem = jsonrpc.response_problem(message) or ""
             if not problem:
-                return status, data
+                return (status if status < 500 else failed), data
             error = jsonrpc.error_object(INTERNAL_ERROR, f"upstream {server} answered with {problem}")
             if problem == "a malformed JSON-RPC error":
                 error["data"] = {"upstreamError": message.get("error")}
@@ -926,7 +945,11 @@ def as_jsonrpc_reply(
     refused = 400 <= status < 500 and (request_id is None or status == 404)
     text = data[:200].decode("utf-8", errors="replace").strip()
     what = "" if status >= 400 else " with a body that is not JSON-RPC"
-    later = f" (retry after {retry_after} s)" if retry_after and retry_after.strip().isdigit() else ""
+    later = (
+        f" (retry after {retry_after.strip()} s)"
+        if status in (429, 503) and retry_after and retry_after.strip().isdigit()
+        else ""
+    )
     error = {
         "code": INVALID_REQUEST if refused else INTERNAL_ERROR,
         "message": f"upstream {server} answered HTTP {status}{what}{later}" + (f": {text}" if text else ""),

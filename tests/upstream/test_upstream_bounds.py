@@ -229,6 +229,8 @@ async def test_a_reply_for_another_id_is_refused(hostile: str, tmp_path: Path, s
         ("text_429", "answered HTTP 429 (retry after 7 s): slow down"),
         ("sse_null_result", "answered with a result that is not an object"),
         ("drop", "dropped the connection before it answered"),
+        ("bad_error_500", "answered with a malformed JSON-RPC error"),
+        ("error_500_no_id", "it broke"),
     ],
 )
 async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in_a_200(
@@ -259,9 +261,12 @@ async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in
     ] or [json.loads(text)]
     assert status == 200 and len(messages) == 1, (status, text)
     error = messages[0]["error"]
-    assert messages[0]["id"] == 2 and error["code"] == -32603 and said in error["message"], messages
+    code = -32000 if tool == "error_500_no_id" else -32603  # (that one is the upstream's own error)
+    assert messages[0]["id"] == 2 and error["code"] == code and said in error["message"], messages
     if tool == "bad_error":
         assert error["data"] == {"upstreamError": {"code": "bad", "message": 123}}, error
+    if tool == "bad_error_500":
+        assert error["data"] == {"upstreamError": "boom"}, error
     if tool in ("empty_202", "text_429"):  # the 2026-07-28 path quoted such a body as `b''`, `b'slow down'`
         client = ModernClient(proxy.url(), capabilities={})
         try:
@@ -283,6 +288,20 @@ async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in
         finally:
             await client.close()
         assert "dropped the connection before it answered" in modern["message"], modern
+
+
+async def test_a_legacy_initialize_answered_with_no_answer_opens_no_session(
+    hostile: str, tmp_path: Path, serve: Serve
+) -> None:
+    """An upstream that answers `initialize` with `result: null` and a session id: the client gets
+    -32603, and no `Mcp-Session-Id` for a session it could never use (it was held open, counted
+    against `max_sessions_per_principal`, until `legacy_session_idle`)."""
+    proxy = await serve(hostile_config(hostile, tmp_path, "null-init"))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url(), json=INIT, headers=LEGACY_HEADERS) as resp:
+            reply = await resp.json()
+            assert resp.status == 200 and "Mcp-Session-Id" not in resp.headers, (resp.headers, reply)
+    assert reply["error"]["code"] == -32603 and "not an object" in reply["error"]["message"], reply
 
 
 async def test_a_slow_call_is_bounded_by_its_hard_timeout_not_request_timeout(
