@@ -445,7 +445,8 @@ class Call:
     @property
     def upstream_ref(self) -> JsonObject | None:
         """Where the upstream request went, for another process to cancel it once this one is gone:
-        `{"session", "requestId", "protocolVersion"}` of a request sent on an HTTP upstream session;
+        `{"session", "requestId", "protocolVersion", "origin"}` of a request sent on an HTTP upstream
+        session (`origin`: `upstream.types.url_origin` of its URL);
         None before it was sent, and for a stdio child (it dies with this process)."""
         session = self.session
         if session is None or session.session_id is None or self.upstream_request_id is None or not self.sent:
@@ -454,6 +455,7 @@ class Call:
             "session": session.session_id,
             "requestId": self.upstream_request_id,
             "protocolVersion": session.protocol_version,
+            "origin": session.origin,
         }
 
     def _write_inputs(self) -> None:
@@ -591,6 +593,8 @@ class Call:
 
     def _mark_sent(self) -> None:
         self.sent = True
+        if self.task_id is not None and self.sink is not None and (ref := self.upstream_ref) is not None:
+            self._spawn(self.sink.sent_upstream(self.task_id, ref))  # (it left after its task was made)
 
     async def _send_cancelled(self, reason: str) -> None:
         """`notifications/cancelled` for the upstream request, only if it was actually sent: a call

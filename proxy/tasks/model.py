@@ -160,9 +160,10 @@ class TaskRecord:
     record (version 1) and appended by `apply`; a record stored before this field existed has
     an empty history. `trace` is the W3C `traceparent` of the task's span when tracing was on at
     detach (its trace id ties the task to the trace of the request that created it), else None.
-    `upstream_ref` is where its upstream request went when the call became a task (`{"session",
-    "requestId", "protocolVersion"}` on an HTTP upstream; None on a stdio child), so that a process
-    taking the task over from a dead owner can send the upstream its cancel.
+    `upstream_ref` is where its upstream request went (`{"session", "requestId", "protocolVersion",
+    "origin"}` on an HTTP upstream; None on a stdio child, before the request left, and from a
+    take-over until the re-run's request leaves), so that a process taking the task over from a
+    dead owner can send the upstream its cancel.
     """
 
     task_id: str
@@ -258,6 +259,7 @@ class Change:
     outcome: Any = _UNSET
     input_requests: Any = _UNSET
     owner: Any = _UNSET
+    upstream_ref: Any = _UNSET
     expect_owner: str | None = None
     expect_version: int | None = None
 
@@ -270,6 +272,7 @@ class Change:
             and self.outcome is _UNSET
             and self.input_requests is _UNSET
             and self.owner is _UNSET
+            and self.upstream_ref is _UNSET
         )
 
 
@@ -314,6 +317,7 @@ def apply(record: TaskRecord, change: Change, *, at_ms: int, max_result_bytes: i
         ("outcome", outcome),
         ("input_requests", change.input_requests),
         ("owner", change.owner),
+        ("upstream_ref", change.upstream_ref),
     ):
         if value is not _UNSET:
             updates[name] = value

@@ -75,6 +75,7 @@ LOST_MESSAGE = (
 # of a lease; so they stop by 3/4 of the lease, a quarter before it lapses and another replica takes
 # them (the margin Kubernetes' leader election leaves: renewDeadline 10 s of a 15 s lease), room for
 # a loaded host's late timers and the upstream's cancel.
+ORPHAN_CANCELS_AT_ONCE = 8  # upstream cancels of dead owners' requests in flight at once at most
 FENCE_AFTER = 2 / 3
 LAST_RENEWAL = 1 / 12
 READ_FAILURE_SHOWN_S = 30.0  # how long (s) /readyz reports the store failed after a failed read
@@ -123,7 +124,8 @@ class TaskService:
         self.rate = TaskRate(tasks_rate, rate_storage, where=store.where)
         self.rerun = rerun
         self.cancel_orphan = cancel_orphan
-        self._orphan_cancels: set[asyncio.Task[bool]] = set()  # cancels sent upstream for dead owners
+        # cancels sent upstream for dead owners' requests at once at most (a sweep may take over many)
+        self._orphan_cancel_slots = asyncio.Semaphore(ORPHAN_CANCELS_AT_ONCE)
         self.remote = remote
         self.live: dict[str, LiveCall] = {}
         self.store_problem: str | None = None  # the last store failure, while it lasts
@@ -584,6 +586,19 @@ class TaskService:
 
     # -- the sink a running call writes through ------------------------------------------------
 
+    async def sent_upstream(self, task_id: str, ref: JsonObject) -> bool:
+        """Record where the task's upstream request went (`TaskRecord.upstream_ref`), for a call
+        whose request left after its task was made (a 2025-11-25 task, a re-run, a session still
+        opening at `detach_after`). One write, not retried: a lost ref only costs the cancel a
+        take-over would send. False when the task ended, moved, or the store refused."""
+        if self._stopped:
+            return False
+        try:
+            await self.store.update(task_id, Change(upstream_ref=ref, expect_owner=self.node))
+        except (TerminalTaskError, TaskNotFoundError, ConflictError, StoreUnavailableError):
+            return False
+        return True
+
     async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool:
         """Record the call's outstanding questions (status `input_required`, or `working` when none).
 
@@ -899,6 +914,7 @@ class TaskService:
                         status_message=f"re-running: {message}",
                         input_requests={},
                         owner=self.node,
+                        upstream_ref=None,  # (the re-run's request writes its own once it leaves)
                         expect_owner=record.owner,
                         expect_version=record.version,
                     ),
@@ -945,10 +961,11 @@ class TaskService:
             return await self.store.get(record.task_id) or record
 
     def _cancel_orphaned_request(self, record: TaskRecord, reason: str) -> None:
-        """Send the upstream a cancel, in the background, for the request of `record`, an orphan just
-        taken over (failed or re-run): an upstream may run a call on after the connection of the
-        process that sent it closed, and a re-run would then run beside it. Only where the
-        record says where the request went (`upstream_ref`: an HTTP upstream session)."""
+        """Send the upstream a cancel, in the background (cut short by `stop`), for the request of
+        `record`, an orphan just taken over (failed or re-run): an upstream may run a call on after
+        the connection of the process that sent it closed, and a re-run would then run beside it.
+        Only where the record says where the request went (`upstream_ref`: an HTTP upstream
+        session); ORPHAN_CANCELS_AT_ONCE at most go out at once."""
         if self.cancel_orphan is None or not record.upstream_ref:
             return
         context = contextvars.Context()
@@ -956,14 +973,13 @@ class TaskService:
         sending = asyncio.get_running_loop().create_task(
             self._send_orphan_cancel(self.cancel_orphan, record, reason), context=context
         )
-        self._orphan_cancels.add(sending)
-        sending.add_done_callback(self._orphan_cancels.discard)
+        self._background.add(sending)
+        sending.add_done_callback(self._background.discard)
 
-    @staticmethod
-    async def _send_orphan_cancel(cancel: CancelOrphan, record: TaskRecord, reason: str) -> bool:
-        sent = await cancel(record, reason)
+    async def _send_orphan_cancel(self, cancel: CancelOrphan, record: TaskRecord, reason: str) -> None:
+        async with self._orphan_cancel_slots:
+            sent = await cancel(record, reason)
         log.info("orphan_upstream_cancel", task_id=record.task_id, lost_node=record.owner, delivered=sent)
-        return sent
 
     async def _stop_calls_ended_elsewhere(self) -> None:
         """Cancel the live calls of this node whose task another writer ended (the operator CLI's

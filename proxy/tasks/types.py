@@ -47,11 +47,14 @@ class LiveCall(Protocol):
 
 class TaskSink(Protocol):
     """Where a detached call reports (the task service implements it). Each returns once written;
-    `set_inputs` and `progress` return False when the task already ended elsewhere."""
+    `set_inputs`, `progress` and `sent_upstream` (where the call's request went, once it left after
+    the task was made: `LiveCall.upstream_ref`) return False when the task already ended elsewhere."""
 
     async def set_inputs(self, task_id: str, input_requests: JsonObject) -> bool: ...
 
     async def progress(self, task_id: str, text: str) -> bool: ...
+
+    async def sent_upstream(self, task_id: str, ref: JsonObject) -> bool: ...
 
     async def finish(
         self, task_id: str, outcome: JsonObject, status_message: str | None, *, by: str = "upstream"

@@ -41,6 +41,7 @@ from proxy.upstream.types import (
     error_text,
     failure_text,
     read_body,
+    url_origin,
 )
 
 log = structlog.get_logger("proxy.upstream")
@@ -75,6 +76,7 @@ class UpstreamSession:
         self.bounds = bounds or Bounds()
         self.connect_timeout = self.bounds.connect_timeout
         self.session_id: str | None = None
+        self.origin = url_origin(url)
         self.protocol_version: str = UPSTREAM_VERSION
         self.initialize_result: JsonObject = {}
         self._ids = itertools.count(1)

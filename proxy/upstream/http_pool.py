@@ -20,6 +20,7 @@ from proxy.upstream.types import (
     UpstreamTimeoutError,
     caps_key,
     probe,
+    url_origin,
 )
 
 log = structlog.get_logger("proxy.upstream")
@@ -128,6 +129,10 @@ class UpstreamPool:
         sid, request_id = ref.get("session"), ref.get("requestId")
         if not isinstance(sid, str) or not sid or not isinstance(request_id, (str, int)):
             return False
+        if ref.get("origin") != url_origin(self.url):
+            return False  # recorded on another URL (the config changed since): never sent elsewhere
+        if any(mine.session_id == sid for mine in self._sessions.values()):
+            return False  # a session of this process (an upstream that gives one id to all): not theirs
         theirs = UpstreamSession(
             self.http,
             self.url,
@@ -141,8 +146,9 @@ class UpstreamPool:
         theirs.protocol_version = version if isinstance(version, str) and version else theirs.protocol_version
         try:
             await theirs.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
-        except UpstreamError as exc:
-            log.info("upstream_cancel_not_delivered", server=self.server, reason=str(exc))
+        except Exception as exc:  # (raises nothing: a cancel that fails changes no task; a closing pool)
+            # the class only: an expired session's error names the session id
+            log.info("upstream_cancel_not_delivered", server=self.server, reason=exc.__class__.__name__)
             return False
         return True
 

@@ -80,6 +80,7 @@ class StdioSession:
     """
 
     session_id: str | None = None  # (a child has no session id)
+    origin = ""  # (nor an upstream URL)
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ sessions (`http_pool.UpstreamPool`) or child processes (`stdio_pool.StdioPool`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -90,6 +91,7 @@ class Session(Protocol):
     initialize_result: JsonObject
     protocol_version: str
     session_id: str | None  # the upstream's `Mcp-Session-Id` (None for a stdio child)
+    origin: str  # which upstream URL the session is on, as a short hash (`url_origin`; "" for stdio)
 
     def next_id(self) -> int:
         """A fresh JSON-RPC request id toward the upstream on this session."""
@@ -136,10 +138,11 @@ class Pool(Protocol):
 
     async def cancel_elsewhere(self, ref: JsonObject, reason: str) -> bool:
         """Send `notifications/cancelled` for a request another proxy process sent on its own
-        upstream session, `ref` (`{"session", "requestId", "protocolVersion"}`, as
+        upstream session, `ref` (`{"session", "requestId", "protocolVersion", "origin"}`, as
         `Call.upstream_ref` gives it): that process died, and an upstream may run a request on
-        after its client's connection closed. True when the upstream took it (HTTP 2xx), False
-        when it cannot be sent (stdio: the child died with that process) or was refused. Bounded by
+        after its client's connection closed. True when the upstream took it (HTTP 2xx); False
+        when it cannot be sent (stdio: the child died with that process), was recorded on another
+        URL (`origin`), names a session of this process, or was refused. Bounded by
         `request_timeout`; raises nothing."""
 
     async def close(self) -> None:
@@ -275,6 +278,12 @@ async def read_body(resp: aiohttp.ClientResponse, limit: int, server: str) -> by
     except (aiohttp.ClientError, OSError) as exc:
         raise UpstreamError(f"upstream {server} broke the reply: {exc.__class__.__name__}: {exc}") from exc
     return bytes(body)
+
+
+def url_origin(url: str) -> str:
+    """A short hash (16 hex) naming the upstream URL a session is on, without the URL itself (which
+    may carry credentials): a cancel recorded on one URL is never sent to another."""
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def failure_text(server: str, exc: BaseException, url: str) -> str:

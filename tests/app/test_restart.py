@@ -17,6 +17,7 @@ import yaml
 from support.clients import LEGACY_HEADERS, LEGACY_INITIALIZE, ModernClient, envelope
 from support.proxy import Serve, make_config
 from support.servers import ROOT, ServerProcess
+from support.v1_client import V1Client
 
 from proxy.app import DRAIN_KEY, TASKS_KEY
 from proxy.tasks.store import ListFilter
@@ -43,6 +44,14 @@ async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: 
         done_id = (await client.call("slow_compute", {"seconds": 0.1, "label": "kept"})).result["taskId"]
         await client.wait_terminal(done_id)
         orphan_id = (await client.call("slow_compute", {"seconds": 30, "label": "orphaned"})).result["taskId"]
+        # a 2025-11-25 task: its request leaves after its task is made (the ref is written then)
+        v1 = V1Client(proxy.url)
+        await v1.initialize()
+        await v1.call_as_task("slow_compute", {"seconds": 30, "label": "orphaned-v1"})
+        async with asyncio.timeout(5):  # until it runs upstream
+            while "orphaned-v1" not in (await client.call("started_log")).result["content"][0]["text"]:
+                await asyncio.sleep(0.05)
+        await v1.close()
         await client.close()
     finally:
         proxy.kill()
@@ -62,7 +71,8 @@ async def test_sigkill_then_restart_keeps_results_and_fails_orphans(legacy_url: 
         async with asyncio.timeout(10):
             while True:
                 log = json.loads((await client.call("cancelled_log")).result["content"][0]["text"])
-                if any(e["label"] == "orphaned" and e["reason"] == "notifications/cancelled" for e in log):
+                cancelled = {e["label"] for e in log if e["reason"] == "notifications/cancelled"}
+                if {"orphaned", "orphaned-v1"} <= cancelled:
                     break
                 await asyncio.sleep(0.05)
         assert orphan == (await client.get(orphan_id)).result  # stable on later polls

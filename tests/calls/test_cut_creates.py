@@ -133,9 +133,11 @@ async def test_a_v1_task_whose_create_reply_is_lost_ends_failed_and_never_runs(
             untasked = ModernClient(proxy.url(), capabilities={})
             try:
                 await v1.initialize()
+                # scripts loaded (a warm-up label without `label` in it: its writes, the record's
+                # `upstream_ref` among them, must not be what the relay pauses after)
                 await v1.call_as_task(
-                    "slow_compute", {"seconds": 0.1, "label": f"warm-{label}"}
-                )  # scripts loaded
+                    "slow_compute", {"seconds": 0.1, "label": f"warm-{uuid.uuid4().hex[:8]}"}
+                )
                 before = set(await direct.keys(f"{redis_prefix}task:*"))
                 relay.pause_after(label.encode())  # the create carries the call's arguments (to re-run it)
                 params = {"name": "slow_compute", "arguments": {"seconds": 0.1, "label": label}, "task": {}}
