@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -76,6 +77,8 @@ class Forwarder:
     chunks of an SSE stream. Idle pooled connections to peers live `keepalive_s` (s) at most: below
     the peers' own idle close (`listen.header_timeout`), so a request is never sent on a connection
     the peer is closing unread, which would read as lost after it may have run.
+    `registered_at(node, url)` says whether `node` is the replica registered at `url` (it confirms
+    a peer's HTTP 421 before the peer sought is taken as gone).
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class Forwarder:
         read_timeout_s: float = 1800.0,
         stream_idle_s: float = 60.0,
         keepalive_s: float = 4.0,
+        registered_at: Callable[[str, str], Awaitable[bool]] | None = None,
     ) -> None:
         self.node = node
+        self.registered_at = registered_at
         self.keepalive_s = keepalive_s
         self.secret = secret
         self.timeout_s = timeout_s
@@ -236,13 +241,29 @@ class Forwarder:
             )
         if upstream.status == 421 and MISDIRECTED_HEADER in upstream.headers:
             upstream.release()
-            log.warning(
-                "replica_gone_from_its_address",
-                peer=peer.node,
-                now=upstream.headers[MISDIRECTED_HEADER][:64],
-                reason="another replica process serves its address",
+            there = upstream.headers[MISDIRECTED_HEADER][:64]
+            if self.registered_at is None or await self.registered_at(there, peer.url):
+                log.warning(
+                    "replica_gone_from_its_address",
+                    peer=peer.node,
+                    now=there,
+                    reason="another replica process serves its address",
+                )
+                return None  # the peer sought is gone; the process there served nothing
+            # Not registered there: two replicas advertise one address (a misconfiguration), or the
+            # one that answered is no replica of this store. Nothing ran; say so, adopt nothing.
+            log.warning("replica_address_shared", peer=peer.node, answered=there, url=peer.url)
+            request_id = jsonrpc.request_id_of(body)
+            error = {
+                "code": INTERNAL_ERROR,
+                "message": f"proxy replica {peer.node} is advertised at {peer.url}, where node {there} "
+                "answers, which is not registered there: check each replica's replicas.advertise",
+            }
+            return web.json_response(
+                jsonrpc.error_response(request_id, error),
+                status=200 if request_id is not None else 502,
+                dumps=jsonrpc.dumps_str,
             )
-            return None  # the peer sought is gone; the process there served nothing
         async with upstream:
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():

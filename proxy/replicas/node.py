@@ -70,6 +70,7 @@ class Replicas:
             read_timeout_s=longest_call + hop,
             stream_idle_s=3 * config.listen.sse_keepalive + hop,
             keepalive_s=min(4.0, config.listen.header_timeout / 2),  # peers close idle ones at header_timeout
+            registered_at=self._registered_at,
         )
         self.shared = shared
         self.draining = False
@@ -206,6 +207,14 @@ class Replicas:
     def forwarded(self, request: web.Request) -> bool:
         """True for a client request another replica relayed here (authentic: it is served here as is)."""
         return FORWARDED_HEADER in request.headers and self.authentic(request)
+
+    async def _registered_at(self, node: str, url: str) -> bool:
+        """True when the live replica `node` is registered at `url` (False when unknown, elsewhere,
+        or the store cannot say)."""
+        if node == self.node:  # (a hop this replica sent to the address it now holds itself)
+            return url == self.registry.url
+        found = await self.peer(node)
+        return found is not None and found.url == url
 
     async def peer(self, node: Any) -> Peer | None:
         """The live peer `node`, or None (unknown, gone, this replica, or the store unreadable)."""

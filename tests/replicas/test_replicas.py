@@ -947,6 +947,13 @@ async def test_a_replica_restarted_at_once_on_its_address_leaves_no_session_unkn
     settings = {**SETTINGS, "MCP_LEASE": "30s"}
     with Cluster(upstream_url=legacy_url, replicas=2, settings=settings) as two:
         async with aiohttp.ClientSession() as http:
+
+            async def ping(url: str, sid: str) -> dict:
+                headers = {**LEGACY_HEADERS, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}
+                body = {"jsonrpc": "2.0", "id": 7, "method": "ping"}
+                async with http.post(url + WEB, json=body, headers=headers) as resp:
+                    return {"status": resp.status, **(await resp.json())}
+
             through_other = await _open_legacy(http, two.replica_urls[0] + WEB)
             through_itself = await _open_legacy(http, two.replica_urls[0] + WEB)
             assert await _legacy_ping(http, two.replica_urls[1] + WEB, through_other) == 200  # relayed
@@ -954,12 +961,22 @@ async def test_a_replica_restarted_at_once_on_its_address_leaves_no_session_unkn
             await asyncio.to_thread(two.restart, 0)
             started = time.monotonic()
             # through the survivor (its hop reaches the new process), and straight to the new process
-            assert await _legacy_ping(http, two.replica_urls[1] + WEB, through_other) == 200
-            assert await _legacy_ping(http, two.replica_urls[0] + WEB, through_itself) == 200
+            assert await ping(two.replica_urls[1], through_other) == {
+                "status": 200,
+                "jsonrpc": "2.0",
+                "id": 7,
+                "result": {},
+            }
+            assert await ping(two.replica_urls[0], through_itself) == {
+                "status": 200,
+                "jsonrpc": "2.0",
+                "id": 7,
+                "result": {},
+            }
             # and on from either replica, now that each has an owner that is up
             for url in two.replica_urls:
                 for sid in (through_other, through_itself):
-                    assert await _legacy_ping(http, url + WEB, sid) == 200
+                    assert (await ping(url, sid)).get("result") == {}, (url, sid)
             assert time.monotonic() - started < 10  # not the dead node's lease (30 s)
 
 
