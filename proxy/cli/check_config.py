@@ -275,7 +275,9 @@ def describe_limits(config: Config) -> str:
     def count(value: int | float | None, unit: str = "") -> str:
         if value is None:
             return "none"
-        return f"{value}{unit}" if isinstance(value, int) else f"{value:g}{unit}"
+        if isinstance(value, int) or value.is_integer():  # (`:g` wrote 30 days as 2.592e+06)
+            return f"{int(value)}{unit}"
+        return f"{value:g}{unit}"
 
     return (
         f"limits: tasks_rate {rate(given.tasks_rate, 'principal')}, failed_auth "

@@ -16,9 +16,12 @@ from proxy.protocol.jsonrpc import JsonObject, JsonRpcError
 
 log = structlog.get_logger("proxy.modern")
 MAX_PAGES = 100  # tools/list pages read at most
-# After a failed tools/list, calls of that principal go on without the index this long (s), rather
-# than each waiting for the upstream's tools/list again (up to request_timeout) before it is sent
+# After a tools/list that failed slowly (SLOW_FAILURE_S or longer: hung until request_timeout), calls
+# of that principal go on without the index this long (s), rather than each waiting for it again
+# before it is sent; after a quick failure (an error answer), only FAILED_FAST_KEPT_S
 FAILED_LIST_KEPT_S = 30.0
+SLOW_FAILURE_S = 1.0
+FAILED_FAST_KEPT_S = 2.0
 MAX_FAILED_KEPT = 10_000  # principals whose failed tools/list is remembered at most
 
 
@@ -50,11 +53,13 @@ class ParamHeaderIndex:
         """`{argument: header name}` of `tool`'s `x-mcp-header` arguments. `fetch(params)` returns
         one `tools/list` page (JsonRpcError when the upstream fails: then no header is required and
         the call itself reports what is wrong with the upstream). After a failure the principal's
-        calls do without the index for FAILED_LIST_KEPT_S (s) without asking again: a hung
-        `tools/list` would otherwise hold every call back by up to `request_timeout`."""
+        calls do without the index for FAILED_LIST_KEPT_S (s; FAILED_FAST_KEPT_S after a quick
+        one) without asking again: a hung `tools/list` would otherwise hold every call back by up
+        to `request_timeout`."""
         tools = self._by_principal.get(principal)
         if tools is None:
-            if time.monotonic() < self._failed_until.get(principal, 0.0):
+            started = time.monotonic()
+            if started < self._failed_until.get(principal, 0.0):
                 return {}
             tools = {}
             params: JsonObject = {}
@@ -69,7 +74,9 @@ class ParamHeaderIndex:
                 log.info("tools_list_unavailable", server=self.server, reason=exc.message)
                 if len(self._failed_until) >= MAX_FAILED_KEPT:
                     self._failed_until.clear()
-                self._failed_until[principal] = time.monotonic() + FAILED_LIST_KEPT_S
+                took = time.monotonic() - started
+                kept = FAILED_LIST_KEPT_S if took >= SLOW_FAILURE_S else FAILED_FAST_KEPT_S
+                self._failed_until[principal] = time.monotonic() + kept
                 return {}
             self._by_principal[principal] = tools
             self._failed_until.pop(principal, None)
