@@ -41,7 +41,7 @@ from proxy.protocol.jsonrpc import (
 from proxy.runtime import metrics, tracing
 from proxy.runtime.fanout import Overflow
 from proxy.runtime.uncancelled import uncancelled
-from proxy.tasks.model import TaskRecord, TaskStatus
+from proxy.tasks.model import TaskRecord, TaskStatus, session_origin
 from proxy.tasks.service import TaskService
 from proxy.tasks.store import ListFilter, StoreUnavailableError
 from proxy.tasks.types import TaskChange, TaskMessage, about
@@ -88,7 +88,13 @@ class V1Front:
         # and a session's stream only show the tasks that client session created (their ids are the
         # secret; 2025-11-25 asks receivers that cannot tell requestors apart not to list others' tasks).
         self.shared_principal = config.auth.mode == "none"
-        self._origin: dict[str, str] = {}  # task id → client session id that created it (bounded)
+
+    def _origin_of(self, headers: Any) -> str | None:
+        """The `TaskRecord.origin` of the session a request came on, when tasks are told apart by
+        session (every client the one principal); else None."""
+        if not self.shared_principal:
+            return None
+        return session_origin(str(headers.get("Mcp-Session-Id", "")).strip())
 
     async def upstream_has_tasks(self) -> bool:
         """True when the upstream's own `initialize` result declares `capabilities.tasks` (then the
@@ -190,7 +196,11 @@ class V1Front:
         if self._upstream_tasks:
             return None
 
+        # without client authentication, only what this session created (TaskRecord.origin)
+        origin = session_origin(session) if self.shared_principal else None
+
         async def pump() -> None:
+            mine: set[str] = set()  # with `origin`: tasks seen to be this session's (their progress)
             asked: dict[str, list[RequestId]] = {}  # task id → proxy ids of questions this stream asked
             released: list[RequestId] = []  # asked while a reader was here; still answerable
             waiting: dict[str, TaskRecord] = {}  # tasks whose questions wait for a reader
@@ -217,7 +227,11 @@ class V1Front:
                         if isinstance(item, Overflow):  # changes were missed: questions too
                             await self._waiting_for_input(principal, session, waiting)
                             continue  # status pushes are advice: the client polls tasks/get for the rest
-                        if self.shared_principal and self._origin.get(item.task_id) != session:
+                        if isinstance(item, TaskChange) and origin is not None:
+                            if item.record.origin != origin:
+                                continue
+                            mine.add(item.task_id)  # (its progress, below, is this session's too)
+                        elif origin is not None and item.task_id not in mine:
                             continue
                         if isinstance(item, TaskChange):
                             if item.before is not item.record.status:
@@ -239,8 +253,9 @@ class V1Front:
             records, _ = await self.tasks.store.list_tasks(where, limit=LIST_PAGE)
         except StoreUnavailableError:
             return  # the questions come with the task's next change, or on tasks/result
+        origin = session_origin(session) if self.shared_principal else None
         for record in records:
-            if not self.shared_principal or self._origin.get(record.task_id) == session:
+            if origin is None or record.origin == origin:
                 waiting[record.task_id] = record
 
     def _ask_on_get(
@@ -318,12 +333,7 @@ class V1Front:
             if method == "tasks/get":
                 result = await self.methods.get(params, principal)
             elif method == "tasks/list":
-                result = await self.methods.list_tasks(params, principal)
-                if self.shared_principal:
-                    session = request.headers.get("Mcp-Session-Id", "").strip()
-                    result["tasks"] = [
-                        t for t in result["tasks"] if self._origin.get(t.get("taskId")) == session
-                    ]
+                result = await self.methods.list_tasks(params, principal, self._origin_of(request.headers))
             elif method == "tasks/cancel":
                 result = await self.methods.cancel(params, principal)
             elif "task" not in params:
@@ -338,9 +348,6 @@ class V1Front:
                 )
                 if isinstance(result.get("task"), dict):  # (a key joined to an ended call: its result)
                     tracing.bind_task_id(result["task"]["taskId"])
-                    self._origin[result["task"]["taskId"]] = request.headers.get("Mcp-Session-Id", "").strip()
-                    if len(self._origin) > 100_000:
-                        del self._origin[next(iter(self._origin))]
         except JsonRpcError as exc:
             return web.json_response(
                 jsonrpc.error_response(request_id, exc.to_error()),
@@ -444,8 +451,9 @@ class V1Front:
             if policy.on_restart == "rerun"
             else None
         )
+        origin = self._origin_of(headers or {})
         return await uncancelled(
-            self._hand_over(call, ttl_s=ttl_s, policy=policy, rerun=rerun, keyed=keyed),
+            self._hand_over(call, ttl_s=ttl_s, policy=policy, rerun=rerun, keyed=keyed, origin=origin),
             what=f"a v1 task of {self.server}",
             expected=(JsonRpcError,),
         )
@@ -458,6 +466,7 @@ class V1Front:
         policy: ResolvedPolicy,
         rerun: JsonObject | None,
         keyed: KeyedCall | None,
+        origin: str | None,
     ) -> JsonObject:
         """Commit the task of `call` (not started yet), then start the call as that task; the v1
         CreateTaskResult. Runs to its end even if the client goes away meanwhile (`uncancelled`):
@@ -475,6 +484,7 @@ class V1Front:
                 status_message=f"running upstream on {self.server} as a task",
                 rerun=rerun,
                 task_id=None if keyed is None else keyed.task_id,
+                origin=origin,
             )
         except JsonRpcError as exc:
             call.end_unsent(exc.message)

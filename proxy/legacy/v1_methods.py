@@ -142,10 +142,11 @@ class V1TaskMethods:
         """
         return v1_task(await self._lookup(params, principal))
 
-    async def list_tasks(self, params: JsonObject, principal: str) -> JsonObject:
+    async def list_tasks(self, params: JsonObject, principal: str, origin: str | None = None) -> JsonObject:
         """`tasks/list` → `{tasks: [Task…], nextCursor?}`: the caller's own tasks on this server,
-        newest first, LIST_PAGE per page. Raises JsonRpcError -32602 for a cursor the proxy did not
-        hand out, -32603 (HTTP 503) when the store cannot be read."""
+        newest first, LIST_PAGE per page (with `origin`, only those its session created: a page
+        may then hold fewer, its cursor still going on). Raises JsonRpcError -32602 for a cursor
+        the proxy did not hand out, -32603 (HTTP 503) when the store cannot be read."""
         await self.tasks.check_rate(principal)
         cursor = params.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
@@ -158,7 +159,8 @@ class V1TaskMethods:
             raise JsonRpcError(INVALID_PARAMS, "invalid cursor") from None
         except StoreUnavailableError as exc:
             raise _store_error(exc, self.tasks.store.where) from None
-        out: JsonObject = {"tasks": [v1_task(record) for record in records]}
+        shown = [record for record in records if origin is None or record.origin == origin]
+        out: JsonObject = {"tasks": [v1_task(record) for record in shown]}
         if next_cursor:
             out["nextCursor"] = next_cursor
         return out

@@ -163,7 +163,10 @@ class TaskRecord:
     `upstream_ref` is where its upstream request went (`{"session", "requestId", "protocolVersion",
     "origin"}` on an HTTP upstream; None on a stdio child, before the request left, and from a
     take-over until the re-run's request leaves), so that a process taking the task over from a
-    dead owner can send the upstream its cancel.
+    dead owner can send the upstream its cancel. `origin` names the legacy client session that
+    created a v1 task when every client is one principal (`auth.mode: none`), as a hash
+    (`session_origin`): its `tasks/list` and status stream show that session's tasks only, on any
+    replica and after a restart.
     """
 
     task_id: str
@@ -186,6 +189,7 @@ class TaskRecord:
     history: list[dict[str, Any]] = field(default_factory=list)
     trace: str | None = None
     upstream_ref: dict[str, Any] | None = None
+    origin: str | None = None
 
     def __post_init__(self) -> None:
         self.status = TaskStatus(self.status)
@@ -215,6 +219,12 @@ class TaskRecord:
         if data.keys() <= known.keys():  # the usual case: a record this version wrote
             return cls(**data)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def session_origin(session_id: str) -> str:
+    """The stored name (`TaskRecord.origin`) of a legacy client session: 32 hex of its id's SHA-256,
+    never the id itself (it lets whoever holds it use the session)."""
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def reported_ttl_ms(record: TaskRecord, at_ms: int | None = None) -> int | None:

@@ -397,13 +397,15 @@ class TaskService:
         status_message: str,
         rerun: JsonObject | None = None,
         task_id: str | None = None,
+        origin: str | None = None,
     ) -> TaskRecord:
         """Commit a task for a running call and take the call over; return the record.
 
         The record is committed before this returns (the caller then sends the handle). `ttl_s` (s)
         is the retention after the task ends; `rerun` (`{method, params, capabilities}`) is kept for
         tools re-run after their owner died; `task_id` the id minted for the call beforehand (an
-        idempotency key names it), else a new one. Raises a limit error (HTTP 429) for
+        idempotency key names it), else a new one; `origin` the creating session's
+        `TaskRecord.origin`, if any. Raises a limit error (HTTP 429) for
         `max_tasks_per_principal` (this node's calls, then, on a shared store, the principal's live
         tasks on every replica, counted by the store as it commits: two replicas creating the last
         allowed task at once never both succeed), or JsonRpcError -32603 naming the store when it
@@ -431,6 +433,7 @@ class TaskService:
             status_message=status_message,
             rerun=rerun,
             upstream_ref=call.upstream_ref,
+            origin=origin,
         )
         if tracing.enabled():
             record.trace = tracing.sampled_traceparent(self._open_span(record))

@@ -862,6 +862,11 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
     async with aiohttp.ClientSession() as http:
         web_sid = await _open_legacy(http, cluster.replica_urls[2] + WEB)
         stdio_sid = await _open_legacy(http, cluster.replica_urls[2] + LOCAL)
+        # a v1 task of a session of replica 2 (every client is one principal here: a session lists
+        # only the tasks it created)
+        v1 = V1Client(cluster.replica_urls[2] + WEB)
+        await v1.initialize()
+        listed = await v1.call_as_task("slow_compute", {"seconds": 0.1, "label": "v1-listed"})
         assert await _legacy_ping(http, cluster.replica_urls[0] + WEB, web_sid) == 200  # relayed to replica 2
         # legacy calls relayed to replica 2, running when replica 2 dies: on the HTTP upstream's
         # session its reply stream has begun; on the stdio child's, its reply has not (a stdio
@@ -934,6 +939,12 @@ async def test_sigkill_ends_or_reruns_the_dead_replicas_tasks(
         # now relayed to replica 0
         assert await _legacy_ping(http, cluster.replica_urls[1] + WEB, web_sid) == 200
         assert await _legacy_ping(http, cluster.replica_urls[0] + LOCAL, stdio_sid) == 404
+        # the v1 session, adopted by replica 0, still lists its own task (which session made it was
+        # kept in replica 2's memory only: the list came back empty)
+        v1.url = cluster.replica_urls[0] + WEB
+        status, message, _ = await v1.request("tasks/list")
+        assert [t["taskId"] for t in message["result"]["tasks"]] == [listed["taskId"]], message
+        await v1.close()
     await asyncio.to_thread(cluster.restart, 2)
 
 
