@@ -18,6 +18,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from proxy.config.base import Duration, redact_url, token_hash_problem, url_problem
 from proxy.config.base import Strict as _Strict
 
+MIN_SSE_KEEPALIVE_S = 0.01  # the shortest `listen.sse_keepalive` (s) accepted
+
 
 class ListenConfig(_Strict):
     """Where the proxy listens. `port` 0 picks a free port.
@@ -137,6 +139,13 @@ class ListenConfig(_Strict):
     def _positive_durations(cls, value: float, info: ValidationInfo) -> float:
         if value <= 0:  # (0 is no "off": it cuts every request whose head or body is not there at once)
             raise ValueError(f"{info.field_name} must be longer than 0s")
+        return value
+
+    @field_validator("sse_keepalive")
+    @classmethod
+    def _keepalive_floor(cls, value: float) -> float:
+        if value < MIN_SSE_KEEPALIVE_S:  # (0 wrote keepalives without pause: a CPU per open stream)
+            raise ValueError(f"sse_keepalive must be at least {MIN_SSE_KEEPALIVE_S * 1000:g}ms")
         return value
 
     @field_validator("trusted_proxies")

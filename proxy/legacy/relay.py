@@ -567,7 +567,12 @@ class HttpRelay:
         except UpstreamError as exc:
             return await self._unrelayable(request_id, str(exc), sent, rewrite)
         status, data = as_jsonrpc_reply(
-            self.name, upstream.status, data, request_id, upstream.headers.get("Retry-After")
+            self.name,
+            upstream.status,
+            data,
+            request_id,
+            upstream.headers.get("Retry-After"),
+            in_session="Mcp-Session-Id" in out_headers,
         )
         message = _decode(data.decode("utf-8", errors="replace")) if data else None
         if isinstance(message, dict) and jsonrpc.is_response(message):
@@ -891,14 +896,22 @@ class HttpRelay:
 
 
 def as_jsonrpc_reply(
-    server: str, status: int, data: bytes, request_id: Any, retry_after: str | None = None
+    server: str,
+    status: int,
+    data: bytes,
+    request_id: Any,
+    retry_after: str | None = None,
+    *,
+    in_session: bool = False,
 ) -> tuple[int, bytes]:
     """An upstream's plain (non-SSE) reply as the client gets it, as (HTTP status, body).
 
     Answering a notification or a response (`request_id` None), a JSON-RPC message or an empty body
     (202) passes as is. What answers a request must be its answer: a response fit for an MCP
     client (`jsonrpc.response_problem`), or for an HTTP error status a well-formed JSON-RPC error
-    (placed under the request's id even when it carries none; a 4xx keeps its status). An empty
+    (placed under the request's id even when it carries none; a 4xx keeps its status, except for a
+    request of an open session (`in_session`), which the proxy checked before it went on: the
+    upstream's refusal of it goes out in an HTTP 200). An empty
     body, a null or non-object result, both result and error, a malformed error, JSON that is no
     JSON-RPC answer, or no JSON at all (an HTML error page, plain text) becomes a -32603 error (a
     client waits for an answer that never comes, or fails to parse it) naming what came, with the
@@ -930,7 +943,7 @@ def as_jsonrpc_reply(
                 if jsonrpc.is_response(message):
                     problem = jsonrpc.response_problem(message) or ""
             if not problem:
-                return (status if status < 500 else failed), data
+                return (status if status < 500 and not in_session else failed), data
             error = jsonrpc.error_object(INTERNAL_ERROR, f"upstream {server} answered with {problem}")
             if problem == "a malformed JSON-RPC error":
                 error["data"] = {"upstreamError": message.get("error")}

@@ -49,14 +49,19 @@ def _store_error(exc: StoreUnavailableError, where: str) -> JsonRpcError:
 
 
 class _Sse:
-    """A lazily started SSE response for one `tasks/result` request."""
+    """A lazily started SSE response for one `tasks/result` request; none for a client whose
+    `Accept` does not name `text/event-stream` (`json_only`: what would go on it is dropped, and
+    the answer comes as one JSON body)."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.stream: web.StreamResponse | None = None
         self.announced: str | None = None  # the last status sent in notifications/tasks/status
+        self.json_only = "text/event-stream" not in request.headers.get("Accept", "")
 
     async def write(self, data: bytes) -> None:
+        if self.json_only:
+            return
         if self.stream is None:
             self.stream = web.StreamResponse(headers=SSE_HEADERS)
             await self.stream.prepare(self.request)
@@ -219,7 +224,9 @@ class V1TaskMethods:
         self, request: web.Request, request_id: RequestId, params: JsonObject, principal: str
     ) -> web.StreamResponse:
         """`tasks/result`: block until the task is terminal, then answer exactly the upstream's
-        CallToolResult (with the related-task `_meta`) or its JSON-RPC error.
+        CallToolResult (with the related-task `_meta`) or its JSON-RPC error. Meanwhile an SSE
+        stream carries the task's status, progress and questions, unless the client's `Accept`
+        does not name `text/event-stream`: then it waits and gets one JSON body.
 
         Raises JsonRpcError before anything is streamed: -32602 for an unknown id, a limit error,
         -32603 (HTTP 503) for the store. A client that closes the stream only stops waiting.
@@ -236,7 +243,10 @@ class V1TaskMethods:
                 self.watching(task_id),
             ):
                 while not record.status.terminal:
-                    for proxy_id, question in self.ask(record, principal, on_result=True):
+                    # (a JSON-only client cannot be asked here: its questions wait for its GET stream)
+                    for proxy_id, question in (
+                        [] if sse.json_only else self.ask(record, principal, on_result=True)
+                    ):
                         minted.append(proxy_id)
                         await sse.write(encode_message(question))
                     record = await self._wait(sse, sub, record)

@@ -118,6 +118,21 @@ async def test_slow_call_as_task_with_progress_status_push_and_blocking_result(v
     assert done["status"] == "completed"
 
 
+async def test_a_blocking_result_for_a_json_only_client_is_one_json_body(v1: V1Client) -> None:
+    """A `tasks/result` whose Accept names only JSON, sent while the task runs, got an SSE stream
+    (status pushes, progress, the answer), which such a client cannot read; it now waits and gets
+    the answer as one JSON body."""
+    task = await v1.call_as_task(
+        "slow_compute", {"seconds": 0.4, "label": "json-only"}, meta={"progressToken": "t"}
+    )
+    body = {"jsonrpc": "2.0", "id": 99, "method": "tasks/result", "params": {"taskId": task["taskId"]}}
+    headers = {**v1._headers(), "Accept": "application/json"}
+    async with v1.http.post(v1.url, json=body, headers=headers) as resp:
+        assert resp.status == 200 and resp.content_type == "application/json", resp.headers
+        answer = await resp.json()
+    assert answer["id"] == 99 and answer["result"]["content"][0]["text"] == "computed json-only after 0.4s"
+
+
 async def test_task_param_and_client_task_capability_never_reach_the_upstream(v1: V1Client) -> None:
     task = await v1.call_as_task("echo_meta", {}, meta={"acme/trace": "t-1"})
     _, message, _ = await v1.request("tasks/result", {"taskId": task["taskId"]})

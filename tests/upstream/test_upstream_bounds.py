@@ -231,6 +231,7 @@ async def test_a_reply_for_another_id_is_refused(hostile: str, tmp_path: Path, s
         ("drop", "dropped the connection before it answered"),
         ("bad_error_500", "answered with a malformed JSON-RPC error"),
         ("error_500_no_id", "it broke"),
+        ("error_400_no_id", "it refused"),
     ],
 )
 async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in_a_200(
@@ -239,7 +240,8 @@ async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in
     """On the legacy relay an upstream's empty 202, a `result: null`, a malformed error or a plain-text
     429 went to the client as they came: an `mcp` 1.x client waits forever for the answer an empty
     202 or an unparseable response never gives, and drops its transport on a 429. Each is now a
-    -32603 under the request's id in an HTTP 200, and the session goes on (a call after it). A
+    -32603 under the request's id in an HTTP 200, and the session goes on (a call after it). An
+    upstream's own error in a 4xx or 5xx comes in an HTTP 200 too (a 400 dropped a 1.x client). A
     `{"jsonrpc": "2.0"}` event, no JSON-RPC message, is dropped. A connection dropped after the
     request went out no longer says "unreachable": the call may have run."""
     proxy = await serve(hostile_config(hostile, tmp_path, "ok"))
@@ -261,7 +263,7 @@ async def test_a_legacy_call_whose_upstream_sends_no_fit_answer_gets_an_error_in
     ] or [json.loads(text)]
     assert status == 200 and len(messages) == 1, (status, text)
     error = messages[0]["error"]
-    code = -32000 if tool == "error_500_no_id" else -32603  # (that one is the upstream's own error)
+    code = -32000 if tool.startswith("error_") else -32603  # (those are the upstream's own errors)
     assert messages[0]["id"] == 2 and error["code"] == code and said in error["message"], messages
     if tool == "bad_error":
         assert error["data"] == {"upstreamError": {"code": "bad", "message": 123}}, error
