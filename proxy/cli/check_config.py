@@ -142,8 +142,8 @@ def policy_warnings(config: Config) -> list[str]:
                 continue  # the server's own warning covers a tool that only inherits it
             where = f"mcpServers.{name}" + (f" tool {tool}" if tool else "")
             warnings.append(
-                f"{where}: detach_after ({policy.detach_after:g}s) is not below timeout "
-                f"({policy.timeout:g}s): its calls end before they could become tasks"
+                f"{where}: detach_after ({_s(policy.detach_after)}) is not below timeout "
+                f"({_s(policy.timeout)}): its calls end before they could become tasks"
             )
     return warnings
 
@@ -193,8 +193,8 @@ def describe(config: Config, source: str) -> str:
     if config.replicas is not None:
         lines.append(
             f"replica of a shared store: advertised as {advertised_url(config)}, hop_timeout "
-            f"{config.replicas.hop_timeout:g}s, "
-            f"drain_detached {config.listen.drain_detached:g}s, drain_grace {config.listen.drain_grace:g}s"
+            f"{_s(config.replicas.hop_timeout)}, "
+            f"drain_detached {_s(config.listen.drain_detached)}, drain_grace {_s(config.listen.drain_grace)}"
             + (" (cut to drain_detached)" if config.listen.drain_grace > config.listen.drain_detached else "")
         )
     auth = config.auth
@@ -219,14 +219,14 @@ def describe(config: Config, source: str) -> str:
     d = config.tasks
     max_ttl = config.limits.max_ttl
     ttl = (
-        f"{d.ttl:g}s"
+        f"{_s(d.ttl)}"
         if max_ttl is None or d.ttl <= max_ttl
-        else f"{max_ttl:g}s (limits.max_ttl; {d.ttl:g}s given)"
+        else f"{_s(max_ttl)} (limits.max_ttl; {_s(d.ttl)} given)"
     )
     lines.append(
-        f"defaults: detach_after {d.detach_after:g}s, ttl {ttl}, poll_interval {d.poll_interval:g}s, "
-        f"progress_interval {d.progress_interval:g}s, input_timeout {d.input_timeout:g}s, "
-        f"idempotency_window {d.idempotency_window:g}s"
+        f"defaults: detach_after {_s(d.detach_after)}, ttl {ttl}, poll_interval {_s(d.poll_interval)}, "
+        f"progress_interval {_s(d.progress_interval)}, input_timeout {_s(d.input_timeout)}, "
+        f"idempotency_window {_s(d.idempotency_window)}"
     )
     lines.append(describe_limits(config))
     for name, entry in config.mcpServers.items():
@@ -238,30 +238,37 @@ def describe(config: Config, source: str) -> str:
         )
         routes = f"{base}/servers/{name}/mcp" + (f" and {base}/mcp" if len(config.servers) == 1 else "")
         lines.append(f"- {name}: {upstream}")
-        lines.append(f"    served at {routes}; hard timeout {entry.timeout:g}s")
+        lines.append(f"    served at {routes}; hard timeout {_s(entry.timeout)}")
         tasks = entry.tasks
         overrides = {k: getattr(tasks, k) for k in TaskPolicy.model_fields if getattr(tasks, k) is not None}
         if "ttl" in overrides and config.limits.max_ttl is not None:
             overrides["ttl"] = min(overrides["ttl"], config.limits.max_ttl)  # as `limits.max_ttl` caps it
         if overrides:
-            lines.append("    tasks: " + ", ".join(f"{k} {v:g}s" for k, v in overrides.items()))
+            lines.append("    tasks: " + ", ".join(f"{k} {_s(v)}" for k, v in overrides.items()))
         for tool in tasks.tools:
             policy = config.policy(name, tool)
-            dedupe = "" if policy.dedupe_window is None else f", dedupe_window {policy.dedupe_window:g}s"
+            dedupe = "" if policy.dedupe_window is None else f", dedupe_window {_s(policy.dedupe_window)}"
             if policy.mode is ToolMode.FORBIDDEN:
                 lines.append(
                     f"    tool {tool}: mode forbidden (never a task: always answered synchronously), timeout "
-                    f"{policy.timeout:g}s, input_timeout {policy.input_timeout:g}s, idempotency_window "
-                    f"{policy.idempotency_window:g}s{dedupe}"
+                    f"{_s(policy.timeout)}, input_timeout {_s(policy.input_timeout)}, idempotency_window "
+                    f"{_s(policy.idempotency_window)}{dedupe}"
                 )
                 continue
             lines.append(
                 f"    tool {tool}: mode {policy.mode.value}, on_restart {policy.on_restart}, detach_after "
-                f"{policy.detach_after:g}s, timeout {policy.timeout:g}s, ttl {policy.ttl:g}s, poll_interval "
-                f"{policy.poll_interval:g}s, input_timeout {policy.input_timeout:g}s, progress_interval "
-                f"{policy.progress_interval:g}s, idempotency_window {policy.idempotency_window:g}s{dedupe}"
+                f"{_s(policy.detach_after)}, timeout {_s(policy.timeout)}, ttl {_s(policy.ttl)}, "
+                f"poll_interval {_s(policy.poll_interval)}, input_timeout {_s(policy.input_timeout)}, "
+                f"progress_interval "
+                f"{_s(policy.progress_interval)}, idempotency_window {_s(policy.idempotency_window)}{dedupe}"
             )
     return "\n".join(lines)
+
+
+def _s(seconds: float) -> str:
+    """A duration (s) as check-config prints it: `90s`, `0.5s`, `2592000s` for 30 days (`:g` alone
+    wrote `2.592e+06`)."""
+    return f"{seconds:.0f}s" if float(seconds).is_integer() else f"{seconds:g}s"
 
 
 def describe_limits(config: Config) -> str:
@@ -272,19 +279,15 @@ def describe_limits(config: Config) -> str:
     def rate(text: str | None, counted: str) -> str:
         return "none" if text is None else f"{limits.parse(text)} per {counted}"
 
-    def count(value: int | float | None, unit: str = "") -> str:
-        if value is None:
-            return "none"
-        if isinstance(value, int) or value.is_integer():  # (`:g` wrote 30 days as 2.592e+06)
-            return f"{int(value)}{unit}"
-        return f"{value:g}{unit}"
+    def count(value: int | None) -> str:
+        return "none" if value is None else str(value)
 
     return (
         f"limits: tasks_rate {rate(given.tasks_rate, 'principal')}, failed_auth "
         f"{rate(given.failed_auth, 'client address')}, max_tasks_per_principal "
         f"{count(given.max_tasks_per_principal)}, max_sessions_per_principal "
-        f"{count(given.max_sessions_per_principal)}, max_ttl {count(given.max_ttl, 's')}, max_result_bytes "
-        f"{given.max_result_bytes}"
+        f"{count(given.max_sessions_per_principal)}, max_ttl "
+        f"{'none' if given.max_ttl is None else _s(given.max_ttl)}, max_result_bytes {given.max_result_bytes}"
     )
 
 

@@ -444,17 +444,19 @@ def test_check_config_warns_of_task_settings_a_forbidden_tool_ignores(tmp_path):
 
 
 def test_check_config_prints_the_limits(tmp_path):
-    """The `limits` section was not shown: an operator could not see how `2 per minute` was read."""
+    """The `limits` section was not shown: an operator could not see how `2 per minute` was read.
+    Durations print as whole seconds (`:g` wrote 30 days as `2.592e+06s`)."""
     config = tmp_path / "c.yaml"
     config.write_text(
-        "limits: {tasks_rate: 2 per minute, max_tasks_per_principal: 5, max_ttl: 2m}\n"
+        "limits: {tasks_rate: 2 per minute, max_tasks_per_principal: 5, max_ttl: 30d}\n"
         "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
     )
     out = run_cli("check-config", str(config))
     assert out.returncode == 0, out.stderr
     assert (
         "limits: tasks_rate 2 per 1 minute per principal, failed_auth 20 per 1 minute per client address, "
-        "max_tasks_per_principal 5, max_sessions_per_principal none, max_ttl 120s, max_result_bytes 16777216"
+        "max_tasks_per_principal 5, max_sessions_per_principal none, max_ttl 2592000s, "
+        "max_result_bytes 16777216"
     ) in out.stdout.splitlines(), out.stdout
 
 
