@@ -200,7 +200,7 @@ class V1Front:
         origin = session_origin(session) if self.shared_principal else None
 
         async def pump() -> None:
-            mine: set[str] = set()  # with `origin`: tasks seen to be this session's (their progress)
+            mine: set[str] = set()  # with `origin`: live tasks seen to be this session's (their progress)
             asked: dict[str, list[RequestId]] = {}  # task id → proxy ids of questions this stream asked
             released: list[RequestId] = []  # asked while a reader was here; still answerable
             waiting: dict[str, TaskRecord] = {}  # tasks whose questions wait for a reader
@@ -230,7 +230,10 @@ class V1Front:
                         if isinstance(item, TaskChange) and origin is not None:
                             if item.record.origin != origin:
                                 continue
-                            mine.add(item.task_id)  # (its progress, below, is this session's too)
+                            if item.record.status.terminal:  # (no progress after the end: bounded)
+                                mine.discard(item.task_id)
+                            else:
+                                mine.add(item.task_id)  # (its progress, below, is this session's too)
                         elif origin is not None and item.task_id not in mine:
                             continue
                         if isinstance(item, TaskChange):
