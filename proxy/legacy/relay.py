@@ -944,9 +944,7 @@ def as_jsonrpc_reply(
                     problem = jsonrpc.response_problem(message) or ""
             if not problem:
                 return (status if status < 500 and not in_session else failed), data
-            error = jsonrpc.error_object(INTERNAL_ERROR, f"upstream {server} answered with {problem}")
-            if problem == "a malformed JSON-RPC error":
-                error["data"] = {"upstreamError": message.get("error")}
+            error = jsonrpc.unfit_answer_error(f"upstream {server}", problem, message)
             return failed, jsonrpc.dumps(jsonrpc.error_response(request_id, error))
     elif status < 400:
         if request_id is None:

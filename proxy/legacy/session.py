@@ -230,9 +230,7 @@ class LegacySession:
                 if problem is None:
                     return {**message, "id": client_id}, True
                 log.warning("legacy_bad_answer_replaced", reason=problem)
-                error = jsonrpc.error_object(jsonrpc.INTERNAL_ERROR, f"the upstream answered with {problem}")
-                if problem == "a malformed JSON-RPC error":
-                    error["data"] = {"upstreamError": message.get("error")}
+                error = jsonrpc.unfit_answer_error("the upstream", problem, message)
                 return jsonrpc.error_response(client_id, error), True
             log.warning(
                 "legacy_foreign_response_dropped", reason="a response for an id this stream does not carry"

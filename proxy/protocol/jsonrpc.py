@@ -308,6 +308,9 @@ def is_response(msg: Any) -> bool:
     )
 
 
+MALFORMED_ERROR = "a malformed JSON-RPC error"  # (`response_problem`'s phrase for one)
+
+
 def response_problem(msg: JsonObject) -> str | None:
     """What makes the response `msg` (`is_response`) unfit to hand an MCP client, as a phrase
     ("a result that is not an object"), or None when it is fit: exactly one of `result` and
@@ -324,8 +327,18 @@ def response_problem(msg: JsonObject) -> str | None:
         or isinstance(error.get("code"), bool)
         or not isinstance(error.get("message"), str)
     ):
-        return "a malformed JSON-RPC error"
+        return MALFORMED_ERROR
     return None
+
+
+def unfit_answer_error(who: str, problem: str, message: JsonObject) -> JsonObject:
+    """The -32603 error object that stands in for `message`, an answer unfit for an MCP client
+    (`problem`, as `response_problem` words it), sent by `who` ("upstream NAME"): a malformed error
+    is kept in `data.upstreamError`."""
+    error = error_object(INTERNAL_ERROR, f"{who} answered with {problem}")
+    if problem == MALFORMED_ERROR:
+        error["data"] = {"upstreamError": message.get("error")}
+    return error
 
 
 def validate_request(msg: Any) -> None:

@@ -230,15 +230,7 @@ class Forwarder:
                 log.warning("replica_unreachable", peer=peer.node, op="relay", reason=reason)
                 return None
             log.warning("replica_lost_mid_request", peer=peer.node, reason=reason)
-            request_id = jsonrpc.request_id_of(body)
-            error = {"code": INTERNAL_ERROR, "message": _lost(peer, reason)}
-            # a request's error in an HTTP 200, as every upstream failure on the legacy wire (an
-            # `mcp` 1.x client drops its transport on any other status); 502 when there is no id
-            return web.json_response(
-                jsonrpc.error_response(request_id, error),
-                status=200 if request_id is not None else 502,
-                dumps=jsonrpc.dumps_str,
-            )
+            return _failed(body, _lost(peer, reason))
         if upstream.status == 421 and MISDIRECTED_HEADER in upstream.headers:
             upstream.release()
             there = upstream.headers[MISDIRECTED_HEADER][:64]
@@ -253,16 +245,10 @@ class Forwarder:
             # Not registered there: two replicas advertise one address (a misconfiguration), or the
             # one that answered is no replica of this store. Nothing ran; say so, adopt nothing.
             log.warning("replica_address_shared", peer=peer.node, answered=there, url=peer.url)
-            request_id = jsonrpc.request_id_of(body)
-            error = {
-                "code": INTERNAL_ERROR,
-                "message": f"proxy replica {peer.node} is advertised at {peer.url}, where node {there} "
-                "answers, which is not registered there: check each replica's replicas.advertise",
-            }
-            return web.json_response(
-                jsonrpc.error_response(request_id, error),
-                status=200 if request_id is not None else 502,
-                dumps=jsonrpc.dumps_str,
+            return _failed(
+                body,
+                f"proxy replica {peer.node} is advertised at {peer.url}, where node {there} answers, "
+                "which is not registered there: check each replica's replicas.advertise",
             )
         async with upstream:
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -344,6 +330,18 @@ class _AnswerWatch:
             ):
                 self.answered = True
                 return
+
+
+def _failed(body: Any, message: str) -> web.Response:
+    """The -32603 `message` for a relayed request (`body`, parsed) that failed on the hop: in an
+    HTTP 200, as every upstream failure on the legacy wire (an `mcp` 1.x client drops its transport
+    on any other status); 502 when it has no id to answer."""
+    request_id = jsonrpc.request_id_of(body)
+    return web.json_response(
+        jsonrpc.error_response(request_id, {"code": INTERNAL_ERROR, "message": message}),
+        status=200 if request_id is not None else 502,
+        dumps=jsonrpc.dumps_str,
+    )
 
 
 def _lost(peer: Peer, reason: str) -> str:
