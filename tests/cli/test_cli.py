@@ -407,57 +407,60 @@ def test_check_config_prints_what_it_will_serve(tmp_path):
         assert out.returncode == 2 and "name the config file once" in out.stderr, out.stderr
 
 
+def checked(tmp_path: Path, text: str) -> tuple[list[str], list[str]]:
+    """`check-config` on a file holding `text`, which must pass: (its lines, its warning lines)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    out = run_cli("check-config", str(config))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    return lines, [line for line in lines if line.startswith("warning:")]
+
+
 def test_check_config_shows_the_capped_ttl_and_warns_of_a_detach_that_cannot_happen(tmp_path):
     """`limits.max_ttl` caps the defaults' ttl on the line that shows it (it showed the ttl given),
     and an optional tool whose `detach_after` is not below its server's `timeout` is named: its
     calls can never become tasks. A required tool (a task at once) is not, nor a tool that only
     inherits the server's settings (`kept`: the server's warning covers it)."""
-    config = tmp_path / "c.yaml"
-    config.write_text(
+    lines, warnings = checked(
+        tmp_path,
         "limits: {max_ttl: 2m}\ntasks: {detach_after: 1h}\nmcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
         "    timeout: 10s\n    tasks:\n      ttl: 1h\n"
-        "      tools: {quick: {detach_after: 1s}, sure: {mode: required}, kept: {ttl: 1m}}\n"
+        "      tools: {quick: {detach_after: 1s}, sure: {mode: required}, kept: {ttl: 1m}}\n",
     )
-    out = run_cli("check-config", str(config))
-    assert out.returncode == 0, out.stderr
-    assert "ttl 120s (limits.max_ttl; 3600s given)" in out.stdout and "    tasks: ttl 120s" in out.stdout
-    warnings = [line for line in out.stdout.splitlines() if line.startswith("warning:")]
+    text = "\n".join(lines)
+    assert "ttl 120s (limits.max_ttl; 3600s given)" in text and "    tasks: ttl 120s" in text
     assert warnings == [
         "warning: mcpServers.a: detach_after (3600s) is not below timeout (10s): its calls end before they "
         "could become tasks"
-    ], out.stdout
+    ], lines
 
 
 def test_check_config_warns_of_task_settings_a_forbidden_tool_ignores(tmp_path):
     """`on_restart: rerun` on a `mode: forbidden` tool was dropped from the printed policy unsaid."""
-    config = tmp_path / "c.yaml"
-    config.write_text(
+    lines, warnings = checked(
+        tmp_path,
         "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n    tasks:\n      tools:\n"
-        "        never: {mode: forbidden, on_restart: rerun, ttl: 1m, input_timeout: 5s}\n"
+        "        never: {mode: forbidden, on_restart: rerun, ttl: 1m, input_timeout: 5s}\n",
     )
-    out = run_cli("check-config", str(config))
-    assert out.returncode == 0, out.stderr
-    warnings = [line for line in out.stdout.splitlines() if line.startswith("warning:")]
     assert warnings == [
         "warning: mcpServers.a tool never: mode forbidden (never a task) ignores on_restart, ttl"
-    ], out.stdout
+    ], lines
 
 
 def test_check_config_prints_the_limits(tmp_path):
     """The `limits` section was not shown: an operator could not see how `2 per minute` was read.
     Durations print as whole seconds (`:g` wrote 30 days as `2.592e+06s`)."""
-    config = tmp_path / "c.yaml"
-    config.write_text(
+    lines, _ = checked(
+        tmp_path,
         "limits: {tasks_rate: 2 per minute, max_tasks_per_principal: 5, max_ttl: 30d}\n"
-        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n"
+        "mcpServers:\n  a:\n    url: http://127.0.0.1:1/mcp\n",
     )
-    out = run_cli("check-config", str(config))
-    assert out.returncode == 0, out.stderr
     assert (
         "limits: tasks_rate 2 per 1 minute per principal, failed_auth 20 per 1 minute per client address, "
         "max_tasks_per_principal 5, max_sessions_per_principal none, max_ttl 2592000s, "
         "max_result_bytes 16777216"
-    ) in out.stdout.splitlines(), out.stdout
+    ) in lines, lines
 
 
 def test_check_config_refuses_a_stdio_command_not_on_the_path(tmp_path):

@@ -857,23 +857,20 @@ def test_a_rate_that_allows_nothing_is_refused() -> None:
 
 
 @pytest.mark.parametrize("name", ["tasks_rate", "failed_auth"])
-def test_a_rate_that_names_several_rates_is_refused(name: str) -> None:
-    """`10/hour;2/second` parsed as its first rate alone, the second dropped unsaid."""
-    for rate in ("10/hour;2/second", "10/hour, 2/second"):
-        message = config_error(
-            {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {name: rate}}
-        )
-        assert f"{name} {rate!r} names 2 rates; give one" in message, message
-
-
-@pytest.mark.parametrize("name", ["tasks_rate", "failed_auth"])
-def test_a_rate_over_a_window_of_zero_is_refused(name: str) -> None:
-    """`limits` reads `1/0second` as one per second: the 0 was dropped unsaid."""
-    for rate in ("1/0second", "3 per 00 minute"):
-        message = config_error(
-            {"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {name: rate}}
-        )
-        assert f"{name} {rate!r} has a window of 0" in message, message
+@pytest.mark.parametrize(
+    ("rate", "said"),
+    [
+        # parsed as its first rate alone, the second dropped unsaid
+        ("10/hour;2/second", "names 2 rates; give one"),
+        ("10/hour, 2/second", "names 2 rates; give one"),
+        # `limits` reads a window of 0 as one of 1: the 0 was dropped unsaid
+        ("1/0second", "has a window of 0"),
+        ("3 per 00 minute", "has a window of 0"),
+    ],
+)
+def test_a_rate_that_limits_would_read_otherwise_is_refused(name: str, rate: str, said: str) -> None:
+    message = config_error({"mcpServers": {"a": {"url": "http://127.0.0.1:9/mcp"}}, "limits": {name: rate}})
+    assert f"{name} {rate!r} {said}" in message, message
     assert getattr(cfg(limits={name: "10/2minutes"}).limits, name) == "10/2minutes"
 
 
